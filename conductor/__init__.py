@@ -1,0 +1,1 @@
+"""conductor package."""

@@ -1,0 +1,1 @@
+"""The ``kvcache`` command line: one console script, one subcommand per role."""

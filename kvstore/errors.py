@@ -1,0 +1,25 @@
+"""Exceptions raised to callers of the kvstore API. Each message says what to fix."""
+
+
+class KVStoreError(Exception):
+    """Base class for every error the store raises on bad input or exhausted resources."""
+
+
+class InvalidArgument(KVStoreError):
+    """Malformed key, wrong payload size or dtype, layout mismatch, bad configuration."""
+
+
+class NotFound(KVStoreError):
+    """Unknown key or lease."""
+
+
+class FailedPrecondition(KVStoreError):
+    """The request is valid but the state does not allow it (commit without allocate, ...)."""
+
+
+class CapacityExhausted(KVStoreError):
+    """No page can be freed because every candidate is pinned or leased."""
+
+
+class StorageError(KVStoreError):
+    """The backing storage (lmdb directory, shared memory) cannot be used."""

@@ -1,0 +1,96 @@
+"""Chained 128-bit block keys.
+
+``key_i = xxh3_128(key_{i-1} || token_ids_i)`` with ``key_{-1}`` a root derived from the namespace
+(model layout fingerprint) and the cache salt (tenant). A key names a whole prefix: equal keys mean
+equal prefixes. Deterministic across processes and machines (never Python's ``hash``).
+Token ids are hashed as little-endian uint32.
+"""
+from __future__ import annotations
+
+from typing import NewType, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import InvalidArgument
+
+BlockKey = NewType("BlockKey", bytes)
+KEY_BYTES = 16
+_ROOT_DOMAIN = b"kvcache/root/v1\x00"
+_TOKEN_DTYPE = np.dtype("<u4")
+
+
+def root_key(namespace: str, salt: bytes | str = b"") -> BlockKey:
+    """The parent of a prefix's first block: namespace and salt isolate key spaces."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    ns = namespace.encode()
+    payload = _ROOT_DOMAIN + len(ns).to_bytes(4, "little") + ns + salt
+    return BlockKey(xxhash.xxh3_128_digest(payload))
+
+
+def tokens_as_array(tokens) -> np.ndarray:
+    """Token ids (list, numpy array or torch tensor) as a contiguous little-endian uint32 array."""
+    if hasattr(tokens, "detach"):  # torch tensor: one host copy, no per-token work
+        tokens = tokens.detach().reshape(-1).cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype != _TOKEN_DTYPE:
+        if arr.dtype.kind == "i" and arr.min() < 0:
+            raise InvalidArgument("token ids must be non-negative")
+        if arr.max() > 0xFFFFFFFF:
+            raise InvalidArgument("token ids must fit in 32 bits")
+        arr = arr.astype(_TOKEN_DTYPE)
+    return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
+
+
+def block_keys(tokens, block_tokens: int, root: bytes,
+               parent: bytes | None = None) -> list[BlockKey]:
+    """Keys of every full block of ``tokens``; a trailing partial block is not keyed.
+
+    ``parent`` continues an existing chain (default: ``root``). Cost: one hash call per block over
+    the raw token bytes; no per-token Python work.
+    """
+    if block_tokens <= 0:
+        raise InvalidArgument("block_tokens must be positive")
+    arr = tokens_as_array(tokens)
+    n_blocks = arr.size // block_tokens
+    data = memoryview(arr[: n_blocks * block_tokens]).cast("B")
+    step = block_tokens * _TOKEN_DTYPE.itemsize
+    prev = parent if parent is not None else root
+    keys: list[BlockKey] = []
+    append = keys.append
+    hasher = xxhash.xxh3_128
+    for off in range(0, n_blocks * step, step):
+        h = hasher(prev)
+        h.update(data[off:off + step])
+        prev = h.digest()
+        append(prev)
+    return keys
+
+
+def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]:
+    """Chained keys for a trace's per-block ids (Mooncake traces give one id per 512-token block)."""
+    arr = np.asarray(block_ids, dtype="<i8")
+    data = arr.tobytes()
+    prev = root
+    keys: list[BlockKey] = []
+    for off in range(0, len(data), 8):
+        prev = xxhash.xxh3_128_digest(prev + data[off:off + 8])
+        keys.append(prev)
+    return keys
+
+
+def check_keys(keys: Sequence[bytes]) -> list[BlockKey]:
+    """Validate a batch of keys at an API boundary: 16-byte ``bytes`` each."""
+    out = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+            raise InvalidArgument(
+                f"key #{i} must be {KEY_BYTES} bytes, got "
+                f"{type(k).__name__} of length {len(k) if hasattr(k, '__len__') else '?'}")
+        out.append(BlockKey(bytes(k)))
+    return out

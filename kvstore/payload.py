@@ -1,0 +1,61 @@
+"""Turning caller payloads (bytes, numpy, torch) into flat uint8 views, and copying bytes."""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def as_uint8(data, expected_bytes: int, dtype_name: str | None = None, what: str = "payload"):
+    """A flat uint8 view of ``data`` (numpy array, or torch tensor on its own device).
+
+    ``dtype_name``: the layout dtype; typed arrays must match it (raw uint8 / bytes are accepted).
+    """
+    if _is_torch(data):
+        name = str(data.dtype).removeprefix("torch.")
+        if dtype_name and name not in ("uint8", dtype_name):
+            raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
+        import torch
+        flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu":
+            flat = flat.numpy()
+    elif isinstance(data, np.ndarray):
+        name = data.dtype.name
+        if dtype_name and name != "uint8" and not _np_matches(data.dtype, dtype_name):
+            raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    else:
+        try:
+            flat = np.frombuffer(data, dtype=np.uint8)
+        except TypeError:
+            raise InvalidArgument(
+                f"{what} must be bytes, a numpy array or a torch tensor, got {type(data).__name__}"
+            ) from None
+    if flat.shape[0] != expected_bytes:
+        raise InvalidArgument(f"{what} is {flat.shape[0]} bytes; expected {expected_bytes}")
+    return flat
+
+
+def _np_matches(dt: np.dtype, dtype_name: str) -> bool:
+    if dtype_name in ("bfloat16",):  # numpy has no bf16: carried as uint16
+        return dt == np.uint16
+    if dtype_name.startswith("float8"):
+        return dt == np.uint8
+    return dt.name == dtype_name
+
+
+def copy_bytes(dst, src) -> None:
+    """Copy flat uint8 ``src`` into flat uint8 ``dst``; each may be numpy or torch (any device)."""
+    if _is_torch(dst) or _is_torch(src):
+        import torch
+        if not _is_torch(dst):
+            dst = torch.from_numpy(dst)
+        if not _is_torch(src):
+            src = torch.from_numpy(np.asarray(src))
+        dst.copy_(src, non_blocking=False)
+    else:
+        np.copyto(dst, src, casting="no")

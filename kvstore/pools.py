@@ -1,0 +1,110 @@
+"""Page pools: fixed-size pages addressed by slot id, one pool per tier.
+
+Every pool speaks the same small interface so that the store moves pages between tiers without
+knowing where they live: slab pools (DRAM in shared memory, GPU/host torch slabs) address pages by
+slot; the SSD pool (``ssd.py``) addresses them by key and uses the slot only for accounting.
+``MetadataPool`` holds no bytes at all: the hit-rate benchmark replays traces through the real index
+and policies with it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+from .payload import copy_bytes
+from .shm import SharedSlab, unique_shm_name
+from .tiers import Tier
+
+
+class PagePool(ABC):
+    tier: Tier
+    num_pages: int
+    page_bytes: int
+    has_data: bool = True
+
+    @abstractmethod
+    def page_view(self, slot: int):
+        """A writable flat uint8 view of the page (numpy or torch), or None if not addressable."""
+
+    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence) -> None:
+        for slot, data in zip(slots, datas):
+            copy_bytes(self.page_view(slot), data)
+
+    def read_page_into(self, slot: int, key: bytes, out) -> bool:
+        """Copy a page into ``out``; False when the page is gone or corrupt (SSD)."""
+        copy_bytes(out, self.page_view(slot))
+        return True
+
+    def drop_pages(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Forget pages (slab pools need not do anything)."""
+
+    def close(self) -> None:
+        """Release the backing memory or files."""
+
+
+class SharedDramPool(PagePool):
+    """DRAM pages in one named shared-memory slab: other processes map it by ``shm_name``."""
+
+    tier = Tier.DRAM
+
+    def __init__(self, num_pages: int, page_bytes: int, shm_name: str | None = None,
+                 reserve: bool = False) -> None:
+        self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.slab = SharedSlab.create(shm_name or unique_shm_name(), num_pages * page_bytes,
+                                      reserve=reserve)
+        self.shm_name = self.slab.name
+        self._pages = self.slab.array.reshape(num_pages, page_bytes)
+
+    def page_view(self, slot: int):
+        return self._pages[slot]
+
+    def close(self) -> None:
+        self._pages = None  # type: ignore[assignment]
+        self.slab.close()
+        self.slab.unlink()
+
+
+class TorchSlabPool(PagePool):
+    """Pages in one preallocated torch tensor: the GPU tier on ``cuda``, testable on ``cpu``."""
+
+    def __init__(self, num_pages: int, page_bytes: int, device: str = "cuda",
+                 tier: Tier = Tier.GPU) -> None:
+        import torch
+
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            from .errors import StorageError
+            raise StorageError("the GPU tier needs a CUDA device; set gpu_pages=0 on this machine")
+        self.tier = tier
+        self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.device = torch.device(device)
+        self._pages = torch.empty((num_pages, page_bytes), dtype=torch.uint8, device=self.device)
+
+    def page_view(self, slot: int):
+        return self._pages[slot]
+
+    def close(self) -> None:
+        self._pages = None  # type: ignore[assignment]
+
+
+class MetadataPool(PagePool):
+    """Capacity without bytes: for trace replays through the real index and policies."""
+
+    has_data = False
+
+    def __init__(self, tier: Tier, num_pages: int, page_bytes: int = 0) -> None:
+        self.tier, self.num_pages, self.page_bytes = tier, num_pages, page_bytes
+
+    def page_view(self, slot: int):
+        return None
+
+    def write_pages(self, slots, keys, datas) -> None:
+        pass
+
+    def read_page_into(self, slot, key, out) -> bool:
+        return True
+
+
+def host_array(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.uint8)

@@ -1,0 +1,92 @@
+"""Named POSIX shared memory slabs that several processes map by name.
+
+We use ``_posixshmem`` + ``mmap`` directly instead of ``multiprocessing.shared_memory`` because the
+latter registers attached segments with the resource tracker, which unlinks them when *any*
+attaching process exits (fixed only in Python 3.13 with ``track=False``).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import _posixshmem
+import numpy as np
+
+from .errors import StorageError
+
+
+def unique_shm_name(prefix: str = "kvcache") -> str:
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class SharedSlab:
+    """A read-write mapping of ``/dev/shm/<name>``. The creator owns it and unlinks it."""
+
+    def __init__(self, name: str, size: int | None = None, create: bool = False,
+                 reserve: bool = False) -> None:
+        if not name or "/" in name:
+            raise StorageError(f"invalid shared memory name {name!r}: use letters, digits, '-'")
+        self.name = name
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        except FileExistsError:
+            raise StorageError(f"shared memory segment {name!r} already exists") from None
+        except FileNotFoundError:
+            raise StorageError(f"shared memory segment {name!r} does not exist") from None
+        try:
+            if create:
+                if not size or size <= 0:
+                    raise StorageError("a new shared memory slab needs a positive size")
+                os.ftruncate(fd, size)
+                if reserve:
+                    # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear
+                    # error instead of a SIGBUS on some later page write.
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:
+                        raise StorageError(
+                            f"cannot reserve {size} bytes of shared memory for {name!r}: {e}; "
+                            "lower --dram or enlarge /dev/shm") from None
+            else:
+                size = os.fstat(fd).st_size
+            self.size = size
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            if create:
+                _posixshmem.shm_unlink("/" + name)
+            raise
+        os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, name: str, size: int, reserve: bool = False) -> "SharedSlab":
+        return cls(name, size, create=True, reserve=reserve)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedSlab":
+        return cls(name)
+
+    def close(self) -> None:
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # views are still alive elsewhere; the mapping goes when they do
+
+    def unlink(self) -> None:
+        try:
+            _posixshmem.shm_unlink("/" + self.name)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "SharedSlab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
