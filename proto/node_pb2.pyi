@@ -1,0 +1,258 @@
+from proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("namespace", "layout", "shm_name", "page_bytes", "tiers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: _common_pb2.Layout
+    shm_name: str
+    page_bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "namespaces", "hostname", "pid")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    hostname: str
+    pid: int
+    def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("hit_blocks", "tiers", "total_blocks")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    total_blocks: int
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("blocks", "ttl_s")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.BlockSelector
+    ttl_s: float
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class AllocateReply(_message.Message):
+    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "ttl_s", "keys")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    shm_name: str
+    page_bytes: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("namespace", "lease_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    lease_id: int
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("stored", "duplicates")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    duplicates: int
+    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("blocks", "ttl_s", "prefix_only")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.BlockSelector
+    ttl_s: float
+    prefix_only: bool
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+
+class AcquireReply(_message.Message):
+    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    shm_name: str
+    page_bytes: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    ttl_s: float
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExtendLeaseRequest(_message.Message):
+    __slots__ = ("namespace", "lease_id", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    lease_id: int
+    ttl_s: float
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ExtendLeaseReply(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.BlockSelector
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ...) -> None: ...
+
+class PutChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("blocks", "prefix_only", "chunk_bytes")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.BlockSelector
+    prefix_only: bool
+    chunk_bytes: int
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prefix_only: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetHeader(_message.Message):
+    __slots__ = ("found", "page_bytes")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    found: _containers.RepeatedScalarFieldContainer[bool]
+    page_bytes: int
+    def __init__(self, found: _Optional[_Iterable[bool]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: GetHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RemoveReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "tiers", "blocks", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_pages", "bytes_written", "bytes_read", "write_leases", "read_leases", "expired_leases")
+    class HitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EvictionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    WRITE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    READ_LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    blocks: int
+    hits: _containers.ScalarMap[str, int]
+    misses: int
+    evictions: _containers.ScalarMap[str, int]
+    demotions: int
+    promotions: int
+    corrupt_pages: int
+    bytes_written: int
+    bytes_read: int
+    write_leases: int
+    read_leases: int
+    expired_leases: int
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., blocks: _Optional[int] = ..., hits: _Optional[_Mapping[str, int]] = ..., misses: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., write_leases: _Optional[int] = ..., read_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("after_seq", "resync")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    resync: bool
+    def __init__(self, after_seq: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events", "snapshot", "snapshot_done", "snapshot_seq")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockEvent]
+    snapshot: bool
+    snapshot_done: bool
+    snapshot_seq: int
+    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.BlockEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ...) -> None: ...
