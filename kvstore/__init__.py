@@ -2,7 +2,8 @@
 from .errors import (CapacityExhausted, FailedPrecondition, InvalidArgument, KVStoreError,
                      NotFound, StorageError)
 from .events import BlockEvent, EventKind
-from .keys import BlockKey, block_keys, check_keys, keys_from_block_ids, root_key, tokens_as_array
+from .keys import (BlockKey, block_keys, check_keys, keys_from_block_ids, root_key, scope_keys,
+                   tokens_as_array)
 from .layout import KVLayout
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .shm import SharedSlab
@@ -15,5 +16,6 @@ __all__ = [
     "FailedPrecondition", "InvalidArgument", "KVLayout", "KVStoreError", "LFUPolicy", "LRUPolicy",
     "LookupResult", "NotFound", "POLICIES", "ReadLease", "SharedSlab", "StorageError",
     "StoreConfig", "StoreStats", "Tier", "TierStats", "TieredStore", "WriteLease", "block_keys",
-    "check_keys", "keys_from_block_ids", "make_policy", "root_key", "tokens_as_array",
+    "check_keys", "keys_from_block_ids", "make_policy", "root_key", "scope_keys",
+    "tokens_as_array",
 ]

@@ -94,3 +94,17 @@ def check_keys(keys: Sequence[bytes]) -> list[BlockKey]:
                 f"{type(k).__name__} of length {len(k) if hasattr(k, '__len__') else '?'}")
         out.append(BlockKey(bytes(k)))
     return out
+
+
+def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
+    """Keys as stored for an authenticated tenant: ``xxh3_128(tenant-domain || key)``.
+
+    Servers apply this to every key a tenant sends or derives, so one tenant can never name
+    another's blocks even if it learns their salt. Tenant ``""`` (auth off, or the admin token)
+    is the identity.
+    """
+    if not tenant:
+        return list(keys)  # type: ignore[arg-type]
+    prefix = b"kvcache/tenant/" + tenant.encode() + b"\x00"
+    digest = xxhash.xxh3_128_digest
+    return [BlockKey(digest(prefix + k)) for k in keys]
