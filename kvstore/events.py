@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Callable
 
 from .keys import BlockKey
 from .tiers import Tier
@@ -26,8 +27,9 @@ class EventLog:
     """A bounded FIFO of events. When full, the oldest are dropped; consumers see the gap in
     ``seq`` and resynchronise from a snapshot instead of silently missing events."""
 
-    def __init__(self, max_events: int) -> None:
+    def __init__(self, max_events: int, notify: Callable[[], None] | None = None) -> None:
         self._events: deque[BlockEvent] = deque(maxlen=max_events)
+        self._notify = notify
         self.last_seq = 0
         self.dropped = 0
 
@@ -36,6 +38,8 @@ class EventLog:
             self.dropped += 1
         self.last_seq += 1
         self._events.append(BlockEvent(self.last_seq, kind, key, tier))
+        if self._notify is not None:
+            self._notify()
 
     def take(self, max_events: int | None = None) -> list[BlockEvent]:
         n = len(self._events) if max_events is None else min(max_events, len(self._events))

@@ -57,6 +57,7 @@ class StoreConfig:
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_events: int = 1 << 20
     clock: Callable[[], float] = time.monotonic
+    on_event: Callable[[], None] | None = None  # called (under the store lock) after new events
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +185,7 @@ class TieredStore:
         self._read_leases: dict[int, _ReadLeaseState] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
-        self._events = EventLog(config.max_events)
+        self._events = EventLog(config.max_events, config.on_event)
         self._n = _Counters()
         self._closed = False
         try:
@@ -455,25 +456,34 @@ class TieredStore:
             heapq.heappush(self._deadlines, (state.deadline, lease_id))
             return state.deadline
 
+    def copy_out(self, lease: ReadLease, index: int, out) -> bool:
+        """Copy one pinned page of a read lease into ``out`` (a flat uint8 numpy array or torch
+        tensor of page_bytes), from whichever tier holds it. False if it failed its checksum
+        (the block is then dropped)."""
+        key, slot, tier = lease.keys[index], lease.slots[index], lease.tiers[index]
+        if slot < 0:
+            raise NotFound(f"key #{index} of lease {lease.lease_id} is not stored")
+        with self._lock:
+            if lease.lease_id not in self._read_leases:
+                raise FailedPrecondition(f"read lease {lease.lease_id} expired or was released")
+            if not self._tiers[tier].pool.read_page_into(slot, key, out):
+                self._n.corrupt_pages += 1
+                block = self._index.get(key)
+                if block is not None:
+                    self._discard(key, block)
+                return False
+            self._n.bytes_read += self.layout.page_bytes
+            return True
+
     def read(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Copies of the stored pages (None where missing). SSD hits are promoted when
         ``promote_on_hit``; otherwise read straight from lmdb."""
         lease = self.acquire(keys)
         try:
             out: list[np.ndarray | None] = []
-            with self._lock:
-                for key, slot, tier in zip(lease.keys, lease.slots, lease.tiers):
-                    if slot < 0:
-                        out.append(None)
-                        continue
-                    page = np.empty(self.layout.page_bytes, dtype=np.uint8)
-                    if not self._tiers[tier].pool.read_page_into(slot, key, page):
-                        self._n.corrupt_pages += 1
-                        self._discard(key, self._index[key])
-                        out.append(None)
-                        continue
-                    self._n.bytes_read += page.nbytes
-                    out.append(page)
+            for i, slot in enumerate(lease.slots):
+                page = np.empty(self.layout.page_bytes, dtype=np.uint8) if slot >= 0 else None
+                out.append(page if page is not None and self.copy_out(lease, i, page) else None)
             return out
         finally:
             self.release(lease.lease_id)
