@@ -31,6 +31,9 @@ class EvictionPolicy(ABC):
     def remove(self, slot: int) -> None:
         """Stop considering ``slot`` for eviction (pinned or removed). No-op if absent."""
 
+    def forget(self, slot: int) -> None:
+        """A different block now occupies ``slot`` (not evictable yet): drop the old history."""
+
     @abstractmethod
     def pop_victim(self) -> int | None:
         """Remove and return the next slot to evict, or None when nothing is evictable."""
@@ -176,6 +179,10 @@ class LFUPolicy(EvictionPolicy):
         if self._lists.linked(slot):
             self._unlink(slot)
             self._len -= 1
+
+    def forget(self, slot: int) -> None:
+        assert not self._lists.linked(slot), f"slot {slot} is evictable; remove it first"
+        self._count[slot] = 0  # the next insert(fresh=False) starts it at 1
 
     def pop_victim(self) -> int | None:
         if not self._mask:

@@ -464,6 +464,8 @@ class TieredStore:
         if slot < 0:
             raise NotFound(f"key #{index} of lease {lease.lease_id} is not stored")
         with self._lock:
+            if not self._tiers[tier].pool.has_data:
+                raise FailedPrecondition("this store is metadata_only: it keeps no page bytes")
             if lease.lease_id not in self._read_leases:
                 raise FailedPrecondition(f"read lease {lease.lease_id} expired or was released")
             if not self._tiers[tier].pool.read_page_into(slot, key, out):
@@ -690,6 +692,9 @@ class TieredStore:
                 self._n.demotions += 1
             b.tier, b.slot = dst.tier, dslot
             dst.keys[dslot] = key
+            # NOTE: the pinned block re-enters the policy on unpin with fresh=False, which keeps
+            # the slot's history: clear what the slot's previous occupant left there (LFU count).
+            dst.policy.forget(dslot)
             self._events.append(EventKind.STORED, key, dst.tier)
 
     def _discard(self, key: BlockKey, b: _Block) -> None:
