@@ -253,14 +253,23 @@ def tls_from_args(args) -> TlsConfig | None:
     return TlsConfig(cert_file=args.tls_cert, key_file=args.tls_key) if args.tls_cert else None
 
 
-def start_metrics(port: int | None, host: str = "127.0.0.1") -> int | None:
-    """Serve the process's Prometheus registry; returns the bound port."""
+def start_metrics(port: int | None, host: str = "127.0.0.1", registry=None) -> int | None:
+    """Serve a Prometheus registry (default: the process's) over HTTP; returns the bound port."""
     if port is None:
         return None
-    from prometheus_client import start_http_server
+    from prometheus_client import REGISTRY, start_http_server
 
-    server, _thread = start_http_server(port, addr=host)
+    server, _thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
     return server.server_port
+
+
+def announce_ready(role: str, **fields) -> None:
+    """Print the one JSON line launchers and tests wait for: {"event": "ready", "role": ...}."""
+    import json
+    import sys
+
+    print(json.dumps({"event": "ready", "role": role, **fields}), flush=True)
+    sys.stdout.flush()
 
 
 def wait_for_signal(stop: Callable[[], None]) -> None:

@@ -1,0 +1,131 @@
+"""``kvcache node``: serve one host's KV block pools over gRPC.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < flags given on the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvcache.rpc import (Auth, TlsConfig, add_health_and_reflection, add_server_args,
+                         announce_ready, bind, host_of, make_server, start_metrics,
+                         wait_for_signal)
+from kvstore.errors import KVStoreError
+from proto import node_pb2 as pb
+from proto import node_pb2_grpc as pbg
+
+from .config import NodeConfig, load_toml, parse_layout, parse_size
+from .metrics import NodeMetrics
+from .node import Node
+from .service import NodeServicer
+
+log = logging.getLogger("kvcache.node")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser)
+    parser.add_argument("--config", help="TOML file with the same keys as these flags")
+    parser.add_argument("--node-id", help="name of this node in the cluster (default: host-based)")
+    parser.add_argument("--layout", action="append", metavar="SPEC",
+                        help="a served model layout, repeatable: model=NAME,num_layers=L,"
+                             "kv_heads=H,head_dim=D[,dtype=float16][,block_tokens=256] "
+                             "(default: the 1 MiB-page demo layout)")
+    parser.add_argument("--dram", help="DRAM pool size in shared memory, e.g. 4GiB (default 1GiB)")
+    parser.add_argument("--gpu", help="GPU tier size (needs CUDA), e.g. 8GiB (default 0)")
+    parser.add_argument("--ssd", help="SSD tier size, e.g. 20GiB (default 0: no SSD tier)")
+    parser.add_argument("--ssd-dir", help="directory for the SSD tier's lmdb files")
+    parser.add_argument("--dram-policy", choices=["lru", "lfu"])
+    parser.add_argument("--ssd-policy", choices=["lru", "lfu"])
+    parser.add_argument("--gpu-policy", choices=["lru", "lfu"])
+    parser.add_argument("--no-promote", dest="promote_on_hit", action="store_const", const=False,
+                        help="do not promote SSD hits to DRAM on copy-out reads")
+    parser.add_argument("--reserve-shm", action="store_const", const=True,
+                        help="reserve all shared memory at start (fail early if /dev/shm is small)")
+    parser.add_argument("--lease-ttl", dest="lease_ttl_s", type=float,
+                        help="default lease time of pins and write leases, seconds (default 30)")
+    parser.add_argument("--conductor", help="conductor address to register with (optional)")
+    parser.add_argument("--conductor-token", help="bearer token for the conductor")
+    parser.add_argument("--role", choices=["prefill", "decode", "both"])
+    parser.add_argument("--messenger", help="this node's messenger gRPC address, for the conductor")
+    parser.add_argument("--advertise", help="address others use to reach this node")
+
+
+def build_config(args: argparse.Namespace) -> NodeConfig:
+    values: dict = load_toml(args.config) if args.config else {}
+    flags = {
+        "listen": args.listen, "node_id": args.node_id, "ssd_dir": args.ssd_dir,
+        "dram_policy": args.dram_policy, "ssd_policy": args.ssd_policy,
+        "gpu_policy": args.gpu_policy, "promote_on_hit": args.promote_on_hit,
+        "reserve_shm": args.reserve_shm, "lease_ttl_s": args.lease_ttl_s, "token": args.token,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "metrics_port": args.metrics_port,
+        "conductor": args.conductor, "conductor_token": args.conductor_token, "role": args.role,
+        "messenger": args.messenger, "advertise": args.advertise,
+        "dram": args.dram, "gpu": args.gpu, "ssd": args.ssd,
+    }
+    if args.tenant_token:
+        flags["tenant_tokens"] = args.tenant_token
+    if args.layout:
+        flags["layouts"] = [parse_layout(s) for s in args.layout]
+    # NOTE: --listen has a non-None default; a TOML "listen" wins over that default only.
+    if args.listen == "127.0.0.1:0" and "listen" in values:
+        flags["listen"] = None
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for key in ("dram", "gpu", "ssd"):
+        if key in values:
+            values[key] = parse_size(values[key])
+    if "layouts" in values and values["layouts"] and isinstance(values["layouts"][0], (str, dict)):
+        values["layouts"] = [parse_layout(s) for s in values["layouts"]]
+    cfg = NodeConfig(**values)
+    if cfg.ssd and not cfg.ssd_dir:
+        raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(args)
+        node = Node(cfg)
+    except (KVStoreError, TypeError, OSError) as e:
+        raise SystemExit(f"kvcache node: {e}") from None
+    auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
+    tls = TlsConfig(cert_file=cfg.tls_cert, key_file=cfg.tls_key) if cfg.tls_cert else None
+    metrics = NodeMetrics(lambda: node.stores)
+    servicer = NodeServicer(node, auth, metrics)
+    server = make_server(auth)
+    pbg.add_NodeServiceServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["NodeService"]
+                                                .full_name])
+    try:
+        port = bind(server, cfg.listen, tls)
+    except (OSError, RuntimeError) as e:
+        node.close()
+        raise SystemExit(f"kvcache node: cannot listen on {cfg.listen}: {e}") from None
+    server.start()
+    address = f"{host_of(cfg.listen)}:{port}"
+    metrics_port = start_metrics(cfg.metrics_port, registry=metrics.registry)
+    agent = _start_agent(cfg, node, address) if cfg.conductor else None
+    log.info("node %s serving %s on %s (tls=%s, auth=%s)", node.node_id,
+             ", ".join(node.stores), address, bool(tls), auth.enabled)
+    announce_ready("node", address=address, node_id=node.node_id, pid=os.getpid(),
+                   metrics_port=metrics_port,
+                   shm={ns: s.shm_name for ns, s in node.stores.items()})
+
+    def stop() -> None:
+        health.enter_graceful_shutdown()
+        servicer.stopping = True
+        if agent is not None:
+            agent.stop()
+        server.stop(grace=2).wait()
+        node.close()
+        log.info("node %s stopped", node.node_id)
+
+    wait_for_signal(stop)
+    return 0
+
+
+def _start_agent(cfg: NodeConfig, node: Node, address: str):
+    """Register with the conductor and keep the lease alive (conductor/agent.py)."""
+    from conductor.agent import start_node_agent
+
+    return start_node_agent(cfg, node, cfg.advertise or address)

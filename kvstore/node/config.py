@@ -1,0 +1,102 @@
+"""Node server configuration: CLI flags or a TOML file with the same keys."""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+
+from kvstore.errors import InvalidArgument
+from kvstore.layout import KVLayout
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+# The demo layout: 1 MiB pages (4 layers x K|V x 256 tokens x 4 heads x 64 dims x fp16).
+DEFAULT_LAYOUT = KVLayout(model="demo", num_layers=4, kv_heads=4, head_dim=64, dtype="float16",
+                          block_tokens=256)
+
+
+def parse_size(text: str | int) -> int:
+    """``4GiB``, ``512MiB``, ``1.5G``, ``1048576`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"cannot parse size {text!r}; use e.g. 4GiB, 512MiB or bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_layout(text: str | dict) -> KVLayout:
+    """``model=llama,num_layers=32,kv_heads=8,head_dim=128,dtype=bfloat16,block_tokens=256``."""
+    if isinstance(text, dict):
+        items = dict(text)
+    else:
+        items = {}
+        for part in text.split(","):
+            k, sep, v = part.partition("=")
+            if not sep:
+                raise InvalidArgument(f"layout item {part!r} is not key=value")
+            items[k.strip()] = v.strip()
+    aliases = {"layers": "num_layers", "heads": "kv_heads", "block": "block_tokens"}
+    items = {aliases.get(k, k): v for k, v in items.items()}
+    known = {f.name for f in fields(KVLayout)}
+    unknown = set(items) - known
+    if unknown:
+        raise InvalidArgument(f"unknown layout keys {sorted(unknown)}; known: {sorted(known)}")
+    for k in ("num_layers", "kv_heads", "head_dim", "block_tokens"):
+        if k in items:
+            try:
+                items[k] = int(items[k])
+            except ValueError:
+                raise InvalidArgument(f"layout {k} must be an integer, got {items[k]!r}") from None
+    missing = {"model", "num_layers", "kv_heads", "head_dim"} - set(items)
+    if missing:
+        raise InvalidArgument(f"layout is missing {sorted(missing)}")
+    return KVLayout(**items)
+
+
+@dataclass(kw_only=True)
+class NodeConfig:
+    listen: str = "127.0.0.1:0"
+    node_id: str = ""
+    layouts: list[KVLayout] = field(default_factory=lambda: [DEFAULT_LAYOUT])
+    dram: int = 1 << 30              # bytes, split evenly between layouts
+    gpu: int = 0
+    ssd: int = 0
+    ssd_dir: str | None = None
+    dram_policy: str = "lru"
+    ssd_policy: str = "lru"
+    gpu_policy: str = "lru"
+    promote_on_hit: bool = True
+    reserve_shm: bool = False
+    lease_ttl_s: float = 30.0
+    token: str | None = None
+    tenant_tokens: list[str] = field(default_factory=list)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    metrics_port: int | None = None
+    max_keys_per_request: int = 65536
+    # registration with a conductor (optional)
+    conductor: str | None = None
+    conductor_token: str | None = None
+    role: str = "both"
+    messenger: str = ""
+    advertise: str | None = None     # address others use to reach this node (default: listen)
+
+    def pages(self, layout: KVLayout) -> tuple[int, int, int]:
+        """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""
+        n = len(self.layouts)
+        per = lambda total: total // n // layout.page_bytes  # noqa: E731
+        return per(self.gpu), per(self.dram), per(self.ssd)
+
+
+def load_toml(path: str) -> dict:
+    """Read a node TOML file: top-level keys as the CLI flags (dashes or underscores), layouts
+    as ``[[layout]]`` tables."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    out = {k.replace("-", "_"): v for k, v in data.items() if k != "layout"}
+    if "layout" in data:
+        out["layouts"] = [parse_layout(t) for t in data["layout"]]
+    return out

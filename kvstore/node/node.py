@@ -1,0 +1,143 @@
+"""The node: one TieredStore per served layout, the event hub, lease ownership and the reaper.
+
+The gRPC servicer (``service.py``) is a thin layer over this object; everything here is plain
+Python and testable in-process.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.keys import BlockKey, block_keys, check_keys, root_key, scope_keys
+from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers import Tier
+
+from .config import NodeConfig
+from .events import EventHub
+
+log = logging.getLogger(__name__)
+REAP_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A request's blocks resolved against a store: keys as stored (tenant-scoped)."""
+
+    store: TieredStore
+    keys: list[BlockKey]
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = config.node_id or f"{socket.gethostname()}-{id(self) & 0xffff:04x}"
+        self.hub = EventHub()
+        self.stores: dict[str, TieredStore] = {}
+        self._owners: dict[tuple[str, int], tuple[str, float]] = {}
+        self._owners_lock = threading.Lock()
+        self._stop = threading.Event()
+        seen = set()
+        try:
+            for layout in config.layouts:
+                if layout.namespace in seen:
+                    raise InvalidArgument(f"layout {layout.namespace} is configured twice")
+                seen.add(layout.namespace)
+                gpu, dram, ssd = config.pages(layout)
+                if dram <= 0:
+                    raise InvalidArgument(
+                        f"--dram {config.dram} bytes is less than one {layout.page_bytes}-byte page "
+                        f"per layout for {layout.namespace}; give the node more DRAM")
+                self.stores[layout.namespace] = TieredStore(layout, StoreConfig(
+                    gpu_pages=gpu, dram_pages=dram, ssd_pages=ssd, ssd_dir=config.ssd_dir,
+                    gpu_policy=config.gpu_policy, dram_policy=config.dram_policy,
+                    ssd_policy=config.ssd_policy, promote_on_hit=config.promote_on_hit,
+                    reserve_shm=config.reserve_shm, lease_ttl_s=config.lease_ttl_s,
+                    on_event=self.hub.notify))
+        except BaseException:
+            self.close()
+            raise
+        self.hub.attach(list(self.stores.values()))
+        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+        self._reaper.start()
+
+    # ---- request resolution ---------------------------------------------------------------
+
+    def store(self, namespace: str) -> TieredStore:
+        store = self.stores.get(namespace)
+        if store is None:
+            served = ", ".join(sorted(self.stores)) or "none"
+            raise InvalidArgument(f"namespace {namespace!r} is not served by this node (it serves:"
+                                  f" {served}); the model layout must match the node's")
+        return store
+
+    def select(self, namespace: str, tenant: str, salt: bytes = b"",
+               keys: Sequence[bytes] = (), token_ids: Sequence[int] = ()) -> Selection:
+        """Resolve keys or token ids into the keys as stored for ``tenant``."""
+        store = self.store(namespace)
+        if len(keys) and len(token_ids):
+            raise InvalidArgument("give either keys or token_ids, not both")
+        if len(token_ids):
+            if len(token_ids) > self.config.max_keys_per_request * store.layout.block_tokens:
+                raise InvalidArgument("too many token ids in one request")
+            raw = block_keys(token_ids, store.layout.block_tokens, root_key(namespace, salt))
+        else:
+            if len(keys) > self.config.max_keys_per_request:
+                raise InvalidArgument(f"{len(keys)} keys in one request; the limit is "
+                                      f"{self.config.max_keys_per_request}")
+            raw = check_keys(keys)
+        return Selection(store, scope_keys(raw, tenant))
+
+    # ---- lease ownership: a tenant may only touch its own leases ---------------------------
+
+    def own(self, namespace: str, lease_id: int, tenant: str, deadline: float) -> None:
+        with self._owners_lock:
+            self._owners[(namespace, lease_id)] = (tenant, deadline)
+
+    def check_owner(self, namespace: str, lease_id: int, tenant: str) -> TieredStore:
+        store = self.store(namespace)
+        with self._owners_lock:
+            owner = self._owners.get((namespace, lease_id))
+        if owner is not None and owner[0] != tenant:
+            raise FailedPrecondition(f"lease {lease_id} belongs to another tenant")
+        return store
+
+    def disown(self, namespace: str, lease_id: int) -> None:
+        with self._owners_lock:
+            self._owners.pop((namespace, lease_id), None)
+
+    def _reap(self) -> None:
+        """Expire leases of dead or slow clients: their pins drop and their pages are freed."""
+        while not self._stop.wait(REAP_INTERVAL_S):
+            for store in self.stores.values():
+                try:
+                    n = store.expire_leases()
+                except Exception:  # noqa: BLE001 - keep reaping other stores; log loudly
+                    log.exception("lease expiry failed for %s", store.namespace)
+                    continue
+                if n:
+                    log.info("expired %d leases in %s", n, store.namespace)
+            now = time.monotonic()
+            with self._owners_lock:
+                stale = [k for k, (_, deadline) in self._owners.items() if deadline < now - 1.0]
+                for k in stale:
+                    del self._owners[k]
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def usage(self) -> dict[str, list]:
+        return {ns: store.stats().tiers for ns, store in self.stores.items()}
+
+    def close(self) -> None:
+        """Drop leases, close lmdb, unlink shared memory."""
+        self._stop.set()
+        self.hub.close()
+        for store in self.stores.values():
+            store.close()
+
+    def tiers_of(self, namespace: str) -> list[Tier]:
+        return self.store(namespace).tiers

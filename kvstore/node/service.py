@@ -1,0 +1,322 @@
+"""NodeService: a thin gRPC layer over ``Node``; protobuf <-> domain conversion lives here."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from kvcache.rpc import Auth, status_for
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
+from kvstore.events import EventKind
+from kvstore.store import ReadLease, TieredStore, TierStats
+from kvstore.tiers import Tier
+from proto import common_pb2 as cpb
+from proto import node_pb2 as pb
+from proto import node_pb2_grpc as pbg
+
+from .metrics import NodeMetrics
+from .node import Node, Selection
+
+log = logging.getLogger(__name__)
+STREAM_CHUNK_BYTES = 1 << 20
+EVENT_BATCH = 4096
+_EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_EVICTED}
+
+
+def tier_pb(tier: Tier | None) -> int:
+    return cpb.TIER_UNSPECIFIED if tier is None else int(tier) + 1
+
+
+def usage_pb(t: TierStats, page_bytes: int) -> cpb.TierUsage:
+    return cpb.TierUsage(tier=tier_pb(t.tier), capacity_pages=t.capacity_pages,
+                         used_pages=t.used_pages,
+                         free_pages=t.capacity_pages - t.used_pages - t.leased_pages,
+                         pinned_blocks=t.pinned_blocks, page_bytes=page_bytes)
+
+
+def layout_pb(layout) -> cpb.Layout:
+    return cpb.Layout(model=layout.model, num_layers=layout.num_layers, kv_heads=layout.kv_heads,
+                      head_dim=layout.head_dim, dtype=layout.dtype,
+                      block_tokens=layout.block_tokens)
+
+
+def _observed(kind: str) -> Callable:
+    """Time the RPC and map domain errors to status codes (unary or server-streaming)."""
+
+    def deco(method: Callable) -> Callable:
+        name = method.__name__
+
+        def fail(self, context, e: BaseException):
+            code = status_for(e) if isinstance(e, KVStoreError) else \
+                grpc.StatusCode.INVALID_ARGUMENT
+            self.metrics.errors.labels(name, code.name).inc()
+            context.abort(code, str(e))
+
+        if kind == "stream":
+            @functools.wraps(method)
+            def stream_wrapper(self, request, context):
+                t0 = time.perf_counter()
+                try:
+                    yield from method(self, request, context)
+                except (KVStoreError, ValueError) as e:
+                    fail(self, context, e)
+                finally:
+                    self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+            return stream_wrapper
+
+        @functools.wraps(method)
+        def wrapper(self, request, context):
+            t0 = time.perf_counter()
+            try:
+                return method(self, request, context)
+            except (KVStoreError, ValueError) as e:
+                fail(self, context, e)
+            finally:
+                self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+        return wrapper
+
+    return deco
+
+
+class NodeServicer(pbg.NodeServiceServicer):
+    def __init__(self, node: Node, auth: Auth, metrics: NodeMetrics) -> None:
+        self.node = node
+        self.auth = auth
+        self.metrics = metrics
+        self.stopping = False
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _select(self, sel: cpb.BlockSelector, context) -> tuple[Selection, str]:
+        tenant = self.auth.tenant(context)
+        return self.node.select(sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids), tenant
+
+    @staticmethod
+    def _ttl(ttl_s: float) -> float | None:
+        if ttl_s < 0:
+            raise InvalidArgument(f"ttl_s must be >= 0 (0: server default), got {ttl_s}")
+        return ttl_s or None
+
+    @staticmethod
+    def _prefix(store: TieredStore, keys: list) -> list:
+        present = store.contains(keys)
+        n = present.index(False) if False in present else len(keys)
+        return keys[:n]
+
+    def _offsets(self, store: TieredStore, lease: ReadLease) -> list[int]:
+        pb_ = store.layout.page_bytes
+        return [s * pb_ if s >= 0 and t is Tier.DRAM else -1
+                for s, t in zip(lease.slots, lease.tiers)]
+
+    # ---- unary ----------------------------------------------------------------------------------
+
+    @_observed("unary")
+    def GetInfo(self, request, context):
+        import os
+        import socket
+
+        namespaces = []
+        for ns, store in self.node.stores.items():
+            page = store.layout.page_bytes
+            namespaces.append(pb.NamespaceInfo(
+                namespace=ns, layout=layout_pb(store.layout), shm_name=store.shm_name or "",
+                page_bytes=page, tiers=[usage_pb(t, page) for t in store.stats().tiers]))
+        return pb.NodeInfo(node_id=self.node.node_id, namespaces=namespaces,
+                           hostname=socket.gethostname(), pid=os.getpid())
+
+    @_observed("unary")
+    def Lookup(self, request, context):
+        sel, _ = self._select(request, context)
+        res = sel.store.lookup(sel.keys)
+        self.metrics.lookup_blocks.labels("hit").inc(res.hits)
+        self.metrics.lookup_blocks.labels("miss").inc(len(sel.keys) - res.hits)
+        return pb.LookupReply(hit_blocks=res.hits, tiers=[tier_pb(t) for t in res.tiers],
+                              total_blocks=len(sel.keys))
+
+    @_observed("unary")
+    def Allocate(self, request, context):
+        sel, tenant = self._select(request.blocks, context)
+        store = sel.store
+        lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        page = store.layout.page_bytes
+        return pb.AllocateReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
+                                page_bytes=page, offsets=[s * page if s >= 0 else -1
+                                                          for s in lease.slots],
+                                ttl_s=lease.expires_at - time.monotonic(), keys=lease.keys)
+
+    @_observed("unary")
+    def Commit(self, request, context):
+        store = self.node.check_owner(request.namespace, request.lease_id,
+                                      self.auth.tenant(context))
+        res = store.commit(request.lease_id)
+        self.node.disown(request.namespace, request.lease_id)
+        return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
+
+    @_observed("unary")
+    def Abort(self, request, context):
+        store = self.node.check_owner(request.namespace, request.lease_id,
+                                      self.auth.tenant(context))
+        store.abort(request.lease_id)
+        self.node.disown(request.namespace, request.lease_id)
+        return pb.Empty()
+
+    @_observed("unary")
+    def Acquire(self, request, context):
+        sel, tenant = self._select(request.blocks, context)
+        store, keys = sel.store, sel.keys
+        if request.prefix_only:
+            keys = self._prefix(store, keys)
+        lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        return pb.AcquireReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
+                               page_bytes=store.layout.page_bytes,
+                               offsets=self._offsets(store, lease),
+                               tiers=[tier_pb(t) for t in lease.tiers],
+                               ttl_s=lease.expires_at - time.monotonic(), keys=lease.keys)
+
+    @_observed("unary")
+    def Release(self, request, context):
+        store = self.node.check_owner(request.namespace, request.lease_id,
+                                      self.auth.tenant(context))
+        store.release(request.lease_id)
+        self.node.disown(request.namespace, request.lease_id)
+        return pb.Empty()
+
+    @_observed("unary")
+    def ExtendLease(self, request, context):
+        tenant = self.auth.tenant(context)
+        store = self.node.check_owner(request.namespace, request.lease_id, tenant)
+        deadline = store.extend(request.lease_id, self._ttl(request.ttl_s))
+        self.node.own(request.namespace, request.lease_id, tenant, deadline)
+        return pb.ExtendLeaseReply(ttl_s=deadline - time.monotonic())
+
+    @_observed("unary")
+    def Remove(self, request, context):
+        sel, _ = self._select(request, context)
+        return pb.RemoveReply(removed=sel.store.remove(sel.keys))
+
+    @_observed("unary")
+    def Stats(self, request, context):
+        out = []
+        for ns, store in self.node.stores.items():
+            s = store.stats()
+            page = store.layout.page_bytes
+            out.append(pb.NamespaceStats(
+                namespace=ns, tiers=[usage_pb(t, page) for t in s.tiers], blocks=s.blocks,
+                hits={t.tier.name.lower(): t.hits for t in s.tiers}, misses=s.misses,
+                evictions={t.tier.name.lower(): t.evictions for t in s.tiers},
+                demotions=s.demotions, promotions=s.promotions, corrupt_pages=s.corrupt_pages,
+                bytes_written=s.bytes_written, bytes_read=s.bytes_read,
+                write_leases=s.write_leases, read_leases=s.read_leases,
+                expired_leases=s.expired_leases))
+        return pb.StatsReply(namespaces=out)
+
+    # ---- streamed page bytes ----------------------------------------------------------------
+
+    @_observed("unary")
+    def Put(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("a Put stream must start with a header naming the blocks")
+        sel, _ = self._select(first.header.blocks, context)
+        store, page = sel.store, sel.store.layout.page_bytes
+        lease = store.allocate(sel.keys)
+        ttl = store.config.lease_ttl_s
+        views = [store.page_view(lease, i) if s >= 0 else None for i, s in enumerate(lease.slots)]
+        total, pos = len(sel.keys) * page, 0
+        renew_at = time.monotonic() + ttl / 3
+        try:
+            for chunk in request_iterator:
+                if chunk.WhichOneof("part") != "data":
+                    raise InvalidArgument("a Put stream carries one header, then only data")
+                data = memoryview(chunk.data)
+                if pos + len(data) > total:
+                    raise InvalidArgument(f"Put stream carries more than the {total} bytes "
+                                          f"of {len(sel.keys)} pages of {page} bytes")
+                if time.monotonic() > renew_at:  # keep our pages ours while a slow client sends
+                    store.extend(lease.lease_id)
+                    renew_at = time.monotonic() + ttl / 3
+                off = 0
+                while off < len(data):
+                    i, within = divmod(pos, page)
+                    take = min(page - within, len(data) - off)
+                    if views[i] is not None:
+                        views[i][within:within + take] = np.frombuffer(data[off:off + take],
+                                                                       dtype=np.uint8)
+                    pos += take
+                    off += take
+            if pos != total:
+                raise InvalidArgument(f"Put stream ended after {pos} bytes; {len(sel.keys)} pages "
+                                      f"need {total}")
+            self.metrics.stream_bytes.labels("put").inc(pos)
+            res = store.commit(lease.lease_id)
+        except BaseException:
+            try:
+                store.abort(lease.lease_id)
+            except KVStoreError:
+                pass  # expired already: its pages are back in the pool
+            raise
+        return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
+
+    @_observed("stream")
+    def Get(self, request, context) -> Iterator[pb.GetChunk]:
+        sel, _ = self._select(request.blocks, context)
+        store, page = sel.store, sel.store.layout.page_bytes
+        keys = self._prefix(store, sel.keys) if request.prefix_only else sel.keys
+        chunk = request.chunk_bytes or STREAM_CHUNK_BYTES
+        if chunk > 16 << 20:
+            raise InvalidArgument("chunk_bytes must be <= 16 MiB")
+        lease = store.acquire(keys)
+        try:
+            found = [s >= 0 for s in lease.slots] + [False] * (len(sel.keys) - len(keys))
+            yield pb.GetChunk(header=pb.GetHeader(found=found, page_bytes=page))
+            buf = np.empty(page, dtype=np.uint8)
+            for i, slot in enumerate(lease.slots):
+                if slot < 0:
+                    continue
+                if not store.copy_out(lease, i, buf):
+                    context.abort(grpc.StatusCode.DATA_LOSS,
+                                  f"page #{i} failed its checksum and was dropped; retry the Get")
+                for off in range(0, page, chunk):
+                    yield pb.GetChunk(data=buf[off:off + chunk].tobytes())
+                self.metrics.stream_bytes.labels("get").inc(page)
+        finally:
+            try:
+                store.release(lease.lease_id)
+            except KVStoreError:
+                pass  # expired while a slow client read: pins are gone already
+
+    # ---- events ------------------------------------------------------------------------------------
+
+    @_observed("stream")
+    def Events(self, request, context) -> Iterator[pb.EventBatch]:
+        if self.auth.tenant(context) != "":
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "the event feed is for the cluster's admin token only")
+        hub = self.node.hub
+        cursor, need_snapshot = request.after_seq, request.resync
+        while context.is_active() and not self.stopping:
+            if need_snapshot:
+                seq, items = hub.snapshot()
+                for start in range(0, max(len(items), 1), EVENT_BATCH):
+                    part = items[start:start + EVENT_BATCH]
+                    yield pb.EventBatch(
+                        events=[cpb.BlockEvent(seq=seq, kind=cpb.EVENT_STORED, key=k,
+                                               tier=tier_pb(t)) for k, t in part],
+                        snapshot=True, snapshot_seq=seq,
+                        snapshot_done=start + EVENT_BATCH >= len(items))
+                cursor, need_snapshot = seq, False
+            events = hub.read_after(cursor, EVENT_BATCH, timeout_s=0.5)
+            if events is None:
+                need_snapshot = True
+                continue
+            if events:
+                yield pb.EventBatch(events=[
+                    cpb.BlockEvent(seq=e.seq, kind=_EVENT_KIND[e.kind], key=e.key,
+                                   tier=tier_pb(e.tier)) for e in events])
+                cursor = events[-1].seq
