@@ -29,7 +29,8 @@ class Selection:
     """A request's blocks resolved against a store: keys as stored (tenant-scoped)."""
 
     store: TieredStore
-    keys: list[BlockKey]
+    keys: list[BlockKey]   # as stored: scoped to the tenant
+    raw: list[BlockKey]    # as the client names them (what replies echo back)
 
 
 class Node:
@@ -90,7 +91,7 @@ class Node:
                 raise InvalidArgument(f"{len(keys)} keys in one request; the limit is "
                                       f"{self.config.max_keys_per_request}")
             raw = check_keys(keys)
-        return Selection(store, scope_keys(raw, tenant))
+        return Selection(store, scope_keys(raw, tenant), raw)
 
     # ---- lease ownership: a tenant may only touch its own leases ---------------------------
 

@@ -147,7 +147,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         return pb.AllocateReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
                                 page_bytes=page, offsets=[s * page if s >= 0 else -1
                                                           for s in lease.slots],
-                                ttl_s=lease.expires_at - time.monotonic(), keys=lease.keys)
+                                ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw)
 
     @_observed("unary")
     def Commit(self, request, context):
@@ -171,13 +171,14 @@ class NodeServicer(pbg.NodeServiceServicer):
         store, keys = sel.store, sel.keys
         if request.prefix_only:
             keys = self._prefix(store, keys)
+        n = len(keys)
         lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
         return pb.AcquireReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
                                page_bytes=store.layout.page_bytes,
                                offsets=self._offsets(store, lease),
                                tiers=[tier_pb(t) for t in lease.tiers],
-                               ttl_s=lease.expires_at - time.monotonic(), keys=lease.keys)
+                               ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw[:n])
 
     @_observed("unary")
     def Release(self, request, context):

@@ -1,0 +1,414 @@
+"""KVStoreClient: the Python client of a node server.
+
+Same-host clients map the node's DRAM slab by name and read/write pages in place (zero copies
+through the server); when the segment cannot be mapped (another host, no permission) every call
+falls back to the streamed Put/Get path transparently. Errors raise ``KVCacheRpcError`` carrying
+the gRPC status code and the server's message.
+
+    with KVStoreClient("127.0.0.1:7000") as c:
+        ns = c.namespaces()[0]
+        c.put(ns, pages, tokens=prompt_ids)
+        hit = c.lookup(ns, tokens=prompt_ids).hit_blocks
+        with c.acquire(ns, tokens=prompt_ids, prefix_only=True) as lease:
+            kv = lease.page(0)          # numpy view into shared memory, no copy
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from kvcache.rpc import make_channel
+from kvstore.errors import StorageError
+from kvstore.layout import KVLayout
+from kvstore.payload import as_uint8, copy_bytes
+from kvstore.shm import SharedSlab
+from kvstore.tiers import Tier
+from proto import common_pb2 as cpb
+from proto import node_pb2 as pb
+from proto import node_pb2_grpc as pbg
+
+log = logging.getLogger(__name__)
+STREAM_CHUNK_BYTES = 1 << 20
+
+
+class KVCacheRpcError(Exception):
+    """A failed call: ``code`` is the grpc.StatusCode, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, method: str = "") -> None:
+        super().__init__(f"{method}: {code.name}: {details}" if method else
+                         f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def tier_from_pb(value: int) -> Tier | None:
+    return None if value == cpb.TIER_UNSPECIFIED else Tier(value - 1)
+
+
+def layout_from_pb(m: cpb.Layout) -> KVLayout:
+    return KVLayout(model=m.model, num_layers=m.num_layers, kv_heads=m.kv_heads,
+                    head_dim=m.head_dim, dtype=m.dtype, block_tokens=m.block_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    namespace: str
+    layout: KVLayout
+    shm_name: str
+    page_bytes: int
+    dram_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hit_blocks: int
+    tiers: list[Tier]
+    total_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    stored: int
+    duplicates: int
+
+
+@dataclass(eq=False)
+class _Lease:
+    client: "KVStoreClient"
+    namespace: str
+    lease_id: int
+    keys: list[bytes]
+    offsets: list[int]
+    page_bytes: int
+    slab: SharedSlab | None = field(repr=False)
+
+    def page(self, index: int) -> np.ndarray:
+        """Zero-copy view of page ``index`` in the node's shared memory."""
+        off = self.offsets[index]
+        if off < 0:
+            raise KeyError(f"page #{index} has no shared-memory page in this lease")
+        if self.slab is None:
+            raise StorageError("the node's shared memory is not mapped here (remote client?); "
+                               "use put()/get() instead")
+        return self.slab.array[off:off + self.page_bytes]
+
+    def layer(self, index: int, layer: int, layout: KVLayout) -> np.ndarray:
+        off = layout.layer_offset(layer)
+        return self.page(index)[off:off + layout.layer_bytes]
+
+
+@dataclass(eq=False)
+class WriteLease(_Lease):
+    """Pages leased for writing. Write ``page(i)`` for i in ``to_write``, then commit()."""
+
+    @property
+    def to_write(self) -> list[int]:
+        return [i for i, off in enumerate(self.offsets) if off >= 0]
+
+    def commit(self) -> CommitResult:
+        return self.client.commit(self)
+
+    def abort(self) -> None:
+        self.client.abort(self)
+
+    def __enter__(self) -> "WriteLease":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+@dataclass(eq=False)
+class ReadLease(_Lease):
+    """Pinned pages. ``found`` tells which keys are present; release() when done."""
+
+    tiers: list[Tier | None] = field(default_factory=list)
+
+    @property
+    def found(self) -> list[bool]:
+        return [t is not None for t in self.tiers]
+
+    @property
+    def hit_blocks(self) -> int:
+        n = 0
+        for t in self.tiers:
+            if t is None:
+                break
+            n += 1
+        return n
+
+    def page(self, index: int) -> np.ndarray:
+        view = super().page(index)
+        view = view.view()
+        view.flags.writeable = False
+        return view
+
+    def release(self) -> None:
+        self.client.release(self)
+
+    def __enter__(self) -> "ReadLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class KVStoreClient:
+    """Client of one node server. Thread-safe; one gRPC channel; shared memory mapped lazily."""
+
+    def __init__(self, address: str, token: str | None = None, tls_ca_file: str | None = None,
+                 use_shm: bool = True, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = make_channel(address, token, tls_ca_file)
+        self._stub = pbg.NodeServiceStub(self._channel)
+        self._use_shm = use_shm
+        self._slabs: dict[str, SharedSlab | None] = {}
+        self._info: dict[str, NamespaceInfo] | None = None
+        self._lock = threading.Lock()
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def _call(self, name: str, request, **kw):
+        try:
+            return getattr(self._stub, name)(request, timeout=kw.pop("timeout", self.timeout_s),
+                                             **kw)
+        except grpc.RpcError as e:
+            raise KVCacheRpcError(e.code(), e.details() or "", name) from None
+
+    @staticmethod
+    def _selector(namespace: str, keys, tokens, salt) -> cpb.BlockSelector:
+        if (keys is None) == (tokens is None):
+            raise ValueError("give exactly one of keys= or tokens=")
+        if isinstance(salt, str):
+            salt = salt.encode()
+        if tokens is not None:
+            if hasattr(tokens, "detach"):
+                tokens = tokens.detach().reshape(-1).cpu().numpy()
+            return cpb.BlockSelector(namespace=namespace, salt=salt,
+                                     token_ids=np.asarray(tokens).reshape(-1).tolist())
+        return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys))
+
+    def _slab(self, namespace: str) -> SharedSlab | None:
+        """The node's DRAM slab for ``namespace`` if it can be mapped here, else None."""
+        with self._lock:
+            if namespace in self._slabs:
+                return self._slabs[namespace]
+        info = self.namespace_info(namespace)
+        slab = None
+        if self._use_shm and info.shm_name:
+            try:
+                slab = SharedSlab.attach(info.shm_name)
+                if slab.size < info.dram_pages * info.page_bytes:
+                    log.warning("shared memory %s is smaller than the node's pool: not the "
+                                "node's segment; using the streamed path", info.shm_name)
+                    slab.close()
+                    slab = None
+            except StorageError:
+                log.info("cannot map %s (not on the node's host?); using the streamed path",
+                         info.shm_name)
+        with self._lock:
+            self._slabs[namespace] = slab
+        return slab
+
+    def shm_available(self, namespace: str) -> bool:
+        return self._slab(namespace) is not None
+
+    # ---- info ---------------------------------------------------------------------------------
+
+    def info(self) -> pb.NodeInfo:
+        return self._call("GetInfo", pb.GetInfoRequest())
+
+    def namespaces(self) -> list[str]:
+        return list(self._namespaces())
+
+    def _namespaces(self) -> dict[str, NamespaceInfo]:
+        if self._info is None:
+            out = {}
+            for n in self.info().namespaces:
+                dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
+                out[n.namespace] = NamespaceInfo(n.namespace, layout_from_pb(n.layout),
+                                                 n.shm_name, n.page_bytes, dram)
+            self._info = out
+        return self._info
+
+    def namespace_info(self, namespace: str) -> NamespaceInfo:
+        info = self._namespaces().get(namespace)
+        if info is None:
+            raise KVCacheRpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"namespace {namespace!r} is not served by {self.address} "
+                                  f"(it serves: {', '.join(self._namespaces())})")
+        return info
+
+    def layout(self, namespace: str) -> KVLayout:
+        return self.namespace_info(namespace).layout
+
+    # ---- lookup / leases ------------------------------------------------------------------------
+
+    def lookup(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+               salt: bytes | str = b"") -> LookupResult:
+        r = self._call("Lookup", self._selector(namespace, keys, tokens, salt))
+        return LookupResult(r.hit_blocks, [tier_from_pb(t) for t in r.tiers], r.total_blocks)
+
+    def allocate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+                 salt: bytes | str = b"", ttl_s: float = 0.0) -> WriteLease:
+        r = self._call("Allocate", pb.AllocateRequest(
+            blocks=self._selector(namespace, keys, tokens, salt), ttl_s=ttl_s))
+        return WriteLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
+                          r.page_bytes, self._slab(namespace))
+
+    def commit(self, lease: WriteLease) -> CommitResult:
+        r = self._call("Commit", pb.LeaseRequest(namespace=lease.namespace,
+                                                 lease_id=lease.lease_id))
+        return CommitResult(r.stored, r.duplicates)
+
+    def abort(self, lease: WriteLease) -> None:
+        self._call("Abort", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id))
+
+    def acquire(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+                salt: bytes | str = b"", ttl_s: float = 0.0,
+                prefix_only: bool = False) -> ReadLease:
+        r = self._call("Acquire", pb.AcquireRequest(
+            blocks=self._selector(namespace, keys, tokens, salt), ttl_s=ttl_s,
+            prefix_only=prefix_only))
+        return ReadLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
+                         r.page_bytes, self._slab(namespace),
+                         [tier_from_pb(t) for t in r.tiers])
+
+    def release(self, lease: ReadLease) -> None:
+        self._call("Release", pb.LeaseRequest(namespace=lease.namespace,
+                                              lease_id=lease.lease_id))
+
+    def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
+        """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
+        return self._call("ExtendLease", pb.ExtendLeaseRequest(
+            namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s)).ttl_s
+
+    # ---- whole pages: shared memory when mapped, else streamed ----------------------------------
+
+    def put(self, namespace: str, pages: Sequence, keys: Sequence[bytes] | None = None,
+            tokens=None, salt: bytes | str = b"") -> CommitResult:
+        """Store one page per block (numpy / torch / bytes of page_bytes each)."""
+        info = self.namespace_info(namespace)
+        srcs = [as_uint8(p, info.page_bytes, info.layout.dtype, f"page #{i}")
+                for i, p in enumerate(pages)]
+        if self._slab(namespace) is None:
+            return self._put_streamed(namespace, srcs, keys, tokens, salt)
+        lease = self.allocate(namespace, keys, tokens, salt)
+        if len(lease.keys) != len(srcs):
+            self.abort(lease)
+            raise ValueError(f"{len(srcs)} pages for {len(lease.keys)} full blocks")
+        try:
+            for i in lease.to_write:
+                copy_bytes(lease.page(i), srcs[i])
+        except BaseException:
+            self.abort(lease)
+            raise
+        return self.commit(lease)
+
+    def _put_streamed(self, namespace, srcs, keys, tokens, salt) -> CommitResult:
+        selector = self._selector(namespace, keys, tokens, salt)
+
+        def chunks() -> Iterator[pb.PutChunk]:
+            yield pb.PutChunk(header=pb.PutHeader(blocks=selector))
+            for src in srcs:
+                if not isinstance(src, np.ndarray):
+                    src = src.cpu().numpy()
+                mv = memoryview(src)
+                for off in range(0, len(mv), STREAM_CHUNK_BYTES):
+                    yield pb.PutChunk(data=bytes(mv[off:off + STREAM_CHUNK_BYTES]))
+
+        try:
+            r = self._stub.Put(chunks(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise KVCacheRpcError(e.code(), e.details() or "", "Put") from None
+        return CommitResult(r.stored, r.duplicates)
+
+    def get(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+            salt: bytes | str = b"", prefix_only: bool = False) -> list[np.ndarray | None]:
+        """Copies of the pages (None where missing)."""
+        if self._slab(namespace) is not None:
+            with self.acquire(namespace, keys, tokens, salt, prefix_only=prefix_only) as lease:
+                out: list[np.ndarray | None] = []
+                streamed: list[int] = []
+                for i, (off, tier) in enumerate(zip(lease.offsets, lease.tiers)):
+                    if off >= 0:
+                        out.append(np.array(lease.page(i)))
+                    else:
+                        out.append(None)
+                        if tier is not None:  # present but not in shared memory
+                            streamed.append(i)
+                if streamed:
+                    for i, page in zip(streamed, self._get_streamed(
+                            namespace, [lease.keys[i] for i in streamed], None, salt, False)):
+                        out[i] = page
+                return out
+        return self._get_streamed(namespace, keys, tokens, salt, prefix_only)
+
+    def _get_streamed(self, namespace, keys, tokens, salt, prefix_only
+                      ) -> list[np.ndarray | None]:
+        request = pb.GetRequest(blocks=self._selector(namespace, keys, tokens, salt),
+                                prefix_only=prefix_only)
+        try:
+            stream = self._stub.Get(request, timeout=self.timeout_s)
+            header = next(stream).header
+            page = header.page_bytes
+            out: list[np.ndarray | None] = [np.empty(page, np.uint8) if f else None
+                                            for f in header.found]
+            targets = iter([p for p in out if p is not None])
+            cur, pos = None, page
+            for chunk in stream:
+                data = chunk.data
+                off = 0
+                while off < len(data):
+                    if pos == page:
+                        cur, pos = next(targets), 0
+                    take = min(page - pos, len(data) - off)
+                    cur[pos:pos + take] = np.frombuffer(data, np.uint8, take, off)
+                    pos += take
+                    off += take
+        except grpc.RpcError as e:
+            raise KVCacheRpcError(e.code(), e.details() or "", "Get") from None
+        return out
+
+    def remove(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+               salt: bytes | str = b"") -> int:
+        return self._call("Remove", self._selector(namespace, keys, tokens, salt)).removed
+
+    def stats(self) -> pb.StatsReply:
+        return self._call("Stats", pb.StatsRequest())
+
+    def events(self, after_seq: int = 0, resync: bool = False) -> Iterator[pb.EventBatch]:
+        """The node's event feed (admin token only); runs until the caller stops iterating."""
+        stream = self._stub.Events(pb.EventsRequest(after_seq=after_seq, resync=resync))
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise KVCacheRpcError(e.code(), e.details() or "", "Events") from None
+        finally:
+            stream.cancel()
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            for slab in self._slabs.values():
+                if slab is not None:
+                    slab.close()
+            self._slabs.clear()
+        self._channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
