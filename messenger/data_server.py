@@ -1,0 +1,271 @@
+"""The source side of the data port: a TCP listener that serves pinned pages to pulling peers.
+
+One thread per connection; each connection carries requests one after another (the puller
+pipelines them, so the next request is already waiting when a response ends). ``FETCH`` is served
+here; the RDMA transport adds its control requests with ``add_handler``.
+
+A connection that sends anything but this protocol (bad magic, unknown kind, oversized or
+inconsistent bodies, a frame cut short) is dropped with a warning; the process and every other
+connection carry on.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Header, Kind,
+                     ProtocolError, Status, checksum, is_disconnect, pack_header, recv_exact,
+                     send_buffers, set_io_timeout, unpack_header, unpack_keys_body)
+from .transport import PageSource
+
+log = logging.getLogger(__name__)
+
+# Pages per sendmsg call and bytes per call: few syscalls, bounded iovec count.
+_SEND_BATCH_PAGES = 32
+_SEND_BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SenderFaults:
+    """Test-only fault injection on the sending side.
+
+    ``corrupt_every``: flip one byte of every N-th page sent, after its checksum was computed
+    (the flip goes into a copy, never into the source's memory).
+    """
+
+    corrupt_every: int = 0
+
+
+@dataclass
+class DataServerStats:
+    connections: int = 0
+    dropped_connections: int = 0
+    requests: int = 0
+    pages_sent: int = 0
+    bytes_sent: int = 0
+    missing_pages: int = 0
+
+
+@dataclass
+class PeerConnection:
+    """One accepted connection and what must be undone when it closes (RDMA leases, QPs)."""
+
+    sock: socket.socket
+    peer: str
+    conn_id: int
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+    def read_body(self, header: Header, limit: int = MAX_CONTROL_BYTES) -> bytes:
+        if header.length > limit:
+            raise ProtocolError(f"{header.kind.name} body of {header.length} bytes exceeds the "
+                                f"limit of {limit}")
+        body = bytearray(header.length)
+        recv_exact(self.sock, memoryview(body))
+        if checksum(body) != header.checksum:
+            raise ProtocolError(f"{header.kind.name} body checksum mismatch")
+        return bytes(body)
+
+    def send(self, buffers: list) -> None:
+        send_buffers(self.sock, buffers)
+
+
+Handler = Callable[[PeerConnection, Header], None]
+
+
+class DataServer:
+    """Serves pages from a ``PageSource`` on ``host:port`` (port 0: pick a free one)."""
+
+    def __init__(self, source: PageSource, host: str = "127.0.0.1", port: int = 0,
+                 io_timeout_s: float = 30.0, faults: SenderFaults | None = None) -> None:
+        self.source = source
+        self.io_timeout_s = io_timeout_s
+        self.faults = faults or SenderFaults()
+        self.stats = DataServerStats()
+        self._handlers: dict[Kind, Handler] = {Kind.FETCH: self._serve_fetch}
+        self._lock = threading.Lock()
+        self._conns: dict[int, PeerConnection] = {}
+        self._ids = itertools.count(1)
+        self._pages_seen = 0
+        self._stopped = threading.Event()
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"data-accept-{self.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def add_handler(self, kind: Kind, handler: Handler) -> None:
+        self._handlers[kind] = handler
+
+    def start(self) -> "DataServer":
+        self._accept_thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._accept_thread.join(timeout=5)
+
+    # ---- connections -------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                log.warning("data port accept failed", exc_info=True)
+                continue
+            conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids))
+            with self._lock:
+                self._conns[conn.conn_id] = conn
+                self.stats.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name=f"data-conn-{conn.conn_id}").start()
+
+    def _serve(self, conn: PeerConnection) -> None:
+        sock = conn.sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_io_timeout(sock, self.io_timeout_s)
+        buf = bytearray(HEADER_BYTES)
+        try:
+            while not self._stopped.is_set():
+                if not self._wait_header(sock, buf):
+                    return
+                header = unpack_header(buf)
+                handler = self._handlers.get(header.kind)
+                if handler is None:
+                    raise ProtocolError(f"unexpected {header.kind.name} frame from a client")
+                with self._lock:
+                    self.stats.requests += 1
+                handler(conn, header)
+        except ProtocolError as e:
+            log.warning("data port: dropping connection from %s: %s", conn.peer, e)
+            with self._lock:
+                self.stats.dropped_connections += 1
+        except Exception as e:  # noqa: BLE001 - one connection must never take the server down
+            if is_disconnect(e):
+                log.info("data port: connection from %s closed: %s", conn.peer, e)
+            else:
+                log.exception("data port: error serving %s; dropping the connection", conn.peer)
+                with self._lock:
+                    self.stats.dropped_connections += 1
+        finally:
+            self._close(conn)
+
+    def _wait_header(self, sock: socket.socket, buf: bytearray) -> bool:
+        """Wait (idle is fine) for the next request header; False on a clean EOF."""
+        view = memoryview(buf)
+        while not self._stopped.is_set():
+            try:
+                got = sock.recv_into(view, HEADER_BYTES, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):
+                continue  # idle connection: keep waiting
+            if got == 0:
+                return False
+            if got < HEADER_BYTES:
+                recv_exact(sock, view[got:])  # the rest of a started frame must come promptly
+            return True
+        return False
+
+    def _close(self, conn: PeerConnection) -> None:
+        for undo in reversed(conn.on_close):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - cleanup of one resource must not skip the others
+                log.exception("data port: cleanup after %s failed", conn.peer)
+        try:
+            conn.sock.close()
+        finally:
+            with self._lock:
+                self._conns.pop(conn.conn_id, None)
+
+    # ---- FETCH ---------------------------------------------------------------------------------
+
+    def _serve_fetch(self, conn: PeerConnection, header: Header) -> None:
+        if header.count > MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(f"FETCH of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
+        namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
+        try:
+            mine = self.source.page_bytes(namespace)
+        except LookupError as e:
+            return self._send_error(conn, Status.INVALID, str(e))
+        if mine != page_bytes:
+            return self._send_error(conn, Status.INVALID,
+                                    f"page size mismatch for {namespace!r}: source pages are "
+                                    f"{mine} bytes, the request expects {page_bytes}")
+        try:
+            pinned = self.source.pin(namespace, keys)
+        except LookupError as e:
+            return self._send_error(conn, Status.INVALID, str(e))
+        except ConnectionError as e:
+            return self._send_error(conn, Status.UNAVAILABLE, f"source cannot pin pages: {e}")
+        try:
+            self._stream_pages(conn, keys, pinned.views)
+        finally:
+            pinned.release()
+
+    def _stream_pages(self, conn: PeerConnection, keys: list[bytes], views) -> None:
+        batch: list = []
+        batch_bytes = pages = sent_bytes = missing = 0
+        corrupt_every = self.faults.corrupt_every
+        for key, view in zip(keys, views):
+            if view is None:
+                batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
+                missing += 1
+                continue
+            csum = checksum(view)
+            if corrupt_every:
+                view = self._maybe_corrupt(view, corrupt_every)
+            batch.append(pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes,
+                                     checksum_=csum))
+            batch.append(view)
+            batch_bytes += view.nbytes
+            pages += 1
+            if len(batch) >= 2 * _SEND_BATCH_PAGES or batch_bytes >= _SEND_BATCH_BYTES:
+                conn.send(batch)
+                sent_bytes += batch_bytes
+                batch, batch_bytes = [], 0
+        batch.append(pack_header(Kind.END))
+        conn.send(batch)
+        sent_bytes += batch_bytes
+        with self._lock:
+            self.stats.pages_sent += pages
+            self.stats.bytes_sent += sent_bytes
+            self.stats.missing_pages += missing
+
+    def _maybe_corrupt(self, view: memoryview, every: int) -> memoryview:
+        with self._lock:
+            self._pages_seen += 1
+            hit = self._pages_seen % every == 0
+        if not hit:
+            return view
+        bad = bytearray(view)
+        bad[len(bad) // 2] ^= 0xFF
+        log.warning("fault injection: corrupting one byte of a page on the wire")
+        return memoryview(bad)
+
+    def _send_error(self, conn: PeerConnection, status: Status, message: str) -> None:
+        body = message.encode()[:MAX_CONTROL_BYTES]
+        conn.send([pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)),
+                   body])

@@ -1,0 +1,143 @@
+"""The transport interface: move pages named by keys from a peer's memory into local page views.
+
+Both ends are abstract here:
+- the **destination** calls ``Transport.fetch(peer, namespace, keys, views)``: one writable view
+  per key (a page leased on the destination node), filled in place, and gets one ``EntryResult``
+  per key. A transport never commits anything; the caller commits only entries that came back
+  ``ok``.
+- the **source** serves pages from a ``PageSource``: pin a batch of keys, hand out read-only views
+  (and offsets in its registered region, for RDMA), release when done.
+
+TCP (``tcp.py``) and RDMA (``rdma.py``) implement the same interface; the messenger does not care
+which one moved the bytes.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+class Outcome(enum.Enum):
+    """Per-entry result of a transfer; the names map to gRPC status codes in the service."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"            # the source does not hold the key
+    DATA_LOSS = "data_loss"            # checksum mismatch: the bytes were corrupted in flight
+    UNAVAILABLE = "unavailable"        # connection failed or cut, source could not pin
+    INVALID = "invalid"                # namespace / page size mismatch, bad request
+    RESOURCE_EXHAUSTED = "resource_exhausted"   # destination has no room
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class EntryResult:
+    outcome: Outcome
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+
+OK = EntryResult(Outcome.OK)
+
+
+class Transport(ABC):
+    """Pulls pages from peers. Thread-safe: several fetches may run at once."""
+
+    name: str
+
+    @abstractmethod
+    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
+              views: Sequence[memoryview]) -> list[EntryResult]:
+        """Fill ``views[i]`` with the page of ``keys[i]`` held by ``peer`` (its data address,
+        ``host:port``). Every view has the namespace's page size. Never raises for per-entry or
+        connection failures: they come back as results."""
+
+    def register_local(self, region: np.ndarray) -> None:
+        """Declare memory that views will point into (RDMA registers it once; TCP ignores it)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close connections and free resources."""
+
+
+@dataclass(slots=True)
+class PinnedPages:
+    """A batch of pages pinned on the source. ``views[i]`` is None when ``keys[i]`` is absent."""
+
+    views: list[memoryview | None]
+    offsets: list[int]                 # byte offset of each page in the namespace's region; -1
+    release: Callable[[], None]
+
+
+class PageSource(ABC):
+    """The source side: where the pages a peer asks for live."""
+
+    @abstractmethod
+    def page_bytes(self, namespace: str) -> int:
+        """Page size of the namespace; raises ``LookupError`` for an unknown namespace."""
+
+    @abstractmethod
+    def pin(self, namespace: str, keys: list[bytes]) -> PinnedPages:
+        """Pin the keys' pages so they cannot move until ``release``. Raises ``LookupError`` for
+        an unknown namespace, ``ConnectionError`` when pages cannot be pinned right now."""
+
+    def region(self, namespace: str) -> np.ndarray:
+        """The whole memory region (flat uint8) the namespace's pages live in (for RDMA)."""
+        raise LookupError(f"namespace {namespace!r} has no registrable region")
+
+
+class SlabPageSource(PageSource):
+    """Pages in one flat buffer addressed by a key -> slot map (tests and benchmarks).
+
+    The node-backed source (``node_source.py``) is the real one; this one lets the transports be
+    exercised with nothing but a numpy array or a ``SharedSlab``.
+    """
+
+    def __init__(self, namespace: str, region: np.ndarray, page_bytes: int,
+                 slots: dict[bytes, int] | None = None) -> None:
+        assert region.dtype == np.uint8 and region.ndim == 1
+        self.namespace = namespace
+        self._region = region
+        self._page_bytes = page_bytes
+        self.slots: dict[bytes, int] = dict(slots or {})
+        self.pins = 0          # outstanding pinned batches, for tests
+
+    def page_bytes(self, namespace: str) -> int:
+        self._check(namespace)
+        return self._page_bytes
+
+    def region(self, namespace: str) -> np.ndarray:
+        self._check(namespace)
+        return self._region
+
+    def pin(self, namespace: str, keys: list[bytes]) -> PinnedPages:
+        self._check(namespace)
+        pb = self._page_bytes
+        mv = memoryview(self._region)
+        views: list[memoryview | None] = []
+        offsets: list[int] = []
+        for key in keys:
+            slot = self.slots.get(key)
+            if slot is None:
+                views.append(None)
+                offsets.append(-1)
+            else:
+                views.append(mv[slot * pb:(slot + 1) * pb])
+                offsets.append(slot * pb)
+        self.pins += 1
+
+        def release() -> None:
+            self.pins -= 1
+
+        return PinnedPages(views, offsets, release)
+
+    def _check(self, namespace: str) -> None:
+        if namespace != self.namespace:
+            raise LookupError(f"unknown namespace {namespace!r}")

@@ -1,0 +1,258 @@
+"""TCP transport between two real processes: a slab peer (source) and this process (destination).
+
+The source is ``python -m messenger.slab_peer``: a DataServer over a shared-memory slab filled
+with a deterministic pattern; the destination receives into shared-memory page views.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.shm import SharedSlab, unique_shm_name
+from messenger.frames import (HEADER_BYTES, Kind, Status, checksum, pack_header, recv_exact,
+                              unpack_header, unpack_keys_body)
+from messenger.slab_peer import NAMESPACE, expected_page, fill_pattern, pattern_keys
+from messenger.tcp import TcpConfig, TcpTransport
+from messenger.transport import Outcome
+
+PAGES = 48
+PAGE_BYTES = 64 << 10
+
+
+class SlabPeer:
+    def __init__(self, *extra: str, pages: int = PAGES, page_bytes: int = PAGE_BYTES) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "messenger.slab_peer", "--pages", str(pages),
+             "--page-bytes", str(page_bytes), *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # READY is the real readiness signal
+        assert line.startswith("READY "), f"slab peer did not start: {line!r}"
+        self.address = json.loads(line[6:])["address"]
+        self.stats: dict | None = None
+
+    def stop(self) -> dict:
+        """Close its stdin (its signal to exit) and return its server stats; idempotent."""
+        if self.stats is None:
+            self.proc.stdin.close()
+            out = self.proc.stdout.read()
+            assert self.proc.wait(timeout=30) == 0
+            line = [ln for ln in out.splitlines() if ln.startswith("STATS ")][0]
+            self.stats = json.loads(line[6:])
+        return self.stats
+
+
+@pytest.fixture
+def peer():
+    p = SlabPeer()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def dest():
+    slab = SharedSlab.create(unique_shm_name("test-dst"), PAGES * PAGE_BYTES)
+    pages = slab.array.reshape(PAGES, PAGE_BYTES)
+    pages[:] = 0
+    yield pages
+    del pages
+    slab.close()
+    slab.unlink()
+
+
+def expected(n: int = PAGES) -> np.ndarray:
+    out = np.empty((n, PAGE_BYTES), dtype=np.uint8)
+    fill_pattern(out)
+    return out
+
+
+def views(pages: np.ndarray) -> list[memoryview]:
+    return [memoryview(pages[i]) for i in range(len(pages))]
+
+
+@pytest.mark.parametrize("lanes,request_bytes", [(1, 32 << 20), (3, 4 * PAGE_BYTES)])
+def test_fetch_moves_exact_bytes(peer, dest, lanes, request_bytes):
+    t = TcpTransport(TcpConfig(lanes=lanes, request_bytes=request_bytes))
+    try:
+        results = t.fetch(peer.address, NAMESPACE, pattern_keys(PAGES), views(dest))
+        assert [r.outcome for r in results] == [Outcome.OK] * PAGES
+        np.testing.assert_array_equal(dest, expected())
+        # Pooled connections are reused by the next fetch.
+        opened = t.stats.connections_opened
+        dest[:] = 0
+        results = t.fetch(peer.address, NAMESPACE, pattern_keys(PAGES)[5:9], views(dest[:4]))
+        assert all(r.ok for r in results)
+        np.testing.assert_array_equal(dest[:4], expected()[5:9])
+        assert t.stats.connections_opened == opened
+    finally:
+        t.close()
+    stats = peer.stop()
+    assert stats["pages_sent"] == PAGES + 4
+
+
+def test_missing_keys_fail_not_found_rest_complete(dest):
+    p = SlabPeer("--missing", "3,17")
+    t = TcpTransport(TcpConfig(lanes=2, request_bytes=8 * PAGE_BYTES))
+    try:
+        results = t.fetch(p.address, NAMESPACE, pattern_keys(PAGES), views(dest))
+    finally:
+        t.close()
+        p.stop()
+    assert {i for i, r in enumerate(results) if not r.ok} == {3, 17}
+    assert results[3].outcome is Outcome.NOT_FOUND
+    exp = expected()
+    for i in set(range(PAGES)) - {3, 17}:
+        np.testing.assert_array_equal(dest[i], exp[i])
+
+
+def test_corrupted_bytes_are_caught_by_the_checksum(dest):
+    p = SlabPeer("--corrupt-every", "5")
+    t = TcpTransport(TcpConfig(lanes=1))
+    try:
+        results = t.fetch(p.address, NAMESPACE, pattern_keys(PAGES), views(dest))
+    finally:
+        t.close()
+        p.stop()
+    bad = [i for i, r in enumerate(results) if not r.ok]
+    assert bad == list(range(4, PAGES, 5))
+    assert all(results[i].outcome is Outcome.DATA_LOSS for i in bad)
+    assert "checksum" in results[4].reason
+    exp = expected()
+    for i in set(range(PAGES)) - set(bad):
+        np.testing.assert_array_equal(dest[i], exp[i])
+
+
+def test_unknown_namespace_and_page_size_mismatch_fail_every_entry(peer, dest):
+    t = TcpTransport(TcpConfig(lanes=2))
+    try:
+        keys = pattern_keys(4)
+        res = t.fetch(peer.address, "other|ns", keys, views(dest[:4]))
+        assert {r.outcome for r in res} == {Outcome.INVALID}
+        assert "unknown namespace" in res[0].reason
+        half = [memoryview(dest[i])[: PAGE_BYTES // 2] for i in range(4)]
+        res = t.fetch(peer.address, NAMESPACE, keys, half)
+        assert {r.outcome for r in res} == {Outcome.INVALID}
+        assert "page size mismatch" in res[0].reason
+        # The connection stays usable after error replies.
+        res = t.fetch(peer.address, NAMESPACE, keys, views(dest[:4]))
+        assert all(r.ok for r in res)
+    finally:
+        t.close()
+
+
+def test_unreachable_peer_fails_every_entry_unavailable(dest):
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    t = TcpTransport(TcpConfig(lanes=2, connect_timeout_s=2))
+    try:
+        res = t.fetch(f"127.0.0.1:{port}", NAMESPACE, pattern_keys(3), views(dest[:3]))
+    finally:
+        t.close()
+    assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+    assert "cannot connect" in res[0].reason
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 64,             # wrong magic
+    pack_header(Kind.PAGE),                                        # a frame clients never send
+    pack_header(Kind.FETCH, count=1 << 20, length=16),             # too many keys
+    pack_header(Kind.FETCH, count=1, length=1 << 30),              # oversized body
+    pack_header(Kind.FETCH, count=2, length=4, checksum_=1) + b"abcd",  # bad body checksum
+])
+def test_garbage_on_the_data_port_drops_the_connection_and_server_survives(peer, dest, garbage):
+    host, port = peer.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(garbage)
+        # The server hangs up on us: EOF (or a reset) instead of a reply.
+        try:
+            assert s.recv(1024) == b""
+        except ConnectionResetError:
+            pass
+    t = TcpTransport()
+    try:
+        res = t.fetch(peer.address, NAMESPACE, pattern_keys(4), views(dest[:4]))
+        assert all(r.ok for r in res)
+    finally:
+        t.close()
+    assert peer.stop()["dropped_connections"] == 1
+
+
+class CuttingPeer:
+    """A source that answers one FETCH with ``full`` good pages and then half a page, then hangs
+    up: a connection cut mid-transfer, from the destination's point of view."""
+
+    def __init__(self, full: int, bad_reply: bytes | None = None) -> None:
+        self.full, self.bad_reply = full, bad_reply
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        with conn:
+            hbuf = bytearray(HEADER_BYTES)
+            recv_exact(conn, memoryview(hbuf))
+            h = unpack_header(hbuf)
+            body = bytearray(h.length)
+            recv_exact(conn, memoryview(body))
+            _, page_bytes, keys = unpack_keys_body(bytes(body), h.count)
+            if self.bad_reply is not None:
+                conn.sendall(self.bad_reply)
+                return
+            for i in range(self.full):
+                page = expected_page(i, page_bytes).tobytes()
+                conn.sendall(pack_header(Kind.PAGE, Status.OK, key=keys[i], length=page_bytes,
+                                         checksum_=checksum(page)) + page)
+            page = expected_page(self.full, page_bytes).tobytes()
+            conn.sendall(pack_header(Kind.PAGE, Status.OK, key=keys[self.full],
+                                     length=page_bytes, checksum_=checksum(page))
+                         + page[: page_bytes // 2])
+
+    def close(self) -> None:
+        self.thread.join(timeout=10)
+        self.server.close()
+
+
+def test_connection_cut_mid_transfer_fails_the_rest(dest):
+    p = CuttingPeer(full=3)
+    t = TcpTransport(TcpConfig(lanes=1))
+    try:
+        res = t.fetch(p.address, NAMESPACE, pattern_keys(8), views(dest[:8]))
+    finally:
+        t.close()
+        p.close()
+    assert [r.ok for r in res] == [True] * 3 + [False] * 5
+    assert all(r.outcome is Outcome.UNAVAILABLE for r in res[3:])
+    assert "lost" in res[3].reason
+    exp = expected(3)
+    np.testing.assert_array_equal(dest[:3], exp)
+
+
+def test_protocol_violation_by_the_source_fails_entries(dest):
+    p = CuttingPeer(full=0, bad_reply=b"\x00" * 200)
+    t = TcpTransport(TcpConfig(lanes=1))
+    try:
+        res = t.fetch(p.address, NAMESPACE, pattern_keys(4), views(dest[:4]))
+    finally:
+        t.close()
+        p.close()
+    assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+    assert "protocol error" in res[0].reason
+
+
+def test_bad_views_are_rejected(peer, dest):
+    t = TcpTransport()
+    try:
+        with pytest.raises(ValueError, match="writable"):
+            t.fetch(peer.address, NAMESPACE, pattern_keys(1), [memoryview(bytes(PAGE_BYTES))])
+        with pytest.raises(ValueError, match="keys but"):
+            t.fetch(peer.address, NAMESPACE, pattern_keys(2), views(dest[:1]))
+    finally:
+        t.close()
