@@ -245,11 +245,12 @@ def replay(trace: Trace, keys: Sequence[Sequence[BlockKey]], setup: CacheSetup,
                     ssd_hits += found.tiers.count(ssd)
                 lease = store.acquire(ks[:h])
                 store.release(lease.lease_id)
-            if h < len(ks):
-                # NOTE: a prompt longer than the whole cache keeps its first blocks: nothing is
-                # pinned here, so allocate can always evict down to the capacity.
-                missing = ks[h:h + dram_pages]
-                lease = store.allocate(missing)
+            # NOTE: a prompt longer than the DRAM tier keeps only its first ``dram_pages``
+            # blocks (hit prefix included): nothing is pinned here, so allocate can always evict
+            # down to that, and storing more would evict the prompt's own prefix.
+            end = min(len(ks), dram_pages)
+            if h < end:
+                lease = store.allocate(ks[h:end])
                 store.commit(lease.lease_id)
         if progress is not None:
             progress(len(trace) % _PROGRESS_EVERY or (_PROGRESS_EVERY if len(trace) else 0))
