@@ -1,0 +1,229 @@
+"""Cost models: how long prefill, KV transfer and a decode step take.
+
+The scheduler asks a ``CostModel`` four questions (all in seconds or bytes, all O(1)):
+
+- ``prefill_seconds(tokens, prefix_tokens)``: compute the prompt's uncached suffix when the first
+  ``prefix_tokens`` already have KV cache.
+- ``kv_bytes(tokens)``: KV cache size of ``tokens`` tokens of the modelled model.
+- ``transfer_seconds(nbytes)``: move ``nbytes`` of KV cache between two nodes.
+- ``decode_step_seconds(requests, tokens)``: one decode step (time between tokens) of a batch of
+  ``requests`` holding ``tokens`` tokens of context in total.
+
+``FlopsCostModel`` is Mooncake's analytic model (FAST'25, Table 1 / §5): prefill of ``n`` tokens
+costs ``flops(n) = l * (a * n^2 * d + b * n * d^2)``; with a cached prefix of ``p`` tokens the
+suffix costs ``flops(n) - flops(p)`` (the suffix attends to the whole prompt, the linear layers
+only run on the suffix). Defaults are Table 1's LLaMA3-70B on 8xA800.
+
+``FittedCostModel`` replaces the prefill part by ``quad * (n^2 - p^2) + lin * (n - p) + const``
+fitted by least squares from measured ``(n, prefix, seconds)`` samples (``fit_prefill``); the
+analytic model is the special case ``const = 0``.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Mooncake Table 1 notation: ``layers`` = l, ``hidden`` = d, ``a``/``b`` the attention and
+    linear-layer FLOP constants, ``gqa`` the query heads per KV head, ``elem_bytes`` = s."""
+
+    layers: int = 80
+    hidden: int = 8192
+    a: float = 4.0
+    b: float = 22.0
+    gqa: int = 8
+    elem_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer: ``l * 2 * (d / gqa) * s`` (327,680 B for LLaMA3-70B)."""
+        return int(self.layers * 2 * (self.hidden // self.gqa) * self.elem_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Weights read once per decode step: the linear layers' ``b * d^2 / 2`` params per
+        layer (``b * n * d^2`` FLOPs = 2 FLOPs per weight per token)."""
+        return self.layers * self.b * self.hidden ** 2 / 2 * self.elem_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One inference instance (Table 1: 8xA800, 312 TFLOPS bf16 each, 800 Gbps of NICs)."""
+
+    gpus: int = 8
+    flops_per_gpu: float = 312e12
+    mfu: float = 0.5                  # achieved fraction of peak FLOPs during prefill
+    hbm_bytes_per_s: float = 2.039e12  # per GPU (A800 80GB)
+    mbu: float = 0.6                  # achieved fraction of HBM bandwidth during decode
+    nic_gbps: float = 800.0           # per instance, all NICs together
+    nic_efficiency: float = 0.8       # achieved fraction of line rate for KV transfers
+    transfer_latency_s: float = 1e-3  # fixed cost of starting a transfer
+
+    @property
+    def prefill_flops_per_s(self) -> float:
+        return self.gpus * self.flops_per_gpu * self.mfu
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.nic_gbps * 1e9 / 8 * self.nic_efficiency
+
+
+class CostModel(ABC):
+    """What the scheduler needs to estimate TTFT and TBT. Implementations are immutable."""
+
+    @abstractmethod
+    def prefill_seconds(self, tokens: int, prefix_tokens: int = 0) -> float:
+        """Time to prefill a ``tokens``-token prompt whose first ``prefix_tokens`` are cached."""
+
+    @abstractmethod
+    def kv_bytes(self, tokens: int) -> int:
+        """KV cache bytes of ``tokens`` tokens."""
+
+    @abstractmethod
+    def transfer_seconds(self, nbytes: int) -> float:
+        """Time to move ``nbytes`` of KV cache from one node to another (0 for 0 bytes)."""
+
+    @abstractmethod
+    def decode_step_seconds(self, requests: int, tokens: int) -> float:
+        """Time per output token of a decode batch of ``requests`` with ``tokens`` context."""
+
+    def queued_prefill_seconds(self, tokens: int) -> float:
+        """Seconds of prefill work behind ``tokens`` queued prompt tokens whose split into
+        requests is unknown (a node's heartbeat): the per-token part only, a lower bound."""
+        return tokens * self.prefill_seconds(1) if tokens > 0 else 0.0
+
+
+def _check_tokens(tokens: int, prefix_tokens: int) -> None:
+    if tokens < 0 or prefix_tokens < 0:
+        raise InvalidArgument(f"token counts must be >= 0, got {tokens} and {prefix_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsCostModel(CostModel):
+    """Mooncake's analytic model; every estimate derives from ``model`` and ``hardware``."""
+
+    model: ModelSpec = ModelSpec()
+    hardware: HardwareSpec = HardwareSpec()
+
+    def flops(self, n: int) -> float:
+        """``l * (a * n^2 * d + b * n * d^2)``: FLOPs to prefill ``n`` tokens from scratch."""
+        m = self.model
+        return m.layers * (m.a * n * n * m.hidden + m.b * n * m.hidden * m.hidden)
+
+    def prefill_seconds(self, tokens: int, prefix_tokens: int = 0) -> float:
+        _check_tokens(tokens, prefix_tokens)
+        prefix_tokens = min(prefix_tokens, tokens)
+        return (self.flops(tokens) - self.flops(prefix_tokens)) / self.hardware.prefill_flops_per_s
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.model.kv_bytes_per_token
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        hw = self.hardware
+        return hw.transfer_latency_s + nbytes / hw.nic_bytes_per_s
+
+    def decode_step_seconds(self, requests: int, tokens: int) -> float:
+        """Memory-bound: each step reads the weights once and every request's KV cache."""
+        if requests <= 0:
+            return 0.0
+        hw = self.hardware
+        read = self.model.weight_bytes + tokens * self.model.kv_bytes_per_token
+        return read / (hw.gpus * hw.hbm_bytes_per_s * hw.mbu)
+
+    def queued_prefill_seconds(self, tokens: int) -> float:
+        return self.coefficients()[1] * tokens if tokens > 0 else 0.0
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(quad, lin, const)`` with prefill = quad*(n^2-p^2) + lin*(n-p) + const."""
+        m, rate = self.model, self.hardware.prefill_flops_per_s
+        return m.layers * m.a * m.hidden / rate, m.layers * m.b * m.hidden ** 2 / rate, 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FittedCostModel(CostModel):
+    """Prefill time ``quad*(n^2-p^2) + lin*(n-p) + const`` (``const`` only when something is
+    computed); KV size, transfer and decode estimates come from ``base``."""
+
+    quad: float
+    lin: float
+    const: float = 0.0
+    base: CostModel = FlopsCostModel()
+
+    def prefill_seconds(self, tokens: int, prefix_tokens: int = 0) -> float:
+        _check_tokens(tokens, prefix_tokens)
+        p = min(prefix_tokens, tokens)
+        if p == tokens:
+            return 0.0
+        return self.quad * (tokens * tokens - p * p) + self.lin * (tokens - p) + self.const
+
+    def kv_bytes(self, tokens: int) -> int:
+        return self.base.kv_bytes(tokens)
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return self.base.transfer_seconds(nbytes)
+
+    def decode_step_seconds(self, requests: int, tokens: int) -> float:
+        return self.base.decode_step_seconds(requests, tokens)
+
+    def queued_prefill_seconds(self, tokens: int) -> float:
+        return self.lin * tokens if tokens > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One measured prefill: ``tokens`` prompt tokens, ``prefix_tokens`` of them cached."""
+
+    tokens: int
+    prefix_tokens: int
+    seconds: float
+
+
+def fit_prefill(samples: Iterable[PrefillSample | Sequence[float]],
+                base: CostModel | None = None) -> FittedCostModel:
+    """Least-squares fit of ``quad``, ``lin``, ``const`` (each clamped to >= 0) to measured
+    prefills. Needs at least three samples with distinct suffix sizes; raises InvalidArgument
+    otherwise. One numpy solve: O(samples)."""
+    rows = [(s.tokens, s.prefix_tokens, s.seconds) if isinstance(s, PrefillSample) else
+            (s[0], s[1], s[2]) for s in samples]
+    if len(rows) < 3:
+        raise InvalidArgument(f"fitting a cost model needs >= 3 samples, got {len(rows)}")
+    arr = np.asarray(rows, dtype=np.float64)
+    n, p, t = arr[:, 0], np.minimum(arr[:, 1], arr[:, 0]), arr[:, 2]
+    if (n < 0).any() or (p < 0).any() or (t < 0).any() or not np.isfinite(arr).all():
+        raise InvalidArgument("samples must be finite, non-negative (tokens, prefix, seconds)")
+    x = np.stack([n * n - p * p, n - p, np.ones_like(n)], axis=1)
+    if np.linalg.matrix_rank(x) < 3:
+        raise InvalidArgument("samples do not determine the model: vary the suffix length")
+    # NOTE: scale columns so the solve is well conditioned (n^2 ~ 1e8 next to 1).
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, *_ = np.linalg.lstsq(x / scale, t, rcond=None)
+    coef = coef / scale
+    if (coef < 0).any():
+        # Refit with the negative terms dropped: a negative FLOP term is noise, not physics.
+        keep = coef >= 0
+        sub, *_ = np.linalg.lstsq(x[:, keep] / scale[keep], t, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = np.maximum(sub / scale[keep], 0.0)
+    quad, lin, const = (float(c) for c in coef)
+    return FittedCostModel(quad=quad, lin=lin, const=const, base=base or FlopsCostModel())
+
+
+def with_mfu(model: FlopsCostModel, mfu: float) -> FlopsCostModel:
+    """The same model at another MFU (0 < mfu <= 1)."""
+    if not 0 < mfu <= 1 or math.isnan(mfu):
+        raise InvalidArgument(f"mfu must be in (0, 1], got {mfu}")
+    return replace(model, hardware=replace(model.hardware, mfu=mfu))
+
+
+DEFAULT_COST_MODEL = FlopsCostModel()

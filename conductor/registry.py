@@ -1,0 +1,202 @@
+"""The node registry: who is in the cluster, what each node serves, its load, and its lease.
+
+A node registers (``NodeDescriptor``) and keeps its lease alive with heartbeats carrying its load
+(``NodeLoad``). ``expire(now)`` drops nodes whose lease lapsed, from the registry and from the
+global index. Registering again (a restarted node, or one that lapsed) starts a new *generation*:
+its index entries are reset and rebuilt from the snapshot its event feed starts with.
+
+``NodeState`` also carries the scheduler's ledger for the node (work the conductor sent there and
+has not seen finish), so a dropped node takes its ledger with it.
+
+Not thread-safe: ``conductor.core.Conductor`` serialises calls with one lock.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, NotFound
+from kvstore.layout import KVLayout
+from kvstore.tiers import Tier
+
+from .index import GlobalIndex
+
+DEFAULT_LEASE_S = 10.0
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @classmethod
+    def parse(cls, value: "str | Role") -> "Role":
+        if isinstance(value, Role):
+            return value
+        try:
+            return cls(value.lower())
+        except ValueError:
+            raise InvalidArgument(f"unknown node role {value!r}; use prefill, decode or both") \
+                from None
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierUsage:
+    tier: Tier
+    capacity_pages: int = 0
+    used_pages: int = 0
+    free_pages: int = 0
+    pinned_blocks: int = 0
+    page_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLoad:
+    """What a heartbeat reports (proto ``NodeLoad``)."""
+
+    queued_prefill_tokens: int = 0
+    running_decode_requests: int = 0
+    running_decode_tokens: int = 0
+    tiers: tuple[TierUsage, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeDescriptor:
+    """What a node tells the conductor when it registers."""
+
+    node_id: str
+    role: Role = Role.BOTH
+    address: str = ""             # its NodeService (gRPC); "" for simulated nodes
+    messenger_address: str = ""   # its MessengerService (gRPC); "" when none
+    layouts: tuple[KVLayout, ...] = ()
+    capacity: tuple[TierUsage, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_id, str) or not _NODE_ID.match(self.node_id):
+            raise InvalidArgument(
+                f"node id {self.node_id!r} must be 1-128 characters of letters, digits and "
+                "._:@- starting with a letter or digit")
+        object.__setattr__(self, "role", Role.parse(self.role))
+
+    @property
+    def namespaces(self) -> frozenset[str]:
+        return frozenset(layout.namespace for layout in self.layouts)
+
+    def serves(self, namespace: str) -> bool:
+        """True when the node serves ``namespace`` ("" matches every node)."""
+        return not namespace or any(l.namespace == namespace for l in self.layouts)
+
+
+@dataclass(slots=True, eq=False)
+class NodeState:
+    """A registered node: descriptor, lease, reported load, and the scheduler's ledger."""
+
+    descriptor: NodeDescriptor
+    generation: int
+    registered_at: float
+    lease_expires_at: float
+    load: NodeLoad = field(default_factory=NodeLoad)
+    last_heartbeat: float = 0.0
+    # ---- scheduler ledger (conductor.scheduler) ----
+    prefill_busy_until: float = 0.0   # when the prefill work sent here should be done
+    prefill_pending_s: float = 0.0    # estimated seconds of prefill sent and not yet done
+    prefill_pending: int = 0          # requests sent and not yet prefilled
+    decode_requests: int = 0          # requests decoding (or about to) here
+    decode_tokens: int = 0            # their context tokens
+
+    @property
+    def node_id(self) -> str:
+        return self.descriptor.node_id
+
+
+class Registry:
+    """Registered nodes with leases; keeps ``index`` in step (a node in one is in the other)."""
+
+    def __init__(self, index: GlobalIndex, lease_s: float = DEFAULT_LEASE_S) -> None:
+        if lease_s <= 0:
+            raise InvalidArgument(f"lease must be positive, got {lease_s}")
+        self.index = index
+        self.lease_s = lease_s
+        self._nodes: dict[str, NodeState] = {}
+        self._generation = 0
+        self.version = 0          # bumped on every membership change (caches key on it)
+
+    def register(self, descriptor: NodeDescriptor, now: float,
+                 load: NodeLoad | None = None) -> NodeState:
+        """Add (or re-add) a node. Its index entries start empty: its event feed must start
+        with a snapshot. Returns the new state (``generation`` identifies this registration)."""
+        if descriptor.node_id in self._nodes:
+            self.drop(descriptor.node_id)
+        self._generation += 1
+        state = NodeState(descriptor=descriptor, generation=self._generation,
+                          registered_at=now, lease_expires_at=now + self.lease_s,
+                          load=load or NodeLoad(), last_heartbeat=now,
+                          prefill_busy_until=now)
+        self._nodes[descriptor.node_id] = state
+        self.index.add_node(descriptor.node_id)
+        self.version += 1
+        return state
+
+    def heartbeat(self, node_id: str, now: float, load: NodeLoad | None = None,
+                  generation: int = 0) -> NodeState:
+        """Renew a lease. NotFound when the node is unknown, its lease lapsed, or
+        ``generation`` (if given) names an older registration: the node must register again."""
+        state = self._nodes.get(node_id)
+        if state is None or (generation and generation != state.generation):
+            raise NotFound(f"node {node_id!r} is not registered (lease lapsed or conductor "
+                           "restarted): register again")
+        state.lease_expires_at = now + self.lease_s
+        state.last_heartbeat = now
+        if load is not None:
+            state.load = load
+        return state
+
+    def drop(self, node_id: str) -> NodeState | None:
+        state = self._nodes.pop(node_id, None)
+        if state is not None:
+            self.index.drop_node(node_id)
+            self.version += 1
+        return state
+
+    def expire(self, now: float) -> list[NodeState]:
+        """Drop every node whose lease lapsed before ``now``."""
+        lapsed = [s for s in self._nodes.values() if s.lease_expires_at < now]
+        for state in lapsed:
+            self.drop(state.node_id)
+        return lapsed
+
+    def get(self, node_id: str) -> NodeState:
+        state = self._nodes.get(node_id)
+        if state is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        return state
+
+    def find(self, node_id: str) -> NodeState | None:
+        return self._nodes.get(node_id)
+
+    def nodes(self) -> list[NodeState]:
+        return list(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._nodes
+
+    def layout(self, namespace: str) -> KVLayout | None:
+        """The layout registered for ``namespace`` by any node, or None."""
+        for state in self._nodes.values():
+            for layout in state.descriptor.layouts:
+                if layout.namespace == namespace:
+                    return layout
+        return None

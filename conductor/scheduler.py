@@ -1,0 +1,488 @@
+"""KV-cache-centric request scheduling (Mooncake FAST'25, Algorithm 1).
+
+``Scheduler.schedule(request, now)`` picks a prefill node and a decode node for one request:
+
+1. The global index gives, for every node, how many leading blocks of the request it holds
+   (``local``) and the best prefix anywhere (``best``, on ``source``).
+2. For every prefill candidate: ``queue`` = prefill work the conductor sent there and has not
+   seen finish (or what the node's heartbeat reports, whichever is larger);
+   ``TTFT_local = queue + prefill(prompt, local)``. The ``global-cache`` policy also considers
+   fetching blocks ``[local, best)`` from ``source``:
+   ``TTFT_fetch = max(queue, transfer) + prefill(prompt, best)`` (the node's messenger fetches
+   while the request waits in the queue) and takes it only when it beats ``TTFT_local`` by the
+   ``min_transfer_gain`` fraction: moving blocks is not free for the network or the cache.
+3. The policy picks the prefill option (see ``POLICIES``) and a decode node (lowest predicted
+   time between tokens, TBT, after adding this request).
+4. ``SLORejected`` (gRPC ``RESOURCE_EXHAUSTED``) when the chosen TTFT or TBT misses the
+   request's SLO; otherwise the choice is entered in the ledger and returned as a ``Decision``.
+
+The ledger keeps queue estimates honest: ``prefill_done(request_id, now)`` re-anchors the node's
+queue at ``now``, ``complete(request_id, now)`` frees the decode slot.
+
+Time is explicit: every method takes ``now`` (default: ``clock()``), so a trace simulation drives
+the scheduler in simulated time. Single-threaded: ``conductor.core.Conductor`` adds the lock the
+gRPC service needs; a simulation calls the scheduler directly::
+
+    index = GlobalIndex(); registry = Registry(index)
+    sched = Scheduler(registry, cost_model=FlopsCostModel(), policy="global-cache")
+    registry.register(NodeDescriptor(node_id="p0", role=Role.PREFILL), now=0.0)
+    index.apply_events("p0", store.take_events())        # kvstore events of the node's store
+    d = sched.schedule(Request(request_id="r1", keys=keys, prompt_tokens=n, block_tokens=512),
+                       now=t)
+    sched.prefill_done("r1", now=t + d.est_ttft_s); sched.complete("r1", now=t_end)
+"""
+from __future__ import annotations
+
+import random
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound
+
+from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample, fit_prefill
+from .registry import NodeDescriptor, NodeState, Registry
+
+
+# ---- boundary types -------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One request to place. ``keys`` are the chained keys of the prompt's full blocks, already
+    scoped to the caller's tenant (``kvstore.keys.scope_keys``)."""
+
+    request_id: str
+    keys: Sequence[bytes]
+    prompt_tokens: int
+    block_tokens: int
+    output_tokens: int = 0
+    namespace: str = ""               # only nodes serving it are candidates ("" = any node)
+    ttft_slo_s: float | None = None   # None / 0: no SLO
+    tbt_slo_s: float | None = None
+    block_bytes: int | None = None    # KV bytes per block; None: cost_model.kv_bytes(block)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferPlan:
+    """Move ``keys`` (blocks ``first_block ..`` of the request) from ``src`` to ``dst``."""
+
+    request_id: str
+    namespace: str
+    src: NodeDescriptor
+    dst: NodeDescriptor
+    keys: tuple[bytes, ...]
+    first_block: int
+    nbytes: int
+    est_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    request_id: str
+    policy: str
+    prefill: NodeDescriptor
+    decode: NodeDescriptor
+    total_blocks: int        # full blocks in the prompt
+    local_blocks: int        # prefix the prefill node holds now
+    best_blocks: int         # longest prefix any node holds
+    reuse_blocks: int        # prefix the prefill node will have (local, or best after fetching)
+    transfer: TransferPlan | None
+    est_queue_s: float
+    est_transfer_s: float
+    est_prefill_s: float
+    est_ttft_s: float
+    est_tbt_s: float
+    decided_at: float
+
+    @property
+    def prefill_node(self) -> str:
+        return self.prefill.node_id
+
+    @property
+    def decode_node(self) -> str:
+        return self.decode.node_id
+
+
+class SLORejected(CapacityExhausted):
+    """No choice meets the request's SLO (gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, slo: str, limit_s: float, estimate_s: float, detail: str) -> None:
+        super().__init__(f"{slo} SLO of {limit_s * 1e3:.1f} ms cannot be met: best estimate "
+                         f"{estimate_s * 1e3:.1f} ms ({detail}); retry later or relax the SLO")
+        self.slo, self.limit_s, self.estimate_s = slo, limit_s, estimate_s
+
+
+class NoNodeAvailable(FailedPrecondition):
+    """No live node can take the request (none registered for its namespace / role)."""
+
+
+# ---- options the policies choose from -------------------------------------------------------
+
+@dataclass(slots=True)
+class PrefillOption:
+    node: NodeState
+    local_blocks: int
+    queue_s: float
+    reuse_blocks: int
+    transfer_s: float
+    prefill_s: float
+    ttft_s: float
+    source: NodeState | None = None   # fetch [local_blocks, reuse_blocks) from here
+
+
+@dataclass(slots=True)
+class DecodeOption:
+    node: NodeState
+    requests: int            # after adding this request
+    tokens: int
+    tbt_s: float
+
+
+@dataclass(slots=True)
+class PrefillContext:
+    """What a policy sees: the options with local prefixes, and how to price a fetch."""
+
+    request: Request
+    options: list[PrefillOption]
+    best_blocks: int
+    best_source: NodeState | None
+    fetch: Callable[[PrefillOption], PrefillOption | None]
+
+
+class SchedulingPolicy(ABC):
+    """Chooses among the options the scheduler prices. Registered by name in ``POLICIES``."""
+
+    name: str = ""
+
+    @abstractmethod
+    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption: ...
+
+    def pick_decode(self, options: list[DecodeOption]) -> DecodeOption:
+        return min(options, key=lambda o: o.tbt_s)
+
+
+class RandomPolicy(SchedulingPolicy):
+    """Uniformly random prefill and decode nodes (a node still reuses its own prefix)."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
+        return ctx.options[self._rng.randrange(len(ctx.options))]
+
+    def pick_decode(self, options: list[DecodeOption]) -> DecodeOption:
+        return options[self._rng.randrange(len(options))]
+
+
+class LoadPolicy(SchedulingPolicy):
+    """Shortest prefill queue, ignoring the cache; least-loaded decode node."""
+
+    name = "load"
+
+    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
+        return min(ctx.options, key=lambda o: o.queue_s)
+
+
+class LocalCachePolicy(SchedulingPolicy):
+    """Minimum TTFT counting only the prefix each node already holds: no transfers."""
+
+    name = "local-cache"
+
+    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
+        return min(ctx.options, key=lambda o: o.ttft_s)
+
+
+class GlobalCachePolicy(SchedulingPolicy):
+    """Mooncake Algorithm 1: minimum TTFT where a node may fetch the best prefix first."""
+
+    name = "global-cache"
+
+    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
+        best = None
+        for option in ctx.options:
+            fetched = ctx.fetch(option)
+            if fetched is not None:
+                option = fetched
+            if best is None or option.ttft_s < best.ttft_s:
+                best = option
+        assert best is not None
+        return best
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    p.name: p for p in (RandomPolicy, LoadPolicy, LocalCachePolicy, GlobalCachePolicy)
+}
+
+
+def make_policy(name: str, seed: int | None = None) -> SchedulingPolicy:
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InvalidArgument(f"unknown scheduling policy {name!r}; use one of {sorted(POLICIES)}")
+    return cls(seed) if cls is RandomPolicy else cls()
+
+
+# ---- the scheduler --------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    min_transfer_gain: float = 0.05   # fetch only when it cuts TTFT by at least this fraction
+    stale_after_s: float = 900.0      # ledger entries never completed are dropped after this
+    max_samples: int = 4096           # measured prefills kept for refitting the cost model
+
+
+@dataclass(slots=True)
+class _Pending:
+    prefill_node: str
+    prefill_generation: int
+    decode_node: str
+    decode_generation: int
+    prompt_tokens: int
+    reuse_tokens: int
+    prefill_s: float
+    context_tokens: int
+    deadline: float
+    prefilled: bool = False
+
+
+class Scheduler:
+    """Places requests on nodes of ``registry`` using its ``index`` and ``cost_model``."""
+
+    def __init__(self, registry: Registry, cost_model: CostModel = DEFAULT_COST_MODEL,
+                 policy: str | SchedulingPolicy = "global-cache",
+                 config: SchedulerConfig = SchedulerConfig(),
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+        self.registry = registry
+        self.index = registry.index
+        self.cost_model = cost_model
+        self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
+        self.config = config
+        self.clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
+        self._candidates: dict[str, tuple[int, list[NodeState], list[NodeState]]] = {}
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def schedule(self, request: Request, now: float | None = None) -> Decision:
+        """Choose nodes for ``request`` and enter it in the ledger. Raises ``SLORejected``,
+        ``NoNodeAvailable``, or ``InvalidArgument`` for a malformed request. Cost:
+        O(longest held prefix + prefill and decode candidates)."""
+        now = self.clock() if now is None else now
+        self._validate(request)
+        prefill_nodes, decode_nodes = self._candidates_for(request.namespace)
+        cost = self.cost_model
+        n = request.prompt_tokens
+        bt = request.block_tokens
+
+        prefix = self.index.prefix_lengths(request.keys) if request.keys else {}
+        best_blocks, best_source = 0, None
+        for node_id, blocks in prefix.items():
+            if blocks > best_blocks:
+                best_blocks, best_source = blocks, self.registry.find(node_id)
+
+        options = []
+        for node in prefill_nodes:
+            local = prefix.get(node.node_id, 0)
+            queue = self.queue_seconds(node, now)
+            prefill = cost.prefill_seconds(n, local * bt)
+            options.append(PrefillOption(node=node, local_blocks=local, queue_s=queue,
+                                         reuse_blocks=local, transfer_s=0.0, prefill_s=prefill,
+                                         ttft_s=queue + prefill))
+        block_bytes = request.block_bytes or cost.kv_bytes(bt)
+
+        def fetch(option: PrefillOption) -> PrefillOption | None:
+            if best_source is None or option.local_blocks >= best_blocks:
+                return None
+            transfer = cost.transfer_seconds((best_blocks - option.local_blocks) * block_bytes)
+            prefill = cost.prefill_seconds(n, best_blocks * bt)
+            ttft = max(option.queue_s, transfer) + prefill
+            if ttft >= option.ttft_s * (1.0 - self.config.min_transfer_gain):
+                return None
+            return PrefillOption(node=option.node, local_blocks=option.local_blocks,
+                                 queue_s=option.queue_s, reuse_blocks=best_blocks,
+                                 transfer_s=transfer, prefill_s=prefill, ttft_s=ttft,
+                                 source=best_source)
+
+        chosen = self.policy.pick_prefill(PrefillContext(
+            request=request, options=options, best_blocks=best_blocks, best_source=best_source,
+            fetch=fetch))
+
+        context = n + request.output_tokens
+        decode_options = []
+        for node in decode_nodes:
+            reqs = max(node.decode_requests, node.load.running_decode_requests) + 1
+            toks = max(node.decode_tokens, node.load.running_decode_tokens) + context
+            decode_options.append(DecodeOption(node=node, requests=reqs, tokens=toks,
+                                               tbt_s=cost.decode_step_seconds(reqs, toks)))
+        decode = self.policy.pick_decode(decode_options)
+
+        if request.ttft_slo_s and chosen.ttft_s > request.ttft_slo_s:
+            raise SLORejected("TTFT", request.ttft_slo_s, chosen.ttft_s,
+                              f"node {chosen.node.node_id}: queue {chosen.queue_s * 1e3:.1f} ms, "
+                              f"transfer {chosen.transfer_s * 1e3:.1f} ms, prefill "
+                              f"{chosen.prefill_s * 1e3:.1f} ms of {n - chosen.reuse_blocks * bt}"
+                              f" uncached tokens")
+        if request.tbt_slo_s and decode.tbt_s > request.tbt_slo_s:
+            raise SLORejected("TBT", request.tbt_slo_s, decode.tbt_s,
+                              f"node {decode.node.node_id}: {decode.requests} requests, "
+                              f"{decode.tokens} tokens of context")
+        return self._admit(request, chosen, decode, best_blocks, block_bytes, now)
+
+    def _admit(self, request: Request, chosen: PrefillOption, decode: DecodeOption,
+               best_blocks: int, block_bytes: int, now: float) -> Decision:
+        node = chosen.node
+        start = max(now + chosen.transfer_s, node.prefill_busy_until, now)
+        node.prefill_busy_until = start + chosen.prefill_s
+        node.prefill_pending_s += chosen.prefill_s
+        node.prefill_pending += 1
+        context = request.prompt_tokens + request.output_tokens
+        decode.node.decode_requests += 1
+        decode.node.decode_tokens += context
+        self._pending[request.request_id] = _Pending(
+            prefill_node=node.node_id, prefill_generation=node.generation,
+            decode_node=decode.node.node_id, decode_generation=decode.node.generation,
+            prompt_tokens=request.prompt_tokens,
+            reuse_tokens=chosen.reuse_blocks * request.block_tokens,
+            prefill_s=chosen.prefill_s, context_tokens=context,
+            deadline=node.prefill_busy_until + self.config.stale_after_s)
+
+        transfer = None
+        if chosen.source is not None and chosen.reuse_blocks > chosen.local_blocks:
+            keys = tuple(request.keys[chosen.local_blocks:chosen.reuse_blocks])
+            transfer = TransferPlan(request_id=request.request_id, namespace=request.namespace,
+                                    src=chosen.source.descriptor, dst=node.descriptor, keys=keys,
+                                    first_block=chosen.local_blocks,
+                                    nbytes=len(keys) * block_bytes, est_seconds=chosen.transfer_s)
+        return Decision(request_id=request.request_id, policy=self.policy.name,
+                        prefill=node.descriptor, decode=decode.node.descriptor,
+                        total_blocks=len(request.keys), local_blocks=chosen.local_blocks,
+                        best_blocks=best_blocks, reuse_blocks=chosen.reuse_blocks,
+                        transfer=transfer, est_queue_s=chosen.queue_s,
+                        est_transfer_s=chosen.transfer_s, est_prefill_s=chosen.prefill_s,
+                        est_ttft_s=chosen.ttft_s, est_tbt_s=decode.tbt_s, decided_at=now)
+
+    def queue_seconds(self, node: NodeState, now: float) -> float:
+        """Prefill work ahead of a new request on ``node``: the ledger's view or the node's
+        own report (queued tokens from its last heartbeat), whichever is larger."""
+        own = node.prefill_busy_until - now
+        reported = self.cost_model.queued_prefill_seconds(node.load.queued_prefill_tokens)
+        return max(own, reported, 0.0)
+
+    # ---- the ledger -----------------------------------------------------------------------
+
+    def prefill_done(self, request_id: str, now: float | None = None,
+                     measured_s: float | None = None) -> None:
+        """The prefill of ``request_id`` finished: its node's queue is re-anchored at ``now``.
+        ``measured_s`` (the prefill's real duration) is kept as a cost-model sample.
+        Idempotent; NotFound for an unknown request."""
+        now = self.clock() if now is None else now
+        pending = self._get(request_id)
+        if measured_s is not None:
+            if not measured_s >= 0:
+                raise InvalidArgument(f"measured prefill seconds must be >= 0, got {measured_s}")
+            self._samples.append(PrefillSample(pending.prompt_tokens, pending.reuse_tokens,
+                                               measured_s))
+        if pending.prefilled:
+            return
+        pending.prefilled = True
+        node = self.registry.find(pending.prefill_node)
+        if node is None or node.generation != pending.prefill_generation:
+            return  # the node left (or re-registered with an empty ledger)
+        node.prefill_pending = max(node.prefill_pending - 1, 0)
+        node.prefill_pending_s = max(node.prefill_pending_s - pending.prefill_s, 0.0)
+        if node.prefill_pending == 0:
+            node.prefill_pending_s = 0.0  # no float drift when idle
+        node.prefill_busy_until = now + node.prefill_pending_s
+
+    def complete(self, request_id: str, now: float | None = None) -> None:
+        """``request_id`` finished (or was abandoned): free its prefill and decode share."""
+        now = self.clock() if now is None else now
+        pending = self._get(request_id)
+        if not pending.prefilled:
+            self.prefill_done(request_id, now)
+        del self._pending[request_id]
+        node = self.registry.find(pending.decode_node)
+        if node is None or node.generation != pending.decode_generation:
+            return
+        node.decode_requests = max(node.decode_requests - 1, 0)
+        node.decode_tokens = max(node.decode_tokens - pending.context_tokens, 0)
+
+    def expire_stale(self, now: float | None = None) -> list[str]:
+        """Complete ledger entries nobody completed within ``stale_after_s`` of their expected
+        prefill end (a lost client must not inflate queue estimates forever)."""
+        now = self.clock() if now is None else now
+        stale = [rid for rid, p in self._pending.items() if p.deadline < now]
+        for rid in stale:
+            self.complete(rid, now)
+        return stale
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    # ---- cost model samples ---------------------------------------------------------------
+
+    def samples(self) -> list[PrefillSample]:
+        return list(self._samples)
+
+    def refit_cost_model(self, min_samples: int = 16) -> bool:
+        """Replace the prefill part of the cost model by a fit to the measured samples
+        (``prefill_done(measured_s=...)``). False when there are too few samples."""
+        if len(self._samples) < min_samples:
+            return False
+        self.cost_model = fit_prefill(self._samples, base=self.cost_model)
+        return True
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _get(self, request_id: str) -> _Pending:
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise NotFound(f"request {request_id!r} is not scheduled (never, or already "
+                           "completed / expired)")
+        return pending
+
+    def _validate(self, request: Request) -> None:
+        if not request.request_id:
+            raise InvalidArgument("request_id must be non-empty")
+        if request.request_id in self._pending:
+            raise InvalidArgument(f"request {request.request_id!r} is already scheduled; "
+                                  "complete it first or use a new id")
+        if request.block_tokens <= 0:
+            raise InvalidArgument(f"block_tokens must be positive, got {request.block_tokens}")
+        if request.prompt_tokens <= 0:
+            raise InvalidArgument(f"prompt_tokens must be positive, got {request.prompt_tokens}")
+        if request.prompt_tokens < len(request.keys) * request.block_tokens:
+            raise InvalidArgument(
+                f"prompt_tokens {request.prompt_tokens} < {len(request.keys)} blocks x "
+                f"{request.block_tokens} tokens: the prompt is longer than stated")
+        if request.output_tokens < 0:
+            raise InvalidArgument(f"output_tokens must be >= 0, got {request.output_tokens}")
+        for name in ("ttft_slo_s", "tbt_slo_s"):
+            value = getattr(request, name)
+            if value is not None and not value >= 0:
+                raise InvalidArgument(f"{name} must be >= 0 (0: no SLO), got {value}")
+
+    def _candidates_for(self, namespace: str) -> tuple[list[NodeState], list[NodeState]]:
+        """Prefill and decode candidates serving ``namespace``, cached per registry version."""
+        cached = self._candidates.get(namespace)
+        if cached is not None and cached[0] == self.registry.version:
+            return cached[1], cached[2]
+        nodes = [s for s in self.registry.nodes() if s.descriptor.serves(namespace)]
+        prefill = [s for s in nodes if s.descriptor.role.prefills]
+        decode = [s for s in nodes if s.descriptor.role.decodes]
+        if not prefill or not decode:
+            what = "prefill" if not prefill else "decode"
+            scope = f" serving namespace {namespace!r}" if namespace else ""
+            raise NoNodeAvailable(f"no live {what} node{scope} is registered; start one or "
+                                  "wait for nodes to register")
+        if len(self._candidates) > 64:
+            self._candidates.clear()
+        self._candidates[namespace] = (self.registry.version, prefill, decode)
+        return prefill, decode
