@@ -359,6 +359,7 @@ class TieredStore:
     def commit(self, lease_id: int) -> CommitResult:
         """Publish a lease's pages. Keys another writer published first keep the first copy."""
         with self._lock:
+            self._expire_locked()
             state = self._write_leases.pop(lease_id, None)
             if state is None:
                 raise FailedPrecondition(
@@ -440,6 +441,7 @@ class TieredStore:
 
     def release(self, lease_id: int) -> None:
         with self._lock:
+            self._expire_locked()
             state = self._read_leases.pop(lease_id, None)
             if state is None:
                 raise NotFound(f"release of read lease {lease_id}: no such lease (expired?)")
@@ -449,6 +451,7 @@ class TieredStore:
         """Push a read or write lease's deadline ``ttl_s`` from now; returns the new deadline."""
         ttl_s = self._ttl(ttl_s)
         with self._lock:
+            self._expire_locked()
             state = self._read_leases.get(lease_id) or self._write_leases.get(lease_id)
             if state is None:
                 raise NotFound(f"lease {lease_id} does not exist (expired or released)")
@@ -466,6 +469,7 @@ class TieredStore:
         with self._lock:
             if not self._tiers[tier].pool.has_data:
                 raise FailedPrecondition("this store is metadata_only: it keeps no page bytes")
+            self._expire_locked()
             if lease.lease_id not in self._read_leases:
                 raise FailedPrecondition(f"read lease {lease.lease_id} expired or was released")
             if not self._tiers[tier].pool.read_page_into(slot, key, out):
@@ -569,6 +573,9 @@ class TieredStore:
         return ts
 
     def _write_lease(self, lease_id: int) -> _WriteLeaseState:
+        # NOTE: sweep first so that a lease is dead from its deadline on, not from whenever the
+        # next allocate/acquire happens to sweep (a late writer must not publish).
+        self._expire_locked()
         state = self._write_leases.get(lease_id)
         if state is None:
             raise FailedPrecondition(f"write lease {lease_id} does not exist (never allocated, "
