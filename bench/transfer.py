@@ -1,0 +1,324 @@
+"""``kvcache bench transfer``: messenger TCP transfer throughput against references run alongside.
+
+For each page size, ``--total`` bytes move from a source process to this process, three ways:
+
+- **raw**: the reference. A plain two-process Python socket copy: the child ``sendall``s
+  page-sized memoryview slices of a prefaulted buffer, this process ``recv_into``s a
+  preallocated buffer (the shape of ``shared/peers/baseline_bench.py``, in the pull direction).
+- **messenger**: the real TCP transport. The child is ``python -m messenger.slab_peer`` (a
+  ``DataServer`` over a shared-memory slab of pages); this process calls ``TcpTransport.fetch``
+  for every page's key into page views of its own shared-memory slab: request framing, lanes,
+  pipelining and xxh3 checksums on both sides included.
+- **mooncake**: Mooncake's Transfer Engine over TCP (``mooncake_te_bench.py`` from
+  ``shared/peers``, batch read = a pull, and batch write), when a Python with
+  ``mooncake-transfer-engine-non-cuda`` is available (``--mooncake-python``); skipped with a
+  message otherwise.
+
+Median of ``--runs`` timed runs after one warm-up; GB/s = 1e9 bytes/s. Ratios are printed
+against the raw socket and against Mooncake's batch read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.shm import SharedSlab, unique_shm_name
+
+from .report import Column, plot_bars, print_table, write_json
+
+MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PEERS = ROOT.parent / "shared" / "peers"
+DEFAULT_MC_PYTHON = "/tmp/mc-venv/bin/python"
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '64M', '4MiB', '4096' -> bytes (binary suffixes: these are buffer sizes)."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    if mult != 1:
+        s = s[:-1]
+    try:
+        value = float(s) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1G, 64M, 4096") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number of bytes")
+    return int(value)
+
+
+def human(n: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Measurement:
+    method: str
+    page_bytes: int
+    total_bytes: int
+    runs_s: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.runs_s)
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.median_s / 1e9
+
+    def as_row(self) -> dict:
+        return {"method": self.method, "page": human(self.page_bytes),
+                "gbps": self.gbps, "runs": [round(self.total_bytes / s / 1e9, 3)
+                                            for s in self.runs_s],
+                "pages_per_s": self.total_bytes / self.page_bytes / self.median_s,
+                "note": self.note}
+
+
+# ---- raw socket reference ---------------------------------------------------------------------
+
+def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
+    """Child role: wait for a request byte, send ``total`` bytes in ``chunk`` slices, repeat."""
+    data = bytearray(total)
+    mv = memoryview(data)
+    for off in range(0, total, MIB):   # prefault and give the bytes a value
+        data[off:off + MIB] = b"\x09" * min(MIB, total - off)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(rounds):
+            if s.recv(1) != b"G":
+                return
+            for off in range(0, total, chunk):
+                s.sendall(mv[off:off + chunk])
+
+
+def bench_raw(total: int, chunk: int, runs: int) -> Measurement:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-m", "bench.transfer", "--role", "raw-sender",
+                              "--port", str(port), "--total", str(total),
+                              "--chunk", str(chunk), "--rounds", str(runs + 1)], cwd=ROOT)
+    m = Measurement("raw socket", chunk, total)
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        listener.close()
+        buf = np.zeros(total, dtype=np.uint8)   # prefaulted
+        mv = memoryview(buf)
+        with conn:
+            for r in range(runs + 1):
+                t0 = time.perf_counter()
+                conn.sendall(b"G")
+                pos = 0
+                while pos < total:
+                    n = conn.recv_into(mv[pos:], total - pos)
+                    if n == 0:
+                        raise RuntimeError("raw sender closed early")
+                    pos += n
+                dt = time.perf_counter() - t0
+                if r:
+                    m.runs_s.append(dt)
+        if not (buf[0] == 9 and buf[-1] == 9):
+            raise RuntimeError("raw reference received wrong bytes")
+    finally:
+        child.wait(timeout=60)
+    return m
+
+
+# ---- the messenger's TCP transport ------------------------------------------------------------
+
+def bench_messenger(total: int, page_bytes: int, runs: int, lanes: int, request_bytes: int,
+                    verify: bool) -> Measurement:
+    from messenger.slab_peer import NAMESPACE, fill_pattern, pattern_keys
+    from messenger.tcp import TcpConfig, TcpTransport
+
+    n = total // page_bytes
+    child = subprocess.Popen([sys.executable, "-m", "messenger.slab_peer", "--pages", str(n),
+                              "--page-bytes", str(page_bytes)], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    m = Measurement(f"messenger tcp x{lanes}", page_bytes, total)
+    slab = SharedSlab.create(unique_shm_name("bench-dst"), n * page_bytes)
+    transport = TcpTransport(TcpConfig(lanes=lanes, request_bytes=request_bytes))
+    try:
+        line = child.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"slab peer did not start: {line!r}")
+        address = json.loads(line[6:])["address"]
+        pages = slab.array.reshape(n, page_bytes)
+        pages[:] = 0   # prefault, as the raw reference's buffer is
+        keys = pattern_keys(n)
+        views = [memoryview(pages[i]) for i in range(n)]
+        for r in range(runs + 1):
+            t0 = time.perf_counter()
+            results = transport.fetch(address, NAMESPACE, keys, views)
+            dt = time.perf_counter() - t0
+            failed = [res for res in results if not res.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} pages failed: {failed[0].reason}")
+            if r:
+                m.runs_s.append(dt)
+        if verify:
+            expected = np.empty((min(n, 64), page_bytes), dtype=np.uint8)
+            fill_pattern(expected)
+            if not np.array_equal(pages[:len(expected)], expected):
+                raise RuntimeError("messenger transfer delivered wrong bytes")
+            m.note = "verified"
+        del pages, views
+    finally:
+        transport.close()
+        child.stdin.close()
+        child.wait(timeout=60)
+        slab.close()
+        slab.unlink()
+    return m
+
+
+# ---- Mooncake Transfer Engine -----------------------------------------------------------------
+
+def bench_mooncake(python: str, script: Path, total: int, sizes: list[int], runs: int
+                   ) -> tuple[list[Measurement], str]:
+    if not (os.path.exists(python) and script.exists()):
+        return [], (f"Mooncake TE skipped: need {python} with mooncake-transfer-engine-non-cuda "
+                    f"(python -m venv /tmp/mc-venv && /tmp/mc-venv/bin/pip install "
+                    f"mooncake-transfer-engine-non-cuda numpy) and {script}")
+    check = subprocess.run([python, "-c", "import mooncake.engine"], capture_output=True)
+    if check.returncode:
+        return [], f"Mooncake TE skipped: {python} cannot import mooncake.engine"
+    with tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp:
+        out = Path(tmp) / "te.json"
+        cmd = [python, str(script), "--sizes", ",".join(str(s) for s in sizes),
+               "--total", str(total), "--runs", str(runs), "--ops", "read,write",
+               "--json", str(out), "--child-log", str(Path(tmp) / "te_child.log")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-600:]
+            return [], f"Mooncake TE failed (exit {proc.returncode}): {tail}"
+        data = json.loads(out.read_text())
+    ms = []
+    for r in data["results"]:
+        op = "batch read (pull)" if r["op"] == "read" else "batch write (push)"
+        m = Measurement(f"mooncake TE {op}", r["block"], r["total_bytes"], list(r["runs_s"]),
+                        note="verified" if data.get("verify_ok") else "")
+        ms.append(m)
+    note = "Mooncake TE over TCP: " + ("private loopback netns" if data.get("isolated_netns")
+                                       else "host network")
+    return ms, note
+
+
+# ---- command -----------------------------------------------------------------------------------
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--total", type=parse_bytes, default=1 << 30,
+                        help="bytes moved per run and page size (default 1G; e.g. 128M quick)")
+    parser.add_argument("--sizes", default="1M,4M", help="page sizes (default 1M,4M)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    parser.add_argument("--lanes", default="1,2", help="messenger TCP lanes; a list compares")
+    parser.add_argument("--request-bytes", type=parse_bytes, default=32 << 20,
+                        help="bytes of pages per messenger request (pipelined)")
+    parser.add_argument("--mooncake-python", default=os.environ.get("KVCACHE_MOONCAKE_PYTHON",
+                                                                    DEFAULT_MC_PYTHON),
+                        help="a Python with mooncake-transfer-engine-non-cuda installed")
+    parser.add_argument("--mooncake-script", type=Path,
+                        default=DEFAULT_PEERS / "mooncake_te_bench.py")
+    parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake TE runs")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--plot", help="write a GB/s bar chart PNG here")
+    # Child role of the raw reference (internal).
+    parser.add_argument("--role", default="main", choices=["main", "raw-sender"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, default=MIB, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.role == "raw-sender":
+        _raw_sender(args.port, args.total, args.chunk, args.rounds)
+        return 0
+    sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    lanes_list = [int(x) for x in str(args.lanes).split(",") if x.strip()]
+    if args.runs < 1 or not sizes or not lanes_list or min(lanes_list) < 1:
+        raise SystemExit("--runs, --sizes and --lanes need positive values")
+    for size in sizes:
+        if args.total % size or size % 4096:
+            raise SystemExit(f"--total {args.total} must be a multiple of page size {size}, "
+                             "and page sizes multiples of 4096")
+    print(f"transfer benchmark: {human(args.total)} per run, pages {', '.join(map(human, sizes))},"
+          f" median of {args.runs} runs, loopback, 2 processes each", flush=True)
+    results: list[Measurement] = []
+    for size in sizes:
+        raw = bench_raw(args.total, size, args.runs)
+        results.append(raw)
+        print(f"  {human(size):>7} raw socket            {raw.gbps:6.3f} GB/s", flush=True)
+        for lanes in lanes_list:
+            m = bench_messenger(args.total, size, args.runs, lanes, args.request_bytes,
+                                verify=True)
+            results.append(m)
+            print(f"  {human(size):>7} {m.method:<21} {m.gbps:6.3f} GB/s", flush=True)
+    mc_note = "Mooncake TE skipped (--no-mooncake)"
+    if not args.no_mooncake:
+        print("  running Mooncake TE (shared/peers/mooncake_te_bench.py) ...", flush=True)
+        mc, mc_note = bench_mooncake(args.mooncake_python, args.mooncake_script, args.total,
+                                     sizes, args.runs)
+        results += mc
+    print(mc_note)
+
+    rows = []
+    for m in results:
+        row = m.as_row()
+        raw = next(r for r in results if r.method == "raw socket" and r.page_bytes == m.page_bytes)
+        mc_read = next((r for r in results if r.method.startswith("mooncake TE batch read")
+                        and r.page_bytes == m.page_bytes), None)
+        row["vs_raw"] = m.gbps / raw.gbps
+        row["vs_mooncake"] = m.gbps / mc_read.gbps if mc_read else None
+        rows.append(row)
+    print()
+    print_table(rows, [Column("page", "page"), Column("method", "method"),
+                       Column("gbps", "GB/s", "{:.3f}"), Column("pages_per_s", "pages/s", "{:.0f}"),
+                       Column("vs_raw", "x raw socket", "{:.2f}"),
+                       Column("vs_mooncake", "x Mooncake read", "{:.2f}"),
+                       Column("note", "note")],
+                title="messenger TCP transfer vs references (same run)")
+    target = 0.60
+    for row in rows:
+        if row["method"].startswith("messenger"):
+            verdict = "meets" if row["vs_raw"] >= target else "BELOW"
+            mc = (f", {row['vs_mooncake']:.2f}x Mooncake TE read" if row["vs_mooncake"]
+                  else "")
+            print(f"{row['page']:>7} {row['method']}: {row['vs_raw']:.2f}x raw socket "
+                  f"({verdict} the {target:.0%} target){mc}")
+    if args.out:
+        write_json(args.out, {"bench": "transfer", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "total_bytes": args.total, "runs": args.runs, "mooncake": mc_note,
+                              "results": rows})
+    if args.plot:
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        labels = list(dict.fromkeys(r["page"] for r in rows))
+        groups = {meth: [next((r["gbps"] for r in rows if r["method"] == meth and r["page"] == lab),
+                              None) for lab in labels] for meth in methods}
+        plot_bars(args.plot, labels, groups, title=f"transfer of {human(args.total)} on loopback",
+                  ylabel="GB/s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
