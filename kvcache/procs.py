@@ -1,0 +1,108 @@
+"""Starting kvcache role processes and waiting until they serve.
+
+Every server prints one JSON line ``{"event": "ready", ...}`` on stdout once it listens
+(``kvcache.rpc.announce_ready``); ``start_service`` waits for that line with a deadline instead of
+sleeping, and reports the process's stderr if it dies first. Used by tests and ``kvcache up``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServiceProcess:
+    role: str
+    proc: subprocess.Popen
+    info: dict
+    log_path: str
+    _drain: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return self.info["address"]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, wait for a clean exit, SIGKILL if it does not come. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = None,
+                  log_dir: str | None = None) -> ServiceProcess:
+    """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
+    fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
+    log_file = os.fdopen(fd, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], stdout=subprocess.PIPE,
+                            stderr=log_file, text=True, bufsize=1,
+                            env={**os.environ, **(env or {})})
+    log_file.close()
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    info = None
+    try:
+        while info is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"kvcache {' '.join(args)} not ready after {timeout_s}s")
+            if not sel.select(min(left, 1.0)):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                if proc.poll() is None:
+                    proc.wait(5)
+                break
+            if line.startswith('{"event": "ready"'):
+                info = json.loads(line)
+    except BaseException:
+        proc.kill()
+        proc.wait(5)
+        raise
+    finally:
+        sel.close()
+    if info is None:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"kvcache {' '.join(args)} exited with code {proc.returncode} before "
+                           f"it was ready:\n{tail}")
+    sp = ServiceProcess(args[0], proc, info, log_path)
+    # NOTE: keep reading stdout so a chatty process never blocks on a full pipe.
+    sp._drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
+    sp._drain.start()
+    return sp

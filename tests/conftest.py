@@ -1,0 +1,44 @@
+"""Shared fixtures: real kvcache processes on loopback ports, cleaned up after each test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcache.procs import ServiceProcess, start_service
+
+# 8 KiB pages: 2 layers x K|V x 16 tokens x 2 heads x 32 dims x fp16.
+TEST_LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"
+TEST_NAMESPACE = "test|L2|H2|D32|float16|B16"
+TEST_PAGE_BYTES = 8192
+TEST_BLOCK_TOKENS = 16
+
+
+@pytest.fixture
+def start_kvcache(tmp_path):
+    """``start_kvcache("node", "--dram", "1MiB", ...)`` -> ServiceProcess; stopped at teardown."""
+    started: list[ServiceProcess] = []
+
+    def start(*args: str, timeout_s: float = 60.0) -> ServiceProcess:
+        sp = start_service(list(args), timeout_s=timeout_s, log_dir=str(tmp_path))
+        started.append(sp)
+        return sp
+
+    yield start
+    for sp in reversed(started):
+        sp.stop()
+
+
+@pytest.fixture
+def start_node(start_kvcache, tmp_path):
+    """A node server with the 8 KiB test layout; extra flags pass through."""
+
+    def start(*extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT) -> ServiceProcess:
+        return start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout",
+                             layout, *extra)
+
+    return start
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")

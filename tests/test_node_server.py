@@ -1,0 +1,372 @@
+"""The node server as users see it: a real `kvcache node` process, the client library, raw gRPC."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from clients import KVCacheRpcError, KVStoreClient
+from kvcache.rpc import make_channel
+from kvstore.tiers import Tier
+from proto import common_pb2 as cpb
+from proto import node_pb2 as pb
+from proto import node_pb2_grpc as pbg
+
+from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES, shm_exists
+
+NS = TEST_NAMESPACE
+
+
+def pages_for(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, TEST_PAGE_BYTES, dtype=np.uint8) for _ in range(n)]
+
+
+def tokens(n_blocks: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n_blocks * TEST_BLOCK_TOKENS, dtype=np.int64)
+
+
+def stub(address: str, token: str | None = None) -> pbg.NodeServiceStub:
+    return pbg.NodeServiceStub(make_channel(address, token))
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+# ---- round trips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "streamed"])
+def test_round_trip_bytes_identical(start_node, use_shm):
+    node = start_node()
+    pages = pages_for(6, seed=1)
+    with KVStoreClient(node.address, use_shm=use_shm) as c:
+        assert c.shm_available(NS) is use_shm
+        assert c.lookup(NS, tokens=tokens(6)).hit_blocks == 0
+        assert c.put(NS, pages, tokens=tokens(6)).stored == 6
+        hit = c.lookup(NS, tokens=tokens(8))
+        assert (hit.hit_blocks, hit.total_blocks) == (6, 8)
+        assert hit.tiers == [Tier.DRAM] * 6
+        got = c.get(NS, tokens=tokens(8))
+        assert got[6:] == [None, None]
+        for want, have in zip(pages, got[:6]):
+            np.testing.assert_array_equal(want, have)
+
+
+def test_shared_memory_writer_and_streamed_reader_agree(start_node):
+    node = start_node()
+    pages = pages_for(3, seed=2)
+    with KVStoreClient(node.address) as local, KVStoreClient(node.address, use_shm=False) as remote:
+        lease = local.allocate(NS, tokens=tokens(3))
+        assert lease.to_write == [0, 1, 2]
+        for i in lease.to_write:
+            lease.page(i)[:] = pages[i]
+        assert local.lookup(NS, tokens=tokens(3)).hit_blocks == 0  # invisible before commit
+        assert lease.commit().stored == 3
+        for want, have in zip(pages, remote.get(NS, tokens=tokens(3))):
+            np.testing.assert_array_equal(want, have)
+        with local.acquire(NS, tokens=tokens(5), prefix_only=True) as pinned:
+            assert pinned.hit_blocks == 3
+            np.testing.assert_array_equal(pinned.page(1), pages[1])
+            assert not pinned.page(1).flags.writeable
+
+
+def test_layer_wise_write_through_lease_views(start_node):
+    node = start_node()
+    with KVStoreClient(node.address) as c:
+        layout = c.layout(NS)
+        lease = c.allocate(NS, tokens=tokens(1))
+        for layer in range(layout.num_layers):
+            lease.layer(0, layer, layout)[:] = layer + 1
+        lease.commit()
+        page = c.get(NS, tokens=tokens(1))[0]
+        for layer in range(layout.num_layers):
+            off = layout.layer_offset(layer)
+            assert (page[off:off + layout.layer_bytes] == layer + 1).all()
+
+
+def test_keys_and_tokens_name_the_same_blocks(start_node):
+    from kvstore.keys import block_keys, root_key
+
+    node = start_node()
+    keys = block_keys(tokens(4), TEST_BLOCK_TOKENS, root_key(NS, b"s1"))
+    with KVStoreClient(node.address) as c:
+        c.put(NS, pages_for(4, 3), tokens=tokens(4), salt=b"s1")
+        assert c.lookup(NS, keys=keys).hit_blocks == 4
+        assert c.lookup(NS, tokens=tokens(4), salt=b"other").hit_blocks == 0
+        lease = c.acquire(NS, tokens=tokens(4), salt=b"s1")
+        assert lease.keys == keys
+        lease.release()
+
+
+# ---- concurrency ------------------------------------------------------------------------------------
+
+def test_two_writers_same_key_one_wins_no_corruption(start_node):
+    node = start_node()
+    a, b = pages_for(1, 10)[0], pages_for(1, 11)[0]
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def writer(name, page):
+        with KVStoreClient(node.address) as c:
+            lease = c.allocate(NS, tokens=tokens(1))
+            barrier.wait(10)
+            if lease.to_write:
+                lease.page(0)[:] = page
+                results[name] = lease.commit()
+            else:
+                results[name] = "already stored"
+                lease.abort()
+
+    threads = [threading.Thread(target=writer, args=(n, p)) for n, p in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stored = [r.stored for r in results.values() if not isinstance(r, str)]
+    assert sum(stored) == 1
+    with KVStoreClient(node.address) as c:
+        got = c.get(NS, tokens=tokens(1))[0]
+    assert (got == a).all() or (got == b).all()
+
+
+# ---- leases and faults ------------------------------------------------------------------------------
+
+def test_pins_of_a_killed_client_expire(start_node):
+    node = start_node("--lease-ttl", "1.5", dram="32KiB")  # 4 pages
+    with KVStoreClient(node.address) as c:
+        c.put(NS, pages_for(4, 4), tokens=tokens(4))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from clients import KVStoreClient
+        import numpy as np
+        c = KVStoreClient({node.address!r})
+        lease = c.acquire({NS!r}, tokens=np.arange({4 * TEST_BLOCK_TOKENS}))
+        print(lease.hit_blocks, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "4"
+        with KVStoreClient(node.address) as c:
+            with pytest.raises(KVCacheRpcError) as e:
+                c.allocate(NS, tokens=tokens(1, start=10_000))
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "pinned" in e.value.details
+            holder.kill()
+            holder.wait(5)
+            time.sleep(1.6)  # the pins' lease time: after it, the next allocation may evict
+            lease = c.allocate(NS, tokens=tokens(1, start=10_000))
+            assert lease.to_write == [0]
+            lease.abort()
+    finally:
+        holder.kill()
+
+
+def test_write_lease_expires_and_its_pages_return(start_node):
+    node = start_node("--lease-ttl", "1", dram="16KiB")  # 2 pages
+    with KVStoreClient(node.address) as c:
+        dead = c.allocate(NS, tokens=tokens(2))
+        with pytest.raises(KVCacheRpcError) as e:
+            c.allocate(NS, tokens=tokens(1, start=500))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        time.sleep(1.1)
+        with pytest.raises(KVCacheRpcError) as e:
+            dead.commit()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        c.allocate(NS, tokens=tokens(2, start=500)).abort()
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+
+def test_bad_requests_get_clear_status_codes(start_node):
+    node = start_node(dram="16KiB")
+    s = stub(node.address)
+    sel = lambda **kw: cpb.BlockSelector(namespace=kw.pop("namespace", NS), **kw)  # noqa: E731
+
+    code, msg = code_of(lambda: s.Lookup(sel(keys=[b"short"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in msg
+    code, msg = code_of(lambda: s.Lookup(sel(namespace="llama|L1|H1|D1|float16|B16",
+                                             keys=[b"k" * 16])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg
+    code, msg = code_of(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not both" in msg
+    code, msg = code_of(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "allocate" in msg
+    code, _ = code_of(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = code_of(lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16),
+                                                            ttl_s=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, _ = code_of(lambda: s.Allocate(pb.AllocateRequest(
+        blocks=sel(token_ids=list(range(3 * TEST_BLOCK_TOKENS))))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # 3 pages into a 2-page pool
+    code, _ = code_of(lambda: next(s.Get(pb.GetRequest(blocks=sel(token_ids=[1] * 16),
+                                                       chunk_bytes=1 << 30))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+    def put(*chunks):
+        return s.Put(iter(chunks))
+
+    header = pb.PutChunk(header=pb.PutHeader(blocks=sel(token_ids=list(range(16)))))
+    code, msg = code_of(lambda: put(pb.PutChunk(data=b"x")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in msg
+    code, msg = code_of(lambda: put(header, pb.PutChunk(data=b"x" * 100)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended after 100 bytes" in msg
+    code, msg = code_of(lambda: put(header, pb.PutChunk(data=b"x" * (TEST_PAGE_BYTES + 1))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "more than" in msg
+    # none of the failed writes left anything behind
+    assert s.Lookup(sel(token_ids=list(range(16)))).hit_blocks == 0
+    stats = s.Stats(pb.StatsRequest()).namespaces[0]
+    assert stats.write_leases == 0 and stats.blocks == 0
+
+    with KVStoreClient(node.address) as c:
+        with pytest.raises(Exception, match="expected 8192"):
+            c.put(NS, [np.zeros(100, np.uint8)], tokens=tokens(1))
+        with pytest.raises(Exception, match="dtype"):
+            c.put(NS, [np.zeros(TEST_PAGE_BYTES // 4, np.float32)], tokens=tokens(1))
+    assert node.alive()
+
+
+# ---- auth and tenants -------------------------------------------------------------------------------------
+
+def test_auth_and_tenant_isolation(start_node):
+    node = start_node("--token", "admin-secret", "--tenant-token", "tok-a=alice",
+                      "--tenant-token", "tok-b=bob")
+    sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
+    for token in (None, "wrong"):
+        code, msg = code_of(lambda: stub(node.address, token).Lookup(sel))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in msg
+    health = health_pb2_grpc.HealthStub(make_channel(node.address))  # health stays open
+    assert health.Check(health_pb2.HealthCheckRequest()).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+    with KVStoreClient(node.address, token="tok-a") as alice, \
+            KVStoreClient(node.address, token="tok-b") as bob, \
+            KVStoreClient(node.address, token="admin-secret") as admin:
+        alice.put(NS, pages_for(2, 5), tokens=tokens(2))
+        assert alice.lookup(NS, tokens=tokens(2)).hit_blocks == 2
+        assert bob.lookup(NS, tokens=tokens(2)).hit_blocks == 0
+        # the salt in the body cannot reach another tenant's blocks either
+        assert bob.lookup(NS, tokens=tokens(2), salt=b"alice").hit_blocks == 0
+        assert admin.lookup(NS, tokens=tokens(2)).hit_blocks == 0
+        lease = alice.allocate(NS, tokens=tokens(1, start=900))
+        with pytest.raises(KVCacheRpcError) as e:
+            bob.commit(lease)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        lease.abort()
+        with pytest.raises(KVCacheRpcError) as e:
+            next(bob.events())
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        first = next(admin.events(resync=True))
+        assert first.snapshot and len(first.events) == 2
+
+
+# ---- events ---------------------------------------------------------------------------------------------
+
+def test_events_feed_sequence_and_resync(start_node):
+    node = start_node(dram="32KiB")  # 4 pages: the 5th put evicts
+    with KVStoreClient(node.address) as c:
+        feed = c.events(after_seq=0)
+        c.put(NS, pages_for(4, 6), tokens=tokens(4))
+        c.put(NS, pages_for(1, 7), tokens=tokens(1, start=7000))
+        seen = []
+        for batch in feed:
+            seen.extend(batch.events)
+            if len(seen) >= 6:
+                break
+        feed.close()
+        assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
+        kinds = [e.kind for e in seen]
+        assert kinds[:4] == [cpb.EVENT_STORED] * 4
+        assert cpb.EVENT_EVICTED in kinds[4:]
+        evicted = [e.key for e in seen if e.kind == cpb.EVENT_EVICTED]
+        snap = []
+        for batch in c.events(resync=True):
+            assert batch.snapshot
+            snap.extend(batch.events)
+            if batch.snapshot_done:
+                assert batch.snapshot_seq >= 6
+                break
+        assert len(snap) == 4 and not set(evicted) & {e.key for e in snap}
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------------------
+
+def test_restart_keeps_ssd_pages_and_sigterm_cleans_up(start_node, tmp_path):
+    ssd = str(tmp_path / "ssd")
+    node = start_node("--ssd", "64KiB", "--ssd-dir", ssd, dram="16KiB")  # 2 DRAM + 8 SSD pages
+    pages = pages_for(6, 8)
+    with KVStoreClient(node.address) as c:
+        for i in range(6):  # one at a time: the older ones are demoted to SSD
+            c.put(NS, [pages[i]], tokens=tokens(1, start=100 * i))
+        tiers = [c.lookup(NS, tokens=tokens(1, start=100 * i)).tiers[0] for i in range(6)]
+    assert tiers[:4] == [Tier.SSD] * 4 and tiers[4:] == [Tier.DRAM] * 2
+    shm = next(iter(node.info["shm"].values()))
+    assert shm_exists(shm)
+    assert node.stop() == 0
+    assert not shm_exists(shm)
+
+    node2 = start_node("--ssd", "64KiB", "--ssd-dir", ssd, dram="16KiB")
+    with KVStoreClient(node2.address) as c:
+        for i in range(4):
+            assert c.lookup(NS, tokens=tokens(1, start=100 * i)).tiers == [Tier.SSD]
+            np.testing.assert_array_equal(c.get(NS, tokens=tokens(1, start=100 * i))[0], pages[i])
+        assert c.lookup(NS, tokens=tokens(1, start=500)).hit_blocks == 0  # DRAM did not survive
+
+
+def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(textwrap.dedent("""
+        dram = "64KiB"
+        node-id = "toml-node"
+        metrics-port = 0
+        [[layout]]
+        model = "test"
+        num_layers = 2
+        kv_heads = 2
+        head_dim = 32
+        dtype = "float16"
+        block_tokens = 16
+    """))
+    node = start_kvcache("node", "--config", str(cfg))
+    assert node.info["node_id"] == "toml-node"
+    channel = make_channel(node.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="kvcache.v1.NodeService")).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "kvcache.v1.NodeService" in names
+    with KVStoreClient(node.address) as c:
+        assert c.namespace_info(NS).dram_pages == 8
+        c.put(NS, pages_for(1, 9), tokens=tokens(1))
+        c.lookup(NS, tokens=tokens(2))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics",
+                                  timeout=10).read().decode()
+    assert f'kvcache_store_hits_total{{namespace="{NS}",tier="dram"}} 1.0' in body
+    assert 'kvcache_node_rpc_seconds_count{method="Lookup"}' in body
+
+
+def test_bad_configuration_fails_at_start_with_a_message(start_kvcache, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RuntimeError, match="SSD tier"):
+        start_kvcache("node", "--dram", "1MiB", "--ssd", "1MiB", "--ssd-dir",
+                      str(blocker / "ssd"))
+    with pytest.raises(RuntimeError, match="cannot parse size"):
+        start_kvcache("node", "--dram", "lots")
+    with pytest.raises(RuntimeError, match="less than one"):
+        start_kvcache("node", "--dram", "1KiB")
