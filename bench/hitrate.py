@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing as mp
 import os
-import queue
 import sys
 import time
-import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -33,6 +30,7 @@ from kvstore.policy import POLICIES
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers import Tier
 
+from .parallel import fork_map
 from .report import (Column, Progress, Series, human_count, parse_count_list, plot_lines,
                      print_table, write_json)
 from .trace import (DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, SyntheticSpec, Trace, TraceError,
@@ -271,66 +269,13 @@ def replay(trace: Trace, keys: Sequence[Sequence[BlockKey]], setup: CacheSetup,
 
 # ---- many configurations, in parallel ----------------------------------------------------------
 
-def _worker(trace: Trace, keys, setups: list[CacheSetup], tasks, results) -> None:
-    """A forked worker: replays the configurations it takes from ``tasks`` until ``None``."""
-    def progress(n: int) -> None:
-        results.put(("progress", n, None))
-
-    while True:
-        index = tasks.get()
-        if index is None:
-            return
-        try:
-            results.put(("done", index, replay(trace, keys, setups[index], progress)))
-        except BaseException:  # noqa: BLE001 -- shipped to the parent, which re-raises
-            results.put(("error", index, traceback.format_exc()))
-            return
-
-
 def run_setups(trace: Trace, keys, setups: Sequence[CacheSetup], jobs: int,
                progress: Progress | None = None) -> list[HitRateResult]:
-    """Replay every setup; with ``jobs > 1`` in forked worker processes (the trace and keys are
-    inherited, not pickled). Results come back in the order of ``setups``."""
-    setups = list(setups)
-    step = progress.update if progress is not None else None
-    if jobs <= 1 or len(setups) <= 1:
-        return [replay(trace, keys, s, step) for s in setups]
-    ctx = mp.get_context("fork")
-    tasks, results = ctx.Queue(), ctx.Queue()
-    for i in range(len(setups)):
-        tasks.put(i)
-    workers = [ctx.Process(target=_worker, args=(trace, keys, setups, tasks, results),
-                           daemon=True) for _ in range(min(jobs, len(setups)))]
-    for _ in workers:
-        tasks.put(None)
-    for w in workers:
-        w.start()
-    out: list[HitRateResult | None] = [None] * len(setups)
-    pending = len(setups)
-    try:
-        while pending:
-            try:
-                kind, index, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w for w in workers if w.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a hitrate worker died (exit code {dead[0].exitcode})")
-                continue
-            if kind == "progress":
-                if step is not None:
-                    step(index)
-            elif kind == "done":
-                out[index] = payload
-                pending -= 1
-            else:
-                raise RuntimeError(f"replay of {setups[index].label} failed:\n{payload}")
-    finally:
-        for w in workers:
-            w.join(timeout=5.0)
-            if w.is_alive():
-                w.terminate()
-                w.join()
-    return [r for r in out if r is not None]
+    """Replay every setup, over ``jobs`` forked workers; results in the order of ``setups``."""
+    def one(setup: CacheSetup, step) -> HitRateResult:
+        return replay(trace, keys, setup, step)
+
+    return fork_map(one, setups, jobs, progress.update if progress is not None else None)
 
 
 # ---- the command ----------------------------------------------------------------------------------
