@@ -24,6 +24,7 @@ import numpy as np
 
 from kvcache.rpc import make_channel
 from kvstore.errors import StorageError
+from kvstore.keys import tokens_as_array
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
 from kvstore.shm import SharedSlab
@@ -191,10 +192,8 @@ class KVStoreClient:
         if isinstance(salt, str):
             salt = salt.encode()
         if tokens is not None:
-            if hasattr(tokens, "detach"):
-                tokens = tokens.detach().reshape(-1).cpu().numpy()
             return cpb.BlockSelector(namespace=namespace, salt=salt,
-                                     token_ids=np.asarray(tokens).reshape(-1).tolist())
+                                     token_bytes=tokens_as_array(tokens).tobytes())
         return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys))
 
     def _slab(self, namespace: str) -> SharedSlab | None:

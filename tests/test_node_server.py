@@ -201,6 +201,8 @@ def test_bad_requests_get_clear_status_codes(start_node):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg
     code, msg = code_of(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not both" in msg
+    code, msg = code_of(lambda: s.Lookup(sel(token_bytes=b"\x01\x02\x03")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in msg
     code, msg = code_of(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "allocate" in msg
     code, _ = code_of(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import BlockKey, block_keys, check_keys, root_key, scope_keys
 from kvstore.store import StoreConfig, TieredStore
@@ -77,11 +79,17 @@ class Node:
         return store
 
     def select(self, namespace: str, tenant: str, salt: bytes = b"",
-               keys: Sequence[bytes] = (), token_ids: Sequence[int] = ()) -> Selection:
+               keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
+               token_bytes: bytes = b"") -> Selection:
         """Resolve keys or token ids into the keys as stored for ``tenant``."""
         store = self.store(namespace)
-        if len(keys) and len(token_ids):
-            raise InvalidArgument("give either keys or token_ids, not both")
+        if (len(keys) > 0) + (len(token_ids) > 0) + (len(token_bytes) > 0) > 1:
+            raise InvalidArgument("give one of keys, token_ids or token_bytes, not both")
+        if token_bytes:
+            if len(token_bytes) % 4:
+                raise InvalidArgument("token_bytes must hold little-endian uint32 token ids "
+                                      f"(a multiple of 4 bytes), got {len(token_bytes)} bytes")
+            token_ids = np.frombuffer(token_bytes, dtype="<u4")
         if len(token_ids):
             if len(token_ids) > self.config.max_keys_per_request * store.layout.block_tokens:
                 raise InvalidArgument("too many token ids in one request")

@@ -93,7 +93,8 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     def _select(self, sel: cpb.BlockSelector, context) -> tuple[Selection, str]:
         tenant = self.auth.tenant(context)
-        return self.node.select(sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids), tenant
+        return self.node.select(sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids,
+                                sel.token_bytes), tenant
 
     @staticmethod
     def _ttl(ttl_s: float) -> float | None:
