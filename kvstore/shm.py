@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import weakref
 
 import _posixshmem
 import numpy as np
@@ -18,6 +19,13 @@ from .errors import StorageError
 
 def unique_shm_name(prefix: str = "kvcache") -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _unlink(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
 
 
 class SharedSlab:
@@ -61,6 +69,10 @@ class SharedSlab:
             raise
         os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        # NOTE: an owner that is never closed (an exception before close, a forgotten close)
+        # still removes /dev/shm/<name> when collected or at interpreter exit, instead of
+        # leaking tmpfs memory until reboot. Only a killed process leaves its segment behind.
+        self._unlinker = weakref.finalize(self, _unlink, name) if create else None
 
     @classmethod
     def create(cls, name: str, size: int, reserve: bool = False) -> "SharedSlab":
@@ -78,10 +90,10 @@ class SharedSlab:
             pass  # views are still alive elsewhere; the mapping goes when they do
 
     def unlink(self) -> None:
-        try:
-            _posixshmem.shm_unlink("/" + self.name)
-        except FileNotFoundError:
-            pass
+        if self._unlinker is not None:
+            self._unlinker()  # runs once; also cancels the at-exit unlink
+        else:
+            _unlink(self.name)
 
     def __enter__(self) -> "SharedSlab":
         return self

@@ -214,9 +214,10 @@ class TieredStore:
         for tier, pages, policy in specs:
             if not pages:
                 continue
+            evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
-            self._tiers[tier] = _TierState(tier, pool, make_policy(policy, pages),
-                                           list(range(pages - 1, -1, -1)), [None] * pages)
+            self._tiers[tier] = _TierState(tier, pool, evict, list(range(pages - 1, -1, -1)),
+                                           [None] * pages)
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
         cfg = self.config
