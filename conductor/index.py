@@ -298,6 +298,9 @@ class GlobalIndex:
 
     def _retire(self, slot: int) -> None:
         self._node_of_slot[slot] = None
+        if self._blocks_of_slot[slot] == 0:
+            self._free_slots.append(slot)  # no key has its bits: reusable at once
+            return
         self._blocks_of_slot[slot] = 0
         self._retired |= 3 << (2 * slot)
 

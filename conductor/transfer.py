@@ -1,0 +1,97 @@
+"""Hot-block replication: what the conductor does with a plan that moves blocks to a non-holder.
+
+``TransferHook.submit(plan)`` starts moving ``plan.keys`` from ``plan.src`` to ``plan.dst``
+(normally: ask the destination's messenger to fetch them). The messenger package provides the
+real hook; ``RecordingTransferHook`` keeps the plans for inspection and is the default.
+
+``TransferDispatcher`` calls a hook from its own thread so that a slow hook (a gRPC call to a
+messenger) never delays a ``Schedule`` reply. Its queue is bounded: when it is full a plan is
+dropped, logged and counted (the request still runs; its prefill recomputes what did not move).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+
+from .scheduler import TransferPlan
+
+log = logging.getLogger(__name__)
+
+
+class TransferHook(ABC):
+    """Starts a block transfer. May block briefly; raise to report a failure."""
+
+    @abstractmethod
+    def submit(self, plan: TransferPlan) -> None: ...
+
+
+class RecordingTransferHook(TransferHook):
+    """Keeps the last ``keep`` plans (thread-safe); moves nothing."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._plans: deque[TransferPlan] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.submitted = 0
+
+    def submit(self, plan: TransferPlan) -> None:
+        with self._cond:
+            self._plans.append(plan)
+            self.submitted += 1
+            self._cond.notify_all()
+        log.debug("transfer plan for %s: %d blocks %s -> %s", plan.request_id, len(plan.keys),
+                  plan.src.node_id, plan.dst.node_id)
+
+    def plans(self) -> list[TransferPlan]:
+        with self._lock:
+            return list(self._plans)
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Wait until at least ``count`` plans were submitted in total."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.submitted >= count, timeout)
+
+
+class TransferDispatcher:
+    """Runs ``hook.submit`` on a background thread; ``dispatch`` never blocks."""
+
+    def __init__(self, hook: TransferHook, max_queued: int = 4096) -> None:
+        self.hook = hook
+        self._queue: queue.Queue[TransferPlan | None] = queue.Queue(max_queued)
+        self.dropped = 0
+        self.failed = 0
+        self.submitted = 0
+        self._thread = threading.Thread(target=self._run, name="transfer-hook", daemon=True)
+        self._thread.start()
+
+    def dispatch(self, plan: TransferPlan) -> bool:
+        """Queue ``plan``; False (logged, counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(plan)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            log.warning("transfer queue full: dropped the plan for request %s (%d blocks %s -> "
+                        "%s)", plan.request_id, len(plan.keys), plan.src.node_id,
+                        plan.dst.node_id)
+            return False
+
+    def _run(self) -> None:
+        while True:
+            plan = self._queue.get()
+            if plan is None:
+                return
+            try:
+                self.hook.submit(plan)
+                self.submitted += 1
+            except Exception:  # a failed transfer must not kill the dispatcher: log and count
+                self.failed += 1
+                log.exception("transfer hook failed for request %s (%s -> %s)", plan.request_id,
+                              plan.src.node_id, plan.dst.node_id)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
