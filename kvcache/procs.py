@@ -62,13 +62,13 @@ class ServiceProcess:
 
 
 def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = None,
-                  log_dir: str | None = None) -> ServiceProcess:
+                  log_dir: str | None = None, new_session: bool = False) -> ServiceProcess:
     """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], stdout=subprocess.PIPE,
                             stderr=log_file, text=True, bufsize=1,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=new_session)
     log_file.close()
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()

@@ -1,0 +1,224 @@
+"""``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults).
+
+One conductor, then per node a node server and its messenger, each a separate process. Ports are
+chosen up front so that every process can be told its peers' addresses; the launcher waits for each
+process's ready line, writes the cluster's state (addresses, pids, logs) to
+``<state_dir>/cluster.json`` and prints the addresses. In the foreground it stops everything on
+Ctrl-C / SIGTERM; with ``--detach`` it returns and ``kvcache down`` stops the cluster later.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tomllib
+from dataclasses import asdict, dataclass, field
+
+from kvcache.procs import ServiceProcess, start_service
+from kvcache.rpc import wait_for_signal
+
+log = logging.getLogger("kvcache.cluster")
+
+DEFAULT_CONFIG = """
+[cluster]
+host = "127.0.0.1"
+state_dir = "out/cluster"
+# token = "secret"          # require a bearer token on every service
+transport = "tcp"            # messenger transport: tcp | rdma | auto
+
+[conductor]
+policy = "global-cache"
+
+[defaults]
+layout = "model=demo,num_layers=4,kv_heads=4,head_dim=64,dtype=float16,block_tokens=256"
+dram = "256MiB"
+ssd = "0"
+
+[[node]]
+id = "prefill-0"
+role = "prefill"
+
+[[node]]
+id = "prefill-1"
+role = "prefill"
+
+[[node]]
+id = "decode-0"
+role = "decode"
+"""
+
+
+@dataclass
+class NodeSpec:
+    id: str
+    role: str
+    layout: str
+    dram: str
+    ssd: str = "0"
+
+
+@dataclass
+class ClusterConfig:
+    host: str
+    state_dir: str
+    token: str | None
+    transport: str
+    policy: str
+    nodes: list[NodeSpec]
+    conductor_args: list[str] = field(default_factory=list)
+
+
+def load_config(path: str | None) -> ClusterConfig:
+    data = tomllib.loads(DEFAULT_CONFIG)
+    if path:
+        with open(path, "rb") as f:
+            user = tomllib.load(f)
+        for section in ("cluster", "conductor", "defaults"):
+            data[section].update(user.get(section, {}))
+        if "node" in user:
+            data["node"] = user["node"]
+    defaults = data["defaults"]
+    nodes = []
+    for n in data["node"]:
+        if "id" not in n or "role" not in n:
+            raise SystemExit(f"every [[node]] needs id and role, got {n}")
+        nodes.append(NodeSpec(id=n["id"], role=n["role"], layout=n.get("layout",
+                              defaults["layout"]), dram=str(n.get("dram", defaults["dram"])),
+                              ssd=str(n.get("ssd", defaults.get("ssd", "0")))))
+    if len({n.id for n in nodes}) != len(nodes):
+        raise SystemExit("node ids must be unique")
+    c = data["cluster"]
+    return ClusterConfig(host=c["host"], state_dir=c["state_dir"], token=c.get("token") or None,
+                         transport=c.get("transport", "tcp"), policy=data["conductor"]["policy"],
+                         nodes=nodes, conductor_args=list(data["conductor"].get("args", [])))
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    detach: bool = False
+    procs: list[ServiceProcess] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+    def start(self) -> dict:
+        cfg = self.config
+        os.makedirs(cfg.state_dir, exist_ok=True)
+        logs = os.path.join(cfg.state_dir, "logs")
+        os.makedirs(logs, exist_ok=True)
+        auth = ["--token", cfg.token] if cfg.token else []
+        try:
+            conductor = self._start(["conductor", "--listen", f"{cfg.host}:0",
+                                     "--policy", cfg.policy, *auth, *cfg.conductor_args], logs)
+            state = {"conductor": {"address": conductor.address, "pid": conductor.pid,
+                                   "log": conductor.log_path},
+                     "nodes": [], "token": cfg.token, "state_dir": cfg.state_dir}
+            for spec in cfg.nodes:
+                node_addr = f"{cfg.host}:{free_port(cfg.host)}"
+                messenger_addr = f"{cfg.host}:{free_port(cfg.host)}"
+                node_args = ["node", "--listen", node_addr, "--node-id", spec.id, "--role",
+                             spec.role, "--dram", spec.dram, "--layout", spec.layout,
+                             "--conductor", conductor.address, "--messenger", messenger_addr,
+                             *auth]
+                if cfg.token:
+                    node_args += ["--conductor-token", cfg.token]
+                if spec.ssd not in ("0", ""):
+                    node_args += ["--ssd", spec.ssd, "--ssd-dir",
+                                  os.path.join(cfg.state_dir, "ssd", spec.id)]
+                node = self._start(node_args, logs)
+                messenger = self._start(["messenger", "--node", node.address, "--listen",
+                                         messenger_addr, "--transport", cfg.transport, *auth],
+                                        logs)
+                state["nodes"].append({
+                    "id": spec.id, "role": spec.role, "address": node.address,
+                    "messenger": messenger.address, "shm": node.info.get("shm", {}),
+                    "pids": [node.pid, messenger.pid],
+                    "logs": [node.log_path, messenger.log_path],
+                    "data_address": messenger.info.get("data_address")})
+        except BaseException:
+            self.stop()
+            raise
+        state["pids"] = [p.pid for p in self.procs]
+        self.state = state
+        with open(os.path.join(cfg.state_dir, "cluster.json"), "w") as f:
+            json.dump(state, f, indent=2)
+        return state
+
+    def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
+        sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
+        self.procs.append(sp)
+        return sp
+
+    def stop(self) -> list[int]:
+        """Stop in reverse start order; returns exit codes."""
+        codes = []
+        for sp in reversed(self.procs):
+            codes.append(sp.stop())
+        self.procs.clear()
+        return codes
+
+
+def print_state(state: dict, path: str) -> None:
+    print(f"conductor  {state['conductor']['address']}")
+    for n in state["nodes"]:
+        print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
+    print(f"state      {path}")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="cluster TOML (default: the embedded one below)\n")
+    parser.add_argument("--detach", action="store_true",
+                        help="return once the cluster is up; stop it with 'kvcache down'")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the embedded default config and exit")
+    parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.print_config:
+        print(DEFAULT_CONFIG.strip())
+        return 0
+    cfg = load_config(args.config)
+    state_file = os.path.join(cfg.state_dir, "cluster.json")
+    if os.path.exists(state_file) and _any_alive(state_file):
+        raise SystemExit(f"a cluster from {state_file} is still running; 'kvcache down' first")
+    cluster = Cluster(cfg, detach=args.detach)
+    state = cluster.start()
+    print_state(state, state_file)
+    sys.stdout.flush()
+    if args.detach:
+        for sp in cluster.procs:  # NOTE: they outlive us; nothing reads their stdout any more
+            sp.proc.stdout = None
+        return 0
+    print("cluster up; Ctrl-C stops it", flush=True)
+    codes: list[int] = []
+    wait_for_signal(lambda: codes.extend(cluster.stop()))
+    os.remove(state_file)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def _any_alive(state_file: str) -> bool:
+    with open(state_file) as f:
+        pids = json.load(f).get("pids", [])
+    return any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
