@@ -372,3 +372,27 @@ def test_bad_configuration_fails_at_start_with_a_message(start_kvcache, tmp_path
         start_kvcache("node", "--dram", "lots")
     with pytest.raises(RuntimeError, match="less than one"):
         start_kvcache("node", "--dram", "1KiB")
+
+
+def _self_signed_cert(tmp_path) -> tuple[str, str]:
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_with_token(start_node, tmp_path):
+    cert, key = _self_signed_cert(tmp_path)
+    node = start_node("--tls-cert", cert, "--tls-key", key, "--token", "t0k")
+    with KVStoreClient(node.address, token="t0k", tls_ca_file=cert) as c:
+        c.put(NS, pages_for(1, 12), tokens=tokens(1))
+        assert c.lookup(NS, tokens=tokens(1)).hit_blocks == 1
+    with KVStoreClient(node.address, token="t0k", timeout_s=5) as plaintext:
+        with pytest.raises(KVCacheRpcError) as e:
+            plaintext.lookup(NS, tokens=tokens(1))
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
