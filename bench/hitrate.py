@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -33,8 +33,7 @@ from kvstore.tiers import Tier
 from .parallel import fork_map
 from .report import (Column, Progress, Series, human_count, parse_count_list, plot_lines,
                      print_table, write_json)
-from .trace import (DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, SyntheticSpec, Trace, TraceError,
-                    load_trace, synthetic_trace, write_trace)
+from .trace import Trace, TraceError, add_trace_args, describe, trace_from_args
 
 log = logging.getLogger(__name__)
 
@@ -281,21 +280,7 @@ def run_setups(trace: Trace, keys, setups: Sequence[CacheSetup], jobs: int,
 # ---- the command ----------------------------------------------------------------------------------
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_argument_group("trace")
-    src.add_argument("--trace", default=DEFAULT_TRACE,
-                     help="Mooncake-format JSONL trace (default: %(default)s)")
-    src.add_argument("--trace-block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                     help="tokens per hash_id block in the trace (default: %(default)s)")
-    src.add_argument("--synthetic", action="store_true",
-                     help="generate a synthetic trace instead (shared system prompts, multi-turn "
-                          "sessions, Zipf-popular documents)")
-    src.add_argument("--synthetic-requests", type=int, default=SyntheticSpec.requests)
-    src.add_argument("--synthetic-documents", type=int, default=SyntheticSpec.documents)
-    src.add_argument("--synthetic-zipf", type=float, default=SyntheticSpec.zipf_s,
-                     help="Zipf exponent of document popularity (default: %(default)s)")
-    src.add_argument("--save-trace", help="also write the (synthetic) trace to this JSONL file")
-    src.add_argument("--requests", type=int, default=0,
-                     help="replay only the first N requests (default: all)")
+    add_trace_args(parser)
     cache = parser.add_argument_group("cache")
     cache.add_argument("--capacities", default=DEFAULT_CAPACITIES,
                        help="comma-separated total DRAM capacities in tokens, k/M/G suffixes "
@@ -319,21 +304,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run_opts.add_argument("--plot", help="write the hit rate vs capacity PNG here "
                                          "(default: next to --out, same name, .png)")
     run_opts.add_argument("--no-progress", action="store_true")
-
-
-def _load(args: argparse.Namespace) -> Trace:
-    if args.synthetic:
-        spec = SyntheticSpec(requests=args.synthetic_requests, block_tokens=args.trace_block_tokens,
-                             documents=args.synthetic_documents, zipf_s=args.synthetic_zipf,
-                             seed=args.seed)
-        trace = synthetic_trace(spec)
-    else:
-        trace = load_trace(args.trace, args.trace_block_tokens)
-    if args.requests > 0:
-        trace = replace(trace, requests=trace.requests[: args.requests])
-    if args.save_trace:
-        write_trace(args.save_trace, trace)
-    return trace
 
 
 def _setups(args: argparse.Namespace) -> list[CacheSetup]:
@@ -380,7 +350,7 @@ def plot(path: str, results: Sequence[HitRateResult], best: HitCounts, title: st
 
 def run(args: argparse.Namespace) -> int:
     try:
-        trace = _load(args)
+        trace = trace_from_args(args)
         setups = _setups(args)
         for s in setups:
             s.check(args.trace_block_tokens)
@@ -391,10 +361,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache bench hitrate: the trace {trace.source} has no requests; nothing to "
               "replay", file=sys.stderr)
         return 1
-    print(f"trace: {trace.source}: {len(trace):,} requests, {trace.total_blocks:,} blocks of "
-          f"{trace.block_tokens} tokens, {trace.total_input_tokens:,} input tokens over "
-          f"{trace.duration_s:,.0f} s" + (f" ({trace.reordered} reordered)"
-                                          if trace.reordered else ""))
+    print(describe(trace))
     start = time.perf_counter()
     keys = trace.block_keys()
     best = theoretical_max(trace, keys)

@@ -8,11 +8,12 @@ keys (``kvstore.keys.keys_from_block_ids``).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -259,3 +260,51 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
                 for ms, _, segs, out in events]
     return Trace(requests=requests, block_tokens=spec.block_tokens,
                  source=f"synthetic(seed={spec.seed})")
+
+
+# ---- command-line options shared by the trace-driven commands -----------------------------------
+
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("trace")
+    src.add_argument("--trace", default=DEFAULT_TRACE,
+                     help="Mooncake-format JSONL trace (default: %(default)s)")
+    src.add_argument("--trace-block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                     help="tokens per hash_id block in the trace (default: %(default)s)")
+    src.add_argument("--synthetic", action="store_true",
+                     help="generate a synthetic trace instead (shared system prompts, multi-turn "
+                          "sessions, Zipf-popular documents; seeded by --seed)")
+    src.add_argument("--synthetic-requests", type=int, default=SyntheticSpec.requests)
+    src.add_argument("--synthetic-documents", type=int, default=SyntheticSpec.documents)
+    src.add_argument("--synthetic-zipf", type=float, default=SyntheticSpec.zipf_s,
+                     help="Zipf exponent of document popularity (default: %(default)s)")
+    src.add_argument("--synthetic-sessions-per-s", type=float,
+                     default=SyntheticSpec.sessions_per_s,
+                     help="new sessions per second (default: %(default)s)")
+    src.add_argument("--save-trace", help="also write the trace replayed to this JSONL file")
+    src.add_argument("--requests", type=int, default=0,
+                     help="replay only the first N requests (default: all)")
+
+
+def trace_from_args(args: argparse.Namespace) -> Trace:
+    """The trace the options name (``TraceError`` / ``ValueError`` on bad input)."""
+    if args.synthetic:
+        spec = SyntheticSpec(requests=args.synthetic_requests, block_tokens=args.trace_block_tokens,
+                             documents=args.synthetic_documents, zipf_s=args.synthetic_zipf,
+                             sessions_per_s=args.synthetic_sessions_per_s, seed=args.seed)
+        trace = synthetic_trace(spec)
+    else:
+        trace = load_trace(args.trace, args.trace_block_tokens)
+    if args.requests < 0:
+        raise ValueError(f"--requests must be >= 0, got {args.requests}")
+    if args.requests:
+        trace = replace(trace, requests=trace.requests[: args.requests])
+    if args.save_trace:
+        write_trace(args.save_trace, trace)
+    return trace
+
+
+def describe(trace: Trace) -> str:
+    return (f"trace: {trace.source}: {len(trace):,} requests, {trace.total_blocks:,} blocks of "
+            f"{trace.block_tokens} tokens, {trace.total_input_tokens:,} input tokens over "
+            f"{trace.duration_s:,.0f} s" + (f" ({trace.reordered} reordered)"
+                                            if trace.reordered else ""))
