@@ -124,18 +124,35 @@ def unpack_keys_body(body: bytes, count: int) -> tuple[str, int, list[bytes]]:
     return namespace, page_bytes, keys
 
 
-def pack_pinned(lease_id: int, offsets: np.ndarray, checksums: np.ndarray) -> bytes:
-    return (struct.pack("<Q", lease_id) + offsets.astype("<i8").tobytes()
-            + checksums.astype("<u8").tobytes())
+_PINNED_HEAD = struct.Struct("<QQQII")
 
 
-def unpack_pinned(body: bytes, count: int) -> tuple[int, np.ndarray, np.ndarray]:
-    if len(body) != 8 + 16 * count:
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """The source's answer to RDMA_PIN: where each page is in its registered region."""
+
+    lease_id: int
+    region_addr: int
+    region_length: int
+    rkey: int
+    offsets: np.ndarray      # int64 per key; -1: the source does not hold it
+    checksums: np.ndarray    # uint64 xxh3-64 per key (0 where absent)
+
+
+def pack_pinned(p: Pinned) -> bytes:
+    return (_PINNED_HEAD.pack(p.lease_id, p.region_addr, p.region_length, p.rkey, 0)
+            + np.asarray(p.offsets, dtype="<i8").tobytes()
+            + np.asarray(p.checksums, dtype="<u8").tobytes())
+
+
+def unpack_pinned(body: bytes, count: int) -> Pinned:
+    head = _PINNED_HEAD.size
+    if len(body) != head + 16 * count:
         raise ProtocolError(f"RDMA_PINNED body of {len(body)} bytes for {count} keys")
-    (lease_id,) = struct.unpack_from("<Q", body)
-    offsets = np.frombuffer(body, dtype="<i8", count=count, offset=8)
-    checksums = np.frombuffer(body, dtype="<u8", count=count, offset=8 + 8 * count)
-    return lease_id, offsets, checksums
+    lease_id, addr, length, rkey, _ = _PINNED_HEAD.unpack_from(body)
+    offsets = np.frombuffer(body, dtype="<i8", count=count, offset=head)
+    checksums = np.frombuffer(body, dtype="<u8", count=count, offset=head + 8 * count)
+    return Pinned(lease_id, addr, length, rkey, offsets, checksums)
 
 
 def lease_key(lease_id: int) -> bytes:

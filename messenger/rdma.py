@@ -1,0 +1,550 @@
+"""RDMA transport: one-sided RDMA READs by the destination into its registered page memory.
+
+Protocol (control over the peer's TCP data port, see ``frames.py``):
+
+1. ``RDMA_CONNECT`` (JSON: our QP's QPN/PSN/LID/GID/MTU) -> ``RDMA_ACCEPT`` (the source's QP
+   info). Both sides move their RC QP to RTS towards the other. One QP per peer connection.
+2. ``RDMA_PIN`` (namespace, page size, keys) -> ``RDMA_PINNED``: a lease id, the source region's
+   address, length and rkey (the whole slab, registered once per namespace) and, per key, the
+   page's offset in it (-1: absent) and its xxh3-64 checksum.
+3. The destination plans READs: pages sorted by remote address, runs contiguous on both sides
+   merged into one work request, WRs posted in chains of at most ``chain`` with only the last
+   signaled, at most ``chains_in_flight`` chains outstanding; completions polled without ever
+   blocking inside the verbs library (it would hold the GIL).
+4. Checksums verified; ``RDMA_RELEASE`` unpins. A connection that closes releases its leases.
+
+Failures are per entry. A failed completion fails its chain's entries and every later one (the
+QP is in the error state), and the peer's RDMA session is dropped; ``FallbackTransport`` then
+retries those entries over TCP and keeps that peer on TCP.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .data_server import DataServer, PeerConnection
+from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Header, Kind,
+                     Pinned, ProtocolError, Status, checksum, is_disconnect, lease_key,
+                     lease_of_key, pack_header, pack_json, pack_keys_body, pack_pinned,
+                     recv_exact, recv_header, send_buffers, set_io_timeout, unpack_json,
+                     unpack_keys_body, unpack_pinned)
+from .tcp import page_view, parse_address
+from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
+from .verbs import (Access, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError,
+                    wc_status_name)
+
+log = logging.getLogger(__name__)
+
+_STATUS_OUTCOME = {Status.NOT_FOUND: Outcome.NOT_FOUND, Status.UNAVAILABLE: Outcome.UNAVAILABLE,
+                   Status.INVALID: Outcome.INVALID, Status.INTERNAL: Outcome.INTERNAL}
+
+
+def buffer_address(buf) -> int:
+    """Address of the first byte of a buffer (numpy array or memoryview)."""
+    if isinstance(buf, np.ndarray):
+        return buf.ctypes.data
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+# ---- planning (pure) ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One READ covering pages that are contiguous on both sides."""
+
+    remote_addr: int
+    local_addr: int
+    length: int
+    entries: tuple[int, ...]      # entry indices, in address order
+
+
+def plan_segments(entries: Sequence[tuple[int, int, int]], page_bytes: int,
+                  max_bytes: int) -> list[Segment]:
+    """``entries``: (index, remote_addr, local_addr) per page. Sorted by remote address, and
+    merged where the next page follows on both sides, up to ``max_bytes`` per segment."""
+    out: list[Segment] = []
+    run: list[int] = []
+    r0 = l0 = 0
+    length = 0
+    for idx, raddr, laddr in sorted(entries, key=lambda e: e[1]):
+        if run and raddr == r0 + length and laddr == l0 + length and length + page_bytes <= max_bytes:
+            run.append(idx)
+            length += page_bytes
+            continue
+        if run:
+            out.append(Segment(r0, l0, length, tuple(run)))
+        run, r0, l0, length = [idx], raddr, laddr, page_bytes
+    if run:
+        out.append(Segment(r0, l0, length, tuple(run)))
+    return out
+
+
+def chain_segments(segments: Sequence[Segment], chain: int) -> list[list[Segment]]:
+    return [list(segments[i:i + chain]) for i in range(0, len(segments), chain)]
+
+
+# ---- source side -------------------------------------------------------------------------------
+
+class RdmaSource:
+    """Adds the RDMA control requests to a ``DataServer``: QP setup, pin, release.
+
+    Each namespace's region is registered once (lazily, at the first pin) with REMOTE_READ."""
+
+    def __init__(self, backend: VerbsBackend, source: PageSource) -> None:
+        self.backend = backend
+        self.source = source
+        self._lock = threading.Lock()
+        self._mrs: dict[str, MemoryRegion] = {}
+        self._leases = itertools.count(1)
+
+    def install(self, server: DataServer) -> None:
+        server.add_handler(Kind.RDMA_CONNECT, self._connect)
+        server.add_handler(Kind.RDMA_PIN, self._pin)
+        server.add_handler(Kind.RDMA_RELEASE, self._release)
+
+    def close(self) -> None:
+        with self._lock:
+            mrs, self._mrs = list(self._mrs.values()), {}
+        for mr in mrs:
+            self.backend.deregister(mr)
+
+    def region_mr(self, namespace: str) -> MemoryRegion:
+        with self._lock:
+            mr = self._mrs.get(namespace)
+            if mr is None:
+                region = self.source.region(namespace)
+                mr = self.backend.register(buffer_address(region), region.nbytes,
+                                           Access.LOCAL_WRITE | Access.REMOTE_READ)
+                self._mrs[namespace] = mr
+            return mr
+
+    def _connect(self, conn: PeerConnection, header: Header) -> None:
+        request = unpack_json(conn.read_body(header))
+        if "qp" in conn.state:
+            raise ProtocolError("RDMA_CONNECT twice on one connection")
+        try:
+            remote = QpInfo.from_dict(request.get("qp", {}))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        try:
+            qp = self.backend.create_qp()
+            conn.on_close.append(qp.close)
+            qp.connect(remote, Access.REMOTE_READ)
+        except VerbsError as e:
+            return _send_error(conn, Status.UNAVAILABLE, f"source cannot set up an RC QP: {e}")
+        conn.state["qp"] = qp
+        body = pack_json({"qp": qp.info.to_dict()})
+        conn.send([pack_header(Kind.RDMA_ACCEPT, length=len(body), checksum_=checksum(body)),
+                   body])
+
+    def _pin(self, conn: PeerConnection, header: Header) -> None:
+        if header.count > MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(f"RDMA_PIN of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
+        namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
+        if "qp" not in conn.state:
+            return _send_error(conn, Status.INVALID, "RDMA_PIN before RDMA_CONNECT")
+        try:
+            mine = self.source.page_bytes(namespace)
+            if mine != page_bytes:
+                return _send_error(conn, Status.INVALID,
+                                   f"page size mismatch for {namespace!r}: source pages are "
+                                   f"{mine} bytes, the request expects {page_bytes}")
+            mr = self.region_mr(namespace)
+            pinned = self.source.pin(namespace, keys)
+        except LookupError as e:
+            return _send_error(conn, Status.INVALID, str(e))
+        except ConnectionError as e:
+            return _send_error(conn, Status.UNAVAILABLE, f"source cannot pin pages: {e}")
+        except VerbsError as e:
+            return _send_error(conn, Status.UNAVAILABLE, f"source cannot register memory: {e}")
+        lease_id = next(self._leases)
+        conn.state.setdefault("leases", {})[lease_id] = pinned
+        if len(conn.state["leases"]) == 1:
+            conn.on_close.append(lambda: _release_all(conn))
+        sums = np.array([checksum(v) if v is not None else 0 for v in pinned.views],
+                        dtype=np.uint64)
+        body = pack_pinned(Pinned(lease_id, mr.addr, mr.length, mr.rkey,
+                                  np.asarray(pinned.offsets, dtype=np.int64), sums))
+        conn.send([pack_header(Kind.RDMA_PINNED, count=len(keys), length=len(body),
+                               checksum_=checksum(body)), body])
+
+    def _release(self, conn: PeerConnection, header: Header) -> None:
+        if header.length:
+            raise ProtocolError("RDMA_RELEASE carries no body")
+        pinned: PinnedPages | None = conn.state.get("leases", {}).pop(lease_of_key(header.key),
+                                                                       None)
+        if pinned is not None:
+            pinned.release()
+        conn.send([pack_header(Kind.END)])
+
+
+def _release_all(conn: PeerConnection) -> None:
+    leases = conn.state.get("leases", {})
+    while leases:
+        _, pinned = leases.popitem()
+        pinned.release()
+
+
+def _send_error(conn: PeerConnection, status: Status, message: str) -> None:
+    body = message.encode()[:MAX_CONTROL_BYTES]
+    conn.send([pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)), body])
+
+
+# ---- destination side ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class RdmaConfig:
+    chain: int = 16                  # WRs per posted chain (only the last one signaled)
+    chains_in_flight: int = 4
+    max_wr_bytes: int = 64 << 20     # a merged READ never exceeds this
+    io_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.chain < 1 or self.chains_in_flight < 1 or self.max_wr_bytes < 1:
+            raise ValueError("chain, chains_in_flight and max_wr_bytes must be positive")
+
+
+class RdmaUnavailable(Exception):
+    """RDMA cannot be used with this peer (no QP, no registered memory, refused)."""
+
+
+class _Session:
+    """Control connection and RC QP to one peer. Fetches to one peer take turns on it."""
+
+    def __init__(self, sock: socket.socket, qp: QueuePair) -> None:
+        self.sock = sock
+        self.qp = qp
+        self.header = bytearray(HEADER_BYTES)
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        finally:
+            self.qp.close()
+
+    def request(self, kind: Kind, body: bytes = b"", count: int = 0,
+                key: bytes | None = None) -> tuple[Header, bytes]:
+        head = pack_header(kind, count=count, length=len(body), checksum_=checksum(body),
+                           **({"key": key} if key is not None else {}))
+        send_buffers(self.sock, [head, body] if body else [head])
+        h = recv_header(self.sock, self.header)
+        if h.length > MAX_CONTROL_BYTES + 16 * MAX_KEYS_PER_REQUEST + 64:
+            raise ProtocolError(f"oversized {h.kind.name} reply")
+        reply = bytearray(h.length)
+        if h.length:
+            recv_exact(self.sock, memoryview(reply))
+        if checksum(reply) != h.checksum:
+            raise ProtocolError(f"{h.kind.name} reply checksum mismatch")
+        return h, bytes(reply)
+
+
+class RdmaTransport(Transport):
+    name = "rdma"
+
+    def __init__(self, backend: VerbsBackend, config: RdmaConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or RdmaConfig()
+        if self.config.chain * self.config.chains_in_flight > backend.max_send_wr:
+            raise ValueError(f"chain x chains_in_flight exceeds the send queue "
+                             f"({backend.max_send_wr} WRs)")
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._local: list[MemoryRegion] = []      # sorted by address
+        self._wr_ids = itertools.count(1)
+
+    # ---- local memory ----------------------------------------------------------------------
+
+    def register_local(self, region: np.ndarray) -> None:
+        mr = self.backend.register(buffer_address(region), region.nbytes,
+                                   Access.LOCAL_WRITE | Access.REMOTE_READ)
+        with self._lock:
+            self._local.append(mr)
+            self._local.sort(key=lambda m: m.addr)
+
+    def _local_mr(self, addr: int, length: int) -> MemoryRegion | None:
+        with self._lock:
+            i = bisect.bisect_right([m.addr for m in self._local], addr) - 1
+            if i >= 0 and self._local[i].contains(addr, length):
+                return self._local[i]
+        return None
+
+    # ---- sessions --------------------------------------------------------------------------
+
+    def _session(self, peer: str) -> _Session:
+        with self._lock:
+            s = self._sessions.get(peer)
+            if s is not None and not s.broken:
+                return s
+        host, port = parse_address(peer)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
+        except OSError as e:
+            raise RdmaUnavailable(f"cannot connect to peer {peer}: {e}") from None
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_io_timeout(sock, self.config.io_timeout_s)
+        try:
+            qp = self.backend.create_qp()
+        except VerbsError as e:
+            sock.close()
+            raise RdmaUnavailable(f"cannot create a QP: {e}") from None
+        session = _Session(sock, qp)
+        try:
+            h, body = session.request(Kind.RDMA_CONNECT, pack_json({"qp": qp.info.to_dict()}))
+            if h.kind is Kind.ERROR:
+                raise RdmaUnavailable(f"peer {peer} refused RDMA: {body.decode(errors='replace')}")
+            if h.kind is not Kind.RDMA_ACCEPT:
+                raise ProtocolError(f"expected RDMA_ACCEPT, got {h.kind.name}")
+            remote = QpInfo.from_dict(unpack_json(body).get("qp", {}))
+            qp.connect(remote, Access.REMOTE_READ)
+        except (VerbsError, ValueError, ProtocolError, OSError) as e:
+            session.close()
+            raise RdmaUnavailable(f"RDMA handshake with {peer} failed: {e}") from None
+        except RdmaUnavailable:
+            session.close()
+            raise
+        with self._lock:
+            old = self._sessions.get(peer)
+            self._sessions[peer] = session
+        if old is not None:
+            old.close()
+        return session
+
+    def drop_session(self, peer: str) -> None:
+        with self._lock:
+            s = self._sessions.pop(peer, None)
+        if s is not None:
+            s.close()
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+            local, self._local = self._local, []
+        for s in sessions:
+            s.close()
+        for mr in local:
+            self.backend.deregister(mr)
+
+    # ---- fetch -------------------------------------------------------------------------------
+
+    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
+              views: Sequence[memoryview]) -> list[EntryResult]:
+        n = len(keys)
+        if len(views) != n:
+            raise ValueError(f"{n} keys but {len(views)} views")
+        if n == 0:
+            return []
+        views = [page_view(v) for v in views]
+        page_bytes = views[0].nbytes
+        if any(v.nbytes != page_bytes for v in views):
+            raise ValueError("every destination view must have the same page size")
+        results: list[EntryResult | None] = [None] * n
+        local = [buffer_address(v) for v in views]
+        lkeys = []
+        for i, addr in enumerate(local):
+            mr = self._local_mr(addr, page_bytes)
+            if mr is None:
+                results[i] = EntryResult(Outcome.UNAVAILABLE,
+                                         "destination page is not in RDMA-registered memory")
+            lkeys.append(mr.lkey if mr else 0)
+        todo = [i for i in range(n) if results[i] is None]
+        try:
+            session = self._session(peer)
+        except RdmaUnavailable as e:
+            return self._finish(results, Outcome.UNAVAILABLE, str(e))
+        with session.lock:
+            try:
+                for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
+                    group = todo[s:s + MAX_KEYS_PER_REQUEST]
+                    self._fetch_group(session, namespace, page_bytes, group, keys, views, local,
+                                      lkeys, results)
+                    if session.broken:
+                        break
+            except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
+                session.broken = True
+                if isinstance(e, (ProtocolError, VerbsError)) or is_disconnect(e):
+                    reason = f"RDMA session with {peer} failed: {e}"
+                else:
+                    log.exception("RDMA fetch from %s failed", peer)
+                    reason = f"internal error: {e!r}"
+                self._finish(results, Outcome.UNAVAILABLE, reason)
+        if session.broken:
+            self.drop_session(peer)
+        return self._finish(results, Outcome.UNAVAILABLE, f"RDMA session with {peer} failed")
+
+    @staticmethod
+    def _finish(results, outcome: Outcome, reason: str) -> list[EntryResult]:
+        for i, r in enumerate(results):
+            if r is None:
+                results[i] = EntryResult(outcome, reason)
+        return results
+
+    def _fetch_group(self, session: _Session, namespace, page_bytes, group, keys, views, local,
+                     lkeys, results) -> None:
+        body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
+        h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
+        if h.kind is Kind.ERROR:
+            outcome = _STATUS_OUTCOME.get(h.status, Outcome.INTERNAL)
+            reason = reply.decode(errors="replace") or h.status.name
+            for i in group:
+                results[i] = EntryResult(outcome, reason)
+            return
+        if h.kind is not Kind.RDMA_PINNED or h.count != len(group):
+            raise ProtocolError(f"expected RDMA_PINNED for {len(group)} keys, got {h.kind.name}")
+        pinned = unpack_pinned(reply, len(group))
+        try:
+            entries = []
+            region_end = pinned.region_addr + pinned.region_length
+            for j, i in enumerate(group):
+                off = int(pinned.offsets[j])
+                if off < 0:
+                    results[i] = EntryResult(Outcome.NOT_FOUND, "source does not hold the key")
+                    continue
+                raddr = pinned.region_addr + off
+                if raddr + page_bytes > region_end:
+                    raise ProtocolError(f"page offset {off} outside the source region")
+                entries.append((i, raddr, local[i]))
+            segments = plan_segments(entries, page_bytes, self.config.max_wr_bytes)
+            self._read(session, segments, pinned.rkey, lkeys, results)
+            sums = dict(zip(group, pinned.checksums.tolist()))
+            for i, _, _ in entries:
+                if results[i] is not None:
+                    continue
+                if checksum(views[i]) == sums[i]:
+                    results[i] = OK
+                else:
+                    results[i] = EntryResult(Outcome.DATA_LOSS,
+                                             "checksum mismatch: page corrupted in transit")
+        except BaseException:
+            session.broken = True   # closing the control connection releases the source's pins
+            raise
+        h, _ = session.request(Kind.RDMA_RELEASE, key=lease_key(pinned.lease_id))
+        if h.kind is not Kind.END:
+            raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
+
+    def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys,
+              results) -> None:
+        """Post the segments as chained READs and wait for them; failed chains fail entries."""
+        cfg = self.config
+        chains = chain_segments(segments, cfg.chain)
+        in_flight: dict[int, list[Segment]] = {}    # signaled wr_id -> its chain
+        owner_of: dict[int, int] = {}                # any wr_id -> its chain's signaled wr_id
+        next_chain = 0
+        deadline = time.monotonic() + cfg.io_timeout_s
+        idle_polls = 0
+        while next_chain < len(chains) or in_flight:
+            while next_chain < len(chains) and len(in_flight) < cfg.chains_in_flight \
+                    and not session.broken:
+                chain = chains[next_chain]
+                next_chain += 1
+                wrs = [ReadWr(wr_id=next(self._wr_ids), local_addr=seg.local_addr,
+                              lkey=lkeys[seg.entries[0]], remote_addr=seg.remote_addr,
+                              rkey=rkey, length=seg.length, signaled=k == len(chain) - 1)
+                       for k, seg in enumerate(chain)]
+                session.qp.post_reads(wrs)
+                in_flight[wrs[-1].wr_id] = chain
+                for wr in wrs:
+                    owner_of[wr.wr_id] = wrs[-1].wr_id
+            if session.broken and next_chain < len(chains):
+                for chain in chains[next_chain:]:
+                    _fail_chain(chain, results, "not posted: the RDMA queue pair failed")
+                next_chain = len(chains)
+            completions = session.qp.poll(16)
+            if not completions:
+                if time.monotonic() > deadline:
+                    session.broken = True
+                    for chain in in_flight.values():
+                        _fail_chain(chain, results, "RDMA READ timed out")
+                    return
+                # NOTE: never block inside the verbs library (it holds the GIL): back off here.
+                idle_polls += 1
+                time.sleep(0 if idle_polls < 64 else 50e-6)
+                continue
+            idle_polls = 0
+            deadline = time.monotonic() + cfg.io_timeout_s
+            for wc in completions:
+                owner = owner_of.get(wc.wr_id, wc.wr_id)
+                chain = in_flight.pop(owner, None)
+                if wc.ok:
+                    continue
+                session.broken = True
+                if chain is not None:
+                    _fail_chain(chain, results, f"RDMA READ failed: {wc_status_name(wc.status)}")
+            if session.broken:
+                # The QP is in the error state: what is still in flight is flushed, not read.
+                for chain in in_flight.values():
+                    _fail_chain(chain, results, "RDMA READ flushed after an earlier error")
+                in_flight.clear()
+
+
+def _fail_chain(chain: list[Segment], results, reason: str) -> None:
+    failure = EntryResult(Outcome.UNAVAILABLE, reason)
+    for seg in chain:
+        for i in seg.entries:
+            if results[i] is None:
+                results[i] = failure
+
+
+# ---- fallback ------------------------------------------------------------------------------------
+
+_RETRYABLE = (Outcome.UNAVAILABLE, Outcome.INTERNAL)
+
+
+class FallbackTransport(Transport):
+    """RDMA first; entries that fail for transport reasons are retried over TCP, and a peer whose
+    RDMA failed stays on TCP (logged once per peer)."""
+
+    def __init__(self, primary: Transport, fallback: Transport) -> None:
+        self.primary, self.fallback = primary, fallback
+        self.name = f"{primary.name}+{fallback.name}"
+        self._lock = threading.Lock()
+        self._tcp_only: dict[str, str] = {}
+
+    def tcp_only_peers(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._tcp_only)
+
+    def register_local(self, region: np.ndarray) -> None:
+        self.primary.register_local(region)
+        self.fallback.register_local(region)
+
+    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
+              views: Sequence[memoryview]) -> list[EntryResult]:
+        with self._lock:
+            demoted = peer in self._tcp_only
+        if demoted:
+            return self.fallback.fetch(peer, namespace, keys, views)
+        results = self.primary.fetch(peer, namespace, keys, views)
+        retry = [i for i, r in enumerate(results) if r.outcome in _RETRYABLE]
+        if not retry:
+            return results
+        reason = results[retry[0]].reason
+        with self._lock:
+            first = peer not in self._tcp_only
+            self._tcp_only[peer] = reason
+        if first:
+            log.warning("%s to peer %s failed (%s); using %s for this peer from now on",
+                        self.primary.name, peer, reason, self.fallback.name)
+        again = self.fallback.fetch(peer, namespace, [keys[i] for i in retry],
+                                    [views[i] for i in retry])
+        for i, r in zip(retry, again):
+            results[i] = r
+        return results
+
+    def close(self) -> None:
+        try:
+            self.primary.close()
+        finally:
+            self.fallback.close()

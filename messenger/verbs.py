@@ -1,0 +1,151 @@
+"""The small verbs backend interface the RDMA transport is written against.
+
+Everything the RDMA transport does that is not a verbs call (bootstrap over the TCP control
+channel, work-request planning, chaining, completion handling, failures, fallback) lives in
+``rdma.py`` in plain Python and runs against this interface. Two backends implement it:
+``verbs_pyverbs.PyverbsBackend`` (real hardware, imported lazily) and
+``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions; checks keys, bounds and
+access flags; injects completion errors) for tests on machines without RDMA.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+
+class Access(enum.IntFlag):
+    """ibv_access_flags values."""
+
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+
+
+class WcStatus(enum.IntEnum):
+    """The ibv_wc_status values the transport distinguishes (others keep their number)."""
+
+    SUCCESS = 0
+    LOC_LEN_ERR = 1
+    LOC_QP_OP_ERR = 2
+    LOC_PROT_ERR = 4
+    WR_FLUSH_ERR = 5
+    REM_INV_REQ_ERR = 9
+    REM_ACCESS_ERR = 10
+    REM_OP_ERR = 11
+    RETRY_EXC_ERR = 12
+    RNR_RETRY_EXC_ERR = 13
+    GENERAL_ERR = 21
+
+
+def wc_status_name(status: int) -> str:
+    try:
+        return WcStatus(status).name
+    except ValueError:
+        return f"status {status}"
+
+
+class VerbsError(Exception):
+    """A verbs call failed (device, registration, QP transition, post)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QpInfo:
+    """What a peer needs to connect an RC QP to ours (exchanged over the TCP control channel)."""
+
+    qpn: int
+    psn: int
+    lid: int
+    gid: str          # "" when the port has no GID (IB with LID routing)
+    mtu: int          # ibv_mtu enum value (1: 256 ... 5: 4096)
+    port: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QpInfo":
+        try:
+            return cls(qpn=int(d["qpn"]), psn=int(d["psn"]) & 0xFFFFFF, lid=int(d["lid"]),
+                       gid=str(d.get("gid", "")), mtu=int(d["mtu"]), port=int(d.get("port", 1)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad QP info {d!r}: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: int
+
+    def contains(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class ReadWr:
+    """One RDMA READ: ``length`` bytes from the peer's ``remote_addr`` into ``local_addr``."""
+
+    wr_id: int
+    local_addr: int
+    lkey: int
+    remote_addr: int
+    rkey: int
+    length: int
+    signaled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    wr_id: int
+    status: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == WcStatus.SUCCESS
+
+
+class QueuePair(ABC):
+    """An RC queue pair with its own completion queue."""
+
+    @property
+    @abstractmethod
+    def info(self) -> QpInfo: ...
+
+    @abstractmethod
+    def connect(self, remote: QpInfo, access: int = Access.REMOTE_READ) -> None:
+        """INIT -> RTR -> RTS towards ``remote``."""
+
+    @abstractmethod
+    def post_reads(self, wrs: Sequence[ReadWr]) -> None:
+        """Post the WRs as one chained list (one doorbell)."""
+
+    @abstractmethod
+    def poll(self, max_entries: int) -> list[Completion]:
+        """Completions available now; never blocks."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class VerbsBackend(ABC):
+    """One device port and protection domain."""
+
+    name: str
+    max_send_wr: int = 256
+
+    @abstractmethod
+    def register(self, addr: int, length: int, access: int) -> MemoryRegion:
+        """Register existing memory (no copy, no allocation) as one memory region."""
+
+    @abstractmethod
+    def deregister(self, mr: MemoryRegion) -> None: ...
+
+    @abstractmethod
+    def create_qp(self) -> QueuePair: ...
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,181 @@
+"""``VerbsBackend`` over pyverbs (rdma-core's Python bindings), for real RDMA devices.
+
+Imported only when RDMA is asked for or probed (``select.py``); nothing else in the package needs
+pyverbs. Debian ships it as ``python3-pyverbs`` for the system Python; a venv built from
+``/usr/bin/python3`` with ``--system-site-packages`` sees it.
+
+NOTE: this module is the only code that needs hardware to run; it is kept to straight verbs calls
+so that everything else is tested with ``verbs_fake``.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from typing import Sequence
+
+import pyverbs.device as d  # noqa: F401 - the import itself is the availability check
+import pyverbs.enums as e
+from pyverbs.addr import AHAttr, GID, GlobalRoute
+from pyverbs.cq import CQ
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+from pyverbs.pyverbs_error import PyverbsError
+from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.wr import SGE, SendWR
+
+from .verbs import (Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend,
+                    VerbsError)
+
+PORT_ACTIVE = 4   # IBV_PORT_ACTIVE
+
+
+def find_active_port(device: str | None = None, port: int | None = None
+                     ) -> tuple[str, int]:
+    """The first device/port in the ACTIVE state. Raises ``VerbsError`` when there is none
+    (including when ``get_device_list`` itself fails: no RDMA subsystem in the kernel)."""
+    try:
+        devices = d.get_device_list()
+    except PyverbsError as ex:
+        raise VerbsError(f"no RDMA devices: {ex}") from None
+    for dev in devices:
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        if device and name != device:
+            continue
+        try:
+            with d.Context(name=name) as ctx:
+                ports = [port] if port else range(1, ctx.query_device().phys_port_cnt + 1)
+                for p in ports:
+                    if ctx.query_port(p).state == PORT_ACTIVE:
+                        return name, p
+        except PyverbsError:
+            continue
+    raise VerbsError("no RDMA port is ACTIVE" + (f" on {device}" if device else ""))
+
+
+class PyverbsQueuePair(QueuePair):
+    def __init__(self, backend: "PyverbsBackend") -> None:
+        self.backend = backend
+        depth = backend.max_send_wr
+        self.cq = CQ(backend.ctx, depth * 2)
+        cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        self.qp = QP(backend.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
+                                            cap=cap))
+        self._info = QpInfo(qpn=self.qp.qp_num, psn=random.getrandbits(24),
+                            lid=backend.port_attr.lid, gid=backend.gid, mtu=backend.mtu,
+                            port=backend.port)
+        self._keep: list = []   # WR/SGE objects must outlive the post
+
+    @property
+    def info(self) -> QpInfo:
+        return self._info
+
+    def connect(self, remote: QpInfo, access: int = e.IBV_ACCESS_REMOTE_READ) -> None:
+        b = self.backend
+        try:
+            attr = QPAttr(port_num=b.port)
+            attr.qp_access_flags = int(access)
+            attr.pkey_index = 0
+            self.qp.to_init(attr)
+            attr = QPAttr(port_num=b.port)
+            attr.path_mtu = min(b.mtu, remote.mtu)
+            attr.dest_qp_num = remote.qpn
+            attr.rq_psn = remote.psn
+            attr.max_dest_rd_atomic = 16
+            attr.min_rnr_timer = 12
+            if remote.gid:
+                gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=b.gid_index)
+                attr.ah_attr = AHAttr(port_num=b.port, is_global=1, gr=gr, dlid=remote.lid)
+            else:
+                attr.ah_attr = AHAttr(port_num=b.port, dlid=remote.lid)
+            self.qp.to_rtr(attr)
+            attr.sq_psn = self._info.psn
+            attr.timeout = 14
+            attr.retry_cnt = 7
+            attr.rnr_retry = 7
+            attr.max_rd_atomic = 16
+            self.qp.to_rts(attr)
+        except PyverbsError as ex:
+            raise VerbsError(f"QP transition failed: {ex}") from None
+
+    def post_reads(self, wrs: Sequence[ReadWr]) -> None:
+        # Build the list back to front so each WR links to the next (one ibv_post_send).
+        nxt = None
+        keep = []
+        for wr in reversed(wrs):
+            sge = SGE(wr.local_addr, wr.length, wr.lkey)
+            flags = e.IBV_SEND_SIGNALED if wr.signaled else 0
+            kwargs = {"next_wr": nxt} if nxt is not None else {}
+            swr = SendWR(wr_id=wr.wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
+                         send_flags=flags, **kwargs)
+            swr.set_wr_rdma(wr.rkey, wr.remote_addr)
+            keep += [sge, swr]
+            nxt = swr
+        try:
+            self.qp.post_send(nxt)
+        except PyverbsError as ex:
+            raise VerbsError(f"ibv_post_send failed: {ex}") from None
+        self._keep = keep
+
+    def poll(self, max_entries: int) -> list[Completion]:
+        try:
+            n, wcs = self.cq.poll(num_entries=max_entries)   # ibv_poll_cq: returns at once
+        except PyverbsError as ex:
+            raise VerbsError(f"ibv_poll_cq failed: {ex}") from None
+        return [Completion(wc.wr_id, wc.status) for wc in wcs[:max(n, 0)]]
+
+    def close(self) -> None:
+        self.qp.close()
+        self.cq.close()
+
+
+class PyverbsBackend(VerbsBackend):
+    name = "pyverbs"
+
+    def __init__(self, device: str | None = None, port: int | None = None, gid_index: int = 0,
+                 max_send_wr: int = 256) -> None:
+        name, self.port = find_active_port(device, port)
+        self.device = name
+        self.max_send_wr = max_send_wr
+        self.gid_index = gid_index
+        self._lock = threading.Lock()
+        try:
+            self.ctx = d.Context(name=name)
+            self.pd = PD(self.ctx)
+            self.port_attr = self.ctx.query_port(self.port)
+            self.mtu = int(self.port_attr.active_mtu)
+            gid = self.ctx.query_gid(port_num=self.port, index=gid_index)
+            self.gid = "" if str(gid) in ("", "0000:0000:0000:0000:0000:0000:0000:0000") \
+                else str(gid)
+        except PyverbsError as ex:
+            raise VerbsError(f"cannot open RDMA device {name}: {ex}") from None
+        self._mrs: dict[int, MR] = {}
+
+    def register(self, addr: int, length: int, access: int) -> MemoryRegion:
+        try:
+            mr = MR(self.pd, length, int(access), address=addr)
+        except PyverbsError as ex:
+            raise VerbsError(f"ibv_reg_mr of {length} bytes failed: {ex}") from None
+        with self._lock:
+            self._mrs[mr.rkey] = mr
+        return MemoryRegion(addr=addr, length=length, lkey=mr.lkey, rkey=mr.rkey,
+                            access=int(access))
+
+    def deregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            mr = self._mrs.pop(region.rkey, None)
+        if mr is not None:
+            mr.close()
+
+    def create_qp(self) -> PyverbsQueuePair:
+        try:
+            return PyverbsQueuePair(self)
+        except PyverbsError as ex:
+            raise VerbsError(f"cannot create an RC QP: {ex}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            mrs, self._mrs = list(self._mrs.values()), {}
+        for mr in mrs:
+            mr.close()
+        self.pd.close()
+        self.ctx.close()

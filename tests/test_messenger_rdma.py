@@ -1,0 +1,367 @@
+"""RDMA transport logic against the fake verbs backend (real TCP control channel, real threads).
+
+The fake copies between in-memory regions only after the checks an HCA makes (rkey, bounds,
+access flags, QP state), so a wrong key, offset or flag in the transport fails these tests.
+Tests that need real verbs are marked ``rdma`` and skipped with the reason on machines without.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from messenger.data_server import DataServer
+from messenger.rdma import (FallbackTransport, RdmaConfig, RdmaSource, RdmaTransport,
+                            Segment, plan_segments)
+from messenger.select import choose_transport, open_rdma_backend
+from messenger.slab_peer import fill_pattern, pattern_keys
+from messenger.tcp import TcpTransport
+from messenger.transport import Outcome, SlabPageSource
+from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
+from messenger.verbs_fake import FakeFabric, FakeVerbsBackend
+
+NS = "rdma|test"
+PAGES = 40
+PB = 16 << 10
+
+
+# ---- planning ---------------------------------------------------------------------------------
+
+def test_plan_merges_runs_contiguous_on_both_sides():
+    # Remote pages 0..3 land in local pages 10..13 (contiguous), page 5 elsewhere, 4 goes to a
+    # non-adjacent local slot, so it cannot extend the first run.
+    entries = [(0, 0, 10 * PB), (1, PB, 11 * PB), (2, 2 * PB, 12 * PB), (3, 3 * PB, 13 * PB),
+               (4, 4 * PB, 20 * PB), (5, 5 * PB, 21 * PB), (6, 9 * PB, 22 * PB)]
+    got = plan_segments(list(reversed(entries)), PB, max_bytes=1 << 30)
+    assert got == [Segment(0, 10 * PB, 4 * PB, (0, 1, 2, 3)),
+                   Segment(4 * PB, 20 * PB, 2 * PB, (4, 5)),
+                   Segment(9 * PB, 22 * PB, PB, (6,))]
+
+
+def test_plan_caps_segment_size():
+    entries = [(i, i * PB, i * PB) for i in range(10)]
+    got = plan_segments(entries, PB, max_bytes=3 * PB)
+    assert [s.entries for s in got] == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9,)]
+    assert all(s.length <= 3 * PB for s in got)
+
+
+# ---- the fake backend enforces what hardware enforces ----------------------------------------------
+
+def _pair(fabric):
+    a, b = FakeVerbsBackend(fabric), FakeVerbsBackend(fabric)
+    qa, qb = a.create_qp(), b.create_qp()
+    qa.connect(qb.info)
+    qb.connect(qa.info)
+    return a, b, qa
+
+
+def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
+    fabric = FakeFabric()
+    a, b, qp = _pair(fabric)
+    src = np.arange(4 * PB, dtype=np.uint64).view(np.uint8)[: 4 * PB].copy()
+    dst = np.zeros(4 * PB, dtype=np.uint8)
+    readable = b.register(src.ctypes.data, src.nbytes, Access.REMOTE_READ)
+    writable = a.register(dst.ctypes.data, dst.nbytes, Access.LOCAL_WRITE)
+    ok = ReadWr(1, dst.ctypes.data, writable.lkey, src.ctypes.data, readable.rkey, PB, True)
+    qp.post_reads([ok])
+    assert [c.status for c in qp.poll(4)] == [WcStatus.SUCCESS]
+    np.testing.assert_array_equal(dst[:PB], src[:PB])
+
+    def status_of(wr):
+        q, peer = a.create_qp(), b.create_qp()   # a fresh QP from a to b for each case
+        q.connect(peer.info)
+        peer.connect(q.info)
+        q.post_reads([wr])
+        return q.poll(4)[0].status
+
+    bad_rkey = ReadWr(2, dst.ctypes.data, writable.lkey, src.ctypes.data, 0xDEAD, PB, True)
+    out_of_bounds = ReadWr(3, dst.ctypes.data, writable.lkey, src.ctypes.data + 3 * PB + 1,
+                           readable.rkey, PB, True)
+    no_remote_read = b.register(src.ctypes.data, src.nbytes, Access.LOCAL_WRITE)
+    not_readable = ReadWr(4, dst.ctypes.data, writable.lkey, src.ctypes.data, no_remote_read.rkey,
+                          PB, True)
+    read_only_local = a.register(dst.ctypes.data, dst.nbytes, Access.REMOTE_READ)
+    not_writable = ReadWr(5, dst.ctypes.data, read_only_local.lkey, src.ctypes.data,
+                          readable.rkey, PB, True)
+    assert status_of(bad_rkey) == WcStatus.REM_ACCESS_ERR
+    assert status_of(out_of_bounds) == WcStatus.REM_ACCESS_ERR
+    assert status_of(not_readable) == WcStatus.REM_ACCESS_ERR
+    assert status_of(not_writable) == WcStatus.LOC_PROT_ERR
+
+    # After an error the QP flushes everything behind it, unsignaled WRs included.
+    qp.post_reads([bad_rkey, ok])
+    assert [c.status for c in qp.poll(4)] == [WcStatus.REM_ACCESS_ERR, WcStatus.WR_FLUSH_ERR]
+    with pytest.raises(VerbsError):
+        a.create_qp().post_reads([ok])   # never connected: not in RTS
+    with pytest.raises(VerbsError):
+        a.create_qp().connect(QpInfo(qpn=1, psn=0, lid=99, gid="", mtu=5))
+
+
+# ---- transport against a source server -------------------------------------------------------------
+
+class Setup:
+    def __init__(self, missing=(), with_rdma_source=True, config: RdmaConfig | None = None,
+                 max_send_wr: int = 64) -> None:
+        self.fabric = FakeFabric()
+        self.src_region = np.empty(PAGES * PB, dtype=np.uint8)
+        fill_pattern(self.src_region.reshape(PAGES, PB))
+        self.keys = pattern_keys(PAGES)
+        slots = {k: i for i, k in enumerate(self.keys) if i not in set(missing)}
+        self.source = SlabPageSource(NS, self.src_region, PB, slots)
+        self.server = DataServer(self.source).start()
+        self.src_backend = FakeVerbsBackend(self.fabric, max_send_wr)
+        if with_rdma_source:
+            self.rdma_source = RdmaSource(self.src_backend, self.source)
+            self.rdma_source.install(self.server)
+        self.dst_backend = FakeVerbsBackend(self.fabric, max_send_wr)
+        self.rdma = RdmaTransport(self.dst_backend, config or RdmaConfig(chain=4,
+                                                                         chains_in_flight=2))
+        self.dst = np.zeros((PAGES, PB), dtype=np.uint8)
+        self.rdma.register_local(self.dst.reshape(-1))
+
+    def views(self, order=None):
+        order = range(PAGES) if order is None else order
+        return [memoryview(self.dst[i]) for i in order]
+
+    def close(self) -> None:
+        self.rdma.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def setup():
+    s = Setup()
+    yield s
+    s.close()
+
+
+def test_rdma_fetch_moves_exact_bytes_with_merged_chained_reads(setup):
+    setup.fabric.poll_delay = 3   # completions show up late: polling must not block or give up
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views())
+    assert all(r.ok for r in res), res[0]
+    np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
+    # Both sides contiguous: the whole batch is one READ, one chain, one signaled WR.
+    assert setup.fabric.reads_posted == 1
+    assert setup.fabric.signaled_posted == setup.fabric.chains_posted == 1
+    assert setup.source.pins == 0            # released after the fetch
+    assert setup.src_backend.registrations == 1
+    # A second fetch reuses the session and the source's registration.
+    setup.dst[:] = 0
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys[:3], setup.views()[:3])
+    assert all(r.ok for r in res)
+    assert setup.src_backend.registrations == 1
+
+
+def test_scattered_destination_pages_use_many_chains_only_last_signaled(setup):
+    order = list(range(PAGES))[::-1]          # page i lands in slot PAGES-1-i: nothing merges
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views(order))
+    assert all(r.ok for r in res)
+    expected = setup.src_region.reshape(PAGES, PB)
+    np.testing.assert_array_equal(setup.dst[::-1], expected)
+    assert setup.fabric.reads_posted == PAGES
+    assert setup.fabric.chains_posted == PAGES // 4
+    assert setup.fabric.signaled_posted == setup.fabric.chains_posted
+
+
+def test_missing_keys_fail_not_found_rest_complete():
+    s = Setup(missing=(2, 30))
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views())
+    finally:
+        s.close()
+    assert {i for i, r in enumerate(res) if not r.ok} == {2, 30}
+    assert res[2].outcome is Outcome.NOT_FOUND
+    exp = s.src_region.reshape(PAGES, PB)
+    np.testing.assert_array_equal(s.dst[3:30], exp[3:30])
+
+
+def test_corruption_on_the_link_is_caught_by_the_checksum(setup):
+    setup.fabric.corrupt_reads(1)
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys[:1], setup.views()[:1])
+    assert res[0].outcome is Outcome.DATA_LOSS
+
+
+def test_completion_error_fails_entries_and_drops_the_session(setup):
+    order = list(range(PAGES))[::-1]
+    setup.fabric.fail_reads(1, WcStatus.RETRY_EXC_ERR)
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views(order))
+    # READs are planned in remote-address order: the first chain covers keys 0..3 and fails;
+    # nothing after it may be reported done (the QP is in the error state).
+    assert not any(r.ok for r in res)
+    assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+    assert all("RETRY_EXC_ERR" in r.reason for r in res[:4])
+    assert any("flushed" in r.reason or "not posted" in r.reason for r in res[4:])
+    # Pins are released even though the QP failed; a new session works again.
+    assert setup.source.pins == 0
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views())
+    assert all(r.ok for r in res)
+
+
+def test_fallback_retries_failed_entries_over_tcp_and_keeps_the_peer_on_tcp(setup):
+    transport = FallbackTransport(setup.rdma, TcpTransport())
+    try:
+        setup.fabric.fail_reads(1)
+        res = transport.fetch(setup.server.address, NS, setup.keys, setup.views())
+        assert all(r.ok for r in res)
+        np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
+        assert setup.server.address in transport.tcp_only_peers()
+        posted = setup.fabric.reads_posted
+        setup.dst[:] = 0
+        res = transport.fetch(setup.server.address, NS, setup.keys, setup.views())
+        assert all(r.ok for r in res)
+        assert setup.fabric.reads_posted == posted     # the second fetch did not use RDMA
+        np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
+    finally:
+        transport.fallback.close()
+
+
+def test_peer_without_rdma_falls_back_to_tcp():
+    s = Setup(with_rdma_source=False)
+    transport = FallbackTransport(s.rdma, TcpTransport())
+    try:
+        only_rdma = s.rdma.fetch(s.server.address, NS, s.keys[:2], s.views()[:2])
+        assert {r.outcome for r in only_rdma} == {Outcome.UNAVAILABLE}
+        res = transport.fetch(s.server.address, NS, s.keys, s.views())
+        assert all(r.ok for r in res)
+        np.testing.assert_array_equal(s.dst.reshape(-1), s.src_region)
+    finally:
+        transport.fallback.close()
+        s.close()
+
+
+def test_unregistered_destination_memory_is_a_per_entry_failure(setup):
+    stray = np.zeros((2, PB), dtype=np.uint8)
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys[:3],
+                           [memoryview(stray[0]), memoryview(setup.dst[1]), memoryview(stray[1])])
+    assert [r.ok for r in res] == [False, True, False]
+    assert "not in RDMA-registered memory" in res[0].reason
+
+
+def test_unknown_namespace_is_invalid(setup):
+    res = setup.rdma.fetch(setup.server.address, "nope", setup.keys[:2], setup.views()[:2])
+    assert {r.outcome for r in res} == {Outcome.INVALID}
+
+
+def test_send_queue_is_never_overrun():
+    # 4 WRs per chain x 2 chains in flight fits an 8-deep send queue only if unsignaled WRs are
+    # retired by their chain's signaled completion and the transport waits for it.
+    s = Setup(config=RdmaConfig(chain=4, chains_in_flight=2), max_send_wr=8)
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views(list(range(PAGES))[::-1]))
+        assert all(r.ok for r in res)
+        with pytest.raises(ValueError, match="send queue"):
+            RdmaTransport(s.dst_backend, RdmaConfig(chain=8, chains_in_flight=2))
+    finally:
+        s.close()
+
+
+def test_closing_the_control_connection_releases_source_pins(setup):
+    # A pin whose release never comes (the destination dies) is undone when the connection goes.
+    session = setup.rdma._session(setup.server.address)
+    from messenger.frames import Kind, pack_keys_body
+    h, _ = session.request(Kind.RDMA_PIN, pack_keys_body(NS, PB, setup.keys[:4]), count=4)
+    assert h.kind is Kind.RDMA_PINNED and setup.source.pins == 1
+    setup.rdma.drop_session(setup.server.address)
+    assert _wait_until(lambda: setup.source.pins == 0)
+
+
+def _wait_until(pred, timeout=5.0) -> bool:
+    """Poll a real condition (a counter another thread updates) with a deadline."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+# ---- selection -----------------------------------------------------------------------------------
+
+def test_auto_selects_tcp_here_and_says_why(caplog):
+    backend, reason = open_rdma_backend()
+    if backend is not None:
+        backend.close()
+        pytest.skip("this machine has RDMA")
+    with caplog.at_level("INFO", logger="messenger.select"):
+        choice = choose_transport("auto")
+    try:
+        assert choice.transport.name == "tcp" and choice.backend is None
+        assert "RDMA unavailable" in choice.description
+        assert any("transport: tcp" in r.message for r in caplog.records)
+    finally:
+        choice.transport.close()
+    with pytest.raises(RuntimeError, match="RDMA is unavailable"):
+        choose_transport("rdma")
+    with pytest.raises(ValueError, match="unknown transport"):
+        choose_transport("udp")
+
+
+def test_rdma_mode_with_a_backend_falls_back_per_peer():
+    fabric = FakeFabric()
+    choice = choose_transport("rdma", backend=FakeVerbsBackend(fabric))
+    try:
+        assert isinstance(choice.transport, FallbackTransport)
+        assert choice.transport.name == "rdma+tcp"
+    finally:
+        choice.transport.close()
+
+
+def _real_rdma_reason() -> str | None:
+    backend, reason = open_rdma_backend()
+    if backend is None:
+        return reason
+    backend.close()
+    return None
+
+
+@pytest.mark.rdma
+def test_real_verbs_loopback_read():
+    reason = _real_rdma_reason()
+    if reason:
+        pytest.skip(f"needs pyverbs and an ACTIVE RDMA port: {reason}")
+    from messenger.verbs_pyverbs import PyverbsBackend
+    src_b, dst_b = PyverbsBackend(), PyverbsBackend()
+    src = np.arange(PB, dtype=np.uint8)
+    dst = np.zeros(PB, dtype=np.uint8)
+    try:
+        rmr = src_b.register(src.ctypes.data, PB, Access.LOCAL_WRITE | Access.REMOTE_READ)
+        lmr = dst_b.register(dst.ctypes.data, PB, Access.LOCAL_WRITE)
+        qa, qb = dst_b.create_qp(), src_b.create_qp()
+        qa.connect(qb.info)
+        qb.connect(qa.info)
+        qa.post_reads([ReadWr(1, dst.ctypes.data, lmr.lkey, src.ctypes.data, rmr.rkey, PB, True)])
+        completions = []
+        assert _wait_until(lambda: bool(completions.extend(qa.poll(4)) or completions))
+        assert completions[0].ok
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        src_b.close()
+        dst_b.close()
+
+
+@pytest.mark.rdma
+def test_real_verbs_transport_end_to_end():
+    reason = _real_rdma_reason()
+    if reason:
+        pytest.skip(f"needs pyverbs and an ACTIVE RDMA port: {reason}")
+    from messenger.verbs_pyverbs import PyverbsBackend
+    src_region = np.empty(PAGES * PB, dtype=np.uint8)
+    fill_pattern(src_region.reshape(PAGES, PB))
+    keys = pattern_keys(PAGES)
+    source = SlabPageSource(NS, src_region, PB, {k: i for i, k in enumerate(keys)})
+    server = DataServer(source).start()
+    src_b, dst_b = PyverbsBackend(), PyverbsBackend()
+    RdmaSource(src_b, source).install(server)
+    transport = RdmaTransport(dst_b)
+    dst = np.zeros((PAGES, PB), dtype=np.uint8)
+    transport.register_local(dst.reshape(-1))
+    try:
+        res = transport.fetch(server.address, NS, keys, [memoryview(dst[i]) for i in range(PAGES)])
+        assert all(r.ok for r in res), res[0]
+        np.testing.assert_array_equal(dst.reshape(-1), src_region)
+    finally:
+        transport.close()
+        server.stop()
+        src_b.close()
+        dst_b.close()
