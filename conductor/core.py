@@ -45,7 +45,7 @@ class NodeView:
 
 @dataclass(frozen=True, kw_only=True)
 class Maintenance:
-    expired_nodes: list[str]
+    expired_nodes: list[tuple[str, int]]   # (node id, generation)
     stale_requests: list[str]
     sweep_done: bool
 
@@ -82,13 +82,15 @@ class Conductor:
         with self.lock:
             return self.registry.heartbeat(node_id, self.clock(), load, generation)
 
-    def unregister(self, node_id: str, generation: int = 0) -> bool:
+    def unregister(self, node_id: str, generation: int = 0) -> int | None:
+        """Drop ``node_id`` (only registration ``generation`` if given); the generation removed,
+        or None."""
         with self.lock:
             state = self.registry.find(node_id)
             if state is None or (generation and state.generation != generation):
-                return False
+                return None
             self.registry.drop(node_id)
-            return True
+            return state.generation
 
     def is_current(self, node_id: str, generation: int) -> bool:
         with self.lock:
@@ -123,6 +125,11 @@ class Conductor:
         with self.lock:
             self._check_feed(node_id, generation)
             return self.index.last_seq(node_id)
+
+    def is_resyncing(self, node_id: str, generation: int) -> bool:
+        with self.lock:
+            self._check_feed(node_id, generation)
+            return self.index.is_resyncing(node_id)
 
     def _check_feed(self, node_id: str, generation: int) -> None:
         state = self.registry.find(node_id)
@@ -172,7 +179,7 @@ class Conductor:
         """Drop lapsed nodes, expire stale ledger entries, sweep part of the index."""
         with self.lock:
             now = self.clock()
-            expired = [s.node_id for s in self.registry.expire(now)]
+            expired = [(s.node_id, s.generation) for s in self.registry.expire(now)]
             stale = self.scheduler.expire_stale(now)
             done = self.index.sweep(sweep_keys)
         return Maintenance(expired_nodes=expired, stale_requests=stale, sweep_done=done)

@@ -2,7 +2,9 @@
 
 ``TransferHook.submit(plan)`` starts moving ``plan.keys`` from ``plan.src`` to ``plan.dst``
 (normally: ask the destination's messenger to fetch them). The messenger package provides the
-real hook; ``RecordingTransferHook`` keeps the plans for inspection and is the default.
+real hook as ``messenger.hook.make_transfer_hook(token, tls_ca_file) -> TransferHook`` (picked
+up by ``kvcache conductor --transfer-hook auto|messenger``); ``RecordingTransferHook`` keeps the
+plans for inspection and is the fallback.
 
 ``TransferDispatcher`` calls a hook from its own thread so that a slow hook (a gRPC call to a
 messenger) never delays a ``Schedule`` reply. Its queue is bounded: when it is full a plan is
@@ -93,5 +95,10 @@ class TransferDispatcher:
                               plan.src.node_id, plan.dst.node_id)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("transfer queue still full at shutdown: %d plans not submitted",
+                        self._queue.qsize())
+            return
         self._thread.join(timeout)

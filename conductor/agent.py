@@ -1,0 +1,151 @@
+"""``NodeAgent``: runs inside a node server process; keeps the node registered with the conductor.
+
+It registers (descriptor: id, role, addresses, layouts, capacity), then heartbeats every
+``heartbeat_interval_s`` the conductor suggests, carrying the node's current load. When the
+conductor answers NOT_FOUND (the lease lapsed, or the conductor restarted) it registers again,
+which makes the conductor rebuild the node's index entries from a snapshot. An unreachable
+conductor is retried with backoff and reported once per outage, not once per attempt.
+
+The block events themselves do not go through the agent: the conductor subscribes to the node's
+``Events`` stream at the registered address.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from kvcache.rpc import make_channel
+from kvstore.tiers import Tier
+from proto import conductor_pb2 as pb
+from proto import conductor_pb2_grpc as pbg
+
+from .convert import descriptor_to_pb, load_to_pb
+from .registry import NodeDescriptor, NodeLoad, TierUsage
+
+log = logging.getLogger(__name__)
+
+
+class NodeAgent:
+    def __init__(self, conductor: str, token: str | None, descriptor: NodeDescriptor,
+                 load: Callable[[], NodeLoad], tls_ca_file: str | None = None,
+                 rpc_timeout_s: float = 3.0, retry_s: float = 0.5,
+                 max_retry_s: float = 5.0) -> None:
+        self.conductor = conductor
+        self.descriptor = descriptor
+        self._load = load
+        self._channel = make_channel(conductor, token, tls_ca_file)
+        self._stub = pbg.ConductorServiceStub(self._channel)
+        self._timeout = rpc_timeout_s
+        self._retry_s, self._max_retry_s = retry_s, max_retry_s
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.generation = 0
+        self.interval_s = 1.0
+        self.registrations = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"agent-{descriptor.node_id}")
+
+    def start(self) -> "NodeAgent":
+        self._thread.start()
+        return self
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self.registered.wait(timeout)
+
+    def stop(self, unregister: bool = True) -> None:
+        """Stop heartbeating; with ``unregister`` tell the conductor to drop the node now
+        (otherwise its lease lapses)."""
+        self._stop.set()
+        self._thread.join(self._timeout + 1)
+        if unregister and self.generation:
+            try:
+                self._stub.UnregisterNode(pb.UnregisterNodeRequest(
+                    node_id=self.descriptor.node_id, generation=self.generation),
+                    timeout=self._timeout)
+            except grpc.RpcError as e:
+                log.info("unregister from conductor %s failed: %s", self.conductor, e.code().name)
+        self._channel.close()
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self._retry_s
+        failing = False
+        while not self._stop.is_set():
+            try:
+                if not self.registered.is_set():
+                    self._register()
+                else:
+                    self._heartbeat()
+                if failing:
+                    log.info("conductor %s reachable again", self.conductor)
+                failing, backoff = False, self._retry_s
+                wait = self.interval_s
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("conductor %s forgot node %s (%s); registering again",
+                                self.conductor, self.descriptor.node_id, e.details())
+                    self.registered.clear()
+                    continue
+                if not failing:
+                    log.warning("conductor %s: %s %s; retrying", self.conductor, e.code().name,
+                                e.details())
+                failing = True
+                wait, backoff = backoff, min(backoff * 2, self._max_retry_s)
+            self._stop.wait(wait)
+
+    def _current_load(self) -> NodeLoad | None:
+        try:
+            return self._load()
+        except Exception:  # a broken load probe must not stop the lease: heartbeat without it
+            log.exception("reading node load failed; heartbeating without load")
+            return None
+
+    def _register(self) -> None:
+        load = self._current_load() or NodeLoad()
+        reply = self._stub.RegisterNode(pb.RegisterNodeRequest(
+            node=descriptor_to_pb(self.descriptor), load=load_to_pb(load)),
+            timeout=self._timeout)
+        self.generation = reply.generation
+        self.interval_s = max(reply.heartbeat_interval_s, 0.05)
+        self.registrations += 1
+        self.registered.set()
+        log.info("registered node %s with conductor %s (generation %d, heartbeat %.2fs)",
+                 self.descriptor.node_id, self.conductor, reply.generation, self.interval_s)
+
+    def _heartbeat(self) -> None:
+        load = self._current_load()
+        request = pb.HeartbeatRequest(node_id=self.descriptor.node_id, generation=self.generation)
+        if load is not None:
+            request.load.CopyFrom(load_to_pb(load))
+        self._stub.Heartbeat(request, timeout=self._timeout)
+
+
+# ---- the node server's side ---------------------------------------------------------------------
+
+def node_load(node) -> NodeLoad:
+    """A ``kvstore.node.Node``'s pools as a NodeLoad (one TierUsage per namespace and tier).
+    Engine-side load (queued prefill, running decode) is unknown to the node server: 0."""
+    tiers = []
+    for ns, stats in node.usage().items():
+        page_bytes = node.stores[ns].layout.page_bytes
+        for t in stats:
+            tiers.append(TierUsage(tier=Tier(t.tier), capacity_pages=t.capacity_pages,
+                                   used_pages=t.used_pages,
+                                   free_pages=t.capacity_pages - t.used_pages - t.leased_pages,
+                                   pinned_blocks=t.pinned_blocks, page_bytes=page_bytes))
+    return NodeLoad(tiers=tuple(tiers))
+
+
+def start_node_agent(cfg, node, address: str) -> NodeAgent:
+    """Start an agent for ``kvcache node --conductor ADDR`` (``cfg``: kvstore.node NodeConfig,
+    ``node``: kvstore.node Node, ``address``: where others reach its NodeService)."""
+    load = node_load(node)
+    descriptor = NodeDescriptor(node_id=node.node_id, role=cfg.role or "both", address=address,
+                                messenger_address=cfg.messenger or "",
+                                layouts=tuple(cfg.layouts), capacity=load.tiers)
+    return NodeAgent(cfg.conductor, cfg.conductor_token, descriptor,
+                     lambda: node_load(node)).start()

@@ -1,0 +1,138 @@
+"""``kvcache conductor``: the global scheduler as a gRPC server.
+
+Prints one JSON line ``{"event": "ready", "role": "conductor", "address": ...}`` once it serves
+(``--listen 127.0.0.1:0`` picks a free port; read it from that line).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import logging
+import os
+from dataclasses import replace
+
+from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args, announce_ready, bind,
+                         host_of, make_server, start_metrics, tls_from_args, wait_for_signal)
+from kvstore.errors import KVStoreError
+from proto import conductor_pb2_grpc as pbg
+
+from .core import Conductor
+from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
+from .feed import FeedOptions
+from .metrics import ConductorMetrics
+from .registry import DEFAULT_LEASE_S
+from .scheduler import POLICIES, SchedulerConfig
+from .service import SERVICE_NAME, ConductorServicer
+from .transfer import RecordingTransferHook, TransferHook
+
+log = logging.getLogger("kvcache.conductor")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser)
+    parser.add_argument("--policy", default="global-cache", choices=sorted(POLICIES),
+                        help="scheduling policy (default: global-cache, Mooncake Algorithm 1)")
+    parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S,
+                        help=f"node lease in seconds (default {DEFAULT_LEASE_S:g}); nodes "
+                             "heartbeat every lease/4")
+    parser.add_argument("--node-token", default=None,
+                        help="admin token for the nodes' Events streams (default: --token)")
+    parser.add_argument("--node-tls-ca", default=None,
+                        help="CA certificate (PEM) to verify nodes serving TLS")
+    parser.add_argument("--mfu", type=float, default=HardwareSpec().mfu,
+                        help="prefill model-FLOPs utilisation of the default cost model "
+                             "(LLaMA3-70B on 8xA800, Mooncake Table 1)")
+    parser.add_argument("--nic-gbps", type=float, default=HardwareSpec().nic_gbps,
+                        help="per-node network bandwidth for KV transfers, Gbit/s")
+    parser.add_argument("--cost-samples", default=None, metavar="CSV",
+                        help="fit the prefill cost model to measured samples: CSV rows of "
+                             "tokens,prefix_tokens,seconds")
+    parser.add_argument("--min-transfer-gain", type=float,
+                        default=SchedulerConfig().min_transfer_gain,
+                        help="fetch a prefix from another node only when it cuts the estimated "
+                             "TTFT by at least this fraction (default %(default)s)")
+    parser.add_argument("--transfer-hook", default="auto", choices=["auto", "messenger", "record"],
+                        help="what to do with plans that move blocks to a non-holder (default: "
+                             "ask the destination's messenger when the messenger hook exists)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+
+
+def build_cost_model(args: argparse.Namespace) -> CostModel:
+    base = FlopsCostModel()
+    if not 0 < args.mfu <= 1:
+        raise SystemExit(f"kvcache conductor: --mfu must be in (0, 1], got {args.mfu}")
+    if args.nic_gbps <= 0:
+        raise SystemExit(f"kvcache conductor: --nic-gbps must be positive, got {args.nic_gbps}")
+    model: CostModel = replace(base, hardware=replace(base.hardware, mfu=args.mfu,
+                                                      nic_gbps=args.nic_gbps))
+    if args.cost_samples:
+        try:
+            with open(args.cost_samples, newline="") as f:
+                rows = [tuple(float(x) for x in row[:3]) for row in csv.reader(f)
+                        if row and not row[0].startswith("#")]
+            model = fit_prefill(rows, base=model)
+        except (OSError, ValueError, IndexError, KVStoreError) as e:
+            raise SystemExit(f"kvcache conductor: cannot fit --cost-samples "
+                             f"{args.cost_samples}: {e}") from None
+        log.info("prefill cost model fitted to %d samples: quad=%.3g lin=%.3g const=%.3g",
+                 len(rows), model.quad, model.lin, model.const)  # type: ignore[attr-defined]
+    return model
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.lease <= 0:
+        raise SystemExit("kvcache conductor: --lease must be positive")
+    if not 0 <= args.min_transfer_gain < 1:
+        raise SystemExit("kvcache conductor: --min-transfer-gain must be in [0, 1)")
+    try:
+        auth = Auth.from_args(args.token, args.tenant_token)
+    except ValueError as e:
+        raise SystemExit(f"kvcache conductor: {e}") from None
+    tls = tls_from_args(args)
+    conductor = Conductor.create(
+        policy=args.policy, cost_model=build_cost_model(args), lease_s=args.lease,
+        config=SchedulerConfig(min_transfer_gain=args.min_transfer_gain), seed=args.seed,
+        hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca))
+    metrics = ConductorMetrics(conductor)
+    servicer = ConductorServicer(conductor, auth, FeedOptions(
+        token=args.node_token or args.token, tls_ca_file=args.node_tls_ca), metrics)
+    server = make_server(auth)
+    pbg.add_ConductorServiceServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    try:
+        port = bind(server, args.listen, tls)
+    except (OSError, RuntimeError) as e:
+        servicer.close()
+        raise SystemExit(f"kvcache conductor: cannot listen on {args.listen}: {e}") from None
+    server.start()
+    address = f"{host_of(args.listen)}:{port}"
+    metrics_port = start_metrics(args.metrics_port, registry=metrics.registry)
+    log.info("conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)", address,
+             args.policy, args.lease, bool(tls), auth.enabled)
+    announce_ready("conductor", address=address, pid=os.getpid(), metrics_port=metrics_port,
+                   policy=args.policy)
+
+    def stop() -> None:
+        health.enter_graceful_shutdown()
+        server.stop(grace=2).wait()
+        servicer.close()
+        log.info("conductor stopped")
+
+    wait_for_signal(stop)
+    return 0
+
+
+def _transfer_hook(choice: str, token: str | None, tls_ca_file: str | None) -> TransferHook:
+    """``messenger``: ``messenger.hook.make_transfer_hook(token, tls_ca_file)`` (the messenger
+    package's hook: it asks the destination's messenger to fetch the blocks); ``record``: plans
+    are only recorded and returned in Schedule replies; ``auto``: messenger when installed."""
+    have_messenger = importlib.util.find_spec("messenger.hook") is not None
+    if choice == "messenger" or (choice == "auto" and have_messenger):
+        if not have_messenger:
+            raise SystemExit("kvcache conductor: --transfer-hook messenger needs messenger/hook.py")
+        from messenger.hook import make_transfer_hook  # type: ignore[import-not-found]
+
+        return make_transfer_hook(token, tls_ca_file)
+    log.info("transfer plans are recorded and returned in Schedule replies only")
+    return RecordingTransferHook()

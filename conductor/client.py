@@ -1,0 +1,76 @@
+"""``ConductorClient``: a small typed client for ``ConductorService`` (front ends, tests, bench).
+
+Errors come back as ``grpc.RpcError`` with the server's status code and message (for example
+RESOURCE_EXHAUSTED naming the SLO that cannot be met)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kvcache.rpc import make_channel
+from proto import common_pb2 as cpb
+from proto import conductor_pb2 as pb
+from proto import conductor_pb2_grpc as pbg
+
+
+def selector(namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+             salt: bytes | str = b"") -> cpb.BlockSelector:
+    """A BlockSelector from keys or token ids (tokens travel as packed little-endian uint32)."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    sel = cpb.BlockSelector(namespace=namespace, salt=salt)
+    if keys is not None and tokens is not None:
+        raise ValueError("give keys or tokens, not both")
+    if keys is not None:
+        sel.keys.extend(keys)
+    elif tokens is not None:
+        sel.token_bytes = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    return sel
+
+
+class ConductorClient:
+    def __init__(self, address: str, token: str | None = None, tls_ca_file: str | None = None,
+                 timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._channel = make_channel(address, token, tls_ca_file)
+        self.stub = pbg.ConductorServiceStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def schedule(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+                 salt: bytes | str = b"", request_id: str = "", prompt_tokens: int = 0,
+                 output_tokens: int = 0, ttft_slo_s: float = 0.0,
+                 tbt_slo_s: float = 0.0) -> pb.ScheduleReply:
+        return self.stub.Schedule(pb.ScheduleRequest(
+            request_id=request_id, blocks=selector(namespace, keys, tokens, salt),
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo_s,
+            tbt_slo_s=tbt_slo_s), timeout=self.timeout_s)
+
+    def prefilled(self, request_id: str, prefill_seconds: float = 0.0) -> None:
+        self.stub.Complete(pb.CompleteRequest(request_id=request_id,
+                                              phase=pb.COMPLETE_PHASE_PREFILLED,
+                                              prefill_seconds=prefill_seconds),
+                           timeout=self.timeout_s)
+
+    def complete(self, request_id: str) -> None:
+        self.stub.Complete(pb.CompleteRequest(request_id=request_id,
+                                              phase=pb.COMPLETE_PHASE_FINISHED),
+                           timeout=self.timeout_s)
+
+    def list_nodes(self) -> pb.ListNodesReply:
+        return self.stub.ListNodes(pb.ListNodesRequest(), timeout=self.timeout_s)
+
+    def locate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+               salt: bytes | str = b"") -> dict[str, int]:
+        """Node id -> how many leading blocks it holds."""
+        reply = self.stub.Locate(selector(namespace, keys, tokens, salt), timeout=self.timeout_s)
+        return {n.node_id: n.blocks for n in reply.nodes}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ConductorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

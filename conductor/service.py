@@ -1,0 +1,279 @@
+"""ConductorService: a thin gRPC layer over ``core.Conductor``.
+
+Security: node membership RPCs (register, heartbeat, unregister) need the admin token (tenant
+""). Request keys are scoped to the caller's tenant exactly as the node server scopes them
+(``kvstore.keys.scope_keys``), so a tenant's request only ever matches its own blocks; request
+ids are per tenant too.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from kvcache.rpc import Auth, status_for
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.keys import block_keys, check_keys, root_key, scope_keys
+from kvstore.layout import KVLayout
+from proto import conductor_pb2 as pb
+from proto import conductor_pb2_grpc as pbg
+
+from .convert import (decision_to_pb, descriptor_from_pb, descriptor_to_pb, load_from_pb,
+                      load_to_pb)
+from .core import Conductor
+from .feed import FeedCounters, FeedManager, FeedOptions
+from .metrics import ConductorMetrics
+from .scheduler import NoNodeAvailable, Request, SLORejected
+
+log = logging.getLogger(__name__)
+MAX_BLOCKS_PER_REQUEST = 65536
+MAX_REQUEST_ID = 256
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
+
+
+def _observed(method: Callable) -> Callable:
+    """Time the RPC and map domain errors to status codes with their messages."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except (KVStoreError, ValueError) as e:
+            code = status_for(e) if isinstance(e, KVStoreError) else \
+                grpc.StatusCode.INVALID_ARGUMENT
+            self.metrics.errors.labels(name, code.name).inc()
+            context.abort(code, str(e))
+        finally:
+            self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+    return wrapper
+
+
+class _MetricCounters(FeedCounters):
+    def __init__(self, metrics: ConductorMetrics) -> None:
+        self._m = metrics
+
+    def events(self, n: int) -> None:
+        self._m.events.inc(n)
+
+    def resync(self, reason: str) -> None:
+        self._m.resyncs.labels(reason).inc()
+
+
+class ConductorServicer(pbg.ConductorServiceServicer):
+    def __init__(self, conductor: Conductor, auth: Auth, feed_options: FeedOptions,
+                 metrics: ConductorMetrics | None = None,
+                 heartbeat_interval_s: float | None = None) -> None:
+        self.conductor = conductor
+        self.auth = auth
+        self.metrics = metrics or ConductorMetrics(conductor)
+        self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
+        lease_s = conductor.registry.lease_s
+        self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
+        self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
+        self._stop = threading.Event()
+        self._upkeep = threading.Thread(target=self._maintain, name="conductor-upkeep",
+                                        daemon=True)
+        self._upkeep.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._upkeep.join(5)
+        self.feeds.stop_all()
+        self.conductor.close()
+
+    # ---- membership -----------------------------------------------------------------------
+
+    def _admin(self, context) -> None:
+        if self.auth.tenant(context) != "":
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "node membership needs the cluster's admin token, not a tenant token")
+
+    @_observed
+    def RegisterNode(self, request, context):
+        self._admin(context)
+        desc = descriptor_from_pb(request.node)
+        if not desc.address:
+            raise InvalidArgument("node.address is required: the conductor reads the node's "
+                                  "Events stream there to index its blocks")
+        state = self.conductor.register(desc, load_from_pb(request.load))
+        self.feeds.start(desc.node_id, state.generation, desc.address)
+        log.info("node %s registered (generation %d, role %s, address %s, namespaces %s)",
+                 desc.node_id, state.generation, desc.role.value, desc.address,
+                 ", ".join(sorted(desc.namespaces)) or "-")
+        return pb.RegisterNodeReply(generation=state.generation,
+                                    lease_s=self.conductor.registry.lease_s,
+                                    heartbeat_interval_s=self.heartbeat_interval_s)
+
+    @_observed
+    def Heartbeat(self, request, context):
+        self._admin(context)
+        load = load_from_pb(request.load) if request.HasField("load") else None
+        self.conductor.heartbeat(request.node_id, load, request.generation)
+        return pb.HeartbeatReply(lease_s=self.conductor.registry.lease_s)
+
+    @_observed
+    def UnregisterNode(self, request, context):
+        self._admin(context)
+        generation = self.conductor.unregister(request.node_id, request.generation)
+        if generation is not None:
+            self.feeds.stop(request.node_id, generation)
+            log.info("node %s unregistered", request.node_id)
+        return pb.UnregisterNodeReply(removed=generation is not None)
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    @_observed
+    def Schedule(self, request, context):
+        tenant = self.auth.tenant(context)
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
+        sel = request.blocks
+        layout = self._layout(sel.namespace)
+        keys, prompt = self._keys(sel, layout, tenant)
+        if request.prompt_tokens:
+            if request.prompt_tokens < prompt:
+                raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} is less than the "
+                                      f"{prompt} tokens the blocks hold")
+            prompt = request.prompt_tokens
+        if prompt == 0:
+            raise InvalidArgument("the request has no prompt: give token ids, keys or "
+                                  "prompt_tokens")
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            decision = self.conductor.schedule(Request(
+                request_id=_scoped_id(tenant, rid), keys=keys, prompt_tokens=prompt,
+                block_tokens=layout.block_tokens, output_tokens=request.output_tokens,
+                namespace=sel.namespace, ttft_slo_s=request.ttft_slo_s or None,
+                tbt_slo_s=request.tbt_slo_s or None, block_bytes=layout.page_bytes))
+        except SLORejected as e:
+            self.metrics.rejections.labels(e.slo.lower()).inc()
+            raise
+        except NoNodeAvailable:
+            self.metrics.rejections.labels("no_node").inc()
+            raise
+        m = self.metrics
+        m.decisions.labels(decision.policy, "yes" if decision.transfer else "no").inc()
+        m.prompt_blocks.inc(decision.total_blocks)
+        m.reused_blocks.inc(decision.reuse_blocks)
+        return decision_to_pb(decision, rid)
+
+    @_observed
+    def Complete(self, request, context):
+        tenant = self.auth.tenant(context)
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        rid = _scoped_id(tenant, request.request_id)
+        if request.prefill_seconds < 0:
+            raise InvalidArgument("prefill_seconds must be >= 0")
+        if request.phase == pb.COMPLETE_PHASE_PREFILLED:
+            self.conductor.prefill_done(rid, request.prefill_seconds or None)
+        else:
+            if request.prefill_seconds:
+                self.conductor.prefill_done(rid, request.prefill_seconds)
+            self.conductor.complete(rid)
+        return pb.CompleteReply()
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @_observed
+    def ListNodes(self, request, context):
+        self.auth.tenant(context)
+        views = self.conductor.nodes()
+        c = self.conductor
+        with c.lock:
+            keys, pending = len(c.index), c.scheduler.pending()
+        return pb.ListNodesReply(
+            policy=c.scheduler.policy.name, indexed_keys=keys, pending_requests=pending,
+            nodes=[pb.NodeStatus(node=descriptor_to_pb(v.descriptor), generation=v.generation,
+                                 load=load_to_pb(v.load), lease_remaining_s=v.lease_remaining_s,
+                                 indexed_blocks=v.indexed_blocks, last_seq=v.last_seq,
+                                 resyncing=v.resyncing, queue_s=v.queue_s,
+                                 prefill_pending=v.prefill_pending,
+                                 decode_requests=v.decode_requests,
+                                 decode_tokens=v.decode_tokens) for v in views])
+
+    @_observed
+    def Locate(self, request, context):
+        tenant = self.auth.tenant(context)
+        layout = self._layout(request.namespace)
+        keys, _ = self._keys(request, layout, tenant)
+        found = self.conductor.locate(keys)
+        return pb.LocateReply(total_blocks=len(keys), nodes=[
+            pb.NodePrefix(node_id=node, blocks=len(tiers), tiers=[int(t) + 1 for t in tiers])
+            for node, tiers in sorted(found.items(), key=lambda kv: (-len(kv[1]), kv[0]))])
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _layout(self, namespace: str) -> KVLayout:
+        if not namespace:
+            raise InvalidArgument("blocks.namespace is required (the model layout fingerprint, "
+                                  "e.g. 'llama|L32|H8|D128|bfloat16|B256')")
+        version, layouts = self._layouts
+        registry = self.conductor.registry
+        if version != registry.version:
+            with self.conductor.lock:
+                version = registry.version
+                layouts = {l.namespace: l for s in registry.nodes() for l in s.descriptor.layouts}
+            self._layouts = (version, layouts)
+        layout = layouts.get(namespace)
+        if layout is None:
+            raise NoNodeAvailable(f"no registered node serves namespace {namespace!r}; "
+                                  f"served: {', '.join(sorted(layouts)) or 'none'}")
+        return layout
+
+    @staticmethod
+    def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
+        """The request's keys as stored for ``tenant`` and the tokens they stand for."""
+        given = (len(sel.keys) > 0) + (len(sel.token_ids) > 0) + (len(sel.token_bytes) > 0)
+        if given > 1:
+            raise InvalidArgument("give one of blocks.keys, blocks.token_ids or "
+                                  "blocks.token_bytes")
+        if sel.token_ids or sel.token_bytes:
+            if sel.token_bytes:
+                if len(sel.token_bytes) % 4:
+                    raise InvalidArgument("blocks.token_bytes must hold little-endian uint32 "
+                                          f"token ids, got {len(sel.token_bytes)} bytes")
+                tokens = np.frombuffer(sel.token_bytes, dtype="<u4")
+            else:
+                tokens = np.asarray(sel.token_ids, dtype="<u4")
+            if len(tokens) > MAX_BLOCKS_PER_REQUEST * layout.block_tokens:
+                raise InvalidArgument("too many token ids in one request")
+            raw = block_keys(tokens, layout.block_tokens, root_key(sel.namespace, sel.salt))
+            prompt = len(tokens)
+        else:
+            if len(sel.keys) > MAX_BLOCKS_PER_REQUEST:
+                raise InvalidArgument(f"{len(sel.keys)} keys in one request; the limit is "
+                                      f"{MAX_BLOCKS_PER_REQUEST}")
+            raw = check_keys(sel.keys)
+            prompt = len(raw) * layout.block_tokens
+        return scope_keys(raw, tenant), prompt
+
+    def _maintain(self) -> None:
+        """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""
+        period = min(0.25, self.conductor.registry.lease_s / 8)
+        while not self._stop.wait(period):
+            try:
+                report = self.conductor.maintain()
+            except Exception:  # keep the upkeep thread alive, but say so loudly
+                log.exception("conductor upkeep failed")
+                continue
+            for node_id, generation in report.expired_nodes:
+                self.metrics.expirations.inc()
+                self.feeds.stop(node_id, generation)
+                log.warning("node %s: lease lapsed; dropped from scheduling and the index",
+                            node_id)
+            if report.stale_requests:
+                log.warning("%d scheduled requests were never completed; dropped from the "
+                            "ledger", len(report.stale_requests))
+
+
+def _scoped_id(tenant: str, request_id: str) -> str:
+    return f"{tenant}\x00{request_id}" if tenant else request_id
