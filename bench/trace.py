@@ -235,8 +235,12 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
     namer = _BlockNamer(spec.block_tokens)
     events: list[tuple[float, int, list[tuple[int, int]], int]] = []  # (ms, seq, segments, out)
     t = 0.0
-    generated = 0
-    while generated < spec.requests:
+    # NOTE: sessions keep starting until no new session can add one of the first ``requests``
+    # requests by time; then the earliest ``requests`` are kept. Stopping at the count instead
+    # would leave a thin tail of late turns and overstate the arrival rate of the rest.
+    cutoff = math.inf if spec.requests else -math.inf
+    sessions = 0
+    while t <= cutoff:
         t += rng.exponential(1.0 / spec.sessions_per_s)
         prompt = int(rng.integers(spec.system_prompts))
         segments = [(prompt, sys_len[prompt])]
@@ -245,16 +249,20 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
             segments.append((doc_base + doc, doc_len[doc]))
         turns = int(rng.geometric(1.0 / spec.mean_turns))
         turn_t = t
-        for _ in range(min(turns, spec.requests - generated)):
+        for _ in range(turns):
             segments.append((next_id, uniform_int(spec.user_tokens)))
             next_id += 1
             out = uniform_int(spec.output_tokens)
-            events.append((turn_t * 1000.0, generated, list(segments), out))
-            generated += 1
+            events.append((turn_t * 1000.0, len(events), list(segments), out))
             segments.append((next_id, out))  # the answer becomes part of the next prompt
             next_id += 1
             turn_t += rng.uniform(*spec.think_time_s)
+        sessions += 1
+        if len(events) >= spec.requests and (math.isinf(cutoff) or sessions % 32 == 0):
+            times = np.fromiter((e[0] for e in events), dtype=np.float64, count=len(events))
+            cutoff = float(np.partition(times, spec.requests - 1)[spec.requests - 1]) / 1000.0
     events.sort(key=lambda e: (e[0], e[1]))
+    del events[spec.requests:]
     requests = [TraceRequest(round(ms, 3), sum(n for _, n in segs), out,
                              tuple(namer.hash_ids(segs)))
                 for ms, _, segs, out in events]
