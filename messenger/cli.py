@@ -1,0 +1,142 @@
+"""``kvcache messenger``: one node's block mover (gRPC control API + TCP/RDMA data plane).
+
+    kvcache messenger --node 127.0.0.1:7000 --listen 127.0.0.1:7100 --data-listen 127.0.0.1:7101
+
+It maps the node's DRAM pool by its shared-memory name (so it must run on the node's host), serves
+pages to peers on the data port, and pulls the blocks it is asked for (``SubmitTransfer``) from
+other messengers into the node.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+from clients.node_client import KVCacheRpcError, KVStoreClient
+from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args, announce_ready, bind,
+                         host_of, make_channel, make_server, start_metrics, tls_from_args,
+                         wait_for_signal)
+from proto import messenger_pb2 as pb
+from proto import messenger_pb2_grpc as pbg
+
+from .data_server import DataServer, SenderFaults
+from .mover import DataAddressResolver, Mover, MoverConfig
+from .node_access import NodeAccess, NodePageSource
+from .rdma import RdmaConfig, RdmaSource
+from .select import MODES, choose_transport
+from .service import MessengerMetrics, MessengerServicer
+from .tcp import TcpConfig
+
+log = logging.getLogger("kvcache.messenger")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser)
+    parser.add_argument("--node", required=True, help="this host's node server (host:port)")
+    parser.add_argument("--node-token", default=None,
+                        help="admin token for the node and peer messengers (default: --token)")
+    parser.add_argument("--data-listen", default=None,
+                        help="host:port of the data port peers pull from (default: --listen's "
+                             "host, any free port)")
+    parser.add_argument("--transport", choices=MODES, default="auto",
+                        help="tcp, rdma (fails without RDMA) or auto (RDMA when a port is "
+                             "ACTIVE, else TCP); RDMA falls back to TCP per peer")
+    parser.add_argument("--lanes", type=int, default=2, help="TCP connections per fetch")
+    parser.add_argument("--workers", type=int, default=4, help="transfer jobs run at once")
+    parser.add_argument("--pin-ttl", type=float, default=30.0,
+                        help="lease (s) of pins taken on the node while serving a peer")
+    parser.add_argument("--write-ttl", type=float, default=120.0,
+                        help="lease (s) of pages allocated on the node while they arrive")
+    parser.add_argument("--io-timeout", type=float, default=30.0,
+                        help="a peer that stalls this long (s) fails its entries")
+    parser.add_argument("--node-wait", type=float, default=30.0,
+                        help="wait this long (s) for the node server at start")
+    # Test-only fault injection: corrupt every N-th page sent, after checksumming.
+    parser.add_argument("--fault-corrupt-every", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _connect_node(args) -> KVStoreClient:
+    client = KVStoreClient(args.node, token=args.node_token or args.token)
+    deadline = time.monotonic() + args.node_wait
+    while True:
+        try:
+            client.info()
+            return client
+        except KVCacheRpcError as e:
+            if e.code.name != "UNAVAILABLE" or time.monotonic() > deadline:
+                client.close()
+                raise SystemExit(f"kvcache messenger: cannot use node {args.node}: {e}") from None
+            time.sleep(0.2)   # the node is still starting: retry until --node-wait
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.lanes < 1 or args.workers < 1:
+        raise SystemExit("kvcache messenger: --lanes and --workers must be at least 1")
+    tls = tls_from_args(args)
+    auth = Auth.from_args(args.token, args.tenant_token)
+    client = _connect_node(args)
+    node = NodeAccess(client)
+    source = NodePageSource(node, pin_ttl_s=args.pin_ttl)
+    data_host, data_port = host_of(args.listen), 0
+    if args.data_listen:
+        data_host, _, port = args.data_listen.rpartition(":")
+        data_port = int(port)
+    data = DataServer(source, host=data_host, port=data_port, io_timeout_s=args.io_timeout,
+                      faults=SenderFaults(corrupt_every=args.fault_corrupt_every))
+    try:
+        choice = choose_transport(args.transport, TcpConfig(lanes=args.lanes,
+                                                            io_timeout_s=args.io_timeout),
+                                  RdmaConfig(io_timeout_s=args.io_timeout))
+    except RuntimeError as e:
+        raise SystemExit(f"kvcache messenger: {e}") from None
+    rdma_source = None
+    if choice.backend is not None:
+        rdma_source = RdmaSource(choice.backend, source)
+        rdma_source.install(data)
+    data.start()
+    peer_token = args.node_token or args.token
+
+    def lookup_data_address(messenger: str) -> str:
+        with make_channel(messenger, peer_token) as channel:
+            return pbg.MessengerServiceStub(channel).GetInfo(pb.MessengerInfoRequest(),
+                                                             timeout=10).data_address
+
+    metrics = MessengerMetrics(data)
+    mover = Mover(node, choice.transport, DataAddressResolver(lookup_data_address),
+                  MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
+                  on_entry=metrics.on_entry)
+    info = pb.MessengerInfo(node=args.node, data_address=data.address,
+                            transport=choice.description, lanes=args.lanes,
+                            namespaces=node.namespaces())
+    server = make_server(auth)
+    pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info), server)
+    health = add_health_and_reflection(
+        server, [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name])
+    try:
+        port = bind(server, args.listen, tls)
+    except OSError as e:
+        raise SystemExit(f"kvcache messenger: {e}") from None
+    server.start()
+    address = f"{host_of(args.listen)}:{port}"
+    metrics_port = start_metrics(args.metrics_port, registry=metrics.registry)
+    log.info("messenger for node %s on %s, data port %s, transport %s", args.node, address,
+             data.address, choice.description)
+    announce_ready("messenger", address=address, data_address=data.address,
+                   transport=choice.description, pid=os.getpid(), metrics_port=metrics_port)
+
+    def stop() -> None:
+        health.enter_graceful_shutdown()
+        server.stop(grace=2).wait()
+        mover.close()
+        data.stop()
+        choice.transport.close()
+        if rdma_source is not None:
+            rdma_source.close()
+        if choice.backend is not None:
+            choice.backend.close()
+        node.close()
+        client.close()
+
+    wait_for_signal(stop)
+    return 0

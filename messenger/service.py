@@ -1,0 +1,116 @@
+"""``MessengerService`` over gRPC: a thin servicer over ``Mover``; protobuf <-> domain here only."""
+from __future__ import annotations
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from kvcache.rpc import grpc_errors
+from kvstore.errors import InvalidArgument
+from proto import common_pb2 as cpb
+from proto import messenger_pb2 as pb
+from proto import messenger_pb2_grpc as pbg
+
+from .data_server import DataServer
+from .mover import BatchSnapshot, EntryRequest, Mover
+from .transport import EntryResult, Outcome
+
+CODE_OF: dict[Outcome, str] = {
+    Outcome.OK: "OK",
+    Outcome.NOT_FOUND: grpc.StatusCode.NOT_FOUND.name,
+    Outcome.DATA_LOSS: grpc.StatusCode.DATA_LOSS.name,
+    Outcome.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE.name,
+    Outcome.INVALID: grpc.StatusCode.INVALID_ARGUMENT.name,
+    Outcome.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+    Outcome.CANCELLED: grpc.StatusCode.CANCELLED.name,
+    Outcome.INTERNAL: grpc.StatusCode.INTERNAL.name,
+}
+DEFAULT_WAIT_S = 30.0
+MAX_WAIT_S = 600.0
+
+
+class MessengerMetrics:
+    def __init__(self, data_server: DataServer) -> None:
+        self.registry = CollectorRegistry()
+        self.entries = Counter("kvcache_messenger_transfer_entries",
+                               "Transfer entries finished on this (destination) messenger",
+                               ["outcome"], registry=self.registry)
+        self.bytes = Counter("kvcache_messenger_received_bytes",
+                             "Page bytes received and committed", registry=self.registry)
+        self.registry.register(_DataServerCollector(data_server))
+
+    def on_entry(self, namespace: str, result: EntryResult, nbytes: int) -> None:
+        self.entries.labels(result.outcome.value).inc()
+        if nbytes:
+            self.bytes.inc(nbytes)
+
+
+class _DataServerCollector(Collector):
+    def __init__(self, server: DataServer) -> None:
+        self._server = server
+
+    def collect(self):
+        s = self._server.stats
+        sent = CounterMetricFamily("kvcache_messenger_sent", "Pages and bytes served to peers",
+                                   labels=["unit"])
+        sent.add_metric(["pages"], s.pages_sent)
+        sent.add_metric(["bytes"], s.bytes_sent)
+        dropped = CounterMetricFamily("kvcache_messenger_dropped_connections",
+                                      "Data-port connections dropped for protocol violations")
+        dropped.add_metric([], s.dropped_connections)
+        yield from (sent, dropped)
+
+
+def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
+    entries = []
+    for e in snap.entries:
+        if e.result is None:
+            entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_PENDING))
+        elif e.result.ok:
+            entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_DONE,
+                                          already_present=e.already_present))
+        else:
+            entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_FAILED,
+                                          code=CODE_OF[e.result.outcome], reason=e.result.reason))
+    return pb.TransferStatusReply(batch_id=snap.batch_id, entries=entries,
+                                  pending=snap.count("pending"), done=snap.count("done"),
+                                  failed=snap.count("failed"), finished=snap.finished,
+                                  bytes_moved=snap.bytes_moved, elapsed_s=snap.elapsed_s)
+
+
+class MessengerServicer(pbg.MessengerServiceServicer):
+    def __init__(self, mover: Mover, info: pb.MessengerInfo) -> None:
+        self.mover = mover
+        self.info = info
+
+    @grpc_errors
+    def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
+        if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
+            raise InvalidArgument(
+                f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
+                "the messenger writes into the node's shared DRAM pool (TIER_DRAM); the node's "
+                "eviction policy moves blocks between tiers")
+        if not request.namespace:
+            raise InvalidArgument("namespace is required")
+        entries = [EntryRequest(e.key, e.source, e.source_data) for e in request.entries]
+        batch_id, joined = self.mover.submit(request.namespace, entries)
+        return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries),
+                                      deduplicated=joined)
+
+    @grpc_errors
+    def TransferStatus(self, request: pb.TransferStatusRequest, context
+                       ) -> pb.TransferStatusReply:
+        timeout = request.timeout_s or DEFAULT_WAIT_S
+        if not 0 < timeout <= MAX_WAIT_S:
+            raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")
+        if context.time_remaining() is not None:
+            timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
+        return status_reply(self.mover.status(request.batch_id, request.wait, timeout))
+
+    @grpc_errors
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:
+        return status_reply(self.mover.cancel(request.batch_id))
+
+    def GetInfo(self, request, context) -> pb.MessengerInfo:
+        return self.info
