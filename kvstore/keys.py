@@ -86,8 +86,11 @@ def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]
 
 def check_keys(keys: Sequence[bytes]) -> list[BlockKey]:
     """Validate a batch of keys at an API boundary: 16-byte ``bytes`` each."""
-    out = []
+    out: list[BlockKey] = []
     for i, k in enumerate(keys):
+        if type(k) is bytes and len(k) == KEY_BYTES:
+            out.append(k)  # type: ignore[arg-type]  # NOTE: the common case, no copy or call
+            continue
         if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
             raise InvalidArgument(
                 f"key #{i} must be {KEY_BYTES} bytes, got "

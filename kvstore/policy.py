@@ -94,9 +94,21 @@ class LRUPolicy(EvictionPolicy):
         self._len += 1
 
     def touch(self, slot: int) -> None:
-        if self._lists.linked(slot):
-            self._lists.unlink(slot)
-            self._lists.link_tail(self._head, slot)
+        # NOTE: unlink + link_tail inlined: this runs once per hit block of every lookup.
+        prev, nxt, head = self._lists.prev, self._lists.next, self._head
+        p = prev[slot]
+        if p == -1:
+            return  # pinned: not evictable, nothing to reorder
+        n = nxt[slot]
+        if n == head:
+            return  # already the most recent
+        nxt[p] = n
+        prev[n] = p
+        tail = prev[head]
+        prev[slot] = tail
+        nxt[slot] = head
+        nxt[tail] = slot
+        prev[head] = slot
 
     def remove(self, slot: int) -> None:
         if self._lists.linked(slot):

@@ -484,13 +484,21 @@ class TieredStore:
 
     def read(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Copies of the stored pages (None where missing). SSD hits are promoted when
-        ``promote_on_hit``; otherwise read straight from lmdb."""
+        ``promote_on_hit``; otherwise read straight from lmdb.
+
+        The pages are rows of one new array (keeping one row keeps the batch's buffer alive).
+        NOTE: one allocation instead of one per page: a large read gets huge pages (numpy
+        madvises them from 4 MiB) instead of a first-touch fault per 4 KiB, which cost over
+        80% of the time of a read of 1 MiB pages.
+        """
         lease = self.acquire(keys)
         try:
-            out: list[np.ndarray | None] = []
-            for i, slot in enumerate(lease.slots):
-                page = np.empty(self.layout.page_bytes, dtype=np.uint8) if slot >= 0 else None
-                out.append(page if page is not None and self.copy_out(lease, i, page) else None)
+            found = [i for i, slot in enumerate(lease.slots) if slot >= 0]
+            buf = np.empty((len(found), self.layout.page_bytes), dtype=np.uint8)
+            out: list[np.ndarray | None] = [None] * len(lease.slots)
+            for i, row in zip(found, buf):
+                if self.copy_out(lease, i, row):
+                    out[i] = row
             return out
         finally:
             self.release(lease.lease_id)

@@ -29,6 +29,20 @@ def test_lru_evicts_least_recently_used_first():
     assert p.pop_victim() is None and len(p) == 0
 
 
+def test_lru_touch_at_either_end_and_of_a_lone_slot():
+    p = LRUPolicy(4)
+    p.insert(2)
+    p.touch(2)                  # alone: stays
+    assert p.order() == [2] and len(p) == 1
+    p.insert(0)
+    p.insert(3)
+    p.touch(3)                  # already the most recent
+    assert p.order() == [2, 0, 3]
+    p.touch(2)                  # the head goes to the tail
+    assert p.order() == [0, 3, 2]
+    assert drain(p) == [0, 3, 2]
+
+
 def test_lru_pinned_slot_is_never_a_victim_and_returns_as_just_used():
     p = LRUPolicy(4)
     for s in range(4):
