@@ -54,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="wait this long (s) for the node server at start")
     # Test-only fault injection: corrupt every N-th page sent, after checksumming.
     parser.add_argument("--fault-corrupt-every", type=int, default=0, help=argparse.SUPPRESS)
+    # Test-only: after N pages sent, stall the stream for S seconds (once).
+    parser.add_argument("--fault-stall-after", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--fault-stall-s", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
 def _connect_node(args) -> KVStoreClient:
@@ -83,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         data_host, _, port = args.data_listen.rpartition(":")
         data_port = int(port)
     data = DataServer(source, host=data_host, port=data_port, io_timeout_s=args.io_timeout,
-                      faults=SenderFaults(corrupt_every=args.fault_corrupt_every))
+                      faults=SenderFaults(corrupt_every=args.fault_corrupt_every,
+                                          stall_after=args.fault_stall_after,
+                                          stall_s=args.fault_stall_s))
     try:
         choice = choose_transport(args.transport, TcpConfig(lanes=args.lanes,
                                                             io_timeout_s=args.io_timeout),

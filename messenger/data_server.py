@@ -35,9 +35,13 @@ class SenderFaults:
 
     ``corrupt_every``: flip one byte of every N-th page sent, after its checksum was computed
     (the flip goes into a copy, never into the source's memory).
+    ``stall_after``: once N pages have been sent, stop sending for ``stall_s`` seconds (once), so
+    a test can act while a transfer is certainly in flight.
     """
 
     corrupt_every: int = 0
+    stall_after: int = 0
+    stall_s: float = 0.0
 
 
 @dataclass
@@ -91,6 +95,8 @@ class DataServer:
         self._conns: dict[int, PeerConnection] = {}
         self._ids = itertools.count(1)
         self._pages_seen = 0
+        self._pages_streamed = 0
+        self._stalled = False
         self._stopped = threading.Event()
         self._listener = socket.create_server((host, port), backlog=128)
         self.host = host
@@ -230,6 +236,9 @@ class DataServer:
         batch_bytes = pages = sent_bytes = missing = 0
         corrupt_every = self.faults.corrupt_every
         for key, view in zip(keys, views):
+            if self.faults.stall_after:
+                batch, batch_bytes, sent_bytes = self._maybe_stall(conn, batch, batch_bytes,
+                                                                   sent_bytes)
             if view is None:
                 batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
                 missing += 1
@@ -253,6 +262,19 @@ class DataServer:
             self.stats.pages_sent += pages
             self.stats.bytes_sent += sent_bytes
             self.stats.missing_pages += missing
+
+    def _maybe_stall(self, conn: PeerConnection, batch: list, batch_bytes: int,
+                     sent_bytes: int) -> tuple[list, int, int]:
+        with self._lock:
+            self._pages_streamed += 1
+            stall = not self._stalled and self._pages_streamed > self.faults.stall_after
+            self._stalled |= stall
+        if not stall:
+            return batch, batch_bytes, sent_bytes
+        conn.send(batch)   # what came before the stall point reaches the peer first
+        log.warning("fault injection: stalling the data stream for %.1f s", self.faults.stall_s)
+        self._stopped.wait(self.faults.stall_s)
+        return [], 0, sent_bytes + batch_bytes
 
     def _maybe_corrupt(self, view: memoryview, every: int) -> memoryview:
         with self._lock:

@@ -1,0 +1,299 @@
+"""Two node + messenger pairs as real processes on loopback: transfers, faults and bad input.
+
+Node A holds the pages; messenger B is asked to pull them into node B. Everything is a separate
+``kvcache`` process; the tests talk to them over gRPC and the data port as users and peers do.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.node_client import KVCacheRpcError, KVStoreClient
+from kvcache.procs import start_service
+from kvstore.keys import keys_from_block_ids, root_key
+from messenger.client import MessengerClient
+from proto import common_pb2 as cpb
+from proto import messenger_pb2 as pb
+from proto import messenger_pb2_grpc as pbg
+
+from conftest import TEST_LAYOUT, TEST_NAMESPACE as NS, TEST_PAGE_BYTES as PB
+
+DONE, FAILED, PENDING = pb.ENTRY_DONE, pb.ENTRY_FAILED, pb.ENTRY_PENDING
+
+
+def make_keys(n: int, start: int = 0) -> list[bytes]:
+    return keys_from_block_ids(list(range(start, start + n)), root_key(NS, b"messenger-test"))
+
+
+def make_pages(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, PB), dtype=np.uint8)
+
+
+class Pair:
+    """A node and its messenger."""
+
+    def __init__(self, procs: list, tmp: str, dram: str = "16MiB", messenger_args=()) -> None:
+        self.node = start_service(["node", "--dram", dram, "--layout", TEST_LAYOUT],
+                                  log_dir=tmp)
+        procs.append(self.node)
+        self.messenger = start_service(["messenger", "--node", self.node.address,
+                                        "--metrics-port", "0", *messenger_args], log_dir=tmp)
+        procs.append(self.messenger)
+        self.client = KVStoreClient(self.node.address)
+        self.mclient = MessengerClient(self.messenger.address)
+
+    @property
+    def address(self) -> str:
+        return self.messenger.address
+
+    def metric(self, series: str) -> float:
+        """One series of the messenger's Prometheus endpoint (0 when not exported yet)."""
+        port = self.messenger.info["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        m = re.search(re.escape(series) + r" ([0-9.e+]+)", text.decode())
+        return float(m.group(1)) if m else 0.0
+
+    def pages_sent(self) -> float:
+        return self.metric('kvcache_messenger_sent_total{unit="pages"}')
+
+    def pinned(self) -> int:
+        stats = self.client.stats().namespaces[0]
+        return sum(t.pinned_blocks for t in stats.tiers)
+
+    def close(self) -> None:
+        self.client.close()
+        self.mclient.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """``cluster(a_args=..., b_args=..., b_dram=...)`` -> (A, B); processes stopped after."""
+    procs: list = []
+    pairs: list[Pair] = []
+
+    def start(a_args=(), b_args=(), b_dram="16MiB"):
+        a = Pair(procs, str(tmp_path), messenger_args=a_args)
+        b = Pair(procs, str(tmp_path), dram=b_dram, messenger_args=b_args)
+        pairs.extend([a, b])
+        return a, b
+
+    yield start
+    for p in pairs:
+        p.close()
+    for sp in reversed(procs):
+        sp.stop()
+
+
+def transfer(b: Pair, a: Pair, keys, timeout_s: float = 60.0) -> pb.TransferStatusReply:
+    reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
+    status = b.mclient.status(reply.batch_id, wait=True, timeout_s=timeout_s)
+    assert status.finished, status
+    return status
+
+
+def present(client: KVStoreClient, keys) -> list[bool]:
+    return [p is not None for p in client.get(NS, keys=keys)]
+
+
+def test_transfer_1000_pages_bytes_identical(cluster):
+    a, b = cluster()
+    keys, pages = make_keys(1000), make_pages(1000, seed=1)
+    assert a.client.put(NS, list(pages), keys=keys).stored == 1000
+    status = transfer(b, a, keys)
+    assert (status.done, status.failed, status.pending) == (1000, 0, 0)
+    assert status.bytes_moved == 1000 * PB
+    assert [e.key for e in status.entries] == keys
+    got = b.client.get(NS, keys=keys)
+    assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, pages))
+    assert a.pinned() == 0                     # the source released its pins
+    info = b.mclient.info()
+    assert info.transport.startswith("tcp") and info.data_address and info.namespaces == [NS]
+    # Asking again moves nothing: the destination already holds every key.
+    again = transfer(b, a, keys[:10])
+    assert again.done == 10 and all(e.already_present for e in again.entries)
+    assert again.bytes_moved == 0
+
+
+def test_missing_key_fails_not_found_rest_complete(cluster):
+    a, b = cluster()
+    keys, pages = make_keys(12), make_pages(12, seed=2)
+    a.client.put(NS, [p for i, p in enumerate(pages) if i != 5],
+                 keys=[k for i, k in enumerate(keys) if i != 5])
+    status = transfer(b, a, keys)
+    assert status.done == 11 and status.failed == 1
+    bad = status.entries[5]
+    assert bad.state == FAILED and bad.code == "NOT_FOUND" and "does not hold" in bad.reason
+    assert present(b.client, keys) == [i != 5 for i in range(12)]
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(got[i], pages[i]) for i in range(12) if i != 5)
+
+
+def test_destination_out_of_capacity(cluster):
+    a, b = cluster(b_dram="64KiB")              # 8 pages
+    keys, pages = make_keys(20), make_pages(20, seed=3)
+    a.client.put(NS, list(pages), keys=keys)
+    status = transfer(b, a, keys)
+    assert status.failed == 20 and status.done == 0
+    assert {e.code for e in status.entries} == {"RESOURCE_EXHAUSTED"}
+    assert "allocate" in status.entries[0].reason
+    assert not any(present(b.client, keys))
+    assert a.pages_sent() == 0                 # nothing was pulled for pages with no room
+
+
+def test_corrupted_bytes_on_the_wire_are_caught_and_never_committed(cluster):
+    a, b = cluster(a_args=("--fault-corrupt-every", "4"))
+    keys, pages = make_keys(16), make_pages(16, seed=4)
+    a.client.put(NS, list(pages), keys=keys)
+    status = transfer(b, a, keys)
+    bad = [i for i, e in enumerate(status.entries) if e.state == FAILED]
+    assert len(bad) == 4 and status.done == 12
+    assert {status.entries[i].code for i in bad} == {"DATA_LOSS"}
+    assert "checksum" in status.entries[bad[0]].reason
+    assert present(b.client, keys) == [i not in bad for i in range(16)]
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(got[i], pages[i]) for i in range(16) if i not in bad)
+
+
+def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(cluster):
+    a, b = cluster()
+    keys, pages = make_keys(8), make_pages(8, seed=5)
+    a.client.put(NS, list(pages), keys=keys)
+    host, port = a.messenger.info["data_address"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"\xde\xad\xbe\xef" * 64)
+        try:
+            assert s.recv(100) == b""          # dropped, no reply
+        except ConnectionResetError:
+            pass
+    assert a.messenger.alive()
+    status = transfer(b, a, keys)
+    assert status.done == 8
+    assert "dropping connection" in a.messenger.log()
+
+
+def test_duplicate_submissions_are_fetched_once(cluster):
+    # The source stalls after 2 pages so the second submission surely finds the first in flight.
+    a, b = cluster(a_args=("--fault-stall-after", "2", "--fault-stall-s", "1.5"))
+    keys, pages = make_keys(10), make_pages(10, seed=6)
+    a.client.put(NS, list(pages), keys=keys)
+    first = b.mclient.submit(NS, [(k, a.address) for k in keys + keys[:3]])
+    assert first.deduplicated == 3             # duplicates inside one batch
+    second = b.mclient.submit(NS, [(k, a.address) for k in keys[4:]])
+    assert second.deduplicated == 6            # joined the first batch's fetches
+    s1 = b.mclient.status(first.batch_id, wait=True, timeout_s=60)
+    s2 = b.mclient.status(second.batch_id, wait=True, timeout_s=60)
+    assert s1.done == 13 and s2.done == 6
+    assert a.pages_sent() == 10
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(g, p) for g, p in zip(got, pages))
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    """Poll a real condition of another process with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_source_killed_mid_transfer(cluster):
+    a, b = cluster(a_args=("--fault-stall-after", "300", "--fault-stall-s", "60",
+                           "--pin-ttl", "1", "--lanes", "1"),
+                   b_args=("--lanes", "1"))
+    keys, pages = make_keys(1000), make_pages(1000, seed=7)
+    a.client.put(NS, list(pages), keys=keys)
+    reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
+    wait_for(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
+    assert a.pinned() > 0                      # the source holds pins mid-transfer
+    a.messenger.kill()
+    status = b.mclient.status(reply.batch_id, wait=True, timeout_s=60)
+    assert status.finished and status.failed > 0
+    failed = [i for i, e in enumerate(status.entries) if e.state == FAILED]
+    assert {status.entries[i].code for i in failed} == {"UNAVAILABLE"}
+    assert "lost" in status.entries[failed[0]].reason
+    # Only complete, verified pages are visible on B; every failed one is absent.
+    got = b.client.get(NS, keys=keys)
+    for i, g in enumerate(got):
+        if i in set(failed):
+            assert g is None
+        else:
+            assert status.entries[i].state == DONE and np.array_equal(g, pages[i])
+    # The dead messenger's pins on node A expire with their lease.
+    wait_for(lambda: a.pinned() == 0, 15, "the source pins to expire")
+
+
+def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
+    a, b = cluster(a_args=("--fault-stall-after", "1", "--fault-stall-s", "1.5", "--lanes", "1"),
+                   b_args=("--lanes", "1"))
+    keys, pages = make_keys(6), make_pages(6, seed=8)
+    a.client.put(NS, list(pages), keys=keys)
+    reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
+    wait_for(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
+    cancelled = b.mclient.cancel(reply.batch_id)
+    assert cancelled.finished and {e.code for e in cancelled.entries} == {"CANCELLED"}
+    # The job in flight finishes its fetch, then publishes nothing of the cancelled batch.
+    wait_for(lambda: b.metric('kvcache_messenger_transfer_entries_total{outcome="cancelled"}')
+             == 6, 30, "the in-flight job to wind up")
+    assert not any(present(b.client, keys))
+    assert b.mclient.status(reply.batch_id).failed == 6
+
+
+def test_unreachable_source_fails_unavailable(cluster):
+    a, b = cluster()
+    s = socket.create_server(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    reply = b.mclient.submit(NS, [(k, dead) for k in make_keys(3)])
+    status = b.mclient.status(reply.batch_id, wait=True, timeout_s=60)
+    assert status.failed == 3 and {e.code for e in status.entries} == {"UNAVAILABLE"}
+    assert "cannot reach source messenger" in status.entries[0].reason
+
+
+def test_bad_requests_get_clear_status_codes(cluster):
+    a, b = cluster()
+    stub = pbg.MessengerServiceStub(grpc.insecure_channel(b.address))
+    key = make_keys(1)[0]
+
+    def code(request, method="SubmitTransfer"):
+        with pytest.raises(grpc.RpcError) as e:
+            getattr(stub, method)(request, timeout=10)
+        return e.value.code(), e.value.details()
+
+    entry = pb.TransferEntry(key=key, source=a.address)
+    c, d = code(pb.SubmitTransferRequest(namespace="nope", entries=[entry]))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "nope" in d
+    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[
+        pb.TransferEntry(key=b"short", source=a.address)]))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in d
+    c, d = code(pb.SubmitTransferRequest(namespace=NS))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "at least one" in d
+    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[
+        pb.TransferEntry(key=key, source="nowhere")]))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "host:port" in d
+    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[entry],
+                                         destination_tier=cpb.TIER_SSD))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "TIER_DRAM" in d
+    c, d = code(pb.TransferStatusRequest(batch_id="nope"), "TransferStatus")
+    assert c == grpc.StatusCode.NOT_FOUND
+    c, d = code(pb.CancelRequest(batch_id="nope"), "Cancel")
+    assert c == grpc.StatusCode.NOT_FOUND
+    c, d = code(pb.TransferStatusRequest(batch_id="x", timeout_s=-1), "TransferStatus")
+    assert c == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(KVCacheRpcError):
+        MessengerClient(a.address, timeout_s=5).status("missing")
+
+
+def test_messenger_without_a_node_exits_with_a_message(tmp_path):
+    s = socket.create_server(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    with pytest.raises(RuntimeError, match="cannot use node"):
+        start_service(["messenger", "--node", dead, "--node-wait", "0.5"], log_dir=str(tmp_path),
+                      timeout_s=30)
