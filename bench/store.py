@@ -11,6 +11,9 @@
   xxh3-128 call over the same bytes. Target < 2 ms.
 - **lookup**: longest cached prefix of a 500-block request in an index of 100k blocks, against
   500 plain ``dict.get`` calls. Target < 1 ms.
+- **eviction policies**: ns per operation (insert, touch in random order, pin = remove from the
+  middle, pop victim) of LRU and LFU at 100k slots, against the same at 1k slots: O(1) per
+  operation means a ratio near 1 (less what cache misses cost on the larger arrays).
 - **index memory**: Python-side bytes per cached block over 1M blocks (metadata-only store,
   ``tracemalloc``), everything the store allocates for them: the index, per-page tier state,
   policy links and the keys it keeps alive. Target <= 256 B.
@@ -33,7 +36,7 @@ import numpy as np
 import xxhash
 
 from bench.report import Column, print_table, write_json
-from kvstore import KVLayout, StoreConfig, TieredStore, Tier, block_keys, root_key
+from kvstore import KVLayout, StoreConfig, TieredStore, Tier, block_keys, make_policy, root_key
 from kvstore.ssd import SsdPool
 
 MIB = 1 << 20
@@ -298,6 +301,34 @@ def bench_lookup(args) -> list[Figure]:
                    "ms", ref * 1e3, ref / ours, "< 1 ms", ms < 1)]
 
 
+def policy_ns_per_op(name: str, capacity: int) -> float:
+    """Average ns over insert, touch, remove (a pin) and pop_victim of every slot."""
+    order = np.random.default_rng(5).permutation(capacity).tolist()
+    policy = make_policy(name, capacity)
+    t0 = time.perf_counter()
+    for s in range(capacity):
+        policy.insert(s)
+    for s in order:
+        policy.touch(s)
+    for s in order[::2]:
+        policy.remove(s)
+    while policy.pop_victim() is not None:
+        pass
+    ops = 3 * capacity + len(order[::2]) + 1
+    return (time.perf_counter() - t0) / ops * 1e9
+
+
+def bench_policies(args) -> list[Figure]:
+    figs = []
+    for name in ("lru", "lfu"):
+        small = min(policy_ns_per_op(name, 1_000) for _ in range(20))
+        large = min(policy_ns_per_op(name, 100_000) for _ in range(2))
+        figs.append(Figure("eviction policy", f"{name.upper()} ns per op at 100k slots "
+                           "(reference: 1k slots)", large, "ns", small, small / large,
+                           "report", None))
+    return figs
+
+
 def bench_index_memory(args) -> list[Figure]:
     n = args.index_blocks
     gc.collect()
@@ -333,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
           f"batches of {args.batch}, best of {args.repeats}", flush=True)
     figures: list[Figure] = []
     steps = [("DRAM", lambda: bench_dram(layout, args)), ("SSD", lambda: bench_ssd(layout, args)),
-             ("hashing", lambda: bench_hashing(args)), ("lookup", lambda: bench_lookup(args))]
+             ("hashing", lambda: bench_hashing(args)), ("lookup", lambda: bench_lookup(args)),
+             ("policies", lambda: bench_policies(args))]
     if args.index_blocks > 0:
         steps.append(("index memory", lambda: bench_index_memory(args)))
     for label, step in steps:
@@ -349,8 +381,8 @@ def run(args: argparse.Namespace) -> int:
         Column("reference", "reference", "{:,.3f}"), Column("ratio", "vs ref", "{:.2f}"),
         Column("target", "target"), Column("met", "met")])
     print("\nreference: np.copyto between prefaulted arrays (throughput rows), one xxh3-128 "
-          "over the prompt (hashing), dict.get per key (lookup); vs ref = ours / reference "
-          "throughput (= reference / ours time).")
+          "over the prompt (hashing), dict.get per key (lookup), a 1k-slot policy (policies);\n"
+          "vs ref = ours / reference throughput (= reference / ours time).")
     missed = [f.name for f in figures if f.met is False]
     elapsed = time.perf_counter() - started
     path = os.path.join(args.out, "store.json")

@@ -21,7 +21,8 @@ def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     assert bench.store.run(args) == 0
     doc = json.loads((tmp_path / "out" / "store.json").read_text())
     groups = {f["group"] for f in doc["figures"]}
-    assert groups == {"DRAM tier", "SSD tier", "hashing", "lookup", "index memory"}
+    assert groups == {"DRAM tier", "SSD tier", "hashing", "lookup", "eviction policy",
+                      "index memory"}
     for fig in doc["figures"]:
         assert math.isfinite(fig["value"]) and fig["value"] > 0, fig
         if fig["group"] != "index memory":
