@@ -297,3 +297,35 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
     with pytest.raises(RuntimeError, match="cannot use node"):
         start_service(["messenger", "--node", dead, "--node-wait", "0.5"], log_dir=str(tmp_path),
                       timeout_s=30)
+
+
+def test_conductor_transfer_hook_moves_a_plan(cluster):
+    from conductor.registry import NodeDescriptor
+    from conductor.scheduler import TransferPlan
+    from messenger.hook import make_transfer_hook
+
+    a, b = cluster()
+    keys, pages = make_keys(32), make_pages(32, seed=9)
+    a.client.put(NS, list(pages), keys=keys)
+    plan = TransferPlan(request_id="req-1", namespace=NS,
+                        src=NodeDescriptor(node_id="a", address=a.node.address,
+                                           messenger_address=a.address),
+                        dst=NodeDescriptor(node_id="b", address=b.node.address,
+                                           messenger_address=b.address),
+                        keys=tuple(keys), first_block=0, nbytes=32 * PB, est_seconds=0.01)
+    hook = make_transfer_hook()
+    try:
+        hook.submit(plan)
+        (batch,) = hook.recent()
+        assert batch.messenger == b.address and batch.blocks == 32
+        status = b.mclient.status(batch.batch_id, wait=True, timeout_s=60)
+        assert status.done == 32
+        got = b.client.get(NS, keys=keys)
+        assert all(np.array_equal(g, p) for g, p in zip(got, pages))
+        no_messenger = TransferPlan(request_id="req-2", namespace=NS, src=plan.src,
+                                    dst=NodeDescriptor(node_id="c"), keys=tuple(keys),
+                                    first_block=0, nbytes=0, est_seconds=0)
+        with pytest.raises(ValueError, match="registered no messenger"):
+            hook.submit(no_messenger)
+    finally:
+        hook.close()
