@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         for name in node.get("shm", {}).values():
             if os.path.exists(f"/dev/shm/{name}"):
                 leftovers.append(name)
-                SharedSlab(name).unlink()
+                SharedSlab.remove(name)
     os.remove(path)
     print(f"cluster stopped ({len(state.get('pids', []))} processes"
           f"{'' if clean else ', some needed SIGKILL'})")

@@ -49,9 +49,14 @@ class ServiceProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL, like a crash; then remove the shared memory the process could not."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        from kvstore.shm import SharedSlab
+
+        for name in (self.info.get("shm") or {}).values():
+            SharedSlab.remove(name)
 
     def log(self) -> str:
         try:

@@ -7,6 +7,7 @@ attaching process exits (fixed only in Python 3.13 with ``track=False``).
 from __future__ import annotations
 
 import mmap
+import re
 import os
 import secrets
 import weakref
@@ -78,6 +79,11 @@ class SharedSlab:
     def create(cls, name: str, size: int, reserve: bool = False) -> "SharedSlab":
         return cls(name, size, create=True, reserve=reserve)
 
+    @staticmethod
+    def remove(name: str) -> None:
+        """Unlink a segment by name (no error if it is gone)."""
+        _unlink(name)
+
     @classmethod
     def attach(cls, name: str) -> "SharedSlab":
         return cls(name)
@@ -102,3 +108,33 @@ class SharedSlab:
         self.close()
         if self.owner:
             self.unlink()
+
+
+_ORPHAN = re.compile(r"^kvcache-(\d+)-[0-9a-f]{8}$")
+
+
+def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+    """Unlink slabs whose creating process is gone (a node that was SIGKILLed cannot clean up).
+
+    Names carry the creator's pid (``unique_shm_name``); a slab is an orphan when no process with
+    that pid exists. Returns the names removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _ORPHAN.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # the creator still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        _unlink(name)
+        removed.append(name)
+    return removed

@@ -465,6 +465,10 @@ class TieredStore:
         tensor of page_bytes), from whichever tier holds it. False if it failed its checksum
         (the block is then dropped)."""
         key, slot, tier = lease.keys[index], lease.slots[index], lease.tiers[index]
+        size = out.numel() if hasattr(out, "numel") else getattr(out, "size", None)
+        if size != self.layout.page_bytes or getattr(out, "ndim", 1) != 1:
+            raise InvalidArgument(f"copy_out needs a flat buffer of {self.layout.page_bytes} "
+                                  f"bytes, got {getattr(out, 'shape', type(out).__name__)}")
         if slot < 0:
             raise NotFound(f"key #{index} of lease {lease.lease_id} is not stored")
         with self._lock:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import BlockKey, block_keys, check_keys, root_key, scope_keys
+from kvstore.shm import sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers import Tier
 
@@ -44,6 +45,10 @@ class Node:
         self._owners: dict[tuple[str, int], tuple[str, float]] = {}
         self._owners_lock = threading.Lock()
         self._stop = threading.Event()
+        orphans = sweep_orphans()
+        if orphans:
+            log.warning("removed %d shared-memory slabs left by dead processes: %s",
+                        len(orphans), ", ".join(orphans))
         seen = set()
         try:
             for layout in config.layouts:
