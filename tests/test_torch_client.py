@@ -1,0 +1,251 @@
+"""The torch layer-wise client against a real `kvcache node` process (no model: random K/V)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from clients import KVStoreClient
+from clients.torch_client import LayoutMismatchError, LoadProgress, TorchKVClient
+from clients.torch_layout import HFLayout, PagedLayout
+from kvstore.layout import KVLayout
+
+from torch_helpers import BLOCK_TOKENS, prompt, start_node_for
+
+BT = BLOCK_TOKENS
+LAYOUT = KVLayout(model="unit", num_layers=3, kv_heads=2, head_dim=8, dtype="float32",
+                  block_tokens=BT)
+PATHS = pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "streamed"])
+
+
+def hf_kv(seq: int, seed: int, layout: KVLayout = LAYOUT) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (K, V) as [1, H, seq, D], distinct random values."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, layout.kv_heads, seq, layout.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+            for _ in range(layout.num_layers)]
+
+
+@pytest.fixture
+def node(start_kvcache):
+    return start_node_for(start_kvcache, LAYOUT)
+
+
+@pytest.fixture
+def connect(node):
+    made: list[TorchKVClient] = []
+
+    def make(use_shm: bool = True, **kw) -> TorchKVClient:
+        kv = TorchKVClient.connect(node.address, LAYOUT, use_shm=use_shm, **kw)
+        assert kv.shared_memory is use_shm
+        made.append(kv)
+        return kv
+
+    yield make
+    for kv in made:
+        kv.close()
+
+
+@PATHS
+def test_hf_round_trip_stores_full_blocks_only(connect, use_shm):
+    kv = connect(use_shm)
+    tokens = prompt(5 * BT + 3, seed=1)  # 5 full blocks and a partial one
+    req = kv.request(tokens)
+    assert kv.lookup(req) == 0
+    layers = hf_kv(tokens.numel(), seed=2)
+    with kv.store(req) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        result = store.finish()
+    assert (result.blocks, result.written, result.stored) == (5, 5, 5)
+    assert kv.lookup(tokens) == 5 * BT  # the partial trailing block is not stored
+    assert kv.lookup(tokens[:3 * BT + 7]) == 3 * BT
+
+    with kv.load(req) as load:
+        assert load.num_tokens == 5 * BT
+        for l, k, v in load:
+            torch.testing.assert_close(k, layers[l][0][:, :, :5 * BT], rtol=0, atol=0)
+            torch.testing.assert_close(v, layers[l][1][:, :, :5 * BT], rtol=0, atol=0)
+    with kv.load(req, num_tokens=2 * BT + 5) as part:  # a prefix that ends inside a block
+        k, v = part.layer(2)
+        assert k.shape == (1, LAYOUT.kv_heads, 2 * BT + 5, LAYOUT.head_dim)
+        torch.testing.assert_close(v, layers[2][1][:, :, :2 * BT + 5], rtol=0, atol=0)
+
+
+def test_pages_follow_the_documented_layer_major_layout(connect):
+    """Other clients read the same bytes: page = [layers][k|v][block_tokens][kv_heads][head_dim]."""
+    kv = connect(True)
+    tokens = prompt(2 * BT, seed=3)
+    layers = hf_kv(tokens.numel(), seed=4)
+    with kv.store(tokens) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        store.finish()
+    with KVStoreClient(kv.client.address, use_shm=False) as raw:
+        pages = raw.get(LAYOUT.namespace, tokens=tokens.numpy())
+    for block, page in enumerate(pages):
+        got = page.view(np.float32).reshape(LAYOUT.page_shape)
+        rows = slice(block * BT, (block + 1) * BT)
+        for l, (k, v) in enumerate(layers):
+            np.testing.assert_array_equal(got[l, 0], k[0, :, rows].transpose(0, 1).numpy())
+            np.testing.assert_array_equal(got[l, 1], v[0, :, rows].transpose(0, 1).numpy())
+
+
+@PATHS
+def test_paged_layout_round_trip_through_block_tables(connect, use_shm):
+    kv = connect(use_shm)
+    tokens = prompt(4 * BT, seed=5)
+    g = torch.Generator().manual_seed(6)
+    shape = (10, BT, LAYOUT.kv_heads, LAYOUT.head_dim)
+    src = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+           for _ in range(LAYOUT.num_layers)]
+    src_table = [7, 2, 9, 0]
+    with kv.store(tokens, tensor_layout=PagedLayout(src_table)) as store:
+        for l, (k, v) in enumerate(src):
+            store.put_layer(l, k, v)
+        assert store.finish().stored == 4
+    dst = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+    dst_table = torch.tensor([3, 8, 1, 5])
+    with kv.load(tokens, tensor_layout=PagedLayout(dst_table), kv_caches=dst) as load:
+        for l in range(LAYOUT.num_layers):
+            k, v = load.layer(l)
+            assert k is dst[l][0]
+            for i, (a, b) in enumerate(zip(src_table, dst_table.tolist())):
+                torch.testing.assert_close(k[b], src[l][0][a], rtol=0, atol=0)
+                torch.testing.assert_close(v[b], src[l][1][a], rtol=0, atol=0)
+            untouched = [b for b in range(10) if b not in dst_table.tolist()]
+            assert not k[untouched].any() and not v[untouched].any()
+
+
+@PATHS
+def test_store_after_a_cached_prefix_writes_only_new_blocks(connect, use_shm):
+    kv = connect(use_shm)
+    tokens = prompt(5 * BT, seed=7)
+    layers = hf_kv(tokens.numel(), seed=8)
+    req = kv.request(tokens)
+    with kv.store(kv.request(tokens[:2 * BT])) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k[:, :, :2 * BT], v[:, :, :2 * BT])
+        store.finish()
+    assert kv.lookup(req) == 2 * BT
+    # The engine computed only tokens 2*BT.. : hand over just their K/V.
+    with kv.store(req, first_block=2) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k[:, :, 2 * BT:].clone(), v[:, :, 2 * BT:].clone())
+        result = store.finish()
+    assert (result.blocks, result.stored) == (3, 3)
+    with kv.load(req) as load:
+        for l, k, v in load:
+            torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+
+
+def test_abort_and_incomplete_stores_publish_nothing(connect):
+    kv = connect(True)
+    tokens = prompt(3 * BT, seed=9)
+    layers = hf_kv(tokens.numel(), seed=10)
+    store = kv.store(tokens)
+    for l, (k, v) in enumerate(layers):
+        store.put_layer(l, k, v)
+    store.abort()
+    assert kv.lookup(tokens) == 0
+    store = kv.store(tokens)
+    store.put_layer(0, *layers[0])
+    with pytest.raises(ValueError, match=r"layers \[1, 2\] were never stored"):
+        store.finish()
+    assert kv.lookup(tokens) == 0
+    with kv.store(tokens) as store:  # leaving the block without finish() aborts
+        store.put_layer(0, *layers[0])
+    assert kv.lookup(tokens) == 0
+    # The leases were returned: the same blocks can be stored now.
+    with kv.store(tokens) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        assert store.finish().stored == 3
+
+
+def test_prefetch_loads_the_next_layer_while_the_caller_computes(connect):
+    kv = connect(True)
+    tokens = prompt(3 * BT, seed=11)
+    with kv.store(tokens) as store:
+        for l, (k, v) in enumerate(hf_kv(tokens.numel(), seed=12)):
+            store.put_layer(l, k, v)
+        store.finish()
+    loaded: list[int] = []
+    changed = threading.Condition()
+
+    def progress(p: LoadProgress) -> None:
+        with changed:
+            loaded.append(p.done - 1)
+            changed.notify_all()
+
+    with kv.load(tokens, on_progress=progress) as load:
+        load.layer(0)
+        with changed:  # layer 1 arrives without being asked for...
+            assert changed.wait_for(lambda: 1 in loaded, timeout=10)
+        assert loaded == [0, 1]  # ...and layer 2 waits: one layer ahead, bounded memory
+        load.layer(1)
+        with changed:
+            assert changed.wait_for(lambda: 2 in loaded, timeout=10)
+
+
+def test_layout_mismatch_is_a_clear_error(node):
+    other = KVLayout(model="unit", num_layers=4, kv_heads=2, head_dim=16, dtype="float32",
+                     block_tokens=BT)
+    with pytest.raises(LayoutMismatchError) as e:
+        TorchKVClient.connect(node.address, other)
+    msg = str(e.value)
+    assert "num_layers 4 vs 3" in msg and "head_dim 16 vs 8" in msg
+    assert "--layout model=unit,num_layers=4" in msg
+
+
+def test_bad_tensors_are_rejected_with_what_to_fix(connect):
+    kv = connect(True)
+    tokens = prompt(2 * BT, seed=13)
+    with kv.store(tokens) as store:
+        k, v = hf_kv(tokens.numel(), seed=14)[0]
+        with pytest.raises(ValueError, match="dtype torch.float16 does not match"):
+            store.put_layer(0, k.half(), v.half())
+        with pytest.raises(ValueError, match="kv_heads=2, head_dim=8"):
+            store.put_layer(0, k[:, :1], v[:, :1])
+        with pytest.raises(ValueError, match="does not cover tokens"):
+            store.put_layer(0, k[:, :, :BT], v[:, :, :BT])
+        with pytest.raises(ValueError, match="batch size 2"):
+            store.put_layer(0, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+        with pytest.raises(IndexError, match="layer 3 out of range"):
+            store.put_layer(3, k, v)
+    assert kv.lookup(tokens) == 0
+
+
+@PATHS
+def test_tokens_shorter_than_a_block_cache_nothing(connect, use_shm):
+    kv = connect(use_shm)
+    tokens = prompt(BT - 1, seed=15)
+    assert kv.lookup(tokens) == 0
+    with kv.store(tokens) as store:
+        for l, (k, v) in enumerate(hf_kv(tokens.numel(), seed=16)):
+            store.put_layer(l, k, v)
+        assert store.finish().blocks == 0
+    with kv.load(tokens) as load:
+        assert load.num_tokens == 0
+        k, v = load.layer(0)
+        assert k.shape[2] == 0
+    assert kv.client.stats().namespaces[0].blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_side_stream(connect):
+    kv = connect(True, device="cuda")
+    tokens = prompt(4 * BT, seed=17)
+    layers = [(k.cuda(), v.cuda()) for k, v in hf_kv(tokens.numel(), seed=18)]
+    with kv.store(tokens) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        assert store.finish().stored == 4
+    with kv.load(tokens) as load:
+        for l, k, v in load:
+            assert k.device.type == "cuda"
+            torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+            torch.testing.assert_close(v, layers[l][1], rtol=0, atol=0)
