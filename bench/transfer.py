@@ -14,7 +14,8 @@ For each page size, ``--total`` bytes move from a source process to this process
   ``mooncake-transfer-engine-non-cuda`` is available (``--mooncake-python``); skipped with a
   message otherwise.
 
-Median of ``--runs`` timed runs after one warm-up; GB/s = 1e9 bytes/s. Ratios are printed
+Raw and messenger rounds alternate (so load from elsewhere hits both alike); median of ``--runs``
+timed rounds after one warm-up; GB/s = 1e9 bytes/s. Ratios are printed
 against the raw socket and against Mooncake's batch read.
 """
 from __future__ import annotations
@@ -105,85 +106,125 @@ def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
                 s.sendall(mv[off:off + chunk])
 
 
-def bench_raw(total: int, chunk: int, runs: int) -> Measurement:
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-m", "bench.transfer", "--role", "raw-sender",
-                              "--port", str(port), "--total", str(total),
-                              "--chunk", str(chunk), "--rounds", str(runs + 1)], cwd=ROOT)
-    m = Measurement("raw socket", chunk, total)
-    try:
-        listener.settimeout(60)
-        conn, _ = listener.accept()
-        listener.close()
-        buf = np.zeros(total, dtype=np.uint8)   # prefaulted
-        mv = memoryview(buf)
-        with conn:
-            for r in range(runs + 1):
-                t0 = time.perf_counter()
-                conn.sendall(b"G")
-                pos = 0
-                while pos < total:
-                    n = conn.recv_into(mv[pos:], total - pos)
-                    if n == 0:
-                        raise RuntimeError("raw sender closed early")
-                    pos += n
-                dt = time.perf_counter() - t0
-                if r:
-                    m.runs_s.append(dt)
-        if not (buf[0] == 9 and buf[-1] == 9):
+class RawReference:
+    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy."""
+
+    def __init__(self, total: int, chunk: int, rounds: int) -> None:
+        self.total = total
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        self.child = subprocess.Popen([sys.executable, "-m", "bench.transfer", "--role",
+                                       "raw-sender", "--port", str(port), "--total", str(total),
+                                       "--chunk", str(chunk), "--rounds", str(rounds)], cwd=ROOT)
+        try:
+            listener.settimeout(60)
+            self.conn, _ = listener.accept()
+        finally:
+            listener.close()
+        self.buf = np.zeros(total, dtype=np.uint8)   # prefaulted
+        self.view = memoryview(self.buf)
+
+    def round(self) -> float:
+        total, mv, conn = self.total, self.view, self.conn
+        t0 = time.perf_counter()
+        conn.sendall(b"G")
+        pos = 0
+        while pos < total:
+            n = conn.recv_into(mv[pos:], total - pos)
+            if n == 0:
+                raise RuntimeError("raw sender closed early")
+            pos += n
+        dt = time.perf_counter() - t0
+        if not (self.buf[0] == 9 and self.buf[-1] == 9):
             raise RuntimeError("raw reference received wrong bytes")
-    finally:
-        child.wait(timeout=60)
-    return m
+        return dt
+
+    def close(self) -> None:
+        self.conn.close()
+        self.child.wait(timeout=60)
 
 
 # ---- the messenger's TCP transport ------------------------------------------------------------
 
-def bench_messenger(total: int, page_bytes: int, runs: int, lanes: int, request_bytes: int,
-                    verify: bool) -> Measurement:
-    from messenger.slab_peer import NAMESPACE, fill_pattern, pattern_keys
-    from messenger.tcp import TcpConfig, TcpTransport
+class MessengerSide:
+    """A slab peer (source process) and this process's destination slab for one page size."""
 
-    n = total // page_bytes
-    child = subprocess.Popen([sys.executable, "-m", "messenger.slab_peer", "--pages", str(n),
-                              "--page-bytes", str(page_bytes)], cwd=ROOT,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    m = Measurement(f"messenger tcp x{lanes}", page_bytes, total)
-    slab = SharedSlab.create(unique_shm_name("bench-dst"), n * page_bytes)
-    transport = TcpTransport(TcpConfig(lanes=lanes, request_bytes=request_bytes))
-    try:
-        line = child.stdout.readline()
+    def __init__(self, total: int, page_bytes: int, request_bytes: int) -> None:
+        from messenger.slab_peer import NAMESPACE, pattern_keys
+
+        self.n = total // page_bytes
+        self.page_bytes, self.request_bytes = page_bytes, request_bytes
+        self.namespace = NAMESPACE
+        self.child = subprocess.Popen([sys.executable, "-m", "messenger.slab_peer", "--pages",
+                                       str(self.n), "--page-bytes", str(page_bytes)], cwd=ROOT,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.slab = SharedSlab.create(unique_shm_name("bench-dst"), self.n * page_bytes)
+        self.transports: dict = {}
+        line = self.child.stdout.readline()
         if not line.startswith("READY "):
+            self.close()
             raise RuntimeError(f"slab peer did not start: {line!r}")
-        address = json.loads(line[6:])["address"]
-        pages = slab.array.reshape(n, page_bytes)
-        pages[:] = 0   # prefault, as the raw reference's buffer is
-        keys = pattern_keys(n)
-        views = [memoryview(pages[i]) for i in range(n)]
+        self.address = json.loads(line[6:])["address"]
+        self.pages = self.slab.array.reshape(self.n, page_bytes)
+        self.pages[:] = 0   # prefault, as the raw reference's buffer is
+        self.keys = pattern_keys(self.n)
+        self.views = [memoryview(self.pages[i]) for i in range(self.n)]
+
+    def round(self, lanes: int) -> float:
+        from messenger.tcp import TcpConfig, TcpTransport
+
+        transport = self.transports.get(lanes)
+        if transport is None:
+            transport = TcpTransport(TcpConfig(lanes=lanes, request_bytes=self.request_bytes))
+            self.transports[lanes] = transport
+        t0 = time.perf_counter()
+        results = transport.fetch(self.address, self.namespace, self.keys, self.views)
+        dt = time.perf_counter() - t0
+        failed = [res for res in results if not res.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} pages failed: {failed[0].reason}")
+        return dt
+
+    def verify(self) -> bool:
+        from messenger.slab_peer import fill_pattern
+
+        expected = np.empty((min(self.n, 64), self.page_bytes), dtype=np.uint8)
+        fill_pattern(expected)
+        return bool(np.array_equal(self.pages[:len(expected)], expected))
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            t.close()
+        self.child.stdin.close()
+        self.child.wait(timeout=60)
+        self.views = self.pages = None
+        self.slab.close()
+        self.slab.unlink()
+
+
+def bench_size(total: int, page_bytes: int, runs: int, lanes_list: list[int],
+               request_bytes: int) -> list[Measurement]:
+    """Raw and messenger rounds interleaved (raw, x1, x2, raw, ...) so that load from elsewhere
+    on the machine hits every method alike; the first round of each is a warm-up."""
+    raw = RawReference(total, page_bytes, runs + 1)
+    side = MessengerSide(total, page_bytes, request_bytes)
+    out = [Measurement("raw socket", page_bytes, total)]
+    out += [Measurement(f"messenger tcp x{lanes}", page_bytes, total) for lanes in lanes_list]
+    try:
         for r in range(runs + 1):
-            t0 = time.perf_counter()
-            results = transport.fetch(address, NAMESPACE, keys, views)
-            dt = time.perf_counter() - t0
-            failed = [res for res in results if not res.ok]
-            if failed:
-                raise RuntimeError(f"{len(failed)} pages failed: {failed[0].reason}")
+            times = [raw.round()] + [side.round(lanes) for lanes in lanes_list]
             if r:
-                m.runs_s.append(dt)
-        if verify:
-            expected = np.empty((min(n, 64), page_bytes), dtype=np.uint8)
-            fill_pattern(expected)
-            if not np.array_equal(pages[:len(expected)], expected):
-                raise RuntimeError("messenger transfer delivered wrong bytes")
-            m.note = "verified"
-        del pages, views
+                for m, t in zip(out, times):
+                    m.runs_s.append(t)
+        ok = side.verify()
     finally:
-        transport.close()
-        child.stdin.close()
-        child.wait(timeout=60)
-        slab.close()
-        slab.unlink()
-    return m
+        raw.close()
+        side.close()
+    if not ok:
+        raise RuntimeError("messenger transfer delivered wrong bytes")
+    for m in out[1:]:
+        m.note = "verified"
+    return out
 
 
 # ---- Mooncake Transfer Engine -----------------------------------------------------------------
@@ -260,12 +301,7 @@ def run(args: argparse.Namespace) -> int:
           f" median of {args.runs} runs, loopback, 2 processes each", flush=True)
     results: list[Measurement] = []
     for size in sizes:
-        raw = bench_raw(args.total, size, args.runs)
-        results.append(raw)
-        print(f"  {human(size):>7} raw socket            {raw.gbps:6.3f} GB/s", flush=True)
-        for lanes in lanes_list:
-            m = bench_messenger(args.total, size, args.runs, lanes, args.request_bytes,
-                                verify=True)
+        for m in bench_size(args.total, size, args.runs, lanes_list, args.request_bytes):
             results.append(m)
             print(f"  {human(size):>7} {m.method:<21} {m.gbps:6.3f} GB/s", flush=True)
     mc_note = "Mooncake TE skipped (--no-mooncake)"
