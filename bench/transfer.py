@@ -227,6 +227,70 @@ def bench_size(total: int, page_bytes: int, runs: int, lanes_list: list[int],
     return out
 
 
+# ---- end to end: node + messenger processes ------------------------------------------------------
+
+def _bench_layout(page_bytes: int) -> str:
+    """A fp16 layout whose page is ``page_bytes`` (8 KiB per layer-block-token unit)."""
+    unit = 2 * 32 * 8 * 128 * 2          # K|V x 32 tokens x 8 heads x 128 dims x fp16 = 128 KiB
+    if page_bytes % unit:
+        raise SystemExit(f"--e2e needs page sizes that are multiples of {unit} bytes")
+    return (f"model=bench,num_layers={page_bytes // unit},kv_heads=8,head_dim=128,"
+            "dtype=float16,block_tokens=32")
+
+
+def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement:
+    """SubmitTransfer of ``total`` bytes between two real node+messenger pairs, timed from the
+    submit to the finished status: Acquire/Allocate/Commit RPCs and slab mapping included."""
+    from clients.node_client import KVStoreClient
+    from kvcache.procs import start_service
+    from kvstore.keys import keys_from_block_ids, root_key
+    from kvstore.node.config import parse_layout
+    from messenger.client import MessengerClient
+
+    layout_spec = _bench_layout(page_bytes)
+    namespace = parse_layout(layout_spec).namespace
+    n = total // page_bytes
+    dram = str(total + 64 * page_bytes)
+    procs, clients = [], []
+    m = Measurement(f"e2e messenger x{lanes}", page_bytes, total)
+    try:
+        for _ in range(2):
+            procs.append(start_service(["node", "--dram", dram, "--layout", layout_spec]))
+            procs.append(start_service(["messenger", "--node", procs[-1].address,
+                                        "--transport", "tcp", "--lanes", str(lanes)]))
+        src_node, src_msg, dst_node, dst_msg = procs
+        a, b = KVStoreClient(src_node.address), KVStoreClient(dst_node.address)
+        mb = MessengerClient(dst_msg.address)
+        clients += [a, b, mb]
+        keys = keys_from_block_ids(list(range(n)), root_key(namespace, b"bench-transfer"))
+        pages = np.random.default_rng(0).integers(0, 256, (n, page_bytes), dtype=np.uint8)
+        for s in range(0, n, 64):
+            a.put(namespace, list(pages[s:s + 64]), keys=keys[s:s + 64])
+        for r in range(runs + 1):
+            b.remove(namespace, keys=keys)
+            t0 = time.perf_counter()
+            reply = mb.submit(namespace, [(k, src_msg.address) for k in keys])
+            status = mb.status(reply.batch_id, wait=True, timeout_s=600)
+            dt = time.perf_counter() - t0
+            if status.done != n:
+                bad = next(e for e in status.entries if e.state != 2)
+                raise RuntimeError(f"e2e transfer: {status.done}/{n} done: {bad.code} "
+                                   f"{bad.reason}")
+            if r:
+                m.runs_s.append(dt)
+        step = max(1, n // 16)
+        sample = b.get(namespace, keys=keys[::step])
+        if not all(np.array_equal(g, pages[i]) for g, i in zip(sample, range(0, n, step))):
+            raise RuntimeError("e2e transfer delivered wrong bytes")
+        m.note = "verified"
+    finally:
+        for c in clients:
+            c.close()
+        for sp in reversed(procs):
+            sp.stop()
+    return m
+
+
 # ---- Mooncake Transfer Engine -----------------------------------------------------------------
 
 def bench_mooncake(python: str, script: Path, total: int, sizes: list[int], runs: int
@@ -275,6 +339,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-script", type=Path,
                         default=DEFAULT_PEERS / "mooncake_te_bench.py")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake TE runs")
+    parser.add_argument("--e2e", action="store_true",
+                        help="also time SubmitTransfer between two real node+messenger pairs "
+                             "(needs 2x --total of shared memory)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="write a GB/s bar chart PNG here")
     # Child role of the raw reference (internal).
@@ -304,6 +371,10 @@ def run(args: argparse.Namespace) -> int:
         for m in bench_size(args.total, size, args.runs, lanes_list, args.request_bytes):
             results.append(m)
             print(f"  {human(size):>7} {m.method:<21} {m.gbps:6.3f} GB/s", flush=True)
+        if args.e2e:
+            m = bench_e2e(args.total, size, args.runs, lanes_list[-1])
+            results.append(m)
+            print(f"  {human(size):>7} {m.method:<21} {m.gbps:6.3f} GB/s", flush=True)
     mc_note = "Mooncake TE skipped (--no-mooncake)"
     if not args.no_mooncake:
         print("  running Mooncake TE (shared/peers/mooncake_te_bench.py) ...", flush=True)
@@ -330,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
                 title="messenger TCP transfer vs references (same run)")
     target = 0.60
     for row in rows:
-        if row["method"].startswith("messenger"):
+        if row["method"].startswith(("messenger", "e2e")):
             verdict = "meets" if row["vs_raw"] >= target else "BELOW"
             mc = (f", {row['vs_mooncake']:.2f}x Mooncake TE read" if row["vs_mooncake"]
                   else "")
