@@ -22,6 +22,7 @@ test: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) -m proto.generate
+	$(PY) -m proto.docs
 
 clean:
 	rm -rf $(VENV) *.egg-info

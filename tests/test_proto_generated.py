@@ -22,3 +22,10 @@ def test_every_proto_is_importable():
 
     for proto in proto_files():
         importlib.import_module(f"proto.{pathlib.Path(proto).stem}_pb2_grpc")
+
+
+def test_api_docs_are_fresh():
+    from proto.docs import DOC, render
+
+    assert DOC.exists() and DOC.read_text() == render(), \
+        "docs/api.md is stale: run `make proto` and commit the result"
