@@ -55,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-hook", default="auto", choices=["auto", "messenger", "record"],
                         help="what to do with plans that move blocks to a non-holder (default: "
                              "ask the destination's messenger when the messenger hook exists)")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="gRPC handler threads (default 8; Python runs one at a time, so "
+                             "more threads mostly add GIL hand-offs)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
 
 
@@ -81,6 +84,8 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit("kvcache conductor: --workers must be >= 1")
     if args.lease <= 0:
         raise SystemExit("kvcache conductor: --lease must be positive")
     if not 0 <= args.min_transfer_gain < 1:
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = ConductorMetrics(conductor)
     servicer = ConductorServicer(conductor, auth, FeedOptions(
         token=args.node_token or args.token, tls_ca_file=args.node_tls_ca), metrics)
-    server = make_server(auth)
+    server = make_server(auth, max_workers=args.workers)
     pbg.add_ConductorServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     try:

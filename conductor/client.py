@@ -46,6 +46,12 @@ class ConductorClient:
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo_s,
             tbt_slo_s=tbt_slo_s), timeout=self.timeout_s)
 
+    def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]
+                       ) -> list[pb.ScheduleOutcome]:
+        """One outcome per request, in order (``code`` 0: ``reply`` is set)."""
+        return list(self.stub.ScheduleBatch(pb.ScheduleBatchRequest(requests=requests),
+                                            timeout=self.timeout_s).outcomes)
+
     def prefilled(self, request_id: str, prefill_seconds: float = 0.0) -> None:
         self.stub.Complete(pb.CompleteRequest(request_id=request_id,
                                               phase=pb.COMPLETE_PHASE_PREFILLED,

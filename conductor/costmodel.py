@@ -113,40 +113,49 @@ class FlopsCostModel(CostModel):
     model: ModelSpec = ModelSpec()
     hardware: HardwareSpec = HardwareSpec()
 
+    def __post_init__(self) -> None:
+        # NOTE: the scheduler prices every node per request: precompute the constants once.
+        m, hw = self.model, self.hardware
+        rate = hw.prefill_flops_per_s
+        object.__setattr__(self, "_quad", m.layers * m.a * m.hidden / rate)
+        object.__setattr__(self, "_lin", m.layers * m.b * m.hidden ** 2 / rate)
+        object.__setattr__(self, "_kv_token", m.kv_bytes_per_token)
+        object.__setattr__(self, "_weights", m.weight_bytes)
+        object.__setattr__(self, "_hbm", hw.gpus * hw.hbm_bytes_per_s * hw.mbu)
+        object.__setattr__(self, "_nic", hw.nic_bytes_per_s)
+
     def flops(self, n: int) -> float:
         """``l * (a * n^2 * d + b * n * d^2)``: FLOPs to prefill ``n`` tokens from scratch."""
         m = self.model
         return m.layers * (m.a * n * n * m.hidden + m.b * n * m.hidden * m.hidden)
 
     def prefill_seconds(self, tokens: int, prefix_tokens: int = 0) -> float:
-        _check_tokens(tokens, prefix_tokens)
-        prefix_tokens = min(prefix_tokens, tokens)
-        return (self.flops(tokens) - self.flops(prefix_tokens)) / self.hardware.prefill_flops_per_s
+        """``(flops(n) - flops(p)) / (gpus * peak * mfu)``."""
+        if tokens < 0 or prefix_tokens < 0:
+            _check_tokens(tokens, prefix_tokens)
+        p = prefix_tokens if prefix_tokens < tokens else tokens
+        return self._quad * (tokens * tokens - p * p) + self._lin * (tokens - p)  # type: ignore
 
     def kv_bytes(self, tokens: int) -> int:
-        return tokens * self.model.kv_bytes_per_token
+        return tokens * self._kv_token  # type: ignore[attr-defined]
 
     def transfer_seconds(self, nbytes: int) -> float:
         if nbytes <= 0:
             return 0.0
-        hw = self.hardware
-        return hw.transfer_latency_s + nbytes / hw.nic_bytes_per_s
+        return self.hardware.transfer_latency_s + nbytes / self._nic  # type: ignore
 
     def decode_step_seconds(self, requests: int, tokens: int) -> float:
         """Memory-bound: each step reads the weights once and every request's KV cache."""
         if requests <= 0:
             return 0.0
-        hw = self.hardware
-        read = self.model.weight_bytes + tokens * self.model.kv_bytes_per_token
-        return read / (hw.gpus * hw.hbm_bytes_per_s * hw.mbu)
+        return (self._weights + tokens * self._kv_token) / self._hbm  # type: ignore
 
     def queued_prefill_seconds(self, tokens: int) -> float:
-        return self.coefficients()[1] * tokens if tokens > 0 else 0.0
+        return self._lin * tokens if tokens > 0 else 0.0  # type: ignore[attr-defined]
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(quad, lin, const)`` with prefill = quad*(n^2-p^2) + lin*(n-p) + const."""
-        m, rate = self.model, self.hardware.prefill_flops_per_s
-        return m.layers * m.a * m.hidden / rate, m.layers * m.b * m.hidden ** 2 / rate, 0.0
+        return self._quad, self._lin, 0.0  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -113,10 +113,10 @@ class NodeState:
     prefill_pending: int = 0          # requests sent and not yet prefilled
     decode_requests: int = 0          # requests decoding (or about to) here
     decode_tokens: int = 0            # their context tokens
+    node_id: str = field(init=False)  # = descriptor.node_id (a plain slot: read per decision)
 
-    @property
-    def node_id(self) -> str:
-        return self.descriptor.node_id
+    def __post_init__(self) -> None:
+        self.node_id = self.descriptor.node_id
 
 
 class Registry:

@@ -140,6 +140,10 @@ class DecodeOption:
     tbt_s: float
 
 
+def _min_index(values: list[float]) -> int:
+    return min(range(len(values)), key=values.__getitem__)
+
+
 @dataclass(slots=True)
 class PrefillContext:
     """What a policy sees: the options with local prefixes, and how to price a fetch."""
@@ -159,8 +163,9 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption: ...
 
-    def pick_decode(self, options: list[DecodeOption]) -> DecodeOption:
-        return min(options, key=lambda o: o.tbt_s)
+    def pick_decode(self, tbt_s: list[float]) -> int:
+        """Index of the decode node to use, given each candidate's predicted TBT."""
+        return _min_index(tbt_s)
 
 
 class RandomPolicy(SchedulingPolicy):
@@ -174,8 +179,8 @@ class RandomPolicy(SchedulingPolicy):
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
         return ctx.options[self._rng.randrange(len(ctx.options))]
 
-    def pick_decode(self, options: list[DecodeOption]) -> DecodeOption:
-        return options[self._rng.randrange(len(options))]
+    def pick_decode(self, tbt_s: list[float]) -> int:
+        return self._rng.randrange(len(tbt_s))
 
 
 class LoadPolicy(SchedulingPolicy):
@@ -284,23 +289,40 @@ class Scheduler:
             if blocks > best_blocks:
                 best_blocks, best_source = blocks, self.registry.find(node_id)
 
+        # NOTE: most nodes hold nothing of a request: price each distinct prefix length once.
+        prefill_of: dict[int, float] = {}
+        queued = cost.queued_prefill_seconds
         options = []
         for node in prefill_nodes:
             local = prefix.get(node.node_id, 0)
-            queue = self.queue_seconds(node, now)
-            prefill = cost.prefill_seconds(n, local * bt)
+            prefill = prefill_of.get(local)
+            if prefill is None:
+                prefill = prefill_of[local] = cost.prefill_seconds(n, local * bt)
+            queue = node.prefill_busy_until - now
+            reported = node.load.queued_prefill_tokens
+            if reported:
+                queue = max(queue, queued(reported))
+            if queue < 0.0:
+                queue = 0.0
             options.append(PrefillOption(node=node, local_blocks=local, queue_s=queue,
                                          reuse_blocks=local, transfer_s=0.0, prefill_s=prefill,
                                          ttft_s=queue + prefill))
         block_bytes = request.block_bytes or cost.kv_bytes(bt)
+        keep = 1.0 - self.config.min_transfer_gain
+        transfer_of: dict[int, float] = {}
 
         def fetch(option: PrefillOption) -> PrefillOption | None:
             if best_source is None or option.local_blocks >= best_blocks:
                 return None
-            transfer = cost.transfer_seconds((best_blocks - option.local_blocks) * block_bytes)
-            prefill = cost.prefill_seconds(n, best_blocks * bt)
+            transfer = transfer_of.get(option.local_blocks)
+            if transfer is None:
+                transfer = transfer_of[option.local_blocks] = cost.transfer_seconds(
+                    (best_blocks - option.local_blocks) * block_bytes)
+            prefill = prefill_of.get(best_blocks)
+            if prefill is None:
+                prefill = prefill_of[best_blocks] = cost.prefill_seconds(n, best_blocks * bt)
             ttft = max(option.queue_s, transfer) + prefill
-            if ttft >= option.ttft_s * (1.0 - self.config.min_transfer_gain):
+            if ttft >= option.ttft_s * keep:
                 return None
             return PrefillOption(node=option.node, local_blocks=option.local_blocks,
                                  queue_s=option.queue_s, reuse_blocks=best_blocks,
@@ -312,13 +334,17 @@ class Scheduler:
             fetch=fetch))
 
         context = n + request.output_tokens
-        decode_options = []
+        step = cost.decode_step_seconds
+        tbts = []
         for node in decode_nodes:
-            reqs = max(node.decode_requests, node.load.running_decode_requests) + 1
-            toks = max(node.decode_tokens, node.load.running_decode_tokens) + context
-            decode_options.append(DecodeOption(node=node, requests=reqs, tokens=toks,
-                                               tbt_s=cost.decode_step_seconds(reqs, toks)))
-        decode = self.policy.pick_decode(decode_options)
+            load = node.load
+            tbts.append(step(max(node.decode_requests, load.running_decode_requests) + 1,
+                             max(node.decode_tokens, load.running_decode_tokens) + context))
+        i = self.policy.pick_decode(tbts)
+        node = decode_nodes[i]
+        decode = DecodeOption(node=node, tbt_s=tbts[i], tokens=max(
+            node.decode_tokens, node.load.running_decode_tokens) + context, requests=max(
+            node.decode_requests, node.load.running_decode_requests) + 1)
 
         if request.ttft_slo_s and chosen.ttft_s > request.ttft_slo_s:
             raise SLORejected("TTFT", request.ttft_slo_s, chosen.ttft_s,

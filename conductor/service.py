@@ -19,7 +19,7 @@ import numpy as np
 
 from kvcache.rpc import Auth, status_for
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
-from kvstore.keys import block_keys, check_keys, root_key, scope_keys
+from kvstore.keys import KEY_BYTES, block_keys, check_keys, root_key, scope_keys
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
@@ -34,6 +34,7 @@ from .scheduler import NoNodeAvailable, Request, SLORejected
 log = logging.getLogger(__name__)
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_REQUEST_ID = 256
+MAX_BATCH = 1024
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
 
 
@@ -52,7 +53,7 @@ def _observed(method: Callable) -> Callable:
             self.metrics.errors.labels(name, code.name).inc()
             context.abort(code, str(e))
         finally:
-            self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+            self._latency[name].observe(time.perf_counter() - t0)
     return wrapper
 
 
@@ -74,6 +75,10 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         self.conductor = conductor
         self.auth = auth
         self.metrics = metrics or ConductorMetrics(conductor)
+        # NOTE: resolve labelled children once; .labels() per call is measurable at 2k calls/s.
+        self._latency = {name: self.metrics.latency.labels(name) for name in
+                         pb.DESCRIPTOR.services_by_name["ConductorService"].methods_by_name}
+        self._decisions: dict[tuple[str, bool], object] = {}
         self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
@@ -91,8 +96,11 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     # ---- membership -----------------------------------------------------------------------
 
+    def _tenant(self, context) -> str:
+        return self.auth.tenant(context) if self.auth.enabled else ""
+
     def _admin(self, context) -> None:
-        if self.auth.tenant(context) != "":
+        if self._tenant(context) != "":
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           "node membership needs the cluster's admin token, not a tenant token")
 
@@ -132,7 +140,25 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     @_observed
     def Schedule(self, request, context):
-        tenant = self.auth.tenant(context)
+        return self._schedule(request, self._tenant(context))
+
+    @_observed
+    def ScheduleBatch(self, request, context):
+        tenant = self._tenant(context)
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidArgument(f"{len(request.requests)} requests in one batch; the limit is "
+                                  f"{MAX_BATCH}")
+        outcomes = []
+        for item in request.requests:
+            try:
+                outcomes.append(pb.ScheduleOutcome(reply=self._schedule(item, tenant)))
+            except (KVStoreError, ValueError) as e:
+                code = status_for(e) if isinstance(e, KVStoreError) else \
+                    grpc.StatusCode.INVALID_ARGUMENT
+                outcomes.append(pb.ScheduleOutcome(code=code.value[0], message=str(e)))
+        return pb.ScheduleBatchReply(outcomes=outcomes)
+
+    def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
@@ -160,14 +186,19 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             self.metrics.rejections.labels("no_node").inc()
             raise
         m = self.metrics
-        m.decisions.labels(decision.policy, "yes" if decision.transfer else "no").inc()
+        label = (decision.policy, decision.transfer is not None)
+        counter = self._decisions.get(label)
+        if counter is None:
+            counter = self._decisions[label] = m.decisions.labels(
+                decision.policy, "yes" if label[1] else "no")
+        counter.inc()  # type: ignore[attr-defined]
         m.prompt_blocks.inc(decision.total_blocks)
         m.reused_blocks.inc(decision.reuse_blocks)
         return decision_to_pb(decision, rid)
 
     @_observed
     def Complete(self, request, context):
-        tenant = self.auth.tenant(context)
+        tenant = self._tenant(context)
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         rid = _scoped_id(tenant, request.request_id)
@@ -185,7 +216,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     @_observed
     def ListNodes(self, request, context):
-        self.auth.tenant(context)
+        self._tenant(context)
         views = self.conductor.nodes()
         c = self.conductor
         with c.lock:
@@ -202,7 +233,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     @_observed
     def Locate(self, request, context):
-        tenant = self.auth.tenant(context)
+        tenant = self._tenant(context)
         layout = self._layout(request.namespace)
         keys, _ = self._keys(request, layout, tenant)
         found = self.conductor.locate(keys)
@@ -252,7 +283,9 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             if len(sel.keys) > MAX_BLOCKS_PER_REQUEST:
                 raise InvalidArgument(f"{len(sel.keys)} keys in one request; the limit is "
                                       f"{MAX_BLOCKS_PER_REQUEST}")
-            raw = check_keys(sel.keys)
+            keys = sel.keys
+            # Fast path: protobuf already gives bytes; only the length can be wrong.
+            raw = list(keys) if all(map(KEY_BYTES.__eq__, map(len, keys))) else check_keys(keys)
             prompt = len(raw) * layout.block_tokens
         return scope_keys(raw, tenant), prompt
 

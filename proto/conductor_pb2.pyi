@@ -174,6 +174,28 @@ class ScheduleReply(_message.Message):
     est_tbt_s: float
     def __init__(self, request_id: _Optional[str] = ..., policy: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_messenger: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_messenger: _Optional[str] = ..., total_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., best_blocks: _Optional[int] = ..., reuse_blocks: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[TransferPlan, _Mapping]]] = ..., est_queue_s: _Optional[float] = ..., est_transfer_s: _Optional[float] = ..., est_prefill_s: _Optional[float] = ..., est_ttft_s: _Optional[float] = ..., est_tbt_s: _Optional[float] = ...) -> None: ...
 
+class ScheduleBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ScheduleRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ScheduleRequest, _Mapping]]] = ...) -> None: ...
+
+class ScheduleOutcome(_message.Message):
+    __slots__ = ("reply", "code", "message")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reply: ScheduleReply
+    code: int
+    message: str
+    def __init__(self, reply: _Optional[_Union[ScheduleReply, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ScheduleBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[ScheduleOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[ScheduleOutcome, _Mapping]]] = ...) -> None: ...
+
 class CompleteRequest(_message.Message):
     __slots__ = ("request_id", "phase", "prefill_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class ConductorServiceStub:
                 request_serializer=proto_dot_conductor__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=proto_dot_conductor__pb2.ScheduleReply.FromString,
                 _registered_method=True)
+        self.ScheduleBatch = channel.unary_unary(
+                '/kvcache.v1.ConductorService/ScheduleBatch',
+                request_serializer=proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
+                _registered_method=True)
         self.Complete = channel.unary_unary(
                 '/kvcache.v1.ConductorService/Complete',
                 request_serializer=proto_dot_conductor__pb2.CompleteRequest.SerializeToString,
@@ -105,6 +110,14 @@ class ConductorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScheduleBatch(self, request, context):
+        """Place several requests in one call (a front end batching its arrivals): one outcome per
+        request, in order, each a reply or the status Schedule would have failed with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Complete(self, request, context):
         """The request's prefill finished (phase PREFILLED) or the whole request did (FINISHED).
         """
@@ -147,6 +160,11 @@ def add_ConductorServiceServicer_to_server(servicer, server):
                     servicer.Schedule,
                     request_deserializer=proto_dot_conductor__pb2.ScheduleRequest.FromString,
                     response_serializer=proto_dot_conductor__pb2.ScheduleReply.SerializeToString,
+            ),
+            'ScheduleBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScheduleBatch,
+                    request_deserializer=proto_dot_conductor__pb2.ScheduleBatchRequest.FromString,
+                    response_serializer=proto_dot_conductor__pb2.ScheduleBatchReply.SerializeToString,
             ),
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
@@ -272,6 +290,33 @@ class ConductorService:
             '/kvcache.v1.ConductorService/Schedule',
             proto_dot_conductor__pb2.ScheduleRequest.SerializeToString,
             proto_dot_conductor__pb2.ScheduleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScheduleBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.ConductorService/ScheduleBatch',
+            proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
+            proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -189,6 +189,24 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         code, _ = rpc_error(lambda: cc.complete("busy"))
         assert code == grpc.StatusCode.NOT_FOUND
 
+        # A batch gets one outcome per request: placed, rejected, or malformed.
+        outcomes = cc.schedule_batch([
+            pb.ScheduleRequest(request_id="b1", blocks=selector(NS, tokens=prompt)),
+            pb.ScheduleRequest(request_id="b2", blocks=selector(NS, tokens=prompt),
+                               prompt_tokens=12 * BT + 5, ttft_slo_s=1e-9),
+            pb.ScheduleRequest(request_id="b3", blocks=selector(NS, keys=[b"short"])),
+            pb.ScheduleRequest(request_id="b4", blocks=selector("nobody|serves|this")),
+        ])
+        assert [o.code for o in outcomes] == [
+            grpc.StatusCode.OK.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0]]
+        assert outcomes[0].reply.request_id == "b1" and outcomes[0].reply.reuse_blocks == 12
+        assert "TTFT SLO" in outcomes[1].message and "16 bytes" in outcomes[2].message
+        cc.complete("b1")
+        code, msg = rpc_error(lambda: cc.schedule_batch(
+            [pb.ScheduleRequest(blocks=selector(NS, tokens=prompt))] * 1025))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 1024" in msg
+
         # Removals and evictions reach the index too.
         assert k0.remove(NS, keys=block_keys(prompt, BT, root_key(NS))[8:]) == 4
         wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n0": 8, "n1": 3},
