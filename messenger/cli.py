@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
     parser.add_argument("--node", required=True, help="this host's node server (host:port)")
     parser.add_argument("--node-token", default=None,
-                        help="admin token for the node and peer messengers (default: --token)")
+                        help="the cluster's admin token, for the node, peer messengers and the "
+                             "data port (default: --token)")
     parser.add_argument("--data-listen", default=None,
                         help="host:port of the data port peers pull from (default: --listen's "
                              "host, any free port)")
@@ -85,14 +86,19 @@ def run(args: argparse.Namespace) -> int:
     if args.data_listen:
         data_host, _, port = args.data_listen.rpartition(":")
         data_port = int(port)
+    # NOTE: the data port carries page bytes, not gRPC; with a token it demands the same admin
+    # token (HELLO) that the messengers use with each other and with the nodes.
+    cluster_token = args.node_token or args.token
     data = DataServer(source, host=data_host, port=data_port, io_timeout_s=args.io_timeout,
+                      token=cluster_token,
                       faults=SenderFaults(corrupt_every=args.fault_corrupt_every,
                                           stall_after=args.fault_stall_after,
                                           stall_s=args.fault_stall_s))
     try:
-        choice = choose_transport(args.transport, TcpConfig(lanes=args.lanes,
-                                                            io_timeout_s=args.io_timeout),
-                                  RdmaConfig(io_timeout_s=args.io_timeout))
+        choice = choose_transport(
+            args.transport,
+            TcpConfig(lanes=args.lanes, io_timeout_s=args.io_timeout, token=cluster_token),
+            RdmaConfig(io_timeout_s=args.io_timeout, token=cluster_token))
     except RuntimeError as e:
         raise SystemExit(f"kvcache messenger: {e}") from None
     rdma_source = None
@@ -100,10 +106,8 @@ def run(args: argparse.Namespace) -> int:
         rdma_source = RdmaSource(choice.backend, source)
         rdma_source.install(data)
     data.start()
-    peer_token = args.node_token or args.token
-
     def lookup_data_address(messenger: str) -> str:
-        with make_channel(messenger, peer_token) as channel:
+        with make_channel(messenger, cluster_token) as channel:
             return pbg.MessengerServiceStub(channel).GetInfo(pb.MessengerInfoRequest(),
                                                              timeout=10).data_address
 

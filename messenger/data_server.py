@@ -10,6 +10,7 @@ connection carry on.
 """
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import socket
@@ -86,12 +87,16 @@ class DataServer:
     """Serves pages from a ``PageSource`` on ``host:port`` (port 0: pick a free one)."""
 
     def __init__(self, source: PageSource, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 30.0, faults: SenderFaults | None = None) -> None:
+                 io_timeout_s: float = 30.0, faults: SenderFaults | None = None,
+                 token: str | None = None) -> None:
+        """``token``: when set, a connection must open with a HELLO carrying it."""
         self.source = source
+        self._token = token.encode() if token else None
         self.io_timeout_s = io_timeout_s
         self.faults = faults or SenderFaults()
         self.stats = DataServerStats()
-        self._handlers: dict[Kind, Handler] = {Kind.FETCH: self._serve_fetch}
+        self._handlers: dict[Kind, Handler] = {Kind.FETCH: self._serve_fetch,
+                                               Kind.HELLO: self._hello}
         self._lock = threading.Lock()
         self._conns: dict[int, PeerConnection] = {}
         self._ids = itertools.count(1)
@@ -160,6 +165,13 @@ class DataServer:
                 if not self._wait_header(sock, buf):
                     return
                 header = unpack_header(buf)
+                if self._token is not None and not conn.state.get("authenticated") \
+                        and header.kind is not Kind.HELLO:
+                    self._send_error(conn, Status.UNAUTHENTICATED,
+                                     "this data port needs a token: open with HELLO (the "
+                                     "cluster's admin token)")
+                    raise ProtocolError(f"{header.kind.name} without HELLO on a token-protected "
+                                        "data port")
                 handler = self._handlers.get(header.kind)
                 if handler is None:
                     raise ProtocolError(f"unexpected {header.kind.name} frame from a client")
@@ -206,6 +218,14 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.pop(conn.conn_id, None)
+
+    def _hello(self, conn: PeerConnection, header: Header) -> None:
+        token = conn.read_body(header, limit=4096)
+        if self._token is not None and not hmac.compare_digest(token, self._token):
+            self._send_error(conn, Status.UNAUTHENTICATED, "wrong token for this data port")
+            raise ProtocolError("HELLO with a wrong token")
+        conn.state["authenticated"] = True
+        conn.send([pack_header(Kind.END)])
 
     # ---- FETCH ---------------------------------------------------------------------------------
 

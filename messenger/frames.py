@@ -48,6 +48,8 @@ class Kind(enum.IntEnum):
     RDMA_PIN = 7       # dest -> src: like FETCH; reply RDMA_PINNED (lease, offsets, checksums)
     RDMA_PINNED = 8
     RDMA_RELEASE = 9   # dest -> src: count = 0, key[:8] = lease id; reply END
+    HELLO = 10         # dest -> src, first on a connection when the source wants a token:
+                       # payload = the token (utf-8); reply END, or ERROR and a hang-up
 
 
 class Status(enum.IntEnum):
@@ -56,6 +58,7 @@ class Status(enum.IntEnum):
     UNAVAILABLE = 2    # the source cannot pin pages right now (node down, ...)
     INVALID = 3        # the request is malformed or names an unknown namespace / page size
     INTERNAL = 4
+    UNAUTHENTICATED = 5
 
 
 class ProtocolError(Exception):

@@ -36,7 +36,7 @@ from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Head
                      lease_of_key, pack_header, pack_json, pack_keys_body, pack_pinned,
                      recv_exact, recv_header, send_buffers, set_io_timeout, unpack_json,
                      unpack_keys_body, unpack_pinned)
-from .tcp import page_view, parse_address
+from .tcp import hello, page_view, parse_address
 from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
 from .verbs import (Access, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError,
                     wc_status_name)
@@ -44,7 +44,8 @@ from .verbs import (Access, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBacken
 log = logging.getLogger(__name__)
 
 _STATUS_OUTCOME = {Status.NOT_FOUND: Outcome.NOT_FOUND, Status.UNAVAILABLE: Outcome.UNAVAILABLE,
-                   Status.INVALID: Outcome.INVALID, Status.INTERNAL: Outcome.INTERNAL}
+                   Status.INVALID: Outcome.INVALID, Status.INTERNAL: Outcome.INTERNAL,
+                   Status.UNAUTHENTICATED: Outcome.UNAVAILABLE}
 
 
 def buffer_address(buf) -> int:
@@ -207,6 +208,7 @@ class RdmaConfig:
     max_wr_bytes: int = 64 << 20     # a merged READ never exceeds this
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
+    token: str | None = None         # HELLO on the control connection (token-protected port)
 
     def __post_init__(self) -> None:
         if self.chain < 1 or self.chains_in_flight < 1 or self.max_wr_bytes < 1:
@@ -302,6 +304,8 @@ class RdmaTransport(Transport):
             raise RdmaUnavailable(f"cannot create a QP: {e}") from None
         session = _Session(sock, qp)
         try:
+            if self.config.token:
+                hello(sock, session.header, self.config.token)
             h, body = session.request(Kind.RDMA_CONNECT, pack_json({"qp": qp.info.to_dict()}))
             if h.kind is Kind.ERROR:
                 raise RdmaUnavailable(f"peer {peer} refused RDMA: {body.decode(errors='replace')}")

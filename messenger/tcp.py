@@ -31,6 +31,7 @@ _STATUS_OUTCOME = {
     Status.UNAVAILABLE: Outcome.UNAVAILABLE,
     Status.INVALID: Outcome.INVALID,
     Status.INTERNAL: Outcome.INTERNAL,
+    Status.UNAUTHENTICATED: Outcome.UNAVAILABLE,
 }
 
 
@@ -39,6 +40,26 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"data address {address!r} must be host:port")
     return host.strip("[]"), int(port)
+
+
+class Unauthenticated(ConnectionError):
+    """The peer refused our token."""
+
+
+def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
+    """Open a connection to a token-protected data port."""
+    body = token.encode()
+    send_buffers(sock, [pack_header(Kind.HELLO, length=len(body), checksum_=checksum(body)),
+                        body])
+    h = recv_header(sock, hbuf)
+    if h.kind is Kind.ERROR:
+        if h.length > MAX_CONTROL_BYTES:
+            raise ProtocolError("oversized ERROR frame")
+        msg = bytearray(h.length)
+        recv_exact(sock, memoryview(msg))
+        raise Unauthenticated(f"peer refused the token: {msg.decode(errors='replace')}")
+    if h.kind is not Kind.END:
+        raise ProtocolError(f"expected END after HELLO, got {h.kind.name}")
 
 
 def page_view(view) -> memoryview:
@@ -56,6 +77,7 @@ class TcpConfig:
     io_timeout_s: float = 30.0     # a stalled peer fails the lane after this long
     connect_timeout_s: float = 5.0
     max_idle_per_peer: int = 16
+    token: str | None = None       # sent in a HELLO on every new connection
 
     def __post_init__(self) -> None:
         if self.lanes < 1 or self.window < 1 or self.request_bytes < 1:
@@ -139,7 +161,7 @@ class TcpTransport(Transport):
                     allow_reuse: bool = True) -> None:
         try:
             lane, reused = self._take(peer, allow_reuse)
-        except OSError as e:
+        except (OSError, ProtocolError) as e:
             self._fail(results, run, Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
             return
         progress = [0]   # responses fully received on this lane
@@ -258,9 +280,16 @@ class TcpTransport(Transport):
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_io_timeout(sock, self.config.io_timeout_s)
+        lane = _Lane(sock)
+        if self.config.token:
+            try:
+                hello(sock, lane.header, self.config.token)
+            except BaseException:
+                lane.close()
+                raise
         with self._lock:
             self.stats.connections_opened += 1
-        return _Lane(sock), False
+        return lane, False
 
     def _give_back(self, peer: str, lane: _Lane) -> None:
         with self._lock:

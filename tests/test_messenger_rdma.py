@@ -102,14 +102,14 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
 
 class Setup:
     def __init__(self, missing=(), with_rdma_source=True, config: RdmaConfig | None = None,
-                 max_send_wr: int = 64) -> None:
+                 max_send_wr: int = 64, token: str | None = None) -> None:
         self.fabric = FakeFabric()
         self.src_region = np.empty(PAGES * PB, dtype=np.uint8)
         fill_pattern(self.src_region.reshape(PAGES, PB))
         self.keys = pattern_keys(PAGES)
         slots = {k: i for i, k in enumerate(self.keys) if i not in set(missing)}
         self.source = SlabPageSource(NS, self.src_region, PB, slots)
-        self.server = DataServer(self.source).start()
+        self.server = DataServer(self.source, token=token).start()
         self.src_backend = FakeVerbsBackend(self.fabric, max_send_wr)
         if with_rdma_source:
             self.rdma_source = RdmaSource(self.src_backend, self.source)
@@ -236,6 +236,20 @@ def test_unregistered_destination_memory_is_a_per_entry_failure(setup):
                            [memoryview(stray[0]), memoryview(setup.dst[1]), memoryview(stray[1])])
     assert [r.ok for r in res] == [False, True, False]
     assert "not in RDMA-registered memory" in res[0].reason
+
+
+def test_token_protected_control_channel():
+    s = Setup(token="k", config=RdmaConfig(chain=4, chains_in_flight=2, token="k"))
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views())
+        assert all(r.ok for r in res)
+        stranger = RdmaTransport(FakeVerbsBackend(s.fabric))
+        stranger.register_local(s.dst.reshape(-1))
+        res = stranger.fetch(s.server.address, NS, s.keys[:2], s.views()[:2])
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        stranger.close()
+    finally:
+        s.close()
 
 
 def test_unknown_namespace_is_invalid(setup):

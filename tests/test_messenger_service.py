@@ -38,15 +38,18 @@ def make_pages(n: int, seed: int) -> np.ndarray:
 class Pair:
     """A node and its messenger."""
 
-    def __init__(self, procs: list, tmp: str, dram: str = "16MiB", messenger_args=()) -> None:
-        self.node = start_service(["node", "--dram", dram, "--layout", TEST_LAYOUT],
+    def __init__(self, procs: list, tmp: str, dram: str = "16MiB", messenger_args=(),
+                 token: str | None = None) -> None:
+        auth = ("--token", token) if token else ()
+        self.node = start_service(["node", "--dram", dram, "--layout", TEST_LAYOUT, *auth],
                                   log_dir=tmp)
         procs.append(self.node)
         self.messenger = start_service(["messenger", "--node", self.node.address,
-                                        "--metrics-port", "0", *messenger_args], log_dir=tmp)
+                                        "--metrics-port", "0", *auth, *messenger_args],
+                                       log_dir=tmp)
         procs.append(self.messenger)
-        self.client = KVStoreClient(self.node.address)
-        self.mclient = MessengerClient(self.messenger.address)
+        self.client = KVStoreClient(self.node.address, token=token)
+        self.mclient = MessengerClient(self.messenger.address, token=token)
 
     @property
     def address(self) -> str:
@@ -77,9 +80,9 @@ def cluster(tmp_path):
     procs: list = []
     pairs: list[Pair] = []
 
-    def start(a_args=(), b_args=(), b_dram="16MiB"):
-        a = Pair(procs, str(tmp_path), messenger_args=a_args)
-        b = Pair(procs, str(tmp_path), dram=b_dram, messenger_args=b_args)
+    def start(a_args=(), b_args=(), b_dram="16MiB", token=None):
+        a = Pair(procs, str(tmp_path), messenger_args=a_args, token=token)
+        b = Pair(procs, str(tmp_path), dram=b_dram, messenger_args=b_args, token=token)
         pairs.extend([a, b])
         return a, b
 
@@ -297,6 +300,27 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
     with pytest.raises(RuntimeError, match="cannot use node"):
         start_service(["messenger", "--node", dead, "--node-wait", "0.5"], log_dir=str(tmp_path),
                       timeout_s=30)
+
+
+def test_token_everywhere(cluster):
+    a, b = cluster(token="t0k")
+    keys, pages = make_keys(16), make_pages(16, seed=10)
+    a.client.put(NS, list(pages), keys=keys)
+    assert transfer(b, a, keys).done == 16
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(g, p) for g, p in zip(got, pages))
+    with pytest.raises(KVCacheRpcError) as e:
+        MessengerClient(b.address, timeout_s=5).info()
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # The data port wants the token too: a peer without it gets nothing.
+    from messenger.tcp import TcpConfig, TcpTransport
+    t = TcpTransport(TcpConfig(lanes=1))
+    try:
+        res = t.fetch(a.messenger.info["data_address"], NS, keys[:1],
+                      [memoryview(np.empty(PB, np.uint8))])
+    finally:
+        t.close()
+    assert not res[0].ok and "token" in res[0].reason
 
 
 def test_conductor_transfer_hook_moves_a_plan(cluster):

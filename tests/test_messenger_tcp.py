@@ -256,3 +256,30 @@ def test_bad_views_are_rejected(peer, dest):
             t.fetch(peer.address, NAMESPACE, pattern_keys(2), views(dest[:1]))
     finally:
         t.close()
+
+
+def test_token_protected_data_port(dest):
+    region = np.empty(4 * PAGE_BYTES, dtype=np.uint8)
+    fill_pattern(region.reshape(4, PAGE_BYTES))
+    keys = pattern_keys(4)
+    from messenger.data_server import DataServer
+    from messenger.transport import SlabPageSource
+    server = DataServer(SlabPageSource(NAMESPACE, region, PAGE_BYTES,
+                                       {k: i for i, k in enumerate(keys)}),
+                        token="s3cret").start()
+    try:
+        for token, ok in ((None, False), ("wrong", False), ("s3cret", True)):
+            t = TcpTransport(TcpConfig(lanes=1, token=token))
+            try:
+                res = t.fetch(server.address, NAMESPACE, keys, views(dest[:4]))
+            finally:
+                t.close()
+            if ok:
+                assert all(r.ok for r in res)
+                np.testing.assert_array_equal(dest[:4], region.reshape(4, PAGE_BYTES))
+            else:
+                assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+                assert "token" in res[0].reason
+        assert server.stats.pages_sent == 4
+    finally:
+        server.stop()
