@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvcache.rpc import grpc_errors
+from kvcache.rpc import Auth, grpc_errors
 from kvstore.errors import InvalidArgument
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
@@ -80,12 +80,21 @@ def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
 
 
 class MessengerServicer(pbg.MessengerServiceServicer):
-    def __init__(self, mover: Mover, info: pb.MessengerInfo) -> None:
+    def __init__(self, mover: Mover, info: pb.MessengerInfo, auth: Auth | None = None) -> None:
         self.mover = mover
         self.info = info
+        self.auth = auth or Auth()
+
+    def _admin_only(self, context, what: str) -> None:
+        # NOTE: keys here are stored keys (already tenant-scoped): only the cluster's admin
+        # (the conductor, operators) may move them; a tenant token could name others' blocks.
+        if self.auth.tenant(context) != "":
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{what} needs the admin token (--token), not a tenant token")
 
     @grpc_errors
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
+        self._admin_only(context, "SubmitTransfer")
         if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
             raise InvalidArgument(
                 f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
@@ -110,6 +119,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
 
     @grpc_errors
     def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:
+        self._admin_only(context, "Cancel")
         return status_reply(self.mover.cancel(request.batch_id))
 
     def GetInfo(self, request, context) -> pb.MessengerInfo:

@@ -303,7 +303,7 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
 
 
 def test_token_everywhere(cluster):
-    a, b = cluster(token="t0k")
+    a, b = cluster(token="t0k", b_args=("--tenant-token", "tt=alice"))
     keys, pages = make_keys(16), make_pages(16, seed=10)
     a.client.put(NS, list(pages), keys=keys)
     assert transfer(b, a, keys).done == 16
@@ -312,6 +312,9 @@ def test_token_everywhere(cluster):
     with pytest.raises(KVCacheRpcError) as e:
         MessengerClient(b.address, timeout_s=5).info()
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(KVCacheRpcError) as e:      # a tenant may look, not move stored keys
+        MessengerClient(b.address, token="tt", timeout_s=5).submit(NS, [(keys[0], a.address)])
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     # The data port wants the token too: a peer without it gets nothing.
     from messenger.tcp import TcpConfig, TcpTransport
     t = TcpTransport(TcpConfig(lanes=1))
