@@ -111,6 +111,11 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if not desc.address:
             raise InvalidArgument("node.address is required: the conductor reads the node's "
                                   "Events stream there to index its blocks")
+        previous = self.conductor.registry.find(desc.node_id)
+        if previous is not None and previous.descriptor.address != desc.address:
+            # Two live processes sharing one id would take turns replacing each other.
+            log.warning("node id %s re-registered from %s while registered from %s: is the id "
+                        "used twice?", desc.node_id, desc.address, previous.descriptor.address)
         state = self.conductor.register(desc, load_from_pb(request.load))
         self.feeds.start(desc.node_id, state.generation, desc.address)
         log.info("node %s registered (generation %d, role %s, address %s, namespaces %s)",

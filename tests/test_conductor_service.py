@@ -3,8 +3,10 @@ registering with it (their agents heartbeat; the conductor reads their Events st
 library writing blocks, and raw gRPC for the bad inputs."""
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -134,8 +136,16 @@ def test_auth_token_and_tenant_permissions(start_conductor):
 
 # ---- a cluster of real nodes --------------------------------------------------------------------
 
+def scrape(service, series: str) -> float:
+    """One series of a service's Prometheus endpoint (0 when not exported yet)."""
+    port = service.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search("^" + re.escape(series) + r" ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_registration_event_fed_index_and_scheduling(start_conductor, start_member):
-    c = start_conductor()
+    c = start_conductor("--metrics-port", "0")
     n0 = start_member(c, "n0", "prefill")
     n1 = start_member(c, "n1", "prefill")
     d0 = start_member(c, "d0", "decode")
@@ -211,6 +221,15 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         assert k0.remove(NS, keys=block_keys(prompt, BT, root_key(NS))[8:]) == 4
         wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n0": 8, "n1": 3},
                    what="removals in the index")
+
+    # What happened is visible in the metrics.
+    decisions = 'kvcache_conductor_schedule_decisions_total{policy="global-cache",transfer="%s"}'
+    assert scrape(c, decisions % "no") == 3 and scrape(c, decisions % "yes") == 1
+    assert scrape(c, 'kvcache_conductor_schedule_rejections_total{slo="ttft"}') == 2
+    assert scrape(c, 'kvcache_conductor_schedule_rejections_total{slo="tbt"}') == 1
+    assert scrape(c, 'kvcache_conductor_nodes{role="prefill"}') == 2
+    assert scrape(c, 'kvcache_conductor_resyncs_total{reason="register"}') == 3
+    assert scrape(c, "kvcache_conductor_events_total") >= 12 + 3 + 32 + 4
 
 
 def test_index_matches_the_node_after_evictions(start_conductor, start_member):
