@@ -118,6 +118,7 @@ class PrefillResult:
     num_tokens: int
     cached_tokens: int          # prefix loaded from the store (not computed)
     stored_blocks: int          # new blocks published to the store
+    load_wait_s: float = 0.0    # time the forward waited for loaded layers (not overlapped)
     notes: list[str] = field(default_factory=list)  # fallbacks taken, for the caller to log
 
 
@@ -212,7 +213,8 @@ def prefill_with_store(model: PreTrainedModel, tokens, kv: TorchKVClient | None,
         except KVCacheRpcError as e:
             _note(notes, f"storing {store.blocks} new blocks failed ({e}); the output is "
                          "unaffected")
-    return PrefillResult(out.logits[0, -1], cache, total, n, stored, notes)
+    return PrefillResult(out.logits[0, -1], cache, total, n, stored,
+                         load.wait_s if load is not None else 0.0, notes)
 
 
 @torch.inference_mode()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -261,6 +262,7 @@ class LayerwiseLoad:
         self._closed = False
         self.error: Exception | None = None
         self.requested_tokens = num_tokens
+        self.wait_s = 0.0  # time the caller spent blocked in layer(): load not hidden by compute
         bt = self._layout.block_tokens
         want = math.ceil(num_tokens / bt)
         L = self._layout.num_layers
@@ -364,10 +366,13 @@ class LayerwiseLoad:
             raise IndexError(f"layer {layer} out of range [0, {self._layout.num_layers})")
         for l in range(layer, min(layer + 1 + self._kv.prefetch_layers, self._layout.num_layers)):
             self._submit(l)
+        t0 = time.perf_counter()
         try:
             self._futures[layer].result()
         except Exception as e:
             raise LoadError(f"loading layer {layer} failed: {e}") from e
+        finally:
+            self.wait_s += time.perf_counter() - t0
         self._copier.wait_loaded(layer)
         k, v = self._dst[layer]
         if isinstance(self._tensor_layout, HFLayout) and self._tensor_layout.capacity is None:
