@@ -35,8 +35,11 @@ transport = "tcp"            # messenger transport: tcp | rdma | auto
 policy = "global-cache"
 
 [defaults]
-layout = "model=demo,num_layers=4,kv_heads=4,head_dim=64,dtype=float16,block_tokens=256"
-dram = "256MiB"
+# 512-token blocks (the Mooncake trace's) and 256 KiB pages (4 layers x K|V x 512 tokens x 1 head
+# x 32 dims x fp16): `make demo` moves a few hundred trace requests' pages through shared memory
+# and the messengers' TCP in a few minutes on a 2-core machine. 1 GiB = 4096 pages per node.
+layout = "model=demo,num_layers=4,kv_heads=1,head_dim=32,dtype=float16,block_tokens=512"
+dram = "1GiB"
 ssd = "0"
 
 [[node]]
@@ -136,15 +139,18 @@ class Cluster:
                     node_args += ["--ssd", spec.ssd, "--ssd-dir",
                                   os.path.join(cfg.state_dir, "ssd", spec.id)]
                 node = self._start(node_args, logs)
+                # NOTE: a metrics port per messenger: `kvcache bench live` reads the bytes each
+                # one received (exact totals, whoever submitted the transfer).
                 messenger = self._start(["messenger", "--node", node.address, "--listen",
-                                         messenger_addr, "--transport", cfg.transport, *auth],
-                                        logs)
+                                         messenger_addr, "--transport", cfg.transport,
+                                         "--metrics-port", "0", *auth], logs)
                 state["nodes"].append({
                     "id": spec.id, "role": spec.role, "address": node.address,
                     "messenger": messenger.address, "shm": node.info.get("shm", {}),
                     "pids": [node.pid, messenger.pid],
                     "logs": [node.log_path, messenger.log_path],
-                    "data_address": messenger.info.get("data_address")})
+                    "data_address": messenger.info.get("data_address"),
+                    "messenger_metrics_port": messenger.info.get("metrics_port")})
         except BaseException:
             self.stop()
             raise
