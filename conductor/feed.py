@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvcache.rpc import make_channel
+from kvstore.errors import KVStoreError
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 
@@ -101,6 +102,18 @@ class NodeFeed:
             except SnapshotInterrupted:
                 log.warning("feed %s: snapshot cut short; requesting a new one", self.node_id)
                 resync, reason = True, "snapshot"
+                continue
+            except StaleFeed:
+                raise
+            except (ValueError, KVStoreError) as e:
+                # A malformed event (no tier, unknown kind): the node's feed cannot be trusted
+                # from here on, so rebuild from a snapshot rather than skip it.
+                log.error("feed %s: bad event stream (%s); resyncing from a snapshot",
+                          self.node_id, e)
+                resync, reason = True, "error"
+                if self._stop.wait(self._backoff):
+                    return
+                self._backoff = min(self._backoff * 2, self.options.max_backoff_s)
                 continue
             except grpc.RpcError as e:
                 if self._stop.is_set():

@@ -3,7 +3,8 @@
 Layout (memory first: 1M keys held by 32 nodes must fit in a few hundred MB):
 - Each node is interned to a small integer **slot**; a key maps to ONE Python int packing a 2-bit
   tier code per slot (bits ``2s, 2s+1``): 0 absent, 1 GPU, 2 DRAM, 3 SSD (= proto ``Tier``,
-  = ``kvstore.Tier + 1``). No per-key dicts or sets: ~130 bytes per key all told.
+  = ``kvstore.Tier + 1``). No per-key dicts or sets: ~160 bytes per key all told (measured by
+  ``kvcache bench conductor``).
 - Longest prefix per node walks the request's keys once, AND-ing a bitmask of the nodes still
   matching; it stops at the first key no remaining node holds. O(prefix length), one dict lookup
   and a few int operations per key, independent of the number of indexed keys.

@@ -238,6 +238,13 @@ class SchedulerConfig:
     stale_after_s: float = 900.0      # ledger entries never completed are dropped after this
     max_samples: int = 4096           # measured prefills kept for refitting the cost model
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_transfer_gain < 1.0:
+            raise InvalidArgument(f"min_transfer_gain must be in [0, 1), got "
+                                  f"{self.min_transfer_gain}")
+        if self.stale_after_s <= 0 or self.max_samples < 1:
+            raise InvalidArgument("stale_after_s must be > 0 and max_samples >= 1")
+
 
 @dataclass(slots=True)
 class _Pending:

@@ -304,15 +304,16 @@ def test_lease_expiry_and_reregistration_after_conductor_restart(start_kvcache, 
 
 # ---- gap detection and resync -------------------------------------------------------------------
 
-class _GappyNode(npbg.NodeServiceServicer):
-    """Fault injection: a node whose event ring overflowed, so its stream skips sequence numbers
-    (a real node only does this under event overload, which a test cannot provoke cheaply).
-    First stream: snapshot {k0}, then seq 1 (k1), then seq 3 (seq 2 lost). Later streams (the
-    conductor's resync): snapshot {k0, k1, k2, k3} at seq 3 in two batches, then seq 4 evicting
-    k3. Each stream then stays open until the conductor cancels it."""
+class _FaultyNode(npbg.NodeServiceServicer):
+    """Fault injection on the event feed (a real node only loses events under overload, which a
+    test cannot provoke cheaply). First stream: snapshot {k0}, then seq 1 (k1), then either seq 3
+    (``gap``: seq 2 lost) or a seq 2 stored event without a tier (``malformed``). Later streams
+    (the conductor's resync): snapshot {k0, k1, k2, k3} at seq 3 in two batches, then seq 4
+    evicting k3. Each stream then stays open until the conductor cancels it."""
 
-    def __init__(self, keys: list[bytes]) -> None:
+    def __init__(self, keys: list[bytes], fault: str) -> None:
         self.keys = keys
+        self.fault = fault
         self.requests: list[tuple[int, bool]] = []
         self.cond = threading.Condition()
 
@@ -327,7 +328,11 @@ class _GappyNode(npbg.NodeServiceServicer):
             yield npb.EventBatch(events=[stored(0, self.keys[0])], snapshot=True,
                                  snapshot_done=True, snapshot_seq=0)
             yield npb.EventBatch(events=[stored(1, self.keys[1])])
-            yield npb.EventBatch(events=[stored(3, self.keys[3])])  # seq 2 never comes
+            if self.fault == "gap":
+                yield npb.EventBatch(events=[stored(3, self.keys[3])])  # seq 2 never comes
+            else:
+                yield npb.EventBatch(events=[cpb.BlockEvent(seq=2, kind=cpb.EVENT_STORED,
+                                                            key=self.keys[2])])
         else:
             yield npb.EventBatch(events=[stored(3, k) for k in self.keys[:2]], snapshot=True,
                                  snapshot_seq=3)
@@ -340,10 +345,11 @@ class _GappyNode(npbg.NodeServiceServicer):
         done.wait(30)
 
 
-def test_sequence_gap_triggers_a_resync_from_snapshot(start_conductor):
+@pytest.mark.parametrize("fault", ["gap", "malformed"])
+def test_feed_faults_trigger_a_resync_from_snapshot(start_conductor, fault):
     c = start_conductor()
     keys = block_keys(tokens(4), BT, root_key(NS))
-    node = _GappyNode(keys)
+    node = _FaultyNode(keys, fault)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     npbg.add_NodeServiceServicer_to_server(node, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -358,7 +364,7 @@ def test_sequence_gap_triggers_a_resync_from_snapshot(start_conductor):
         with node.cond:
             assert node.cond.wait_for(lambda: len(node.requests) >= 2, timeout=15)
         assert node.requests[0] == (0, True)   # a new registration starts with a snapshot
-        assert node.requests[1][1] is True     # the gap made the conductor ask for one again
+        assert node.requests[1][1] is True     # the fault made the conductor ask for one again
         with ConductorClient(c.address) as cc:
             # After the resync: k0..k3 from the snapshot, then seq 4 evicted k3.
             wait_until(lambda: cc.locate(NS, keys=keys) == {"gappy": 3}, what="resynced index")
