@@ -123,7 +123,13 @@ class PrefillResult:
 
 
 def _as_ids(tokens, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(tokens).reshape(-1).to(device=device, dtype=torch.long)
+    ids = torch.as_tensor(tokens)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"one prompt at a time: token ids of shape [T] or [1, T], got "
+                         f"{tuple(ids.shape)}")
+    ids = ids.to(device=device, dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("the prompt is empty")
     return ids

@@ -187,3 +187,21 @@ def test_node_killed_mid_load_shared_memory_finishes_from_pinned_pages(model, co
     later = prefill_with_store(model, ids, kv)
     assert later.cached_tokens == 0 and "lookup failed" in later.notes[0]
     torch.testing.assert_close(later.logits, full_prefill(model, ids), **TOL)
+
+
+def test_full_node_or_bad_prompt_shape_still_gives_clear_answers(start_kvcache, model):
+    """A node too small for the new blocks: the prefill says so and is still right."""
+    layout = kv_layout_for(model, "tiny-llama", BT)
+    node = start_node_for(start_kvcache, layout, f"{4 * layout.page_bytes}B")
+    kv = connect_for_model(node.address, model, "tiny-llama", BT)
+    try:
+        ids = prompt(PROMPT, seed=9)
+        result = prefill_with_store(model, ids, kv)
+        assert result.stored_blocks == 0
+        assert "not storing the new blocks" in result.notes[0]
+        assert "RESOURCE_EXHAUSTED" in result.notes[0]
+        torch.testing.assert_close(result.logits, full_prefill(model, ids), **TOL)
+        with pytest.raises(ValueError, match=r"one prompt at a time.*\(2, 128\)"):
+            prefill_with_store(model, torch.stack([ids, ids]), kv)
+    finally:
+        kv.close()
