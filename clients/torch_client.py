@@ -18,7 +18,9 @@ moves one request's KV cache layer by layer:
 Data paths. Same host: pages are read from and written to the node's shared-memory slab in place
 (one copy between the caller's tensors and the page, nothing through the server). Remote node
 (or ``use_shm=False``): loads fetch pages with streamed ``Get`` calls into host memory, stores
-assemble pages in host memory and send them with one streamed ``Put`` at ``finish()``.
+assemble pages in host memory and send them with one streamed ``Put`` at ``finish()``. A page
+holds every layer of its block, so a streamed load has all pages before layer 0 is ready; only
+the per-layer copies into the caller's tensors then overlap compute.
 
 Failure. A load that loses the node part-way keeps the blocks it received, logs a warning and
 reports the shorter prefix in ``num_tokens``: the caller recomputes the rest. A shared-memory load
@@ -273,7 +275,7 @@ class LayerwiseLoad:
                 raise ValueError(f"a paged load needs kv_caches: one (K, V) per layer ({L})")
             for l, (k, v) in enumerate(kv_caches):
                 tensor_layout.check(k, v, self._layout, 0, num_tokens, f"kv_caches[{l}]")
-            self._dst = [tuple(kv) for kv in kv_caches]
+            self._dst = [tuple(pair) for pair in kv_caches]
             device = kv_caches[0][0].device
         else:
             if tensor_layout.start != 0:
