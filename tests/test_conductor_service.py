@@ -409,3 +409,14 @@ def test_plan_moves_blocks_to_the_chosen_node_through_its_messenger(tmp_path):
             assert all(np.array_equal(a, b) for a, b in zip(copies, data))
     finally:
         cluster.stop()
+
+
+def test_a_node_stopping_cleanly_leaves_at_once(start_conductor, start_member):
+    c = start_conductor("--lease", "60")  # a lapsed lease cannot explain what follows
+    n0 = start_member(c, "n0", "both")
+    with ConductorClient(c.address) as cc:
+        wait_until(lambda: node_ids(cc) == {"n0"}, what="registration")
+        assert n0.stop() == 0
+        wait_until(lambda: node_ids(cc) == set(), timeout_s=10, what="unregistration")
+        code, msg = rpc_error(lambda: cc.schedule(NS, tokens=tokens(2)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "no registered node" in msg
