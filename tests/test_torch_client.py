@@ -9,7 +9,7 @@ import torch
 
 from clients import KVStoreClient
 from clients.torch_client import LayoutMismatchError, LoadProgress, TorchKVClient
-from clients.torch_layout import HFLayout, PagedLayout
+from clients.torch_layout import PagedLayout
 from kvstore.layout import KVLayout
 
 from torch_helpers import BLOCK_TOKENS, prompt, start_node_for

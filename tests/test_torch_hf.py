@@ -205,3 +205,20 @@ def test_full_node_or_bad_prompt_shape_still_gives_clear_answers(start_kvcache, 
             prefill_with_store(model, torch.stack([ids, ids]), kv)
     finally:
         kv.close()
+
+
+def test_a_layer_that_fails_to_load_mid_forward_is_recomputed(model, connect):
+    kv = connect(True)
+    ids = prompt(PROMPT, seed=10)
+    cache_prefix(model, kv, ids)
+
+    def fail_on_layer_2(p: LoadProgress) -> None:
+        if p.stage == "layer" and p.done == 3:
+            raise OSError("page copy failed")
+
+    result = prefill_with_store(model, ids, kv, on_progress=fail_on_layer_2)
+    assert result.cached_tokens == 0
+    assert "loading layer 2 failed: page copy failed; recomputing the whole prompt" \
+        in result.notes[0]
+    torch.testing.assert_close(result.logits, full_prefill(model, ids), **TOL)
+    assert kv.lookup(ids) == PROMPT  # the retry stored the new blocks
