@@ -48,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-samples", default=None, metavar="CSV",
                         help="fit the prefill cost model to measured samples: CSV rows of "
                              "tokens,prefix_tokens,seconds")
+    parser.add_argument("--refit-every", type=int, default=0, metavar="N",
+                        help="refit the prefill cost model to the prefill times reported with "
+                             "Complete after every N new samples (default 0: never)")
     parser.add_argument("--min-transfer-gain", type=float,
                         default=SchedulerConfig().min_transfer_gain,
                         help="fetch a prefix from another node only when it cuts the estimated "
@@ -90,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvcache conductor: --lease must be positive")
     if not 0 <= args.min_transfer_gain < 1:
         raise SystemExit("kvcache conductor: --min-transfer-gain must be in [0, 1)")
+    if args.refit_every < 0:
+        raise SystemExit("kvcache conductor: --refit-every must be >= 0")
     try:
         auth = Auth.from_args(args.token, args.tenant_token)
     except ValueError as e:
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     conductor = Conductor.create(
         policy=args.policy, cost_model=build_cost_model(args), lease_s=args.lease,
-        config=SchedulerConfig(min_transfer_gain=args.min_transfer_gain), seed=args.seed,
+        config=SchedulerConfig(min_transfer_gain=args.min_transfer_gain,
+                               refit_every=args.refit_every), seed=args.seed,
         hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca))
     metrics = ConductorMetrics(conductor)
     servicer = ConductorServicer(conductor, auth, FeedOptions(

@@ -33,6 +33,7 @@ gRPC service needs; a simulation calls the scheduler directly::
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from abc import ABC, abstractmethod
@@ -44,6 +45,8 @@ from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgumen
 
 from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample, fit_prefill
 from .registry import NodeDescriptor, NodeState, Registry
+
+log = logging.getLogger(__name__)
 
 
 # ---- boundary types -------------------------------------------------------------------------
@@ -237,13 +240,15 @@ class SchedulerConfig:
     min_transfer_gain: float = 0.05   # fetch only when it cuts TTFT by at least this fraction
     stale_after_s: float = 900.0      # ledger entries never completed are dropped after this
     max_samples: int = 4096           # measured prefills kept for refitting the cost model
+    refit_every: int = 0              # refit the prefill model after this many new samples (0: off)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_transfer_gain < 1.0:
             raise InvalidArgument(f"min_transfer_gain must be in [0, 1), got "
                                   f"{self.min_transfer_gain}")
-        if self.stale_after_s <= 0 or self.max_samples < 1:
-            raise InvalidArgument("stale_after_s must be > 0 and max_samples >= 1")
+        if self.stale_after_s <= 0 or self.max_samples < 1 or self.refit_every < 0:
+            raise InvalidArgument("stale_after_s must be > 0, max_samples >= 1 and "
+                                  "refit_every >= 0")
 
 
 @dataclass(slots=True)
@@ -275,6 +280,8 @@ class Scheduler:
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
         self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
+        self._new_samples = 0
+        self._base_cost_model = cost_model   # what refits keep transfer / decode estimates from
         self._candidates: dict[str, tuple[int, list[NodeState], list[NodeState]]] = {}
 
     # ---- scheduling -----------------------------------------------------------------------
@@ -419,6 +426,10 @@ class Scheduler:
                 raise InvalidArgument(f"measured prefill seconds must be >= 0, got {measured_s}")
             self._samples.append(PrefillSample(pending.prompt_tokens, pending.reuse_tokens,
                                                measured_s))
+            self._new_samples += 1
+            every = self.config.refit_every
+            if every and self._new_samples >= every:
+                self._refit_quietly()
         if pending.prefilled:
             return
         pending.prefilled = True
@@ -469,8 +480,21 @@ class Scheduler:
         (``prefill_done(measured_s=...)``). False when there are too few samples."""
         if len(self._samples) < min_samples:
             return False
-        self.cost_model = fit_prefill(self._samples, base=self.cost_model)
+        self.cost_model = fit_prefill(self._samples, base=self._base_cost_model)
+        self._new_samples = 0
         return True
+
+    def _refit_quietly(self) -> None:
+        """Automatic refit: samples that do not determine a model yet (all one size) keep the
+        current model; that is logged, not raised at the caller reporting a prefill."""
+        try:
+            if self.refit_cost_model(min_samples=max(self.config.refit_every, 3)):
+                m = self.cost_model
+                log.info("prefill cost model refitted to %d samples: quad=%.3g lin=%.3g "
+                         "const=%.3g", len(self._samples), m.quad, m.lin, m.const)  # type: ignore
+        except InvalidArgument as e:
+            self._new_samples = 0
+            log.warning("prefill cost model not refitted: %s", e)
 
     # ---- helpers --------------------------------------------------------------------------
 

@@ -332,6 +332,24 @@ def test_ledger_queue_reanchors_on_prefill_done_and_complete_frees_decode():
         c.sched.complete("a")
 
 
+def test_measured_prefills_refit_the_cost_model():
+    c = Cluster(prefill=1, refit_every=6)
+    truth = FittedCostModel(quad=1e-9, lin=1e-4, const=0.01)
+    base = c.sched.cost_model
+    for i in range(6):
+        n_blocks = 2 + 3 * i
+        d = c.schedule(f"r{i}", chain(n_blocks, start=100 * i), extra_tokens=0)
+        c.sched.prefill_done(f"r{i}", measured_s=truth.prefill_seconds(n_blocks * BT))
+        c.sched.complete(f"r{i}")
+        assert d.reuse_blocks == 0
+        assert (c.sched.cost_model is base) is (i < 5)
+    fitted = c.sched.cost_model
+    assert (fitted.quad, fitted.lin, fitted.const) == pytest.approx((1e-9, 1e-4, 0.01), rel=1e-6)
+    assert fitted.base is base  # transfer and decode estimates still come from the base model
+    d = c.schedule("next", chain(10, start=9999), extra_tokens=0)
+    assert d.est_prefill_s == pytest.approx(truth.prefill_seconds(10 * BT))
+
+
 def test_heartbeat_load_counts_when_larger_than_the_ledger():
     c = Cluster(prefill=2, policy="load")
     c.registry.heartbeat("p0", c.now, NodeLoad(queued_prefill_tokens=100_000))
