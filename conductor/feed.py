@@ -174,7 +174,9 @@ class FeedManager:
         feed = NodeFeed(self.conductor, node_id, generation, address, self.options,
                         self.counters)
         with self._lock:
-            old = self._feeds.pop(node_id, None)
+            old = self._feeds.get(node_id)
+            if old is not None and old.generation > generation:
+                return  # a newer registration won a race with this one: its feed stays
             self._feeds[node_id] = feed
         if old is not None:
             old.stop(join_s=0)
