@@ -277,12 +277,12 @@ class DataServer:
                 sent_bytes += batch_bytes
                 batch, batch_bytes = [], 0
         batch.append(pack_header(Kind.END))
-        conn.send(batch)
-        sent_bytes += batch_bytes
+        # NOTE: count before the END goes out: a peer that saw END may read the stats at once.
         with self._lock:
             self.stats.pages_sent += pages
-            self.stats.bytes_sent += sent_bytes
+            self.stats.bytes_sent += sent_bytes + batch_bytes
             self.stats.missing_pages += missing
+        conn.send(batch)
 
     def _maybe_stall(self, conn: PeerConnection, batch: list, batch_bytes: int,
                      sent_bytes: int) -> tuple[list, int, int]:

@@ -172,7 +172,7 @@ class TcpTransport(Transport):
             if reused and progress[0] == 0 and is_disconnect(e) and all(
                     results[i] is None for i in run):
                 # A pooled connection the peer had closed meanwhile: retry once on a fresh one.
-                log.debug("stale pooled connection to %s (%s); reconnecting", peer, e)
+                log.warning("stale pooled connection to %s (%s); reconnecting", peer, e)
                 self._fetch_lane(peer, namespace, page_bytes, run, keys, views, results,
                                  allow_reuse=False)
                 return

@@ -93,6 +93,20 @@ def cluster(tmp_path):
         sp.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_pair(tmp_path_factory):
+    """One default A/B cluster for the tests that need no special flags (each uses its own key
+    range), so the module does not pay four process starts per test."""
+    procs: list = []
+    tmp = str(tmp_path_factory.mktemp("messenger-shared"))
+    a, b = Pair(procs, tmp), Pair(procs, tmp)
+    yield a, b
+    a.close()
+    b.close()
+    for sp in reversed(procs):
+        sp.stop()
+
+
 def transfer(b: Pair, a: Pair, keys, timeout_s: float = 60.0) -> pb.TransferStatusReply:
     reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
     status = b.mclient.status(reply.batch_id, wait=True, timeout_s=timeout_s)
@@ -104,9 +118,9 @@ def present(client: KVStoreClient, keys) -> list[bool]:
     return [p is not None for p in client.get(NS, keys=keys)]
 
 
-def test_transfer_1000_pages_bytes_identical(cluster):
-    a, b = cluster()
-    keys, pages = make_keys(1000), make_pages(1000, seed=1)
+def test_transfer_1000_pages_bytes_identical(shared_pair):
+    a, b = shared_pair
+    keys, pages = make_keys(1000, start=10_000), make_pages(1000, seed=1)
     assert a.client.put(NS, list(pages), keys=keys).stored == 1000
     status = transfer(b, a, keys)
     assert (status.done, status.failed, status.pending) == (1000, 0, 0)
@@ -123,9 +137,9 @@ def test_transfer_1000_pages_bytes_identical(cluster):
     assert again.bytes_moved == 0
 
 
-def test_missing_key_fails_not_found_rest_complete(cluster):
-    a, b = cluster()
-    keys, pages = make_keys(12), make_pages(12, seed=2)
+def test_missing_key_fails_not_found_rest_complete(shared_pair):
+    a, b = shared_pair
+    keys, pages = make_keys(12, start=20_000), make_pages(12, seed=2)
     a.client.put(NS, [p for i, p in enumerate(pages) if i != 5],
                  keys=[k for i, k in enumerate(keys) if i != 5])
     status = transfer(b, a, keys)
@@ -163,9 +177,9 @@ def test_corrupted_bytes_on_the_wire_are_caught_and_never_committed(cluster):
     assert all(np.array_equal(got[i], pages[i]) for i in range(16) if i not in bad)
 
 
-def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(cluster):
-    a, b = cluster()
-    keys, pages = make_keys(8), make_pages(8, seed=5)
+def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(shared_pair):
+    a, b = shared_pair
+    keys, pages = make_keys(8, start=30_000), make_pages(8, seed=5)
     a.client.put(NS, list(pages), keys=keys)
     host, port = a.messenger.info["data_address"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
@@ -248,19 +262,19 @@ def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
     assert b.mclient.status(reply.batch_id).failed == 6
 
 
-def test_unreachable_source_fails_unavailable(cluster):
-    a, b = cluster()
+def test_unreachable_source_fails_unavailable(shared_pair):
+    a, b = shared_pair
     s = socket.create_server(("127.0.0.1", 0))
     dead = f"127.0.0.1:{s.getsockname()[1]}"
     s.close()
-    reply = b.mclient.submit(NS, [(k, dead) for k in make_keys(3)])
+    reply = b.mclient.submit(NS, [(k, dead) for k in make_keys(3, start=40_000)])
     status = b.mclient.status(reply.batch_id, wait=True, timeout_s=60)
     assert status.failed == 3 and {e.code for e in status.entries} == {"UNAVAILABLE"}
     assert "cannot reach source messenger" in status.entries[0].reason
 
 
-def test_bad_requests_get_clear_status_codes(cluster):
-    a, b = cluster()
+def test_bad_requests_get_clear_status_codes(shared_pair):
+    a, b = shared_pair
     stub = pbg.MessengerServiceStub(grpc.insecure_channel(b.address))
     key = make_keys(1)[0]
 
@@ -326,13 +340,13 @@ def test_token_everywhere(cluster):
     assert not res[0].ok and "token" in res[0].reason
 
 
-def test_conductor_transfer_hook_moves_a_plan(cluster):
+def test_conductor_transfer_hook_moves_a_plan(shared_pair):
     from conductor.registry import NodeDescriptor
     from conductor.scheduler import TransferPlan
     from messenger.hook import make_transfer_hook
 
-    a, b = cluster()
-    keys, pages = make_keys(32), make_pages(32, seed=9)
+    a, b = shared_pair
+    keys, pages = make_keys(32, start=50_000), make_pages(32, seed=9)
     a.client.put(NS, list(pages), keys=keys)
     plan = TransferPlan(request_id="req-1", namespace=NS,
                         src=NodeDescriptor(node_id="a", address=a.node.address,

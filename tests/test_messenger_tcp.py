@@ -82,13 +82,13 @@ def test_fetch_moves_exact_bytes(peer, dest, lanes, request_bytes):
         results = t.fetch(peer.address, NAMESPACE, pattern_keys(PAGES), views(dest))
         assert [r.outcome for r in results] == [Outcome.OK] * PAGES
         np.testing.assert_array_equal(dest, expected())
-        # Pooled connections are reused by the next fetch.
-        opened = t.stats.connections_opened
+        # Pooled connections are reused: never more open than lanes held at once (a lane that
+        # starts late may even reuse one a finished lane gave back).
         dest[:] = 0
         results = t.fetch(peer.address, NAMESPACE, pattern_keys(PAGES)[5:9], views(dest[:4]))
         assert all(r.ok for r in results)
         np.testing.assert_array_equal(dest[:4], expected()[5:9])
-        assert t.stats.connections_opened == opened
+        assert 1 <= t.stats.connections_opened <= lanes
     finally:
         t.close()
     stats = peer.stop()
