@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = MessengerMetrics(data)
     mover = Mover(node, choice.transport, DataAddressResolver(lookup_data_address),
                   MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
-                  on_entry=metrics.on_entry)
+                  on_entry=metrics.on_entry, on_job=metrics.on_job)
     info = pb.MessengerInfo(node=args.node, data_address=data.address,
                             transport=choice.description, lanes=args.lanes,
                             namespaces=node.namespaces())

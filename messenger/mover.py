@@ -131,12 +131,14 @@ class DataAddressResolver:
 class Mover:
     def __init__(self, node: NodeAccess, transport: Transport, resolver: DataAddressResolver,
                  config: MoverConfig | None = None,
-                 on_entry: Callable[[str, EntryResult, int], None] | None = None) -> None:
+                 on_entry: Callable[[str, EntryResult, int], None] | None = None,
+                 on_job: Callable[[float, int], None] | None = None) -> None:
         self.node = node
         self.transport = transport
         self.resolver = resolver
         self.config = config or MoverConfig()
         self._on_entry = on_entry or (lambda ns, result, nbytes: None)
+        self._on_job = on_job or (lambda seconds, pages: None)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._inflight: dict[tuple[str, bytes], _Entry] = {}
@@ -290,8 +292,10 @@ class Mover:
 
     def _run_job(self, namespace: str, page_bytes: int, source: str, source_data: str,
                  entries: list[_Entry]) -> None:
+        t0 = time.monotonic()
         try:
             self._job(namespace, page_bytes, source, source_data, entries)
+            self._on_job(time.monotonic() - t0, len(entries))
         except Exception as e:  # noqa: BLE001 - a job must resolve its entries whatever happens
             log.exception("transfer job from %s failed", source)
             self._resolve(entries, {i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}")

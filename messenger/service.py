@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -38,7 +38,14 @@ class MessengerMetrics:
                                ["outcome"], registry=self.registry)
         self.bytes = Counter("kvcache_messenger_received_bytes",
                              "Page bytes received and committed", registry=self.registry)
+        self.job_seconds = Histogram("kvcache_messenger_job_seconds",
+                                     "Time of one transfer job (allocate, fetch, commit)",
+                                     buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+                                     registry=self.registry)
         self.registry.register(_DataServerCollector(data_server))
+
+    def on_job(self, seconds: float, pages: int) -> None:
+        self.job_seconds.observe(seconds)
 
     def on_entry(self, namespace: str, result: EntryResult, nbytes: int) -> None:
         self.entries.labels(result.outcome.value).inc()

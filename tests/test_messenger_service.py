@@ -129,6 +129,9 @@ def test_transfer_1000_pages_bytes_identical(shared_pair):
     got = b.client.get(NS, keys=keys)
     assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, pages))
     assert a.pinned() == 0                     # the source released its pins
+    assert b.metric('kvcache_messenger_transfer_entries_total{outcome="ok"}') >= 1000
+    assert b.metric("kvcache_messenger_received_bytes_total") >= 1000 * PB
+    assert b.metric("kvcache_messenger_job_seconds_count") >= 1
     info = b.mclient.info()
     assert info.transport.startswith("tcp") and info.data_address and info.namespaces == [NS]
     # Asking again moves nothing: the destination already holds every key.
