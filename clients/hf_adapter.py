@@ -119,6 +119,8 @@ class PrefillResult:
     cached_tokens: int          # prefix loaded from the store (not computed)
     stored_blocks: int          # new blocks published to the store
     load_wait_s: float = 0.0    # time the forward waited for loaded layers (not overlapped)
+    store_copy_s: float = 0.0   # background time copying new layers into pages (overlapped)
+    store_finish_s: float = 0.0  # time spent after the forward publishing them (not overlapped)
     notes: list[str] = field(default_factory=list)  # fallbacks taken, for the caller to log
 
 
@@ -220,7 +222,9 @@ def prefill_with_store(model: PreTrainedModel, tokens, kv: TorchKVClient | None,
             _note(notes, f"storing {store.blocks} new blocks failed ({e}); the output is "
                          "unaffected")
     return PrefillResult(out.logits[0, -1], cache, total, n, stored,
-                         load.wait_s if load is not None else 0.0, notes)
+                         load.wait_s if load is not None else 0.0,
+                         store.copy_s if store is not None else 0.0,
+                         store.finish_s if store is not None else 0.0, notes)
 
 
 @torch.inference_mode()

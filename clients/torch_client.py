@@ -433,6 +433,8 @@ class LayerwiseStore:
         self._buffer: torch.Tensor | None = None
         self._done = False
         self._targets: list[tuple[int, torch.Tensor]] = []
+        self.copy_s = 0.0    # worker time spent copying layers (overlaps the caller's compute)
+        self.finish_s = 0.0  # time finish() made the caller wait: last copies + publish
         if not self._keys:
             return
         if kv.shared_memory:
@@ -467,8 +469,12 @@ class LayerwiseStore:
         if self._copier is None:
             self._copier = make_copier(self._layout, k.device)
         ready = self._copier.mark_computed(k, v)
-        self._futures.append(self._kv._storer.submit(
-            self._copier.store_layer, self._targets, layer, self._tensor_layout, k, v, ready))
+        self._futures.append(self._kv._storer.submit(self._copy_layer, layer, k, v, ready))
+
+    def _copy_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ready) -> None:
+        t0 = time.perf_counter()
+        self._copier.store_layer(self._targets, layer, self._tensor_layout, k, v, ready)
+        self.copy_s += time.perf_counter() - t0
 
     def finish(self) -> StoreResult:
         """Wait for the copies, publish the pages; raises ``KVCacheRpcError`` if the node fails."""
@@ -478,6 +484,7 @@ class LayerwiseStore:
         if missing and self._keys:
             self.abort()
             raise ValueError(f"layers {missing} were never stored; the pages were dropped")
+        t0 = time.perf_counter()
         try:
             for f in self._futures:
                 f.result()  # a failed copy raises here, before anything is published
@@ -488,12 +495,15 @@ class LayerwiseStore:
         lease, buffer, self._lease, self._buffer = self._lease, self._buffer, None, None
         written = len(self._targets)
         self._targets = []
-        if lease is not None:
-            r = lease.commit()
-        elif buffer is not None:
-            r = self._kv.client.put(self._kv.namespace, list(buffer), keys=self._keys)
-        else:
-            return StoreResult(self.blocks, 0, 0, 0)
+        try:
+            if lease is not None:
+                r = lease.commit()
+            elif buffer is not None:
+                r = self._kv.client.put(self._kv.namespace, list(buffer), keys=self._keys)
+            else:
+                return StoreResult(self.blocks, 0, 0, 0)
+        finally:
+            self.finish_s = time.perf_counter() - t0
         return StoreResult(self.blocks, written, r.stored, r.duplicates)
 
     def abort(self) -> None:
