@@ -10,7 +10,9 @@
    streams (synthetic node servers in this process: they serve the snapshots only) fill its index;
    its RSS (``VmRSS`` from /proc, after startup and after the index is full) against the 400 MB
    target; then ``Schedule`` throughput and latency from ``--threads`` client threads against the
-   2,000 decisions/s target, next to an empty RPC (health Check) measured the same way.
+   2,000 decisions/s target, next to an empty RPC (health Check) measured the same way (the
+   ceiling of one unary Python gRPC call on this machine), and ``ScheduleBatch`` with ``--batch``
+   requests per call (a front end batching its arrivals).
 
 Workload: ``--blocks`` keys in chains of ``--chain-blocks``; each chain's first holder has all
 of it, up to ``--max-holders - 1`` more hold random prefixes of it. A request takes a random
