@@ -15,7 +15,9 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import time
 import tomllib
 from dataclasses import asdict, dataclass, field
 
@@ -165,11 +167,24 @@ class Cluster:
         self.procs.append(sp)
         return sp
 
-    def stop(self) -> list[int]:
-        """Stop in reverse start order; returns exit codes."""
+    def stop(self, timeout_s: float = 15.0) -> list[int]:
+        """Stop messengers, then node servers, then the conductor, each stage in parallel (one
+        by one, their gRPC grace periods would add up); returns exit codes."""
         codes = []
-        for sp in reversed(self.procs):
-            codes.append(sp.stop())
+        for role in ("messenger", "node", "conductor"):
+            stage = [sp for sp in reversed(self.procs) if sp.role == role]
+            for sp in stage:
+                if sp.alive():
+                    sp.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for sp in stage:
+                try:
+                    sp.proc.wait(max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s (pid %d) did not stop in %gs: killed", sp.role, sp.pid,
+                                timeout_s)
+                    sp.kill()
+                codes.append(sp.proc.returncode)
         self.procs.clear()
         return codes
 
@@ -207,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
         for sp in cluster.procs:  # NOTE: they outlive us; nothing reads their stdout any more
             sp.proc.stdout = None
         return 0
-    print("cluster up; Ctrl-C stops it", flush=True)
     codes: list[int] = []
-    wait_for_signal(lambda: codes.extend(cluster.stop()))
+    wait_for_signal(lambda: codes.extend(cluster.stop()),
+                    on_ready=lambda: print("cluster up; Ctrl-C stops it", flush=True))
     os.remove(state_file)
     return 0 if all(c == 0 for c in codes) else 1
 

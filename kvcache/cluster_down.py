@@ -1,7 +1,8 @@
 """``kvcache down``: stop a cluster that ``kvcache up --detach`` started.
 
-SIGTERM to every process in reverse start order (each shuts down cleanly: leases dropped, lmdb
-closed, shared memory unlinked), SIGKILL for any that does not exit in time, then a check that
+SIGTERM to the messengers, then the node servers, then the conductor (each stage at once; each
+process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked), SIGKILL for any
+that does not exit in time, then a check that
 no shared-memory segment of the cluster is left behind.
 """
 from __future__ import annotations
@@ -32,21 +33,35 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def stop_pid(pid: int, timeout_s: float) -> bool:
-    """SIGTERM, wait, SIGKILL. True if it exited on SIGTERM."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return True
+def stop_pids(pids: list[int], timeout_s: float) -> bool:
+    """SIGTERM all of ``pids`` at once, wait for them together, SIGKILL the ones that do not
+    exit in time. True if all exited on SIGTERM."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + timeout_s
     delay = 0.01
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(delay)  # not our child: no wait() to block on
+    left = [p for p in pids if _alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(delay)  # not our children: no wait() to block on
         delay = min(delay * 2, 0.2)
-    os.kill(pid, signal.SIGKILL)
-    return False
+        left = [p for p in left if _alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return not left
+
+
+def stop_stages(state: dict) -> list[list[int]]:
+    """Messengers, then node servers, then the conductor; each stage stops in parallel (every
+    server takes its gRPC grace period, so one by one would add those up)."""
+    nodes = state.get("nodes", [])
+    messengers = [n["pids"][1] for n in nodes if len(n.get("pids", [])) > 1]
+    servers = [n["pids"][0] for n in nodes if n.get("pids")]
+    staged = set(messengers) | set(servers)
+    rest = [p for p in reversed(state.get("pids", [])) if p not in staged]
+    return [s for s in (messengers, servers, rest) if s]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     with open(path) as f:
         state = json.load(f)
     clean = True
-    for pid in reversed(state.get("pids", [])):
-        clean &= stop_pid(pid, args.timeout)
+    for stage in stop_stages(state):
+        clean &= stop_pids(stage, args.timeout)
     leftovers = []
     for node in state.get("nodes", []):
         for name in node.get("shm", {}).values():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -272,15 +273,35 @@ def announce_ready(role: str, **fields) -> None:
     sys.stdout.flush()
 
 
-def wait_for_signal(stop: Callable[[], None]) -> None:
-    """Block until SIGTERM or SIGINT, then call ``stop`` once."""
-    done = threading.Event()
+def _note_signal(signum, frame) -> None:
+    """Installed so that SIGTERM / SIGINT reach the wakeup fd instead of their default action."""
 
-    def handler(signum, frame):
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        done.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    done.wait()
+def wait_for_signal(stop: Callable[[], None],
+                    on_ready: Callable[[], None] | None = None) -> None:
+    """Block until SIGTERM or SIGINT, then call ``stop`` once. ``on_ready`` runs once the
+    handlers are installed (e.g. to tell the user Ctrl-C now stops cleanly)."""
+    # NOTE: the signal arrives through a wakeup fd, written by Python's C-level handler in
+    # whichever thread the kernel picked: the main thread may never be interrupted (a gRPC or
+    # server thread took the signal), and a lock taken in a Python handler (threading.Event.set)
+    # deadlocks when a second signal lands while the main thread holds it, which is what Ctrl-C
+    # does to a launcher's children: SIGINT to the whole process group, then SIGTERM from it.
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.signal(signal.SIGTERM, _note_signal)
+    signal.signal(signal.SIGINT, _note_signal)
+    previous = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    try:
+        if on_ready is not None:
+            on_ready()
+        signum = os.read(rfd, 1)[0]
+        # Later signals are ignored, also while Python finalizes (it restores the default action
+        # of handled signals then, and one arriving would end the process "killed by SIGTERM").
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(rfd)
+        os.close(wfd)
+    log.info("signal %s: shutting down", signal.Signals(signum).name)
     stop()
