@@ -14,8 +14,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The demo: a local cluster (1 conductor, 2 prefill + 1 decode nodes with their messengers, on
+# loopback) serves the first DEMO_REQUESTS requests of the Mooncake conversation trace, arrivals
+# compressed DEMO_SPEEDUP times, with real page bytes; the cluster is stopped whatever happens.
+# The TTFT SLO (against the conductor's LLaMA3-70B cost model) makes it reject the longest prompts.
+KVCACHE := $(VENV)/bin/kvcache
+# DEMO_STATE: the embedded config's state_dir (kvcache up --print-config).
+DEMO_STATE := out/cluster
+DEMO_OUT ?= out/demo
+DEMO_REQUESTS ?= 500
+DEMO_SPEEDUP ?= 5
+DEMO_TTFT_SLO ?= 20
+
 demo: $(STAMP)
-	$(VENV)/bin/kvcache bench store
+	@status=0; \
+	trap '$(KVCACHE) down --state-dir $(DEMO_STATE); exit 130' INT TERM; \
+	if $(KVCACHE) up --detach; then \
+	  $(KVCACHE) bench live --cluster $(DEMO_STATE)/cluster.json --requests $(DEMO_REQUESTS) \
+	    --speedup $(DEMO_SPEEDUP) --ttft-slo $(DEMO_TTFT_SLO) --out $(DEMO_OUT) || status=$$?; \
+	  $(KVCACHE) down --state-dir $(DEMO_STATE) || status=$$?; \
+	else status=1; fi; \
+	trap - INT TERM; \
+	echo "demo: report in $(DEMO_OUT)/live.json, plot in $(DEMO_OUT)/live.png (exit $$status)"; \
+	exit $$status
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
