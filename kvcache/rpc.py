@@ -3,7 +3,8 @@
 - ``make_server``: a threaded ``grpc.server`` with message-size limits, optional TLS, bearer-token
   auth, health checking and reflection.
 - ``Auth``: maps bearer tokens to tenants; handlers call ``auth.tenant(context)``.
-- ``grpc_errors``: a decorator turning domain exceptions into status codes with their messages.
+- ``observed`` / ``observed_stream``: servicer decorators turning domain exceptions into status
+  codes with their messages, and timing each RPC.
 - ``make_channel``: the client side (token metadata, TLS, the same size limits).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import logging
 import os
 import signal
-import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -49,32 +50,58 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def grpc_errors(method: Callable) -> Callable:
-    """Map domain exceptions raised by a servicer method to gRPC status codes."""
+def _fail(servicer, name: str, context, exc: BaseException) -> None:
+    code = status_for(exc) if isinstance(exc, KVStoreError) else grpc.StatusCode.INVALID_ARGUMENT
+    metrics = getattr(servicer, "metrics", None)
+    if metrics is not None:
+        metrics.errors.labels(name, code.name).inc()
+    context.abort(code, str(exc))
+
+
+def _observe(servicer, name: str, t0: float) -> None:
+    metrics = getattr(servicer, "metrics", None)
+    if metrics is None:
+        return
+    # NOTE: resolve labelled children once; .labels() per call is measurable at 2k calls/s.
+    children = servicer.__dict__.setdefault("_latency_children", {})
+    child = children.get(name)
+    if child is None:
+        child = children[name] = metrics.latency.labels(name)
+    child.observe(time.perf_counter() - t0)
+
+
+def observed(method: Callable) -> Callable:
+    """For servicer methods (unary replies): map domain exceptions (and ValueError from caller
+    data) to status codes with their messages, and, when the servicer has ``metrics`` with
+    ``latency`` (Histogram by method) and ``errors`` (Counter by method, code), record both."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self, request, context):
+        t0 = time.perf_counter()
         try:
             return method(self, request, context)
-        except KVStoreError as e:
-            context.abort(status_for(e), str(e))
-        except ValueError as e:  # protobuf / parsing errors from caller data
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (KVStoreError, ValueError) as e:
+            _fail(self, name, context, e)
+        finally:
+            _observe(self, name, t0)
 
     return wrapper
 
 
-def grpc_stream_errors(method: Callable) -> Callable:
-    """``grpc_errors`` for server-streaming methods (generators)."""
+def observed_stream(method: Callable) -> Callable:
+    """``observed`` for server-streaming methods (generators)."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self, request, context):
+        t0 = time.perf_counter()
         try:
             yield from method(self, request, context)
-        except KVStoreError as e:
-            context.abort(status_for(e), str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (KVStoreError, ValueError) as e:
+            _fail(self, name, context, e)
+        finally:
+            _observe(self, name, t0)
 
     return wrapper
 

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                             transport=choice.description, lanes=args.lanes,
                             namespaces=node.namespaces())
     server = make_server(auth)
-    pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info, auth), server)
+    pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info, auth, metrics), server)
     health = add_health_and_reflection(
         server, [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name])
     try:

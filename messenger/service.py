@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvcache.rpc import Auth, grpc_errors
+from kvcache.rpc import Auth, observed
 from kvstore.errors import InvalidArgument
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
@@ -38,6 +38,10 @@ class MessengerMetrics:
                                ["outcome"], registry=self.registry)
         self.bytes = Counter("kvcache_messenger_received_bytes",
                              "Page bytes received and committed", registry=self.registry)
+        self.latency = Histogram("kvcache_messenger_rpc_seconds", "Messenger RPC latency",
+                                 ["method"], registry=self.registry)
+        self.errors = Counter("kvcache_messenger_rpc_errors", "Messenger RPCs failed, by code",
+                              ["method", "code"], registry=self.registry)
         self.job_seconds = Histogram("kvcache_messenger_job_seconds",
                                      "Time of one transfer job (allocate, fetch, commit)",
                                      buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
@@ -87,10 +91,12 @@ def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
 
 
 class MessengerServicer(pbg.MessengerServiceServicer):
-    def __init__(self, mover: Mover, info: pb.MessengerInfo, auth: Auth | None = None) -> None:
+    def __init__(self, mover: Mover, info: pb.MessengerInfo, auth: Auth | None = None,
+                 metrics: MessengerMetrics | None = None) -> None:
         self.mover = mover
         self.info = info
         self.auth = auth or Auth()
+        self.metrics = metrics  # RPC latency and errors (kvcache.rpc.observed), when given
 
     def _admin_only(self, context, what: str) -> None:
         # NOTE: keys here are stored keys (already tenant-scoped): only the cluster's admin
@@ -99,7 +105,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{what} needs the admin token (--token), not a tenant token")
 
-    @grpc_errors
+    @observed
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
         self._admin_only(context, "SubmitTransfer")
         if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
@@ -114,7 +120,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries),
                                       deduplicated=joined)
 
-    @grpc_errors
+    @observed
     def TransferStatus(self, request: pb.TransferStatusRequest, context
                        ) -> pb.TransferStatusReply:
         timeout = request.timeout_s or DEFAULT_WAIT_S
@@ -124,7 +130,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
         return status_reply(self.mover.status(request.batch_id, request.wait, timeout))
 
-    @grpc_errors
+    @observed
     def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:
         self._admin_only(context, "Cancel")
         return status_reply(self.mover.cancel(request.batch_id))

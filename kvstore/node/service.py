@@ -1,16 +1,15 @@
 """NodeService: a thin gRPC layer over ``Node``; protobuf <-> domain conversion lives here."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import grpc
 import numpy as np
 
-from kvcache.rpc import Auth, status_for
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
+from kvcache.rpc import Auth, observed, observed_stream
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events import EventKind
 from kvstore.store import ReadLease, TieredStore, TierStats
 from kvstore.tiers import Tier
@@ -42,44 +41,6 @@ def layout_pb(layout) -> cpb.Layout:
     return cpb.Layout(model=layout.model, num_layers=layout.num_layers, kv_heads=layout.kv_heads,
                       head_dim=layout.head_dim, dtype=layout.dtype,
                       block_tokens=layout.block_tokens)
-
-
-def _observed(kind: str) -> Callable:
-    """Time the RPC and map domain errors to status codes (unary or server-streaming)."""
-
-    def deco(method: Callable) -> Callable:
-        name = method.__name__
-
-        def fail(self, context, e: BaseException):
-            code = status_for(e) if isinstance(e, KVStoreError) else \
-                grpc.StatusCode.INVALID_ARGUMENT
-            self.metrics.errors.labels(name, code.name).inc()
-            context.abort(code, str(e))
-
-        if kind == "stream":
-            @functools.wraps(method)
-            def stream_wrapper(self, request, context):
-                t0 = time.perf_counter()
-                try:
-                    yield from method(self, request, context)
-                except (KVStoreError, ValueError) as e:
-                    fail(self, context, e)
-                finally:
-                    self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
-            return stream_wrapper
-
-        @functools.wraps(method)
-        def wrapper(self, request, context):
-            t0 = time.perf_counter()
-            try:
-                return method(self, request, context)
-            except (KVStoreError, ValueError) as e:
-                fail(self, context, e)
-            finally:
-                self.metrics.latency.labels(name).observe(time.perf_counter() - t0)
-        return wrapper
-
-    return deco
 
 
 class NodeServicer(pbg.NodeServiceServicer):
@@ -115,7 +76,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     # ---- unary ----------------------------------------------------------------------------------
 
-    @_observed("unary")
+    @observed
     def GetInfo(self, request, context):
         import os
         import socket
@@ -129,7 +90,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         return pb.NodeInfo(node_id=self.node.node_id, namespaces=namespaces,
                            hostname=socket.gethostname(), pid=os.getpid())
 
-    @_observed("unary")
+    @observed
     def Lookup(self, request, context):
         sel, _ = self._select(request, context)
         res = sel.store.lookup(sel.keys)
@@ -138,7 +99,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         return pb.LookupReply(hit_blocks=res.hits, tiers=[tier_pb(t) for t in res.tiers],
                               total_blocks=len(sel.keys))
 
-    @_observed("unary")
+    @observed
     def Allocate(self, request, context):
         sel, tenant = self._select(request.blocks, context)
         store = sel.store
@@ -150,7 +111,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                                                           for s in lease.slots],
                                 ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw)
 
-    @_observed("unary")
+    @observed
     def Commit(self, request, context):
         store = self.node.check_owner(request.namespace, request.lease_id,
                                       self.auth.tenant(context))
@@ -158,7 +119,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.node.disown(request.namespace, request.lease_id)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
 
-    @_observed("unary")
+    @observed
     def Abort(self, request, context):
         store = self.node.check_owner(request.namespace, request.lease_id,
                                       self.auth.tenant(context))
@@ -166,7 +127,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.node.disown(request.namespace, request.lease_id)
         return pb.Empty()
 
-    @_observed("unary")
+    @observed
     def Acquire(self, request, context):
         sel, tenant = self._select(request.blocks, context)
         store, keys = sel.store, sel.keys
@@ -181,7 +142,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                                tiers=[tier_pb(t) for t in lease.tiers],
                                ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw[:n])
 
-    @_observed("unary")
+    @observed
     def Release(self, request, context):
         store = self.node.check_owner(request.namespace, request.lease_id,
                                       self.auth.tenant(context))
@@ -189,7 +150,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.node.disown(request.namespace, request.lease_id)
         return pb.Empty()
 
-    @_observed("unary")
+    @observed
     def ExtendLease(self, request, context):
         tenant = self.auth.tenant(context)
         store = self.node.check_owner(request.namespace, request.lease_id, tenant)
@@ -197,12 +158,12 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.node.own(request.namespace, request.lease_id, tenant, deadline)
         return pb.ExtendLeaseReply(ttl_s=deadline - time.monotonic())
 
-    @_observed("unary")
+    @observed
     def Remove(self, request, context):
         sel, _ = self._select(request, context)
         return pb.RemoveReply(removed=sel.store.remove(sel.keys))
 
-    @_observed("unary")
+    @observed
     def Stats(self, request, context):
         out = []
         for ns, store in self.node.stores.items():
@@ -220,7 +181,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     # ---- streamed page bytes ----------------------------------------------------------------
 
-    @_observed("unary")
+    @observed
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
@@ -265,7 +226,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             raise
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
 
-    @_observed("stream")
+    @observed_stream
     def Get(self, request, context) -> Iterator[pb.GetChunk]:
         sel, _ = self._select(request.blocks, context)
         store, page = sel.store, sel.store.layout.page_bytes
@@ -295,7 +256,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     # ---- events ------------------------------------------------------------------------------------
 
-    @_observed("stream")
+    @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
         if self.auth.tenant(context) != "":
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
