@@ -36,7 +36,7 @@ from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Head
                      lease_of_key, pack_header, pack_json, pack_keys_body, pack_pinned,
                      recv_exact, recv_header, send_buffers, set_io_timeout, unpack_json,
                      unpack_keys_body, unpack_pinned)
-from .tcp import hello, page_view, parse_address
+from .tcp import destination_views, hello, parse_address
 from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
 from .verbs import (Access, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError,
                     wc_status_name)
@@ -346,14 +346,10 @@ class RdmaTransport(Transport):
     def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
               views: Sequence[memoryview]) -> list[EntryResult]:
         n = len(keys)
-        if len(views) != n:
-            raise ValueError(f"{n} keys but {len(views)} views")
+        views = destination_views(keys, views)
         if n == 0:
             return []
-        views = [page_view(v) for v in views]
         page_bytes = views[0].nbytes
-        if any(v.nbytes != page_bytes for v in views):
-            raise ValueError("every destination view must have the same page size")
         results: list[EntryResult | None] = [None] * n
         local = [buffer_address(v) for v in views]
         lkeys = []

@@ -69,6 +69,16 @@ def page_view(view) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+def destination_views(keys: Sequence[bytes], views: Sequence) -> list[memoryview]:
+    """Validate a fetch's destination pages: one per key, all of one page size."""
+    if len(views) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(views)} views")
+    out = [page_view(v) for v in views]
+    if out and any(v.nbytes != out[0].nbytes for v in out):
+        raise ValueError("every destination view must have the same page size")
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class TcpConfig:
     lanes: int = 2                 # connections per fetch (per peer)
@@ -126,14 +136,10 @@ class TcpTransport(Transport):
     def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
               views: Sequence[memoryview]) -> list[EntryResult]:
         n = len(keys)
-        if len(views) != n:
-            raise ValueError(f"{n} keys but {len(views)} views")
+        views = destination_views(keys, views)
         if n == 0:
             return []
-        views = [page_view(v) for v in views]
         page_bytes = views[0].nbytes
-        if any(v.nbytes != page_bytes for v in views):
-            raise ValueError("every destination view must have the same page size")
         results: list[EntryResult | None] = [None] * n
         lanes = min(self.config.lanes, n)
         bounds = [n * i // lanes for i in range(lanes + 1)]
