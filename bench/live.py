@@ -50,9 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default: ../shared/data/conversation_trace.jsonl)")
     parser.add_argument("--trace-block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
                         help="tokens per hash_id in the trace (default %(default)s)")
-    parser.add_argument("--requests", type=int, default=300,
+    parser.add_argument("--requests", type=int, default=500,
                         help="replay the first N requests (0: all; default %(default)s)")
-    parser.add_argument("--speedup", type=float, default=10.0,
+    parser.add_argument("--speedup", type=float, default=5.0,
                         help="time compression: arrivals at timestamp / X (0: all at once; "
                              "default %(default)s)")
     parser.add_argument("--concurrency", type=int, default=4,
@@ -267,19 +267,19 @@ def summarize(outcomes: list[RequestOutcome], ideal: list[int], cluster: Cluster
     ideal_blocks = sum(ideal[o.index] for o in scheduled)
     rate = (lambda n: n / blocks if blocks else None)
 
-    def lat(name: str, values: list[float | None]) -> dict[str, float | None]:
+    def lat(values: list[float | None]) -> dict[str, float | None]:
         vals = [v * 1e3 for v in values if v is not None]
         return {"p50": _pct(vals, 50), "p99": _pct(vals, 99), "n": len(vals)}
 
     latency = {
-        "schedule": lat("schedule", [o.schedule_s for o in outcomes]),
-        "lookup": lat("lookup", [o.lookup_s for o in scheduled]),
-        "plan_wait": lat("plan_wait", [o.plan_wait_s for o in scheduled]),
-        "load": lat("load", [o.load_s for o in scheduled]),
-        "store": lat("store", [o.store_s for o in scheduled]),
-        "decode_pull": lat("decode_pull", [o.decode_s for o in scheduled]),
-        "queueing": lat("queueing", [max(o.start_s - o.arrival_s, 0.0) for o in outcomes]),
-        "end_to_end": lat("end_to_end", [o.end_s - o.arrival_s for o in scheduled]),
+        "schedule": lat([o.schedule_s for o in outcomes]),
+        "lookup": lat([o.lookup_s for o in scheduled]),
+        "plan_wait": lat([o.plan_wait_s for o in scheduled]),
+        "load": lat([o.load_s for o in scheduled]),
+        "store": lat([o.store_s for o in scheduled]),
+        "decode_pull": lat([o.decode_s for o in scheduled]),
+        "queueing": lat([max(o.start_s - o.arrival_s, 0.0) for o in outcomes]),
+        "end_to_end": lat([o.end_s - o.arrival_s for o in scheduled]),
     }
     decode_ids = {n.id for n in cluster.nodes if n.role == "decode"}
     if before is not None and after is not None:
@@ -368,6 +368,9 @@ def report_rows(s: LiveSummary) -> list[dict]:
         {"what": "written by prefill", "value": _mib(s.written_bytes),
          "detail": f"{s.computed_blocks} synthetic pages of {s.page_bytes // 1024} KiB; store "
                    f"p50 {_ms(lat['store']['p50'])}, load p50 {_ms(lat['load']['p50'])}"},
+        {"what": "placement", "value": f"{len(s.per_node)} nodes",
+         "detail": ", ".join(f"{node} {c['prefill']} prefills" if not c["decode"] else
+                             f"{node} {c['decode']} decodes" for node, c in s.per_node.items())},
         {"what": "verification failures", "value": str(s.verify_failures),
          "detail": f"{s.verified_pages} pages checked byte for byte (prefix loads and decode "
                    "pulls)"},

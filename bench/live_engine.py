@@ -281,7 +281,7 @@ class Engine:
         out.lookup_blocks = node.lookup(ns, tokens=tokens, salt=salt).hit_blocks
         out.lookup_s = time.perf_counter() - t
 
-        landed: dict[bytes, bool] = {}    # plan key -> moved by a transfer (vs already there)
+        landed: set[bytes] = set()        # planned keys the prefill node holds now
         if reply.transfers:
             t = time.perf_counter()
             for plan in reply.transfers:
@@ -292,11 +292,10 @@ class Engine:
         with node.acquire(ns, tokens=tokens, salt=salt, prefix_only=True) as lease:
             out.reused_blocks = lease.hit_blocks
             self._verify(node, lease, range(lease.hit_blocks), out)
-            # A planned block counts as fetched when a transfer moved it, or when it landed
-            # after our Lookup (the hook's fetch finished before our join could see it move).
-            out.fetched_blocks = sum(
-                1 for i in range(lease.hit_blocks)
-                if lease.keys[i] in landed and (landed[lease.keys[i]] or i >= out.lookup_blocks))
+            # NOTE: the plan names exactly the blocks the conductor's index says this node lacks,
+            # so a planned block that is here now was fetched (by the hook's batch, or ours when
+            # we came first); only an index lagging behind the node's own stores miscounts.
+            out.fetched_blocks = sum(1 for k in lease.keys[:lease.hit_blocks] if k in landed)
             out.load_s = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -312,14 +311,14 @@ class Engine:
             out.store_s = time.perf_counter() - t
         return write.keys
 
-    def _await_plan(self, plan: cpb.TransferPlan, out: RequestOutcome) -> dict[bytes, bool]:
+    def _await_plan(self, plan: cpb.TransferPlan, out: RequestOutcome) -> set[bytes]:
         """The conductor's hook asked the destination messenger to fetch ``plan.keys``; its
         batch id is not returned to us, so we submit the same keys there: the messenger joins a
         fetch in flight (or reports keys already present) and gives us a batch to wait on.
-        Returns key -> whether it moved, for the keys that are there now."""
+        Returns the keys that are there now."""
         out.plan_blocks += len(plan.keys)
         if not plan.keys:
-            return {}
+            return set()
         messenger = self.messenger(plan.dst_messenger)
         timeout = self.options.transfer_timeout_s
         batch = messenger.submit(plan.namespace, [(k, plan.src_messenger) for k in plan.keys])
@@ -328,13 +327,13 @@ class Engine:
             messenger.cancel(batch.batch_id)
             raise LiveError(f"planned transfer {plan.src_node} -> {plan.dst_node} of "
                             f"{len(plan.keys)} blocks not done after {timeout:g} s")
-        result = {}
+        landed = set()
         for e in status.entries:
             if e.state == mpb.ENTRY_DONE:
-                result[e.key] = not e.already_present
+                landed.add(e.key)
             else:
                 out.plan_failed += 1   # e.g. the source evicted it: the prefill recomputes it
-        return result
+        return landed
 
     def _decode(self, reply: cpb.ScheduleReply, keys: list[bytes], out: RequestOutcome) -> None:
         """Pin the pages the decode node holds already (an earlier request's), pull the rest from
