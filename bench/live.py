@@ -188,7 +188,8 @@ def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurr
                                f"{tally['failed']} hit {hit:.1%}")
 
     futures: list[Future] = []
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="engine") as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="engine")
+    try:
         start = engine.now()
         for i, r in enumerate(requests):
             arrival = start + ((r.timestamp_ms - t0) / 1000.0 / speedup if speedup else 0.0)
@@ -198,6 +199,10 @@ def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurr
             f = pool.submit(engine.serve, i, r, arrival)
             f.add_done_callback(done)
             futures.append(f)
+    except BaseException:   # Ctrl-C: requests not started yet are dropped, running ones finish
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return [f.result() for f in futures]
 
 
@@ -503,6 +508,9 @@ def run(args: argparse.Namespace) -> int:
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
         print(f"kvcache bench live: {detail}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nkvcache bench live: interrupted; no report written", file=sys.stderr)
+        return 130
     finally:
         if engine is not None:
             engine.close()
