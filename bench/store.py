@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from bench.report import Column, print_table, write_json
-from kvstore import KVLayout, StoreConfig, TieredStore, Tier, block_keys, make_policy, root_key
+from kvstore import KVLayout, StoreConfig, TieredStore, block_keys, make_policy, root_key
 from kvstore.ssd import SsdPool
 
 MIB = 1 << 20

@@ -12,14 +12,13 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from kvcache.procs import ServiceProcess, start_service
 from kvcache.rpc import wait_for_signal

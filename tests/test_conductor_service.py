@@ -17,7 +17,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVStoreClient
 from conductor.client import ConductorClient, selector
-from kvcache.procs import start_service
 from kvcache.rpc import make_channel
 from kvstore.keys import block_keys, root_key, scope_keys
 from proto import common_pb2 as cpb
@@ -148,7 +147,7 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
     c = start_conductor("--metrics-port", "0")
     n0 = start_member(c, "n0", "prefill")
     n1 = start_member(c, "n1", "prefill")
-    d0 = start_member(c, "d0", "decode")
+    start_member(c, "d0", "decode")
     with ConductorClient(c.address) as cc, KVStoreClient(n0.address) as k0, \
             KVStoreClient(n1.address) as k1:
         wait_until(lambda: node_ids(cc) == {"n0", "n1", "d0"}, what="three registrations")

@@ -323,7 +323,6 @@ def race_readers_and_writers(store) -> None:
             store.remove([k])
 
     def reader(use_view: bool) -> None:
-        out = np.empty(LAYOUT.page_bytes, np.uint8)
         start.wait()
         for _ in range(ROUNDS * 2):
             if use_view:   # zero-copy: pinned page copied outside the store's lock
