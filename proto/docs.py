@@ -6,7 +6,6 @@ docs/api.md is stale.
 """
 from __future__ import annotations
 
-import pathlib
 import re
 import sys
 
