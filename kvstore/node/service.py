@@ -111,20 +111,22 @@ class NodeServicer(pbg.NodeServiceServicer):
                                                           for s in lease.slots],
                                 ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw)
 
-    @observed
-    def Commit(self, request, context):
+    def _end_lease(self, request, context, end):
+        """Commit / abort / release a lease the caller's tenant owns; ``end(store, lease_id)``."""
         store = self.node.check_owner(request.namespace, request.lease_id,
                                       self.auth.tenant(context))
-        res = store.commit(request.lease_id)
+        result = end(store, request.lease_id)
         self.node.disown(request.namespace, request.lease_id)
+        return result
+
+    @observed
+    def Commit(self, request, context):
+        res = self._end_lease(request, context, TieredStore.commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
 
     @observed
     def Abort(self, request, context):
-        store = self.node.check_owner(request.namespace, request.lease_id,
-                                      self.auth.tenant(context))
-        store.abort(request.lease_id)
-        self.node.disown(request.namespace, request.lease_id)
+        self._end_lease(request, context, TieredStore.abort)
         return pb.Empty()
 
     @observed
@@ -144,10 +146,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed
     def Release(self, request, context):
-        store = self.node.check_owner(request.namespace, request.lease_id,
-                                      self.auth.tenant(context))
-        store.release(request.lease_id)
-        self.node.disown(request.namespace, request.lease_id)
+        self._end_lease(request, context, TieredStore.release)
         return pb.Empty()
 
     @observed
