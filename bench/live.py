@@ -35,7 +35,7 @@ from kvstore.keys import block_keys, root_key
 
 from .live_engine import (ClusterInfo, Engine, EngineOptions, LiveError, RequestOutcome,
                           load_cluster, prompt_tokens)
-from .report import Progress, write_json
+from .report import Progress, figure, write_json
 from .trace import DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, TraceError, TraceRequest, load_trace
 
 DEFAULT_CLUSTER = os.path.join("out", "cluster", "cluster.json")
@@ -397,13 +397,8 @@ def format_report(rows: list[dict]) -> str:
 def plot(path: str, outcomes: list[RequestOutcome], ideal: list[int]) -> None:
     """Left: cumulative block hit rate over (compressed) arrival time, local and fetched, beside
     the infinite-cache reference. Right: latency CDFs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sched = sorted((o for o in outcomes if o.prefill_node), key=lambda o: o.arrival_s)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
-    try:
+    with figure(path, 1, 2, figsize=(12, 4.5), dpi=110) as (fig, (left, right)):
         if sched:
             x = [o.arrival_s for o in sched]
             total = np.maximum(np.cumsum([o.total_blocks for o in sched]), 1)
@@ -431,11 +426,6 @@ def plot(path: str, outcomes: list[RequestOutcome], ideal: list[int]) -> None:
         right.set_title("latency CDF")
         right.grid(True, which="both", alpha=0.3)
         right.legend()
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 # ---- the command -----------------------------------------------------------------------------

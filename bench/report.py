@@ -1,6 +1,7 @@
 """Output helpers shared by the benchmark commands: tables, JSON, PNG plots, progress, sizes."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -78,16 +79,29 @@ class Series:
     style: str = "o-"
 
 
-def plot_lines(path: str, series: Sequence[Series], *, title: str, xlabel: str, ylabel: str,
-               logx: bool = False, hlines: Sequence[tuple[float, str]] = (),
-               ylim: tuple[float, float] | None = None) -> None:
-    """One PNG with a line per series (matplotlib's Agg backend: no display needed)."""
+@contextlib.contextmanager
+def figure(path: str, *args, **kwargs):
+    """``plt.subplots(*args, **kwargs)`` on matplotlib's Agg backend (no display needed); the
+    figure is laid out and saved to ``path`` when the block ends, and closed either way."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, axes = plt.subplots(*args, **kwargs)
     try:
+        yield fig, axes
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def plot_lines(path: str, series: Sequence[Series], *, title: str, xlabel: str, ylabel: str,
+               logx: bool = False, hlines: Sequence[tuple[float, str]] = (),
+               ylim: tuple[float, float] | None = None) -> None:
+    """One PNG with a line per series (matplotlib's Agg backend: no display needed)."""
+    with figure(path, figsize=(7, 4.5), dpi=120) as (fig, ax):
         for s in series:
             ax.plot(list(s.x), list(s.y), s.style, label=s.label)
         for y, label in hlines:
@@ -103,22 +117,12 @@ def plot_lines(path: str, series: Sequence[Series], *, title: str, xlabel: str, 
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float]], *,
               title: str, ylabel: str) -> None:
     """Grouped bars: one group per label, one bar per entry of ``groups``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    try:
+    with figure(path, figsize=(7, 4.5), dpi=120) as (fig, ax):
         n = max(1, len(groups))
         width = 0.8 / n
         for i, (name, values) in enumerate(groups.items()):
@@ -129,11 +133,6 @@ def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 class Progress:
