@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-import numpy as np
 
 from .payload import copy_bytes
 from .shm import SharedSlab, unique_shm_name
@@ -104,7 +103,3 @@ class MetadataPool(PagePool):
 
     def read_page_into(self, slot, key, out) -> bool:
         return True
-
-
-def host_array(n: int) -> np.ndarray:
-    return np.empty(n, dtype=np.uint8)

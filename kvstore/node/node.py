@@ -18,7 +18,6 @@ from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import BlockKey, block_keys, check_keys, root_key, scope_keys
 from kvstore.shm import sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers import Tier
 
 from .config import NodeConfig
 from .events import EventHub
@@ -152,6 +151,3 @@ class Node:
         self.hub.close()
         for store in self.stores.values():
             store.close()
-
-    def tiers_of(self, namespace: str) -> list[Tier]:
-        return self.store(namespace).tiers
