@@ -372,6 +372,10 @@ def test_bad_configuration_fails_at_start_with_a_message(start_kvcache, tmp_path
         start_kvcache("node", "--dram", "lots")
     with pytest.raises(RuntimeError, match="less than one"):
         start_kvcache("node", "--dram", "1KiB")
+    with pytest.raises(RuntimeError, match="--tls-cert and --tls-key go together"):
+        start_kvcache("node", "--dram", "1MiB", "--tls-cert", str(blocker))
+    with pytest.raises(RuntimeError, match="TOKEN=TENANT"):
+        start_kvcache("node", "--dram", "1MiB", "--tenant-token", "no-tenant")
 
 
 def _self_signed_cert(tmp_path) -> tuple[str, str]:

@@ -8,9 +8,9 @@ import argparse
 import logging
 import os
 
-from kvcache.rpc import (Auth, TlsConfig, add_health_and_reflection, add_server_args,
+from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args,
                          announce_ready, bind, host_of, make_server, start_metrics,
-                         wait_for_signal)
+                         tls_from_args, wait_for_signal)
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
@@ -85,11 +85,12 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(args)
+        # NOTE: validated before the node exists, so a bad flag leaves no shared memory behind.
+        auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
+        tls = tls_from_args(cfg)
         node = Node(cfg)
-    except (KVStoreError, TypeError, OSError) as e:
+    except (KVStoreError, TypeError, ValueError, OSError) as e:
         raise SystemExit(f"kvcache node: {e}") from None
-    auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
-    tls = TlsConfig(cert_file=cfg.tls_cert, key_file=cfg.tls_key) if cfg.tls_cert else None
     metrics = NodeMetrics(lambda: node.stores)
     servicer = NodeServicer(node, auth, metrics)
     server = make_server(auth)
