@@ -36,12 +36,12 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.report import Column, Progress, parse_count, print_table, write_json
-from conductor.agent import NodeAgent
+from node.agent import NodeAgent
 from conductor.index import GlobalIndex
 from conductor.registry import NodeDescriptor, Registry, Role
 from conductor.scheduler import POLICIES, Request, Scheduler
-from kvcache.procs import start_service
-from kvcache.rpc import make_channel
+from rpc.launch import start_service
+from rpc.channel import make_channel
 from kvstore.layout import KVLayout
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvcache bench conductor: need >= 1 prefill and decode node, chain "
                          "block and thread, and --batch in [1, 1024]")
     # The 32 node agents in this process would log every registration: keep the output a table.
-    logging.getLogger("conductor.agent").setLevel(logging.WARNING)
+    logging.getLogger("node.agent").setLevel(logging.WARNING)
     w = make_workload(args)
     print(f"workload: {w.distinct_blocks:,} distinct blocks in {w.chains:,} chains, "
           f"{w.held_pairs():,} (block, node) pairs on {len(w.node_ids)} nodes "

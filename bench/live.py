@@ -29,8 +29,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from conductor.client import ConductorClient
-from kvcache.rpc import make_channel
+from clients.conductor_client import ConductorClient
+from rpc.channel import make_channel
 from kvstore.keys import block_keys, root_key
 
 from .live_engine import (ClusterInfo, Engine, EngineOptions, LiveError, RequestOutcome,
@@ -88,9 +88,9 @@ def wait_for_nodes(conductor: ConductorClient, cluster: ClusterInfo,
         try:
             reply = conductor.list_nodes()
             ready = {s.node.node_id for s in reply.nodes if not s.resyncing}
-        except grpc.RpcError as e:
-            raise LiveError(f"conductor {cluster.conductor} does not answer: {e.code().name}: "
-                            f"{e.details()} (is the cluster up? 'kvcache up --detach')") from None
+        except KVCacheRpcError as e:
+            raise LiveError(f"conductor {cluster.conductor} does not answer: {e.code.name}: "
+                            f"{e.details} (is the cluster up? 'kvcache up --detach')") from None
         if wanted <= ready:
             return
         if time.monotonic() > deadline:

@@ -32,9 +32,9 @@ import grpc
 import numpy as np
 
 from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
-from conductor.client import ConductorClient
+from clients.conductor_client import ConductorClient
 from kvstore.layout import KVLayout
-from messenger.client import MessengerClient
+from clients.messenger_client import MessengerClient
 from proto import conductor_pb2 as cpb
 from proto import messenger_pb2 as mpb
 
@@ -242,12 +242,12 @@ class Engine:
                 opts.namespace, tokens=tokens, salt=opts.salt, request_id=out.request_id,
                 prompt_tokens=int(tokens.size), output_tokens=request.output_length,
                 ttft_slo_s=opts.ttft_slo_s, tbt_slo_s=opts.tbt_slo_s)
-        except grpc.RpcError as e:
+        except KVCacheRpcError as e:
             out.schedule_s = time.perf_counter() - t
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                out.status, out.error = "rejected", e.details() or ""
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                out.status, out.error = "rejected", e.details
             else:
-                out.status, out.error = "failed", f"Schedule: {e.code().name}: {e.details()}"
+                out.status, out.error = "failed", f"Schedule: {_describe(e)}"
             out.end_s = self.now()
             return out
         out.schedule_s = time.perf_counter() - t
@@ -261,13 +261,13 @@ class Engine:
             out.status = "ok" if not out.verify_failures else "failed"
             if out.verify_failures:
                 out.error = f"{out.verify_failures} pages differ from what was stored"
-        except (LiveError, KVCacheRpcError, grpc.RpcError) as e:
+        except (LiveError, KVCacheRpcError) as e:
             out.status = "failed"
             out.error = _describe(e)
         finally:
             try:   # free the conductor's ledger entry whatever happened
                 self.conductor.complete(out.request_id)
-            except grpc.RpcError as e:
+            except KVCacheRpcError as e:
                 if out.status == "ok":
                     out.status, out.error = "failed", f"Complete: {_describe(e)}"
             out.end_s = self.now()
@@ -404,6 +404,6 @@ class Engine:
 
 
 def _describe(e: BaseException) -> str:
-    if isinstance(e, grpc.RpcError):
-        return f"{e.code().name}: {e.details()}"
+    if isinstance(e, KVCacheRpcError):
+        return f"{e.code.name}: {e.details}"
     return str(e)

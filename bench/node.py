@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from bench.report import Column, print_table, write_json
-from kvcache.procs import start_service
+from rpc.launch import start_service
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 from kvstore.store import StoreConfig, TieredStore

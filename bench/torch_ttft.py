@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.report import Column, print_table, write_json
-from kvcache.procs import start_service
+from rpc.launch import start_service
 
 log = logging.getLogger("kvcache.bench.torch")
 

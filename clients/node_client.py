@@ -17,14 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from kvcache.rpc import make_channel
 from kvstore.errors import StorageError
-from kvstore.keys import tokens_as_array
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
 from kvstore.shm import SharedSlab
@@ -32,28 +30,12 @@ from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.status import KVCacheRpcError, call
+from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
-
-
-class KVCacheRpcError(Exception):
-    """A failed call: ``code`` is the grpc.StatusCode, ``details`` the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, method: str = "") -> None:
-        super().__init__(f"{method}: {code.name}: {details}" if method else
-                         f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-def tier_from_pb(value: int) -> Tier | None:
-    return None if value == cpb.TIER_UNSPECIFIED else Tier(value - 1)
-
-
-def layout_from_pb(m: cpb.Layout) -> KVLayout:
-    return KVLayout(model=m.model, num_layers=m.num_layers, kv_heads=m.kv_heads,
-                    head_dim=m.head_dim, dtype=m.dtype, block_tokens=m.block_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,23 +160,9 @@ class KVStoreClient:
 
     # ---- plumbing -----------------------------------------------------------------------------
 
-    def _call(self, name: str, request, **kw):
-        try:
-            return getattr(self._stub, name)(request, timeout=kw.pop("timeout", self.timeout_s),
-                                             **kw)
-        except grpc.RpcError as e:
-            raise KVCacheRpcError(e.code(), e.details() or "", name) from None
-
-    @staticmethod
-    def _selector(namespace: str, keys, tokens, salt) -> cpb.BlockSelector:
-        if (keys is None) == (tokens is None):
-            raise ValueError("give exactly one of keys= or tokens=")
-        if isinstance(salt, str):
-            salt = salt.encode()
-        if tokens is not None:
-            return cpb.BlockSelector(namespace=namespace, salt=salt,
-                                     token_bytes=tokens_as_array(tokens).tobytes())
-        return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys))
+    def _call(self, name: str, request: Any, **kw: Any) -> Any:
+        return call(getattr(self._stub, name), name, request,
+                    timeout=kw.pop("timeout", self.timeout_s), **kw)
 
     def _slab(self, namespace: str) -> SharedSlab | None:
         """The node's DRAM slab for ``namespace`` if it can be mapped here, else None."""
@@ -254,13 +222,13 @@ class KVStoreClient:
 
     def lookup(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
                salt: bytes | str = b"") -> LookupResult:
-        r = self._call("Lookup", self._selector(namespace, keys, tokens, salt))
-        return LookupResult(r.hit_blocks, [tier_from_pb(t) for t in r.tiers], r.total_blocks)
+        r = self._call("Lookup", selector_to_pb(namespace, keys, tokens, salt))
+        return LookupResult(r.hit_blocks, [tier_or_none_from_pb(t) for t in r.tiers], r.total_blocks)
 
     def allocate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
                  salt: bytes | str = b"", ttl_s: float = 0.0) -> WriteLease:
         r = self._call("Allocate", pb.AllocateRequest(
-            blocks=self._selector(namespace, keys, tokens, salt), ttl_s=ttl_s))
+            blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s))
         return WriteLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
                           r.page_bytes, self._slab(namespace))
 
@@ -276,11 +244,11 @@ class KVStoreClient:
                 salt: bytes | str = b"", ttl_s: float = 0.0,
                 prefix_only: bool = False) -> ReadLease:
         r = self._call("Acquire", pb.AcquireRequest(
-            blocks=self._selector(namespace, keys, tokens, salt), ttl_s=ttl_s,
+            blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s,
             prefix_only=prefix_only))
         return ReadLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
                          r.page_bytes, self._slab(namespace),
-                         [tier_from_pb(t) for t in r.tiers])
+                         [tier_or_none_from_pb(t) for t in r.tiers])
 
     def release(self, lease: ReadLease) -> None:
         self._call("Release", pb.LeaseRequest(namespace=lease.namespace,
@@ -314,7 +282,7 @@ class KVStoreClient:
         return self.commit(lease)
 
     def _put_streamed(self, namespace, srcs, keys, tokens, salt) -> CommitResult:
-        selector = self._selector(namespace, keys, tokens, salt)
+        selector = selector_to_pb(namespace, keys, tokens, salt)
 
         def chunks() -> Iterator[pb.PutChunk]:
             yield pb.PutChunk(header=pb.PutHeader(blocks=selector))
@@ -328,7 +296,7 @@ class KVStoreClient:
         try:
             r = self._stub.Put(chunks(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise KVCacheRpcError(e.code(), e.details() or "", "Put") from None
+            raise KVCacheRpcError.of(e, "Put") from None
         return CommitResult(r.stored, r.duplicates)
 
     def get(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
@@ -354,7 +322,7 @@ class KVStoreClient:
 
     def _get_streamed(self, namespace, keys, tokens, salt, prefix_only
                       ) -> list[np.ndarray | None]:
-        request = pb.GetRequest(blocks=self._selector(namespace, keys, tokens, salt),
+        request = pb.GetRequest(blocks=selector_to_pb(namespace, keys, tokens, salt),
                                 prefix_only=prefix_only)
         try:
             stream = self._stub.Get(request, timeout=self.timeout_s)
@@ -375,12 +343,12 @@ class KVStoreClient:
                     pos += take
                     off += take
         except grpc.RpcError as e:
-            raise KVCacheRpcError(e.code(), e.details() or "", "Get") from None
+            raise KVCacheRpcError.of(e, "Get") from None
         return out
 
     def remove(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
                salt: bytes | str = b"") -> int:
-        return self._call("Remove", self._selector(namespace, keys, tokens, salt)).removed
+        return self._call("Remove", selector_to_pb(namespace, keys, tokens, salt)).removed
 
     def stats(self) -> pb.StatsReply:
         return self._call("Stats", pb.StatsRequest())
@@ -392,7 +360,7 @@ class KVStoreClient:
             yield from stream
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
-                raise KVCacheRpcError(e.code(), e.details() or "", "Events") from None
+                raise KVCacheRpcError.of(e, "Events") from None
         finally:
             stream.cancel()
 

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import logging
 import os
 from dataclasses import replace
 
-from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args, announce_ready, bind,
-                         host_of, make_server, start_metrics, tls_from_args, wait_for_signal)
+from typing import Any
+
+import grpc
+
 from kvstore.errors import KVStoreError
 from proto import conductor_pb2_grpc as pbg
+from rpc.server import Auth, Service, add_server_args, serve, tls_from_args
 
 from .core import Conductor
 from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
 from .feed import FeedOptions
+from .messenger_hook import make_transfer_hook
 from .metrics import ConductorMetrics
 from .registry import DEFAULT_LEASE_S
 from .scheduler import POLICIES, SchedulerConfig
@@ -56,8 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fetch a prefix from another node only when it cuts the estimated "
                              "TTFT by at least this fraction (default %(default)s)")
     parser.add_argument("--transfer-hook", default="auto", choices=["auto", "messenger", "record"],
-                        help="what to do with plans that move blocks to a non-holder (default: "
-                             "ask the destination's messenger when the messenger hook exists)")
+                        help="what to do with plans that move blocks to a non-holder (default "
+                             "and messenger: ask the destination's messenger; record: only "
+                             "return them in Schedule replies)")
     parser.add_argument("--workers", type=int, default=8,
                         help="gRPC handler threads (default 8; Python runs one at a time, so "
                              "more threads mostly add GIL hand-offs)")
@@ -108,42 +112,25 @@ def run(args: argparse.Namespace) -> int:
     metrics = ConductorMetrics(conductor)
     servicer = ConductorServicer(conductor, auth, FeedOptions(
         token=args.node_token or args.token, tls_ca_file=args.node_tls_ca), metrics)
-    server = make_server(auth, max_workers=args.workers)
-    pbg.add_ConductorServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    try:
-        port = bind(server, args.listen, tls)
-    except (OSError, RuntimeError) as e:
-        servicer.close()
-        raise SystemExit(f"kvcache conductor: cannot listen on {args.listen}: {e}") from None
-    server.start()
-    address = f"{host_of(args.listen)}:{port}"
-    metrics_port = start_metrics(args.metrics_port, registry=metrics.registry)
-    log.info("conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)", address,
-             args.policy, args.lease, bool(tls), auth.enabled)
-    announce_ready("conductor", address=address, pid=os.getpid(), metrics_port=metrics_port,
-                   policy=args.policy)
 
-    def stop() -> None:
-        health.enter_graceful_shutdown()
-        server.stop(grace=2).wait()
-        servicer.close()
-        log.info("conductor stopped")
+    def add(server: grpc.Server) -> list[str]:
+        pbg.add_ConductorServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
 
-    wait_for_signal(stop)
-    return 0
+    def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        log.info("conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)", address,
+                 args.policy, args.lease, bool(tls), auth.enabled)
+        return {"policy": args.policy}
+
+    return serve(Service(role="conductor", listen=args.listen, auth=auth, tls=tls, add=add,
+                         metrics_port=args.metrics_port, registry=metrics.registry,
+                         workers=args.workers, on_serving=on_serving, close=servicer.close))
 
 
 def _transfer_hook(choice: str, token: str | None, tls_ca_file: str | None) -> TransferHook:
-    """``messenger``: ``messenger.hook.make_transfer_hook(token, tls_ca_file)`` (the messenger
-    package's hook: it asks the destination's messenger to fetch the blocks); ``record``: plans
-    are only recorded and returned in Schedule replies; ``auto``: messenger when installed."""
-    have_messenger = importlib.util.find_spec("messenger.hook") is not None
-    if choice == "messenger" or (choice == "auto" and have_messenger):
-        if not have_messenger:
-            raise SystemExit("kvcache conductor: --transfer-hook messenger needs messenger/hook.py")
-        from messenger.hook import make_transfer_hook  # type: ignore[import-not-found]
-
+    """``messenger`` and ``auto``: the destination's messenger is asked to fetch the blocks
+    (``messenger_hook``); ``record``: plans are only recorded and returned in Schedule replies."""
+    if choice in ("messenger", "auto"):
         return make_transfer_hook(token, tls_ca_file)
     log.info("transfer plans are recorded and returned in Schedule replies only")
     return RecordingTransferHook()

@@ -1,80 +1,9 @@
-"""Protobuf <-> domain conversion for the conductor, in one place."""
+"""Scheduling decisions as proto replies (node, tier and layout conversions: ``rpc.wire``)."""
 from __future__ import annotations
 
-from kvstore.errors import InvalidArgument
-from kvstore.layout import KVLayout
-from kvstore.tiers import Tier
-from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 
-from .registry import NodeDescriptor, NodeLoad, Role, TierUsage
 from .scheduler import Decision, TransferPlan
-
-_ROLE_TO_PB = {Role.PREFILL: pb.NODE_ROLE_PREFILL, Role.DECODE: pb.NODE_ROLE_DECODE,
-               Role.BOTH: pb.NODE_ROLE_BOTH}
-_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
-_ROLE_FROM_PB[pb.NODE_ROLE_UNSPECIFIED] = Role.BOTH
-
-
-def tier_from_pb(value: int) -> Tier:
-    if not 1 <= value <= 3:
-        raise InvalidArgument(f"tier {value} is not GPU, DRAM or SSD")
-    return Tier(value - 1)
-
-
-def layout_to_pb(layout: KVLayout) -> cpb.Layout:
-    return cpb.Layout(model=layout.model, num_layers=layout.num_layers, kv_heads=layout.kv_heads,
-                      head_dim=layout.head_dim, dtype=layout.dtype,
-                      block_tokens=layout.block_tokens)
-
-
-def layout_from_pb(msg: cpb.Layout) -> KVLayout:
-    return KVLayout(model=msg.model, num_layers=msg.num_layers, kv_heads=msg.kv_heads,
-                    head_dim=msg.head_dim, dtype=msg.dtype or "float16",
-                    block_tokens=msg.block_tokens or 256)
-
-
-def usage_to_pb(u: TierUsage) -> cpb.TierUsage:
-    return cpb.TierUsage(tier=int(u.tier) + 1, capacity_pages=u.capacity_pages,
-                         used_pages=u.used_pages, free_pages=u.free_pages,
-                         pinned_blocks=u.pinned_blocks, page_bytes=u.page_bytes)
-
-
-def usage_from_pb(msg: cpb.TierUsage) -> TierUsage:
-    return TierUsage(tier=tier_from_pb(msg.tier), capacity_pages=msg.capacity_pages,
-                     used_pages=msg.used_pages, free_pages=msg.free_pages,
-                     pinned_blocks=msg.pinned_blocks, page_bytes=msg.page_bytes)
-
-
-def load_to_pb(load: NodeLoad) -> cpb.NodeLoad:
-    return cpb.NodeLoad(queued_prefill_tokens=load.queued_prefill_tokens,
-                        running_decode_requests=load.running_decode_requests,
-                        running_decode_tokens=load.running_decode_tokens,
-                        tiers=[usage_to_pb(u) for u in load.tiers])
-
-
-def load_from_pb(msg: cpb.NodeLoad) -> NodeLoad:
-    return NodeLoad(queued_prefill_tokens=msg.queued_prefill_tokens,
-                    running_decode_requests=msg.running_decode_requests,
-                    running_decode_tokens=msg.running_decode_tokens,
-                    tiers=tuple(usage_from_pb(u) for u in msg.tiers))
-
-
-def descriptor_to_pb(d: NodeDescriptor) -> pb.NodeDescriptor:
-    return pb.NodeDescriptor(node_id=d.node_id, role=_ROLE_TO_PB[d.role], address=d.address,
-                             messenger_address=d.messenger_address,
-                             layouts=[layout_to_pb(l) for l in d.layouts],
-                             capacity=[usage_to_pb(u) for u in d.capacity])
-
-
-def descriptor_from_pb(msg: pb.NodeDescriptor) -> NodeDescriptor:
-    role = _ROLE_FROM_PB.get(msg.role)
-    if role is None:
-        raise InvalidArgument(f"node.role {msg.role} is not PREFILL, DECODE or BOTH")
-    return NodeDescriptor(node_id=msg.node_id, role=role, address=msg.address,
-                          messenger_address=msg.messenger_address,
-                          layouts=tuple(layout_from_pb(l) for l in msg.layouts),
-                          capacity=tuple(usage_from_pb(u) for u in msg.capacity))
 
 
 def plan_to_pb(plan: TransferPlan) -> pb.TransferPlan:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 import grpc
 
-from kvcache.rpc import make_channel
+from rpc.channel import make_channel
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg

@@ -12,17 +12,17 @@ import threading
 import uuid
 
 import grpc
-import numpy as np
 
-from kvcache.rpc import Auth, observed, status_for
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.keys import KEY_BYTES, block_keys, check_keys, root_key, scope_keys
+from kvstore.keys import scope_keys, select_keys
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
+from rpc.server import Auth
+from rpc.status import observed, status_for
+from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
-from .convert import (decision_to_pb, descriptor_from_pb, descriptor_to_pb, load_from_pb,
-                      load_to_pb)
+from .convert import decision_to_pb
 from .core import Conductor
 from .feed import FeedCounters, FeedManager, FeedOptions
 from .metrics import ConductorMetrics
@@ -243,30 +243,9 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @staticmethod
     def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
         """The request's keys as stored for ``tenant`` and the tokens they stand for."""
-        given = (len(sel.keys) > 0) + (len(sel.token_ids) > 0) + (len(sel.token_bytes) > 0)
-        if given > 1:
-            raise InvalidArgument("give one of blocks.keys, blocks.token_ids or "
-                                  "blocks.token_bytes")
-        if sel.token_ids or sel.token_bytes:
-            if sel.token_bytes:
-                if len(sel.token_bytes) % 4:
-                    raise InvalidArgument("blocks.token_bytes must hold little-endian uint32 "
-                                          f"token ids, got {len(sel.token_bytes)} bytes")
-                tokens = np.frombuffer(sel.token_bytes, dtype="<u4")
-            else:
-                tokens = np.asarray(sel.token_ids, dtype="<u4")
-            if len(tokens) > MAX_BLOCKS_PER_REQUEST * layout.block_tokens:
-                raise InvalidArgument("too many token ids in one request")
-            raw = block_keys(tokens, layout.block_tokens, root_key(sel.namespace, sel.salt))
-            prompt = len(tokens)
-        else:
-            if len(sel.keys) > MAX_BLOCKS_PER_REQUEST:
-                raise InvalidArgument(f"{len(sel.keys)} keys in one request; the limit is "
-                                      f"{MAX_BLOCKS_PER_REQUEST}")
-            keys = sel.keys
-            # Fast path: protobuf already gives bytes; only the length can be wrong.
-            raw = list(keys) if all(map(KEY_BYTES.__eq__, map(len, keys))) else check_keys(keys)
-            prompt = len(raw) * layout.block_tokens
+        raw, prompt = select_keys(sel.namespace, sel.salt, layout.block_tokens,
+                                  MAX_BLOCKS_PER_REQUEST, sel.keys, sel.token_ids,
+                                  sel.token_bytes)
         return scope_keys(raw, tenant), prompt
 
     def _maintain(self) -> None:

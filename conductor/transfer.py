@@ -1,10 +1,10 @@
 """Hot-block replication: what the conductor does with a plan that moves blocks to a non-holder.
 
 ``TransferHook.submit(plan)`` starts moving ``plan.keys`` from ``plan.src`` to ``plan.dst``
-(normally: ask the destination's messenger to fetch them). The messenger package provides the
-real hook as ``messenger.hook.make_transfer_hook(token, tls_ca_file) -> TransferHook`` (picked
-up by ``kvcache conductor --transfer-hook auto|messenger``); ``RecordingTransferHook`` keeps the
-plans for inspection and is the fallback.
+(normally: ask the destination's messenger to fetch them). The real hook is
+``conductor.messenger_hook.make_transfer_hook(token, tls_ca_file) -> TransferHook`` (``kvcache
+conductor --transfer-hook auto|messenger``); ``RecordingTransferHook`` keeps the plans for
+inspection (``--transfer-hook record``).
 
 ``TransferDispatcher`` calls a hook from its own thread so that a slow hook (a gRPC call to a
 messenger) never delays a ``Schedule`` reply. Its queue is bounded: when it is full a plan is

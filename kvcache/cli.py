@@ -11,7 +11,7 @@ import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "node": ("kvstore.node.cli", "run a node server (tiered KV block pools, gRPC)"),
+    "node": ("node.cli", "run a node server (tiered KV block pools, gRPC)"),
     "conductor": ("conductor.cli", "run the global scheduler (gRPC)"),
     "messenger": ("messenger.cli", "run a node's block mover (TCP / RDMA data plane)"),
     "up": ("kvcache.cluster", "start a local cluster on loopback"),

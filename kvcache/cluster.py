@@ -20,8 +20,9 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-from kvcache.procs import ServiceProcess, start_service
-from kvcache.rpc import wait_for_signal
+from kvstore.shm import pid_alive
+from rpc.launch import ServiceProcess, start_service
+from rpc.server import wait_for_signal
 
 log = logging.getLogger("kvcache.cluster")
 
@@ -231,14 +232,4 @@ def run(args: argparse.Namespace) -> int:
 def _any_alive(state_file: str) -> bool:
     with open(state_file) as f:
         pids = json.load(f).get("pids", [])
-    return any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return any(pid_alive(p) for p in pids)

@@ -13,24 +13,13 @@ import os
 import signal
 import time
 
-from kvstore.shm import SharedSlab
+from kvstore.shm import SharedSlab, pid_alive
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default="out/cluster",
                         help="the cluster's state_dir (holds cluster.json)")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds to wait per process")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie of ours counts as gone
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
 
 
 def stop_pids(pids: list[int], timeout_s: float) -> bool:
@@ -43,11 +32,11 @@ def stop_pids(pids: list[int], timeout_s: float) -> bool:
             pass
     deadline = time.monotonic() + timeout_s
     delay = 0.01
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if pid_alive(p)]
     while left and time.monotonic() < deadline:
         time.sleep(delay)  # not our children: no wait() to block on
         delay = min(delay * 2, 0.2)
-        left = [p for p in left if _alive(p)]
+        left = [p for p in left if pid_alive(p)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return not left

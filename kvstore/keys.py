@@ -111,3 +111,28 @@ def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
     prefix = b"kvcache/tenant/" + tenant.encode() + b"\x00"
     digest = xxhash.xxh3_128_digest
     return [BlockKey(digest(prefix + k)) for k in keys]
+
+
+def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks: int,
+                keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
+                token_bytes: bytes = b"") -> tuple[list[BlockKey], int]:
+    """Resolve a request's blocks, named by keys or by token ids (a list, or packed little-endian
+    uint32 bytes), into their keys and the number of prompt tokens they stand for. The one
+    resolution every server uses (node and conductor); at most ``max_blocks`` blocks."""
+    if (len(keys) > 0) + (len(token_ids) > 0) + (len(token_bytes) > 0) > 1:
+        raise InvalidArgument("give one of keys, token_ids or token_bytes, not both")
+    if token_bytes:
+        if len(token_bytes) % 4:
+            raise InvalidArgument("token_bytes must hold little-endian uint32 token ids "
+                                  f"(a multiple of 4 bytes), got {len(token_bytes)} bytes")
+        token_ids = np.frombuffer(token_bytes, dtype=_TOKEN_DTYPE)
+    if len(token_ids):
+        if len(token_ids) > max_blocks * block_tokens:
+            raise InvalidArgument("too many token ids in one request")
+        return block_keys(token_ids, block_tokens, root_key(namespace, salt)), len(token_ids)
+    if len(keys) > max_blocks:
+        raise InvalidArgument(f"{len(keys)} keys in one request; the limit is {max_blocks}")
+    # Fast path: protobuf already gives bytes; only the length can be wrong.
+    raw = (list(keys) if all(map(KEY_BYTES.__eq__, map(len, keys)))  # type: ignore[arg-type]
+           else check_keys(keys))
+    return raw, len(raw) * block_tokens

@@ -128,13 +128,23 @@ def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
         m = _ORPHAN.match(name)
         if m is None:
             continue
-        try:
-            os.kill(int(m.group(1)), 0)
+        if pid_alive(int(m.group(1))):
             continue  # the creator still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
         _unlink(name)
         removed.append(name)
     return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (another user's counts; a zombie child of ours is
+    reaped and does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:  # not our child: it exists
+        return True

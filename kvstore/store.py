@@ -108,6 +108,11 @@ class TierStats:
     hits: int
     evictions: int
 
+    @property
+    def free_pages(self) -> int:
+        """Pages neither committed nor leased to a writer: what an allocation can take now."""
+        return self.capacity_pages - self.used_pages - self.leased_pages
+
 
 @dataclass(frozen=True, kw_only=True)
 class StoreStats:

@@ -13,12 +13,15 @@ import logging
 import os
 import time
 
+from typing import Any
+
+import grpc
+
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args, announce_ready, bind,
-                         host_of, make_channel, make_server, start_metrics, tls_from_args,
-                         wait_for_signal)
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.server import Auth, Service, add_server_args, host_of, serve, tls_from_args
 
 from .data_server import DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
@@ -118,25 +121,18 @@ def run(args: argparse.Namespace) -> int:
     info = pb.MessengerInfo(node=args.node, data_address=data.address,
                             transport=choice.description, lanes=args.lanes,
                             namespaces=node.namespaces())
-    server = make_server(auth)
-    pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info, auth, metrics), server)
-    health = add_health_and_reflection(
-        server, [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name])
-    try:
-        port = bind(server, args.listen, tls)
-    except OSError as e:
-        raise SystemExit(f"kvcache messenger: {e}") from None
-    server.start()
-    address = f"{host_of(args.listen)}:{port}"
-    metrics_port = start_metrics(args.metrics_port, registry=metrics.registry)
-    log.info("messenger for node %s on %s, data port %s, transport %s", args.node, address,
-             data.address, choice.description)
-    announce_ready("messenger", address=address, data_address=data.address,
-                   transport=choice.description, pid=os.getpid(), metrics_port=metrics_port)
 
-    def stop() -> None:
-        health.enter_graceful_shutdown()
-        server.stop(grace=2).wait()
+    def add(server: grpc.Server) -> list[str]:
+        pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info, auth, metrics),
+                                                   server)
+        return [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name]
+
+    def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        log.info("messenger for node %s on %s, data port %s, transport %s", args.node, address,
+                 data.address, choice.description)
+        return {"data_address": data.address, "transport": choice.description}
+
+    def close() -> None:
         mover.close()
         data.stop()
         choice.transport.close()
@@ -147,5 +143,6 @@ def run(args: argparse.Namespace) -> int:
         node.close()
         client.close()
 
-    wait_for_signal(stop)
-    return 0
+    return serve(Service(role="messenger", listen=args.listen, auth=auth, tls=tls, add=add,
+                         metrics_port=args.metrics_port, registry=metrics.registry,
+                         on_serving=on_serving, close=close))

@@ -6,11 +6,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvcache.rpc import Auth, observed
 from kvstore.errors import InvalidArgument
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
+from rpc.server import Auth
+from rpc.status import observed
 
 from .data_server import DataServer
 from .mover import BatchSnapshot, EntryRequest, Mover
@@ -96,7 +97,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         self.mover = mover
         self.info = info
         self.auth = auth or Auth()
-        self.metrics = metrics  # RPC latency and errors (kvcache.rpc.observed), when given
+        self.metrics = metrics  # RPC latency and errors (rpc.status.observed), when given
 
     def _admin_only(self, context, what: str) -> None:
         # NOTE: keys here are stored keys (already tenant-scoped): only the cluster's admin

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvcache.procs import ServiceProcess, start_service
+from rpc.launch import ServiceProcess, start_service
 
 # 8 KiB pages: 2 layers x K|V x 16 tokens x 2 heads x 32 dims x fp16.
 TEST_LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVStoreClient
-from conductor.client import ConductorClient, selector
-from kvcache.rpc import make_channel
+from clients.conductor_client import ConductorClient, selector
+from rpc.channel import make_channel
 from kvstore.keys import block_keys, root_key, scope_keys
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
@@ -26,6 +26,7 @@ from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
+from helpers import rpc_error, wait_until
 
 NS = TEST_NAMESPACE
 BT = TEST_BLOCK_TOKENS
@@ -37,24 +38,6 @@ def tokens(n_blocks: int, start: int = 0) -> np.ndarray:
 
 def pages(n: int) -> list[np.ndarray]:
     return [np.full(TEST_PAGE_BYTES, i % 251, np.uint8) for i in range(n)]
-
-
-def wait_until(probe, timeout_s: float = 15.0, what: str = "condition"):
-    """Poll a real RPC-backed probe until it returns a truthy value, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def rpc_error(fn) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        fn()
-    return e.value.code(), e.value.details()
 
 
 def node_ids(cc: ConductorClient) -> set[str]:
@@ -204,7 +187,7 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
             pb.ScheduleRequest(request_id="b2", blocks=selector(NS, tokens=prompt),
                                prompt_tokens=12 * BT + 5, ttft_slo_s=1e-9),
             pb.ScheduleRequest(request_id="b3", blocks=selector(NS, keys=[b"short"])),
-            pb.ScheduleRequest(request_id="b4", blocks=selector("nobody|serves|this")),
+            pb.ScheduleRequest(request_id="b4", blocks=selector("nobody|serves|this", keys=[])),
         ])
         assert [o.code for o in outcomes] == [
             grpc.StatusCode.OK.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],

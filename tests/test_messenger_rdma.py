@@ -21,6 +21,8 @@ from messenger.transport import Outcome, SlabPageSource
 from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
 from messenger.verbs_fake import FakeFabric, FakeVerbsBackend
 
+from helpers import wait_until
+
 NS = "rdma|test"
 PAGES = 40
 PB = 16 << 10
@@ -277,17 +279,7 @@ def test_closing_the_control_connection_releases_source_pins(setup):
     h, _ = session.request(Kind.RDMA_PIN, pack_keys_body(NS, PB, setup.keys[:4]), count=4)
     assert h.kind is Kind.RDMA_PINNED and setup.source.pins == 1
     setup.rdma.drop_session(setup.server.address)
-    assert _wait_until(lambda: setup.source.pins == 0)
-
-
-def _wait_until(pred, timeout=5.0) -> bool:
-    """Poll a real condition (a counter another thread updates) with a deadline."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
+    assert wait_until(lambda: setup.source.pins == 0)
 
 
 # ---- selection -----------------------------------------------------------------------------------
@@ -346,7 +338,7 @@ def test_real_verbs_loopback_read():
         qb.connect(qa.info)
         qa.post_reads([ReadWr(1, dst.ctypes.data, lmr.lkey, src.ctypes.data, rmr.rkey, PB, True)])
         completions = []
-        assert _wait_until(lambda: bool(completions.extend(qa.poll(4)) or completions))
+        assert wait_until(lambda: bool(completions.extend(qa.poll(4)) or completions))
         assert completions[0].ok
         np.testing.assert_array_equal(dst, src)
     finally:

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from kvcache.procs import start_service
+from rpc.launch import start_service
 from kvstore.keys import keys_from_block_ids, root_key
-from messenger.client import MessengerClient
+from clients.messenger_client import MessengerClient
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 
 from conftest import TEST_LAYOUT, TEST_NAMESPACE as NS, TEST_PAGE_BYTES as PB
+from helpers import wait_until
 
 DONE, FAILED, PENDING = pb.ENTRY_DONE, pb.ENTRY_FAILED, pb.ENTRY_PENDING
 
@@ -214,15 +215,6 @@ def test_duplicate_submissions_are_fetched_once(cluster):
     assert all(np.array_equal(g, p) for g, p in zip(got, pages))
 
 
-def wait_for(pred, timeout_s: float, what: str) -> None:
-    """Poll a real condition of another process with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_source_killed_mid_transfer(cluster):
     a, b = cluster(a_args=("--fault-stall-after", "300", "--fault-stall-s", "60",
                            "--pin-ttl", "1", "--lanes", "1"),
@@ -230,7 +222,7 @@ def test_source_killed_mid_transfer(cluster):
     keys, pages = make_keys(1000), make_pages(1000, seed=7)
     a.client.put(NS, list(pages), keys=keys)
     reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
-    wait_for(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
+    wait_until(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
     assert a.pinned() > 0                      # the source holds pins mid-transfer
     a.messenger.kill()
     status = b.mclient.status(reply.batch_id, wait=True, timeout_s=60)
@@ -246,7 +238,7 @@ def test_source_killed_mid_transfer(cluster):
         else:
             assert status.entries[i].state == DONE and np.array_equal(g, pages[i])
     # The dead messenger's pins on node A expire with their lease.
-    wait_for(lambda: a.pinned() == 0, 15, "the source pins to expire")
+    wait_until(lambda: a.pinned() == 0, 15, "the source pins to expire")
 
 
 def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
@@ -255,11 +247,11 @@ def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
     keys, pages = make_keys(6), make_pages(6, seed=8)
     a.client.put(NS, list(pages), keys=keys)
     reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
-    wait_for(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
+    wait_until(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
     cancelled = b.mclient.cancel(reply.batch_id)
     assert cancelled.finished and {e.code for e in cancelled.entries} == {"CANCELLED"}
     # The job in flight finishes its fetch, then publishes nothing of the cancelled batch.
-    wait_for(lambda: b.metric('kvcache_messenger_transfer_entries_total{outcome="cancelled"}')
+    wait_until(lambda: b.metric('kvcache_messenger_transfer_entries_total{outcome="cancelled"}')
              == 6, 30, "the in-flight job to wind up")
     assert not any(present(b.client, keys))
     assert b.mclient.status(reply.batch_id).failed == 6
@@ -346,7 +338,7 @@ def test_token_everywhere(cluster):
 def test_conductor_transfer_hook_moves_a_plan(shared_pair):
     from conductor.registry import NodeDescriptor
     from conductor.scheduler import TransferPlan
-    from messenger.hook import make_transfer_hook
+    from conductor.messenger_hook import make_transfer_hook
 
     a, b = shared_pair
     keys, pages = make_keys(32, start=50_000), make_pages(32, seed=9)

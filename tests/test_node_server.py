@@ -15,13 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVCacheRpcError, KVStoreClient
-from kvcache.rpc import make_channel
+from rpc.channel import make_channel
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 
 from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES, shm_exists
+from helpers import rpc_error
 
 NS = TEST_NAMESPACE
 
@@ -37,12 +38,6 @@ def tokens(n_blocks: int, start: int = 0) -> np.ndarray:
 
 def stub(address: str, token: str | None = None) -> pbg.NodeServiceStub:
     return pbg.NodeServiceStub(make_channel(address, token))
-
-
-def code_of(fn) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        fn()
-    return e.value.code(), e.value.details()
 
 
 # ---- round trips --------------------------------------------------------------------------------
@@ -194,26 +189,26 @@ def test_bad_requests_get_clear_status_codes(start_node):
     s = stub(node.address)
     sel = lambda **kw: cpb.BlockSelector(namespace=kw.pop("namespace", NS), **kw)  # noqa: E731
 
-    code, msg = code_of(lambda: s.Lookup(sel(keys=[b"short"])))
+    code, msg = rpc_error(lambda: s.Lookup(sel(keys=[b"short"])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in msg
-    code, msg = code_of(lambda: s.Lookup(sel(namespace="llama|L1|H1|D1|float16|B16",
+    code, msg = rpc_error(lambda: s.Lookup(sel(namespace="llama|L1|H1|D1|float16|B16",
                                              keys=[b"k" * 16])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg
-    code, msg = code_of(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
+    code, msg = rpc_error(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not both" in msg
-    code, msg = code_of(lambda: s.Lookup(sel(token_bytes=b"\x01\x02\x03")))
+    code, msg = rpc_error(lambda: s.Lookup(sel(token_bytes=b"\x01\x02\x03")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in msg
-    code, msg = code_of(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
+    code, msg = rpc_error(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "allocate" in msg
-    code, _ = code_of(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
+    code, _ = rpc_error(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.NOT_FOUND
-    code, _ = code_of(lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16),
+    code, _ = rpc_error(lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16),
                                                             ttl_s=-1)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code, _ = code_of(lambda: s.Allocate(pb.AllocateRequest(
+    code, _ = rpc_error(lambda: s.Allocate(pb.AllocateRequest(
         blocks=sel(token_ids=list(range(3 * TEST_BLOCK_TOKENS))))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # 3 pages into a 2-page pool
-    code, _ = code_of(lambda: next(s.Get(pb.GetRequest(blocks=sel(token_ids=[1] * 16),
+    code, _ = rpc_error(lambda: next(s.Get(pb.GetRequest(blocks=sel(token_ids=[1] * 16),
                                                        chunk_bytes=1 << 30))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -221,11 +216,11 @@ def test_bad_requests_get_clear_status_codes(start_node):
         return s.Put(iter(chunks))
 
     header = pb.PutChunk(header=pb.PutHeader(blocks=sel(token_ids=list(range(16)))))
-    code, msg = code_of(lambda: put(pb.PutChunk(data=b"x")))
+    code, msg = rpc_error(lambda: put(pb.PutChunk(data=b"x")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in msg
-    code, msg = code_of(lambda: put(header, pb.PutChunk(data=b"x" * 100)))
+    code, msg = rpc_error(lambda: put(header, pb.PutChunk(data=b"x" * 100)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended after 100 bytes" in msg
-    code, msg = code_of(lambda: put(header, pb.PutChunk(data=b"x" * (TEST_PAGE_BYTES + 1))))
+    code, msg = rpc_error(lambda: put(header, pb.PutChunk(data=b"x" * (TEST_PAGE_BYTES + 1))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "more than" in msg
     # none of the failed writes left anything behind
     assert s.Lookup(sel(token_ids=list(range(16)))).hit_blocks == 0
@@ -247,7 +242,7 @@ def test_auth_and_tenant_isolation(start_node):
                       "--tenant-token", "tok-b=bob")
     sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
     for token in (None, "wrong"):
-        code, msg = code_of(lambda: stub(node.address, token).Lookup(sel))
+        code, msg = rpc_error(lambda: stub(node.address, token).Lookup(sel))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in msg
     health = health_pb2_grpc.HealthStub(make_channel(node.address))  # health stays open
     assert health.Check(health_pb2.HealthCheckRequest()).status == \

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.procs import ServiceProcess
+from rpc.launch import ServiceProcess
 from kvstore.layout import KVLayout
 from kvstore.shm import SharedSlab
 from kvstore.errors import StorageError

@@ -8,14 +8,16 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from kvcache.rpc import Auth, observed, observed_stream
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events import EventKind
-from kvstore.store import ReadLease, TieredStore, TierStats
+from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
+from rpc.server import Auth
+from rpc.status import observed, observed_stream
+from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
 from .metrics import NodeMetrics
 from .node import Node, Selection
@@ -24,23 +26,6 @@ log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
 EVENT_BATCH = 4096
 _EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_EVICTED}
-
-
-def tier_pb(tier: Tier | None) -> int:
-    return cpb.TIER_UNSPECIFIED if tier is None else int(tier) + 1
-
-
-def usage_pb(t: TierStats, page_bytes: int) -> cpb.TierUsage:
-    return cpb.TierUsage(tier=tier_pb(t.tier), capacity_pages=t.capacity_pages,
-                         used_pages=t.used_pages,
-                         free_pages=t.capacity_pages - t.used_pages - t.leased_pages,
-                         pinned_blocks=t.pinned_blocks, page_bytes=page_bytes)
-
-
-def layout_pb(layout) -> cpb.Layout:
-    return cpb.Layout(model=layout.model, num_layers=layout.num_layers, kv_heads=layout.kv_heads,
-                      head_dim=layout.head_dim, dtype=layout.dtype,
-                      block_tokens=layout.block_tokens)
 
 
 class NodeServicer(pbg.NodeServiceServicer):
@@ -85,8 +70,8 @@ class NodeServicer(pbg.NodeServiceServicer):
         for ns, store in self.node.stores.items():
             page = store.layout.page_bytes
             namespaces.append(pb.NamespaceInfo(
-                namespace=ns, layout=layout_pb(store.layout), shm_name=store.shm_name or "",
-                page_bytes=page, tiers=[usage_pb(t, page) for t in store.stats().tiers]))
+                namespace=ns, layout=layout_to_pb(store.layout), shm_name=store.shm_name or "",
+                page_bytes=page, tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers]))
         return pb.NodeInfo(node_id=self.node.node_id, namespaces=namespaces,
                            hostname=socket.gethostname(), pid=os.getpid())
 
@@ -96,7 +81,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         res = sel.store.lookup(sel.keys)
         self.metrics.lookup_blocks.labels("hit").inc(res.hits)
         self.metrics.lookup_blocks.labels("miss").inc(len(sel.keys) - res.hits)
-        return pb.LookupReply(hit_blocks=res.hits, tiers=[tier_pb(t) for t in res.tiers],
+        return pb.LookupReply(hit_blocks=res.hits, tiers=[tier_to_pb(t) for t in res.tiers],
                               total_blocks=len(sel.keys))
 
     @observed
@@ -141,7 +126,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         return pb.AcquireReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
                                page_bytes=store.layout.page_bytes,
                                offsets=self._offsets(store, lease),
-                               tiers=[tier_pb(t) for t in lease.tiers],
+                               tiers=[tier_to_pb(t) for t in lease.tiers],
                                ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw[:n])
 
     @observed
@@ -169,7 +154,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             s = store.stats()
             page = store.layout.page_bytes
             out.append(pb.NamespaceStats(
-                namespace=ns, tiers=[usage_pb(t, page) for t in s.tiers], blocks=s.blocks,
+                namespace=ns, tiers=[usage_to_pb(usage_of(t, page)) for t in s.tiers], blocks=s.blocks,
                 hits={t.tier.name.lower(): t.hits for t in s.tiers}, misses=s.misses,
                 evictions={t.tier.name.lower(): t.evictions for t in s.tiers},
                 demotions=s.demotions, promotions=s.promotions, corrupt_pages=s.corrupt_pages,
@@ -269,7 +254,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                     part = items[start:start + EVENT_BATCH]
                     yield pb.EventBatch(
                         events=[cpb.BlockEvent(seq=seq, kind=cpb.EVENT_STORED, key=k,
-                                               tier=tier_pb(t)) for k, t in part],
+                                               tier=tier_to_pb(t)) for k, t in part],
                         snapshot=True, snapshot_seq=seq,
                         snapshot_done=start + EVENT_BATCH >= len(items))
                 cursor, need_snapshot = seq, False
@@ -280,5 +265,5 @@ class NodeServicer(pbg.NodeServiceServicer):
             if events:
                 yield pb.EventBatch(events=[
                     cpb.BlockEvent(seq=e.seq, kind=_EVENT_KIND[e.kind], key=e.key,
-                                   tier=tier_pb(e.tier)) for e in events])
+                                   tier=tier_to_pb(e.tier)) for e in events])
                 cursor = events[-1].seq

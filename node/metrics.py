@@ -39,9 +39,8 @@ class _StoreCollector(Collector):
                 tier = t.tier.name.lower()
                 hits.add_metric([ns, tier], t.hits)
                 evictions.add_metric([ns, tier], t.evictions)
-                free = t.capacity_pages - t.used_pages - t.leased_pages
                 for state, value in (("used", t.used_pages), ("leased", t.leased_pages),
-                                     ("free", free), ("pinned", t.pinned_blocks)):
+                                     ("free", t.free_pages), ("pinned", t.pinned_blocks)):
                     pages.add_metric([ns, tier, state], value)
         yield from (hits, misses, evictions, moves, corrupt, pages)
 

@@ -1,7 +1,7 @@
 """Starting kvcache role processes and waiting until they serve.
 
 Every server prints one JSON line ``{"event": "ready", ...}`` on stdout once it listens
-(``kvcache.rpc.announce_ready``); ``start_service`` waits for that line with a deadline instead of
+(``rpc.server.announce_ready``); ``start_service`` waits for that line with a deadline instead of
 sleeping, and reports the process's stderr if it dies first. Used by tests and ``kvcache up``.
 """
 from __future__ import annotations

@@ -17,13 +17,14 @@ from typing import Callable
 
 import grpc
 
-from kvcache.rpc import make_channel
-from kvstore.tiers import Tier
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.cluster import NodeDescriptor, NodeLoad, Role
+from rpc.wire import descriptor_to_pb, load_to_pb, usage_of
 
-from .convert import descriptor_to_pb, load_to_pb
-from .registry import NodeDescriptor, NodeLoad, TierUsage
+from .config import NodeConfig
+from .node import Node
 
 log = logging.getLogger(__name__)
 
@@ -126,25 +127,19 @@ class NodeAgent:
 
 # ---- the node server's side ---------------------------------------------------------------------
 
-def node_load(node) -> NodeLoad:
-    """A ``kvstore.node.Node``'s pools as a NodeLoad (one TierUsage per namespace and tier).
-    Engine-side load (queued prefill, running decode) is unknown to the node server: 0."""
-    tiers = []
-    for ns, stats in node.usage().items():
-        page_bytes = node.stores[ns].layout.page_bytes
-        for t in stats:
-            tiers.append(TierUsage(tier=Tier(t.tier), capacity_pages=t.capacity_pages,
-                                   used_pages=t.used_pages,
-                                   free_pages=t.capacity_pages - t.used_pages - t.leased_pages,
-                                   pinned_blocks=t.pinned_blocks, page_bytes=page_bytes))
-    return NodeLoad(tiers=tuple(tiers))
+def node_load(node: Node) -> NodeLoad:
+    """A node's pools as a NodeLoad (one TierUsage per namespace and tier). Engine-side load
+    (queued prefill, running decode) is unknown to the node server: 0."""
+    return NodeLoad(tiers=tuple(usage_of(t, node.stores[ns].layout.page_bytes)
+                                for ns, stats in node.usage().items() for t in stats))
 
 
-def start_node_agent(cfg, node, address: str) -> NodeAgent:
-    """Start an agent for ``kvcache node --conductor ADDR`` (``cfg``: kvstore.node NodeConfig,
-    ``node``: kvstore.node Node, ``address``: where others reach its NodeService)."""
+def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
+    """Start an agent for ``kvcache node --conductor ADDR`` (``address``: where others reach
+    its NodeService)."""
+    assert cfg.conductor, "start_node_agent needs cfg.conductor"
     load = node_load(node)
-    descriptor = NodeDescriptor(node_id=node.node_id, role=cfg.role or "both", address=address,
+    descriptor = NodeDescriptor(node_id=node.node_id, role=Role.parse(cfg.role or "both"), address=address,
                                 messenger_address=cfg.messenger or "",
                                 layouts=tuple(cfg.layouts), capacity=load.tiers)
     return NodeAgent(cfg.conductor, cfg.conductor_token, descriptor,

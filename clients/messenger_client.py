@@ -1,14 +1,12 @@
 """A small client of ``MessengerService`` (used by the conductor hook, tests and tools)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
-import grpc
-
-from clients.node_client import KVCacheRpcError
-from kvcache.rpc import make_channel
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.status import call
 
 
 class MessengerClient:
@@ -19,11 +17,8 @@ class MessengerClient:
         self._channel = make_channel(address, token, tls_ca_file)
         self._stub = pbg.MessengerServiceStub(self._channel)
 
-    def _call(self, name: str, request, timeout_s: float | None = None):
-        try:
-            return getattr(self._stub, name)(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise KVCacheRpcError(e.code(), e.details() or "", name) from None
+    def _call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        return call(getattr(self._stub, name), name, request, timeout=timeout_s or self.timeout_s)
 
     def info(self) -> pb.MessengerInfo:
         return self._call("GetInfo", pb.MessengerInfoRequest())

@@ -9,10 +9,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from conductor.scheduler import TransferPlan
-from conductor.transfer import TransferHook
+from clients.messenger_client import MessengerClient
 
-from .client import MessengerClient
+from .scheduler import TransferPlan
+from .transfer import TransferHook
 
 log = logging.getLogger(__name__)
 

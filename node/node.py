@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
-from kvstore.keys import BlockKey, block_keys, check_keys, root_key, scope_keys
+from kvstore.keys import BlockKey, scope_keys, select_keys
 from kvstore.shm import sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
 
@@ -87,22 +86,8 @@ class Node:
                token_bytes: bytes = b"") -> Selection:
         """Resolve keys or token ids into the keys as stored for ``tenant``."""
         store = self.store(namespace)
-        if (len(keys) > 0) + (len(token_ids) > 0) + (len(token_bytes) > 0) > 1:
-            raise InvalidArgument("give one of keys, token_ids or token_bytes, not both")
-        if token_bytes:
-            if len(token_bytes) % 4:
-                raise InvalidArgument("token_bytes must hold little-endian uint32 token ids "
-                                      f"(a multiple of 4 bytes), got {len(token_bytes)} bytes")
-            token_ids = np.frombuffer(token_bytes, dtype="<u4")
-        if len(token_ids):
-            if len(token_ids) > self.config.max_keys_per_request * store.layout.block_tokens:
-                raise InvalidArgument("too many token ids in one request")
-            raw = block_keys(token_ids, store.layout.block_tokens, root_key(namespace, salt))
-        else:
-            if len(keys) > self.config.max_keys_per_request:
-                raise InvalidArgument(f"{len(keys)} keys in one request; the limit is "
-                                      f"{self.config.max_keys_per_request}")
-            raw = check_keys(keys)
+        raw, _ = select_keys(namespace, salt, store.layout.block_tokens,
+                             self.config.max_keys_per_request, keys, token_ids, token_bytes)
         return Selection(store, scope_keys(raw, tenant), raw)
 
     # ---- lease ownership: a tenant may only touch its own leases ---------------------------

@@ -1,32 +1,23 @@
 """``ConductorClient``: a small typed client for ``ConductorService`` (front ends, tests, bench).
 
-Errors come back as ``grpc.RpcError`` with the server's status code and message (for example
+Errors raise ``KVCacheRpcError`` with the server's status code and message (for example
 RESOURCE_EXHAUSTED naming the SLO that cannot be met)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
-from kvcache.rpc import make_channel
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.status import call
+from rpc.wire import selector_to_pb
 
 
-def selector(namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+def selector(namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
              salt: bytes | str = b"") -> cpb.BlockSelector:
     """A BlockSelector from keys or token ids (tokens travel as packed little-endian uint32)."""
-    if isinstance(salt, str):
-        salt = salt.encode()
-    sel = cpb.BlockSelector(namespace=namespace, salt=salt)
-    if keys is not None and tokens is not None:
-        raise ValueError("give keys or tokens, not both")
-    if keys is not None:
-        sel.keys.extend(keys)
-    elif tokens is not None:
-        sel.token_bytes = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-    return sel
+    return selector_to_pb(namespace, keys, tokens, salt)
 
 
 class ConductorClient:
@@ -37,39 +28,41 @@ class ConductorClient:
         self.stub = pbg.ConductorServiceStub(self._channel)
         self.timeout_s = timeout_s
 
-    def schedule(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def schedule(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  salt: bytes | str = b"", request_id: str = "", prompt_tokens: int = 0,
                  output_tokens: int = 0, ttft_slo_s: float = 0.0,
                  tbt_slo_s: float = 0.0) -> pb.ScheduleReply:
-        return self.stub.Schedule(pb.ScheduleRequest(
-            request_id=request_id, blocks=selector(namespace, keys, tokens, salt),
+        return call(self.stub.Schedule, "Schedule", pb.ScheduleRequest(
+            request_id=request_id, blocks=selector_to_pb(namespace, keys, tokens, salt),
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo_s,
             tbt_slo_s=tbt_slo_s), timeout=self.timeout_s)
 
     def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]
                        ) -> list[pb.ScheduleOutcome]:
         """One outcome per request, in order (``code`` 0: ``reply`` is set)."""
-        return list(self.stub.ScheduleBatch(pb.ScheduleBatchRequest(requests=requests),
-                                            timeout=self.timeout_s).outcomes)
+        return list(call(self.stub.ScheduleBatch, "ScheduleBatch",
+                         pb.ScheduleBatchRequest(requests=requests),
+                         timeout=self.timeout_s).outcomes)
 
     def prefilled(self, request_id: str, prefill_seconds: float = 0.0) -> None:
-        self.stub.Complete(pb.CompleteRequest(request_id=request_id,
-                                              phase=pb.COMPLETE_PHASE_PREFILLED,
-                                              prefill_seconds=prefill_seconds),
-                           timeout=self.timeout_s)
+        call(self.stub.Complete, "Complete",
+             pb.CompleteRequest(request_id=request_id, phase=pb.COMPLETE_PHASE_PREFILLED,
+                                prefill_seconds=prefill_seconds), timeout=self.timeout_s)
 
     def complete(self, request_id: str) -> None:
-        self.stub.Complete(pb.CompleteRequest(request_id=request_id,
-                                              phase=pb.COMPLETE_PHASE_FINISHED),
-                           timeout=self.timeout_s)
+        call(self.stub.Complete, "Complete",
+             pb.CompleteRequest(request_id=request_id, phase=pb.COMPLETE_PHASE_FINISHED),
+             timeout=self.timeout_s)
 
     def list_nodes(self) -> pb.ListNodesReply:
-        return self.stub.ListNodes(pb.ListNodesRequest(), timeout=self.timeout_s)
+        return call(self.stub.ListNodes, "ListNodes", pb.ListNodesRequest(),
+                    timeout=self.timeout_s)
 
-    def locate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def locate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                salt: bytes | str = b"") -> dict[str, int]:
         """Node id -> how many leading blocks it holds."""
-        reply = self.stub.Locate(selector(namespace, keys, tokens, salt), timeout=self.timeout_s)
+        reply = call(self.stub.Locate, "Locate", selector_to_pb(namespace, keys, tokens, salt),
+                     timeout=self.timeout_s)
         return {n.node_id: n.blocks for n in reply.nodes}
 
     def close(self) -> None:

@@ -8,13 +8,16 @@ import argparse
 import logging
 import os
 
-from kvcache.rpc import (Auth, add_health_and_reflection, add_server_args,
-                         announce_ready, bind, host_of, make_server, start_metrics,
-                         tls_from_args, wait_for_signal)
+from typing import Any
+
+import grpc
+
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
+from rpc.server import Auth, Service, add_server_args, serve, tls_from_args
 
+from .agent import NodeAgent, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
 from .metrics import NodeMetrics
 from .node import Node
@@ -93,40 +96,26 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvcache node: {e}") from None
     metrics = NodeMetrics(lambda: node.stores)
     servicer = NodeServicer(node, auth, metrics)
-    server = make_server(auth)
-    pbg.add_NodeServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["NodeService"]
-                                                .full_name])
-    try:
-        port = bind(server, cfg.listen, tls)
-    except (OSError, RuntimeError) as e:
-        node.close()
-        raise SystemExit(f"kvcache node: cannot listen on {cfg.listen}: {e}") from None
-    server.start()
-    address = f"{host_of(cfg.listen)}:{port}"
-    metrics_port = start_metrics(cfg.metrics_port, registry=metrics.registry)
-    agent = _start_agent(cfg, node, address) if cfg.conductor else None
-    log.info("node %s serving %s on %s (tls=%s, auth=%s)", node.node_id,
-             ", ".join(node.stores), address, bool(tls), auth.enabled)
-    announce_ready("node", address=address, node_id=node.node_id, pid=os.getpid(),
-                   metrics_port=metrics_port,
-                   shm={ns: s.shm_name for ns, s in node.stores.items()})
+    agent: NodeAgent | None = None
 
-    def stop() -> None:
-        health.enter_graceful_shutdown()
+    def add(server: grpc.Server) -> list[str]:
+        pbg.add_NodeServiceServicer_to_server(servicer, server)
+        return [pb.DESCRIPTOR.services_by_name["NodeService"].full_name]
+
+    def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        nonlocal agent
+        if cfg.conductor:  # register with the conductor and keep the lease alive
+            agent = start_node_agent(cfg, node, cfg.advertise or address)
+        log.info("node %s serving %s on %s (tls=%s, auth=%s)", node.node_id,
+                 ", ".join(node.stores), address, bool(tls), auth.enabled)
+        return {"node_id": node.node_id,
+                "shm": {ns: s.shm_name for ns, s in node.stores.items()}}
+
+    def on_stopping() -> None:
         servicer.stopping = True
         if agent is not None:
             agent.stop()
-        server.stop(grace=2).wait()
-        node.close()
-        log.info("node %s stopped", node.node_id)
 
-    wait_for_signal(stop)
-    return 0
-
-
-def _start_agent(cfg: NodeConfig, node: Node, address: str):
-    """Register with the conductor and keep the lease alive (conductor/agent.py)."""
-    from conductor.agent import start_node_agent
-
-    return start_node_agent(cfg, node, cfg.advertise or address)
+    return serve(Service(role="node", listen=cfg.listen, auth=auth, tls=tls, add=add,
+                         metrics_port=cfg.metrics_port, registry=metrics.registry,
+                         on_serving=on_serving, on_stopping=on_stopping, close=node.close))

@@ -1,0 +1,55 @@
+"""The client side of every kvcache gRPC link: token metadata, TLS, message-size limits."""
+from __future__ import annotations
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._md = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        md = list(details.metadata or [])
+        md.append(self._md)
+        return details._replace(metadata=md) if hasattr(details, "_replace") else \
+            _CallDetails(details.method, details.timeout, md, details.credentials,
+                         details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
+                                                                   compression)
+
+
+def make_channel(address: str, token: str | None = None, tls_ca_file: str | None = None
+                 ) -> grpc.Channel:
+    if tls_ca_file:
+        with open(tls_ca_file, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
+    return channel
