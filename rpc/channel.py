@@ -1,6 +1,8 @@
 """The client side of every kvcache gRPC link: token metadata, TLS, message-size limits."""
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 import grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -10,33 +12,48 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+_Continuation = Callable[[grpc.ClientCallDetails, Any], Any]
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]
+                        grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
+                        grpc.StreamUnaryClientInterceptor,  # type: ignore[type-arg]
+                        grpc.StreamStreamClientInterceptor):  # type: ignore[type-arg]
+    """Adds the bearer token to every call's metadata."""
+
     def __init__(self, token: str) -> None:
         self._md = ("authorization", f"Bearer {token}")
 
-    def _details(self, details):
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         md = list(details.metadata or [])
         md.append(self._md)
-        return details._replace(metadata=md) if hasattr(details, "_replace") else \
-            _CallDetails(details.method, details.timeout, md, details.credentials,
-                         details.wait_for_ready, details.compression)
+        if hasattr(details, "_replace"):
+            return details._replace(metadata=md)  # type: ignore[no-any-return]
+        return _CallDetails(details.method, details.timeout, md, details.credentials,
+                            details.wait_for_ready, details.compression)
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def intercept_unary_unary(self, continuation: _Continuation,
+                              details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):
+    def intercept_unary_stream(self, continuation: _Continuation,
+                               details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):
+    def intercept_stream_unary(self, continuation: _Continuation,
+                               details: grpc.ClientCallDetails,
+                               request_iterator: Iterator[Any]) -> Any:
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
+    def intercept_stream_stream(self, continuation: _Continuation,
+                                details: grpc.ClientCallDetails,
+                                request_iterator: Iterator[Any]) -> Any:
         return continuation(self._details(details), request_iterator)
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
+                 wait_for_ready: bool | None, compression: Any) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
         self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
                                                                    compression)

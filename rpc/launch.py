@@ -16,19 +16,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class ServiceProcess:
     role: str
-    proc: subprocess.Popen
-    info: dict
+    proc: subprocess.Popen[str]
+    info: dict[str, Any]
     log_path: str
     _drain: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
-        return self.info["address"]
+        return str(self.info["address"])
 
     @property
     def pid(self) -> int:
@@ -66,7 +67,7 @@ class ServiceProcess:
             return ""
 
 
-def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = None,
+def start_service(args: list[str], timeout_s: float = 60.0, env: dict[str, str] | None = None,
                   log_dir: str | None = None, new_session: bool = False) -> ServiceProcess:
     """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
@@ -75,9 +76,11 @@ def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = N
                             stderr=log_file, text=True, bufsize=1,
                             env={**os.environ, **(env or {})}, start_new_session=new_session)
     log_file.close()
+    assert proc.stdout is not None  # stdout=PIPE
+    stdout = proc.stdout
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stdout, selectors.EVENT_READ)
     info = None
     try:
         while info is None:
@@ -88,7 +91,7 @@ def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = N
                 if proc.poll() is not None:
                     break
                 continue
-            line = proc.stdout.readline()
+            line = stdout.readline()
             if not line:
                 if proc.poll() is None:
                     proc.wait(5)
@@ -108,6 +111,6 @@ def start_service(args: list[str], timeout_s: float = 60.0, env: dict | None = N
                            f"it was ready:\n{tail}")
     sp = ServiceProcess(args[0], proc, info, log_path)
     # NOTE: keep reading stdout so a chatty process never blocks on a full pipe.
-    sp._drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
+    sp._drain = threading.Thread(target=lambda: [None for _ in stdout], daemon=True)
     sp._drain.start()
     return sp

@@ -65,7 +65,7 @@ class Auth:
         return tenant
 
 
-class _AuthInterceptor(grpc.ServerInterceptor):
+class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, auth: Auth) -> None:
         self._auth = auth
 

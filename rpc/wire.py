@@ -19,8 +19,11 @@ if TYPE_CHECKING:  # the store itself (lmdb, pools) is not needed to convert its
 # ---- tiers: proto numbers them from 1 (0 = unspecified) ----------------------------------------
 
 
-def tier_to_pb(tier: Tier | None) -> int:
-    return cpb.TIER_UNSPECIFIED if tier is None else int(tier) + 1
+_TIER_TO_PB = (cpb.TIER_GPU, cpb.TIER_DRAM, cpb.TIER_SSD)  # indexed by Tier
+
+
+def tier_to_pb(tier: Tier | None) -> cpb.Tier:
+    return cpb.TIER_UNSPECIFIED if tier is None else _TIER_TO_PB[tier]
 
 
 def tier_from_pb(value: int) -> Tier:
