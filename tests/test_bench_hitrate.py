@@ -188,6 +188,7 @@ def test_cli_out_of_order_trace_warns(tmp_path):
     assert "(2 reordered)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_synthetic_cli_is_seeded(tmp_path):
     args = ["hitrate", "--synthetic", "--synthetic-requests", "300", "--capacities", "200k,2M",
             "--policies", "lru", "--no-progress", "--seed", "3"]

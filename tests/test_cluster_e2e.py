@@ -97,6 +97,7 @@ def run_live(cluster_json: str, out_dir, *extra: str) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
     config, state_dir = write_config(tmp_path)
     up = kvcache("up", "--config", config, "--detach")
@@ -160,6 +161,7 @@ def test_bench_live_rejects_bad_options(tmp_path):
     assert r.returncode == 2 and f"{bad}:2" in r.stderr
 
 
+@pytest.mark.slow
 def test_up_in_the_foreground_stops_on_ctrl_c(tmp_path):
     config, state_dir = write_config(tmp_path, dram="64MiB")
     # Its own process group, like a shell job: Ctrl-C sends SIGINT to the whole group.

@@ -4,12 +4,15 @@ Timings are not checked (they belong to the benchmark's output), only that each 
 produced, finite, and comes with its target or reference; the index counts are exact."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import math
 import subprocess
 import sys
 
 
+@pytest.mark.slow
 def test_conductor_benchmark_writes_every_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "kvcache.cli", "bench", "conductor", "--blocks", "4096",

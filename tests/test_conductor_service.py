@@ -126,6 +126,7 @@ def scrape(service, series: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow
 def test_registration_event_fed_index_and_scheduling(start_conductor, start_member):
     c = start_conductor("--metrics-port", "0")
     n0 = start_member(c, "n0", "prefill")
@@ -255,6 +256,7 @@ def test_tenant_scoped_keys_match_only_the_tenants_blocks(start_conductor, start
             assert admin.locate(NS, keys=scope_keys(raw, "alice")) == {"n0": 4}
 
 
+@pytest.mark.slow
 def test_lease_expiry_and_reregistration_after_conductor_restart(start_kvcache, start_member):
     c = start_kvcache("conductor", "--listen", "127.0.0.1:0", "--lease", "1")
     port = c.address.rsplit(":", 1)[1]
@@ -359,6 +361,7 @@ def test_feed_faults_trigger_a_resync_from_snapshot(start_conductor, fault):
 
 # ---- hot-block replication through the messengers -----------------------------------------------
 
+@pytest.mark.slow
 def test_plan_moves_blocks_to_the_chosen_node_through_its_messenger(tmp_path):
     """A local cluster (`kvcache up`'s launcher: conductor, nodes, messengers as processes): the
     conductor hands the plan to the destination's messenger, which fetches the pages from the

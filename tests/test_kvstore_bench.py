@@ -4,6 +4,8 @@ Timings are not checked here (they belong to the benchmark's own output), only t
 is produced, finite and carries its reference."""
 from __future__ import annotations
 
+import pytest
+
 import argparse
 import json
 import math
@@ -11,6 +13,7 @@ import math
 import bench.store
 
 
+@pytest.mark.slow
 def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.store.configure(parser)

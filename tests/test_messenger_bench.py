@@ -2,11 +2,14 @@
 asserted: they belong to the benchmark's output, not to pass/fail)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from bench.transfer import main, parse_bytes
 
 
+@pytest.mark.slow
 def test_quick_transfer_benchmark_reports_ratios(tmp_path, capsys):
     out = tmp_path / "transfer.json"
     assert main(["--total", "8M", "--sizes", "1M", "--runs", "1", "--lanes", "2",

@@ -119,6 +119,7 @@ def present(client: KVStoreClient, keys) -> list[bool]:
     return [p is not None for p in client.get(NS, keys=keys)]
 
 
+@pytest.mark.slow
 def test_transfer_1000_pages_bytes_identical(shared_pair):
     a, b = shared_pair
     keys, pages = make_keys(1000, start=10_000), make_pages(1000, seed=1)
@@ -155,6 +156,7 @@ def test_missing_key_fails_not_found_rest_complete(shared_pair):
     assert all(np.array_equal(got[i], pages[i]) for i in range(12) if i != 5)
 
 
+@pytest.mark.slow
 def test_destination_out_of_capacity(cluster):
     a, b = cluster(b_dram="64KiB")              # 8 pages
     keys, pages = make_keys(20), make_pages(20, seed=3)
@@ -167,6 +169,7 @@ def test_destination_out_of_capacity(cluster):
     assert a.pages_sent() == 0                 # nothing was pulled for pages with no room
 
 
+@pytest.mark.slow
 def test_corrupted_bytes_on_the_wire_are_caught_and_never_committed(cluster):
     a, b = cluster(a_args=("--fault-corrupt-every", "4"))
     keys, pages = make_keys(16), make_pages(16, seed=4)
@@ -198,6 +201,7 @@ def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(sh
     assert "dropping connection" in a.messenger.log()
 
 
+@pytest.mark.slow
 def test_duplicate_submissions_are_fetched_once(cluster):
     # The source stalls after 2 pages so the second submission surely finds the first in flight.
     a, b = cluster(a_args=("--fault-stall-after", "2", "--fault-stall-s", "1.5"))
@@ -215,6 +219,7 @@ def test_duplicate_submissions_are_fetched_once(cluster):
     assert all(np.array_equal(g, p) for g, p in zip(got, pages))
 
 
+@pytest.mark.slow
 def test_source_killed_mid_transfer(cluster):
     a, b = cluster(a_args=("--fault-stall-after", "300", "--fault-stall-s", "60",
                            "--pin-ttl", "1", "--lanes", "1"),
@@ -241,6 +246,7 @@ def test_source_killed_mid_transfer(cluster):
     wait_until(lambda: a.pinned() == 0, 15, "the source pins to expire")
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
     a, b = cluster(a_args=("--fault-stall-after", "1", "--fault-stall-s", "1.5", "--lanes", "1"),
                    b_args=("--lanes", "1"))
@@ -311,6 +317,7 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
                       timeout_s=30)
 
 
+@pytest.mark.slow
 def test_token_everywhere(cluster):
     a, b = cluster(token="t0k", b_args=("--tenant-token", "tt=alice"))
     keys, pages = make_keys(16), make_pages(16, seed=10)

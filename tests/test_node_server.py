@@ -138,6 +138,7 @@ def test_two_writers_same_key_one_wins_no_corruption(start_node):
 
 # ---- leases and faults ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_pins_of_a_killed_client_expire(start_node):
     node = start_node("--lease-ttl", "1.5", dram="32KiB")  # 4 pages
     with KVStoreClient(node.address) as c:
@@ -168,6 +169,7 @@ def test_pins_of_a_killed_client_expire(start_node):
         holder.kill()
 
 
+@pytest.mark.slow
 def test_write_lease_expires_and_its_pages_return(start_node):
     node = start_node("--lease-ttl", "1", dram="16KiB")  # 2 pages
     with KVStoreClient(node.address) as c:
@@ -357,6 +359,7 @@ def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
     assert 'kvcache_node_rpc_seconds_count{method="Lookup"}' in body
 
 
+@pytest.mark.slow
 def test_bad_configuration_fails_at_start_with_a_message(start_kvcache, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

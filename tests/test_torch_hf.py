@@ -95,6 +95,7 @@ def test_loaded_kv_really_drives_the_logits(model, connect):
     assert (result.logits - full_prefill(model, ids)).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @PATHS
 def test_greedy_generation_is_identical_with_and_without_the_store(model, connect, use_shm):
     kv = connect(use_shm)
