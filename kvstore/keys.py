@@ -7,9 +7,10 @@ Token ids are hashed as little-endian uint32.
 """
 from __future__ import annotations
 
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence, cast
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .errors import InvalidArgument
@@ -29,7 +30,7 @@ def root_key(namespace: str, salt: bytes | str = b"") -> BlockKey:
     return BlockKey(xxhash.xxh3_128_digest(payload))
 
 
-def tokens_as_array(tokens) -> np.ndarray:
+def tokens_as_array(tokens: Any) -> npt.NDArray[np.uint32]:
     """Token ids (list, numpy array or torch tensor) as a contiguous little-endian uint32 array."""
     if hasattr(tokens, "detach"):  # torch tensor: one host copy, no per-token work
         tokens = tokens.detach().reshape(-1).cpu().numpy()
@@ -47,7 +48,7 @@ def tokens_as_array(tokens) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
 
 
-def block_keys(tokens, block_tokens: int, root: bytes,
+def block_keys(tokens: Any, block_tokens: int, root: bytes,
                parent: bytes | None = None) -> list[BlockKey]:
     """Keys of every full block of ``tokens``; a trailing partial block is not keyed.
 
@@ -58,10 +59,10 @@ def block_keys(tokens, block_tokens: int, root: bytes,
         raise InvalidArgument("block_tokens must be positive")
     arr = tokens_as_array(tokens)
     n_blocks = arr.size // block_tokens
-    data = memoryview(arr[: n_blocks * block_tokens]).cast("B")
+    data = arr[: n_blocks * block_tokens].data.cast("B")
     step = block_tokens * _TOKEN_DTYPE.itemsize
     prev = parent if parent is not None else root
-    keys: list[BlockKey] = []
+    keys: list[bytes] = []
     append = keys.append
     hasher = xxhash.xxh3_128
     for off in range(0, n_blocks * step, step):
@@ -69,7 +70,7 @@ def block_keys(tokens, block_tokens: int, root: bytes,
         h.update(data[off:off + step])
         prev = h.digest()
         append(prev)
-    return keys
+    return cast(list[BlockKey], keys)  # NOTE: no per-key BlockKey() call on this hot loop
 
 
 def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]:
@@ -77,11 +78,11 @@ def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]
     arr = np.asarray(block_ids, dtype="<i8")
     data = arr.tobytes()
     prev = root
-    keys: list[BlockKey] = []
+    keys: list[bytes] = []
     for off in range(0, len(data), 8):
         prev = xxhash.xxh3_128_digest(prev + data[off:off + 8])
         keys.append(prev)
-    return keys
+    return cast(list[BlockKey], keys)
 
 
 def check_keys(keys: Sequence[bytes]) -> list[BlockKey]:
@@ -125,7 +126,7 @@ def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks
         if len(token_bytes) % 4:
             raise InvalidArgument("token_bytes must hold little-endian uint32 token ids "
                                   f"(a multiple of 4 bytes), got {len(token_bytes)} bytes")
-        token_ids = np.frombuffer(token_bytes, dtype=_TOKEN_DTYPE)
+        token_ids = np.frombuffer(token_bytes, dtype=_TOKEN_DTYPE)  # type: ignore[assignment]
     if len(token_ids):
         if len(token_ids) > max_blocks * block_tokens:
             raise InvalidArgument("too many token ids in one request")
@@ -133,6 +134,6 @@ def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks
     if len(keys) > max_blocks:
         raise InvalidArgument(f"{len(keys)} keys in one request; the limit is {max_blocks}")
     # Fast path: protobuf already gives bytes; only the length can be wrong.
-    raw = (list(keys) if all(map(KEY_BYTES.__eq__, map(len, keys)))  # type: ignore[arg-type]
+    raw = (cast(list[BlockKey], list(keys)) if all(map(KEY_BYTES.__eq__, map(len, keys)))
            else check_keys(keys))
     return raw, len(raw) * block_tokens

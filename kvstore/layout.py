@@ -80,6 +80,6 @@ class KVLayout:
         return (f"{self.model}|L{self.num_layers}|H{self.kv_heads}|D{self.head_dim}"
                 f"|{self.dtype}|B{self.block_tokens}")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str | int]:
         return {"model": self.model, "num_layers": self.num_layers, "kv_heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype": self.dtype, "block_tokens": self.block_tokens}

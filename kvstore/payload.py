@@ -1,16 +1,26 @@
 """Turning caller payloads (bytes, numpy, torch) into flat uint8 views, and copying bytes."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, TypeAlias
+
 import numpy as np
+import numpy.typing as npt
 
 from .errors import InvalidArgument
 
+if TYPE_CHECKING:
+    import torch
 
-def _is_torch(x) -> bool:
+# A page's bytes as a flat uint8 view: numpy on the host, a torch tensor on its own device.
+ByteView: TypeAlias = "npt.NDArray[np.uint8] | torch.Tensor"
+
+
+def _is_torch(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def as_uint8(data, expected_bytes: int, dtype_name: str | None = None, what: str = "payload"):
+def as_uint8(data: Any, expected_bytes: int, dtype_name: str | None = None,
+             what: str = "payload") -> ByteView:
     """A flat uint8 view of ``data`` (numpy array, or torch tensor on its own device).
 
     ``dtype_name``: the layout dtype; typed arrays must match it (raw uint8 / bytes are accepted).
@@ -20,9 +30,8 @@ def as_uint8(data, expected_bytes: int, dtype_name: str | None = None, what: str
         if dtype_name and name not in ("uint8", dtype_name):
             raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
         import torch
-        flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
-        if flat.device.type == "cpu":
-            flat = flat.numpy()
+        tensor = data.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat: ByteView = tensor.numpy() if tensor.device.type == "cpu" else tensor
     elif isinstance(data, np.ndarray):
         name = data.dtype.name
         if dtype_name and name != "uint8" and not _np_matches(data.dtype, dtype_name):
@@ -40,7 +49,7 @@ def as_uint8(data, expected_bytes: int, dtype_name: str | None = None, what: str
     return flat
 
 
-def _np_matches(dt: np.dtype, dtype_name: str) -> bool:
+def _np_matches(dt: np.dtype[Any], dtype_name: str) -> bool:
     if dtype_name in ("bfloat16",):  # numpy has no bf16: carried as uint16
         return dt == np.uint16
     if dtype_name.startswith("float8"):
@@ -48,7 +57,7 @@ def _np_matches(dt: np.dtype, dtype_name: str) -> bool:
     return dt.name == dtype_name
 
 
-def copy_bytes(dst, src) -> None:
+def copy_bytes(dst: Any, src: Any) -> None:
     """Copy flat uint8 ``src`` into flat uint8 ``dst``; each may be numpy or torch (any device)."""
     if _is_torch(dst) or _is_torch(src):
         import torch

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 
-from .payload import copy_bytes
+from .payload import ByteView, copy_bytes
 from .shm import SharedSlab, unique_shm_name
 from .tiers import Tier
 
@@ -24,14 +24,15 @@ class PagePool(ABC):
     has_data: bool = True
 
     @abstractmethod
-    def page_view(self, slot: int):
+    def page_view(self, slot: int) -> ByteView | None:
         """A writable flat uint8 view of the page (numpy or torch), or None if not addressable."""
 
-    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence) -> None:
+    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
+                    datas: Sequence[ByteView]) -> None:
         for slot, data in zip(slots, datas):
             copy_bytes(self.page_view(slot), data)
 
-    def read_page_into(self, slot: int, key: bytes, out) -> bool:
+    def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         """Copy a page into ``out``; False when the page is gone or corrupt (SSD)."""
         copy_bytes(out, self.page_view(slot))
         return True
@@ -56,8 +57,9 @@ class SharedDramPool(PagePool):
         self.shm_name = self.slab.name
         self._pages = self.slab.array.reshape(num_pages, page_bytes)
 
-    def page_view(self, slot: int):
-        return self._pages[slot]
+    def page_view(self, slot: int) -> ByteView:
+        page: ByteView = self._pages[slot]
+        return page
 
     def close(self) -> None:
         self._pages = None  # type: ignore[assignment]
@@ -80,7 +82,7 @@ class TorchSlabPool(PagePool):
         self.device = torch.device(device)
         self._pages = torch.empty((num_pages, page_bytes), dtype=torch.uint8, device=self.device)
 
-    def page_view(self, slot: int):
+    def page_view(self, slot: int) -> ByteView:
         return self._pages[slot]
 
     def close(self) -> None:
@@ -95,11 +97,12 @@ class MetadataPool(PagePool):
     def __init__(self, tier: Tier, num_pages: int, page_bytes: int = 0) -> None:
         self.tier, self.num_pages, self.page_bytes = tier, num_pages, page_bytes
 
-    def page_view(self, slot: int):
+    def page_view(self, slot: int) -> None:
         return None
 
-    def write_pages(self, slots, keys, datas) -> None:
+    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
+                    datas: Sequence[ByteView]) -> None:
         pass
 
-    def read_page_into(self, slot, key, out) -> bool:
+    def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         return True

@@ -12,7 +12,7 @@ import os
 import secrets
 import weakref
 
-import _posixshmem
+import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, no stubs
 import numpy as np
 
 from .errors import StorageError
@@ -104,7 +104,7 @@ class SharedSlab:
     def __enter__(self) -> "SharedSlab":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
         if self.owner:
             self.unlink()
@@ -119,7 +119,7 @@ def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
     Names carry the creator's pid (``unique_shm_name``); a slab is an orphan when no process with
     that pid exists. Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

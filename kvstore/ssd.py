@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from .errors import StorageError
-from .payload import copy_bytes
+from .payload import ByteView, copy_bytes
 from .pools import PagePool
 from .tiers import Tier
 
@@ -41,18 +41,20 @@ class SsdPool(PagePool):
             raise StorageError(f"cannot open the SSD tier at {path!r}: {e}; "
                                "give --ssd-dir a writable directory") from None
 
-    def page_view(self, slot: int):
+    def page_view(self, slot: int) -> None:
         return None
 
-    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence) -> None:
+    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
+                    datas: Sequence[ByteView]) -> None:
         with self.env.begin(write=True) as txn:
             for key, data in zip(keys, datas):
                 if not isinstance(data, np.ndarray):  # a torch tensor (GPU tier demotes via host)
                     data = data.cpu().numpy()
-                txn.put(key, data, db=self._pages)
-                txn.put(key, xxhash.xxh3_64_digest(data), db=self._sums)
+                view = data.data  # the array's buffer: lmdb and xxhash read it, no copy
+                txn.put(key, view, db=self._pages)
+                txn.put(key, xxhash.xxh3_64_digest(view), db=self._sums)
 
-    def read_page_into(self, slot: int, key: bytes, out) -> bool:
+    def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         with self.env.begin(buffers=True) as txn:
             value = txn.get(key, db=self._pages)
             if value is None:
