@@ -25,17 +25,19 @@ class ConductorClient:
                  timeout_s: float = 10.0) -> None:
         self.address = address
         self._channel = make_channel(address, token, tls_ca_file)
-        self.stub = pbg.ConductorServiceStub(self._channel)
+        # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
+        self.stub = pbg.ConductorServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout_s = timeout_s
 
     def schedule(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  salt: bytes | str = b"", request_id: str = "", prompt_tokens: int = 0,
                  output_tokens: int = 0, ttft_slo_s: float = 0.0,
                  tbt_slo_s: float = 0.0) -> pb.ScheduleReply:
-        return call(self.stub.Schedule, "Schedule", pb.ScheduleRequest(
+        reply: pb.ScheduleReply = call(self.stub.Schedule, "Schedule", pb.ScheduleRequest(
             request_id=request_id, blocks=selector_to_pb(namespace, keys, tokens, salt),
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo_s,
             tbt_slo_s=tbt_slo_s), timeout=self.timeout_s)
+        return reply
 
     def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]
                        ) -> list[pb.ScheduleOutcome]:
@@ -55,8 +57,9 @@ class ConductorClient:
              timeout=self.timeout_s)
 
     def list_nodes(self) -> pb.ListNodesReply:
-        return call(self.stub.ListNodes, "ListNodes", pb.ListNodesRequest(),
-                    timeout=self.timeout_s)
+        reply: pb.ListNodesReply = call(self.stub.ListNodes, "ListNodes", pb.ListNodesRequest(),
+                                        timeout=self.timeout_s)
+        return reply
 
     def locate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                salt: bytes | str = b"") -> dict[str, int]:
@@ -71,5 +74,5 @@ class ConductorClient:
     def __enter__(self) -> "ConductorClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -75,14 +76,15 @@ def connect_for_model(address: str, model: PreTrainedModel, model_name: str | No
                                  lease_ttl_s=lease_ttl_s)
 
 
-class StoreBackedLayer(DynamicLayer):
+# NOTE: transformers' CacheLayerMixin.__init_subclass__ and __init__ are unannotated.
+class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """A ``DynamicLayer`` that reports a prefix before it is loaded, takes it from the load on
     its first ``update`` and hands that update's new K/V to the store; later updates (decode)
     behave exactly like ``DynamicLayer``."""
 
     def __init__(self, layer_idx: int, load: LayerwiseLoad | None, prefix_tokens: int,
                  store: LayerwiseStore | None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._idx = layer_idx
         self._load = load
         self._prefix = prefix_tokens if load is not None else 0
@@ -93,8 +95,8 @@ class StoreBackedLayer(DynamicLayer):
             return self._prefix
         return super().get_seq_length()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         store, self._store = self._store, None
         if store is not None:
             store.put_layer(self._idx, key_states, value_states)
@@ -124,7 +126,7 @@ class PrefillResult:
     notes: list[str] = field(default_factory=list)  # fallbacks taken, for the caller to log
 
 
-def _as_ids(tokens, device: torch.device) -> torch.Tensor:
+def _as_ids(tokens: Any, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(tokens)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
@@ -143,8 +145,9 @@ def _note(notes: list[str], message: str) -> None:
 
 
 @torch.inference_mode()
-def prefill_with_store(model: PreTrainedModel, tokens, kv: TorchKVClient | None,
-                       on_progress=None, load_cached: bool = True) -> PrefillResult:
+def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | None,
+                       on_progress: Callable[[LoadProgress], None] | None = None,
+                       load_cached: bool = True) -> PrefillResult:
     """Prefill ``tokens`` (one prompt) reusing and extending the store's cached prefix.
 
     ``kv=None`` is a plain prefill. ``on_progress(LoadProgress)`` is called from the loader
@@ -228,7 +231,7 @@ def prefill_with_store(model: PreTrainedModel, tokens, kv: TorchKVClient | None,
 
 
 @torch.inference_mode()
-def greedy_generate(model: PreTrainedModel, tokens, max_new_tokens: int,
+def greedy_generate(model: PreTrainedModel, tokens: Any, max_new_tokens: int,
                     kv: TorchKVClient | None = None) -> tuple[torch.Tensor, PrefillResult]:
     """Greedy decoding after a (store-backed) prefill; returns the new token ids and the
     prefill's result."""

@@ -15,29 +15,34 @@ class MessengerClient:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
-        self._stub = pbg.MessengerServiceStub(self._channel)
+        # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
+        self._stub = pbg.MessengerServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def _call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
         return call(getattr(self._stub, name), name, request, timeout=timeout_s or self.timeout_s)
 
     def info(self) -> pb.MessengerInfo:
-        return self._call("GetInfo", pb.MessengerInfoRequest())
+        reply: pb.MessengerInfo = self._call("GetInfo", pb.MessengerInfoRequest())
+        return reply
 
     def submit(self, namespace: str, entries: Iterable[tuple[bytes, str]]
                ) -> pb.SubmitTransferReply:
         """``entries``: (key, source messenger gRPC address) pairs."""
-        return self._call("SubmitTransfer", pb.SubmitTransferRequest(
+        reply: pb.SubmitTransferReply = self._call("SubmitTransfer", pb.SubmitTransferRequest(
             namespace=namespace,
             entries=[pb.TransferEntry(key=k, source=s) for k, s in entries]))
+        return reply
 
     def status(self, batch_id: str, wait: bool = False, timeout_s: float = 30.0
                ) -> pb.TransferStatusReply:
-        return self._call("TransferStatus", pb.TransferStatusRequest(
+        reply: pb.TransferStatusReply = self._call("TransferStatus", pb.TransferStatusRequest(
             batch_id=batch_id, wait=wait, timeout_s=timeout_s),
             timeout_s=timeout_s + 10 if wait else None)
+        return reply
 
     def cancel(self, batch_id: str) -> pb.TransferStatusReply:
-        return self._call("Cancel", pb.CancelRequest(batch_id=batch_id))
+        reply: pb.TransferStatusReply = self._call("Cancel", pb.CancelRequest(batch_id=batch_id))
+        return reply
 
     def close(self) -> None:
         self._channel.close()
@@ -45,5 +50,5 @@ class MessengerClient:
     def __enter__(self) -> "MessengerClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import grpc
 import numpy as np
+from numpy.typing import NDArray
 
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
@@ -31,8 +33,12 @@ from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.channel import make_channel
-from rpc.status import KVCacheRpcError, call
+from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
+from rpc.status import call
 from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
@@ -50,7 +56,7 @@ class NamespaceInfo:
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     hit_blocks: int
-    tiers: list[Tier]
+    tiers: list[Tier | None]
     total_blocks: int
 
 
@@ -70,7 +76,7 @@ class _Lease:
     page_bytes: int
     slab: SharedSlab | None = field(repr=False)
 
-    def page(self, index: int) -> np.ndarray:
+    def page(self, index: int) -> NDArray[np.uint8]:
         """Zero-copy view of page ``index`` in the node's shared memory."""
         off = self.offsets[index]
         if off < 0:
@@ -80,7 +86,7 @@ class _Lease:
                                "use put()/get() instead")
         return self.slab.array[off:off + self.page_bytes]
 
-    def layer(self, index: int, layer: int, layout: KVLayout) -> np.ndarray:
+    def layer(self, index: int, layer: int, layout: KVLayout) -> NDArray[np.uint8]:
         off = layout.layer_offset(layer)
         return self.page(index)[off:off + layout.layer_bytes]
 
@@ -102,7 +108,8 @@ class WriteLease(_Lease):
     def __enter__(self) -> "WriteLease":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.commit()
         else:
@@ -128,7 +135,7 @@ class ReadLease(_Lease):
             n += 1
         return n
 
-    def page(self, index: int) -> np.ndarray:
+    def page(self, index: int) -> NDArray[np.uint8]:
         view = super().page(index)
         view = view.view()
         view.flags.writeable = False
@@ -140,7 +147,7 @@ class ReadLease(_Lease):
     def __enter__(self) -> "ReadLease":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -152,7 +159,8 @@ class KVStoreClient:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
-        self._stub = pbg.NodeServiceStub(self._channel)
+        # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
+        self._stub = pbg.NodeServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._use_shm = use_shm
         self._slabs: dict[str, SharedSlab | None] = {}
         self._info: dict[str, NamespaceInfo] | None = None
@@ -192,14 +200,15 @@ class KVStoreClient:
     # ---- info ---------------------------------------------------------------------------------
 
     def info(self) -> pb.NodeInfo:
-        return self._call("GetInfo", pb.GetInfoRequest())
+        reply: pb.NodeInfo = self._call("GetInfo", pb.GetInfoRequest())
+        return reply
 
     def namespaces(self) -> list[str]:
         return list(self._namespaces())
 
     def _namespaces(self) -> dict[str, NamespaceInfo]:
         if self._info is None:
-            out = {}
+            out: dict[str, NamespaceInfo] = {}
             for n in self.info().namespaces:
                 dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
                 out[n.namespace] = NamespaceInfo(n.namespace, layout_from_pb(n.layout),
@@ -220,12 +229,12 @@ class KVStoreClient:
 
     # ---- lookup / leases ------------------------------------------------------------------------
 
-    def lookup(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def lookup(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                salt: bytes | str = b"") -> LookupResult:
         r = self._call("Lookup", selector_to_pb(namespace, keys, tokens, salt))
         return LookupResult(r.hit_blocks, [tier_or_none_from_pb(t) for t in r.tiers], r.total_blocks)
 
-    def allocate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def allocate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                  salt: bytes | str = b"", ttl_s: float = 0.0) -> WriteLease:
         r = self._call("Allocate", pb.AllocateRequest(
             blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s))
@@ -240,7 +249,7 @@ class KVStoreClient:
     def abort(self, lease: WriteLease) -> None:
         self._call("Abort", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id))
 
-    def acquire(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def acquire(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                 salt: bytes | str = b"", ttl_s: float = 0.0,
                 prefix_only: bool = False) -> ReadLease:
         r = self._call("Acquire", pb.AcquireRequest(
@@ -256,13 +265,15 @@ class KVStoreClient:
 
     def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
-        return self._call("ExtendLease", pb.ExtendLeaseRequest(
-            namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s)).ttl_s
+        reply: pb.ExtendLeaseReply = self._call("ExtendLease", pb.ExtendLeaseRequest(
+            namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s))
+        return reply.ttl_s
 
     # ---- whole pages: shared memory when mapped, else streamed ----------------------------------
 
-    def put(self, namespace: str, pages: Sequence, keys: Sequence[bytes] | None = None,
-            tokens=None, salt: bytes | str = b"") -> CommitResult:
+    def put(self, namespace: str, pages: Sequence[NDArray[Any] | torch.Tensor | bytes],
+            keys: Sequence[bytes] | None = None, tokens: Any = None, salt: bytes | str = b""
+            ) -> CommitResult:
         """Store one page per block (numpy / torch / bytes of page_bytes each)."""
         info = self.namespace_info(namespace)
         srcs = [as_uint8(p, info.page_bytes, info.layout.dtype, f"page #{i}")
@@ -281,7 +292,9 @@ class KVStoreClient:
             raise
         return self.commit(lease)
 
-    def _put_streamed(self, namespace, srcs, keys, tokens, salt) -> CommitResult:
+    def _put_streamed(self, namespace: str, srcs: Sequence[NDArray[np.uint8] | torch.Tensor],
+                      keys: Sequence[bytes] | None, tokens: Any, salt: bytes | str
+                      ) -> CommitResult:
         selector = selector_to_pb(namespace, keys, tokens, salt)
 
         def chunks() -> Iterator[pb.PutChunk]:
@@ -289,7 +302,8 @@ class KVStoreClient:
             for src in srcs:
                 if not isinstance(src, np.ndarray):
                     src = src.cpu().numpy()
-                mv = memoryview(src)
+                # NOTE: numpy's stubs give ndarray __buffer__ on Python >= 3.12 only.
+                mv = memoryview(src)  # type: ignore[arg-type]
                 for off in range(0, len(mv), STREAM_CHUNK_BYTES):
                     yield pb.PutChunk(data=bytes(mv[off:off + STREAM_CHUNK_BYTES]))
 
@@ -299,12 +313,13 @@ class KVStoreClient:
             raise KVCacheRpcError.of(e, "Put") from None
         return CommitResult(r.stored, r.duplicates)
 
-    def get(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
-            salt: bytes | str = b"", prefix_only: bool = False) -> list[np.ndarray | None]:
+    def get(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
+            salt: bytes | str = b"", prefix_only: bool = False
+            ) -> list[NDArray[np.uint8] | None]:
         """Copies of the pages (None where missing)."""
         if self._slab(namespace) is not None:
             with self.acquire(namespace, keys, tokens, salt, prefix_only=prefix_only) as lease:
-                out: list[np.ndarray | None] = []
+                out: list[NDArray[np.uint8] | None] = []
                 streamed: list[int] = []
                 for i, (off, tier) in enumerate(zip(lease.offsets, lease.tiers)):
                     if off >= 0:
@@ -320,18 +335,19 @@ class KVStoreClient:
                 return out
         return self._get_streamed(namespace, keys, tokens, salt, prefix_only)
 
-    def _get_streamed(self, namespace, keys, tokens, salt, prefix_only
-                      ) -> list[np.ndarray | None]:
+    def _get_streamed(self, namespace: str, keys: Sequence[bytes] | None, tokens: Any,
+                      salt: bytes | str, prefix_only: bool) -> list[NDArray[np.uint8] | None]:
         request = pb.GetRequest(blocks=selector_to_pb(namespace, keys, tokens, salt),
                                 prefix_only=prefix_only)
         try:
             stream = self._stub.Get(request, timeout=self.timeout_s)
             header = next(stream).header
             page = header.page_bytes
-            out: list[np.ndarray | None] = [np.empty(page, np.uint8) if f else None
-                                            for f in header.found]
+            out: list[NDArray[np.uint8] | None] = [np.empty(page, np.uint8) if f else None
+                                                   for f in header.found]
             targets = iter([p for p in out if p is not None])
-            cur, pos = None, page
+            cur: NDArray[np.uint8]  # bound at the first byte: pos starts at page
+            pos = page
             for chunk in stream:
                 data = chunk.data
                 off = 0
@@ -346,12 +362,14 @@ class KVStoreClient:
             raise KVCacheRpcError.of(e, "Get") from None
         return out
 
-    def remove(self, namespace: str, keys: Sequence[bytes] | None = None, tokens=None,
+    def remove(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
                salt: bytes | str = b"") -> int:
-        return self._call("Remove", selector_to_pb(namespace, keys, tokens, salt)).removed
+        reply: pb.RemoveReply = self._call("Remove", selector_to_pb(namespace, keys, tokens, salt))
+        return reply.removed
 
     def stats(self) -> pb.StatsReply:
-        return self._call("Stats", pb.StatsRequest())
+        reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
+        return reply
 
     def events(self, after_seq: int = 0, resync: bool = False) -> Iterator[pb.EventBatch]:
         """The node's event feed (admin token only); runs until the caller stops iterating."""
@@ -377,5 +395,5 @@ class KVStoreClient:
     def __enter__(self) -> "KVStoreClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

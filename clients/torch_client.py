@@ -38,11 +38,12 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from kvstore.keys import BlockKey, block_keys, root_key, tokens_as_array
 from kvstore.layout import KVLayout
@@ -66,7 +67,7 @@ class LoadError(RuntimeError):
 class KVRequest:
     """One request's token ids and the chained keys of its full blocks (computed once)."""
 
-    tokens: np.ndarray
+    tokens: NDArray[np.uint32]
     keys: list[BlockKey]
     block_tokens: int
 
@@ -144,19 +145,19 @@ class TorchKVClient:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def request(self, tokens) -> KVRequest:
+    def request(self, tokens: Any) -> KVRequest:
         """Token ids (list / numpy / 1-D torch) -> their block keys (a trailing partial block
         has none and is never cached)."""
         arr = tokens_as_array(tokens)
         return KVRequest(arr, block_keys(arr, self.layout.block_tokens, self._root),
                          self.layout.block_tokens)
 
-    def _as_request(self, tokens_or_request) -> KVRequest:
+    def _as_request(self, tokens_or_request: KVRequest | Any) -> KVRequest:
         if isinstance(tokens_or_request, KVRequest):
             return tokens_or_request
         return self.request(tokens_or_request)
 
-    def lookup(self, tokens_or_request) -> int:
+    def lookup(self, tokens_or_request: KVRequest | Any) -> int:
         """Cached prefix length in tokens (a multiple of block_tokens)."""
         req = self._as_request(tokens_or_request)
         if not req.keys:
@@ -166,7 +167,7 @@ class TorchKVClient:
 
     # ---- layer-wise load / store -------------------------------------------------------------
 
-    def load(self, tokens_or_request, num_tokens: int | None = None,
+    def load(self, tokens_or_request: KVRequest | Any, num_tokens: int | None = None,
              tensor_layout: KVTensorLayout | None = None,
              kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
              on_progress: Callable[[LoadProgress], None] | None = None) -> "LayerwiseLoad":
@@ -185,7 +186,7 @@ class TorchKVClient:
         return LayerwiseLoad(self, req, num_tokens, tensor_layout or HFLayout(), kv_caches,
                              on_progress)
 
-    def store(self, tokens_or_request, first_block: int = 0,
+    def store(self, tokens_or_request: KVRequest | Any, first_block: int = 0,
               tensor_layout: KVTensorLayout | None = None) -> "LayerwiseStore":
         """Store the request's full blocks from ``first_block`` on, one layer at a time.
 
@@ -223,7 +224,7 @@ class TorchKVClient:
     def __enter__(self) -> "TorchKVClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -253,13 +254,15 @@ class LayerwiseLoad:
     """
 
     def __init__(self, kv: TorchKVClient, req: KVRequest, num_tokens: int,
-                 tensor_layout: KVTensorLayout, kv_caches, on_progress) -> None:
+                 tensor_layout: KVTensorLayout,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+                 on_progress: Callable[[LoadProgress], None] | None) -> None:
         self._kv = kv
         self._req = req
         self._layout = kv.layout
         self._on_progress = on_progress
         self._tensor_layout = tensor_layout
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Future[None]] = {}
         self._lease: ReadLease | None = None
         self._closed = False
         self.error: Exception | None = None
@@ -275,7 +278,7 @@ class LayerwiseLoad:
                 raise ValueError(f"a paged load needs kv_caches: one (K, V) per layer ({L})")
             for l, (k, v) in enumerate(kv_caches):
                 tensor_layout.check(k, v, self._layout, 0, num_tokens, f"kv_caches[{l}]")
-            self._dst = [tuple(pair) for pair in kv_caches]
+            self._dst: list[tuple[torch.Tensor, ...]] = [tuple(pair) for pair in kv_caches]
             device = kv_caches[0][0].device
         else:
             if tensor_layout.start != 0:
@@ -286,7 +289,7 @@ class LayerwiseLoad:
         self._copier: CpuCopier = make_copier(self._layout, device)
         self._copier.begin()
 
-        self._extent: Future = Future()
+        self._extent: Future[tuple[list[torch.Tensor], int]] = Future()
         if want == 0:
             self._extent.set_result(([], 0))
         elif kv.shared_memory:
@@ -394,7 +397,8 @@ class LayerwiseLoad:
         for f in self._futures.values():
             f.cancel()
         # NOTE: running copies read the pinned pages: let them end before unpinning.
-        wait([self._extent, *self._futures.values()])
+        running: list[Future[Any]] = [self._extent, *self._futures.values()]
+        wait(running)
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
@@ -406,7 +410,7 @@ class LayerwiseLoad:
     def __enter__(self) -> "LayerwiseLoad":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -427,7 +431,7 @@ class LayerwiseStore:
         self._keys = req.keys[first_block:]
         self._end_token = req.full_blocks * self._layout.block_tokens
         self._put = [False] * self._layout.num_layers
-        self._futures: list[Future] = []
+        self._futures: list[Future[None]] = []
         self._copier: CpuCopier | None = None
         self._lease: WriteLease | None = None
         self._buffer: torch.Tensor | None = None
@@ -471,8 +475,10 @@ class LayerwiseStore:
         ready = self._copier.mark_computed(k, v)
         self._futures.append(self._kv._storer.submit(self._copy_layer, layer, k, v, ready))
 
-    def _copy_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ready) -> None:
+    def _copy_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    ready: torch.cuda.Event | None) -> None:
         t0 = time.perf_counter()
+        assert self._copier is not None  # put_layer sets it before it queues a copy
         self._copier.store_layer(self._targets, layer, self._tensor_layout, k, v, ready)
         self.copy_s += time.perf_counter() - t0
 
@@ -527,6 +533,6 @@ class LayerwiseStore:
     def __enter__(self) -> "LayerwiseStore":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self._done:
             self.abort()

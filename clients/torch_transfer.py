@@ -45,13 +45,15 @@ class CpuCopier:
     def wait_loaded(self, layer: int) -> None:
         """Called on the caller's thread before it uses a loaded layer."""
 
-    def mark_computed(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Called on the caller's thread when it hands a computed layer to a store."""
+    def mark_computed(self, k: torch.Tensor, v: torch.Tensor) -> torch.cuda.Event | None:
+        """Called on the caller's thread when it hands a computed layer to a store; returns
+        what ``store_layer`` waits on (``ready``): nothing on the CPU."""
         return None
 
     @torch.inference_mode()
     def store_layer(self, targets: Sequence[tuple[int, torch.Tensor]], layer: int,
-                    src: KVTensorLayout, k: torch.Tensor, v: torch.Tensor, ready) -> None:
+                    src: KVTensorLayout, k: torch.Tensor, v: torch.Tensor,
+                    ready: torch.cuda.Event | None) -> None:
         bt = self.layout.block_tokens
         for block, page in targets:
             page[layer, 0].copy_(src.view(k, block, bt, bt))
@@ -66,7 +68,8 @@ class CudaCopier(CpuCopier):
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         super().__init__(layout)
         self.device = device
-        self.side = torch.cuda.Stream(device=device)
+        # NOTE: torch.cuda.Stream() and torch.cuda.Event() (their __new__) are unannotated.
+        self.side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._staging: list[torch.Tensor | None] = [None] * self.SLOTS
         self._slot_done: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self._layer_done: dict[int, torch.cuda.Event] = {}
@@ -89,7 +92,8 @@ class CudaCopier(CpuCopier):
         self.side.wait_stream(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
-    def load_layer(self, pages, rows, layer, dst, k, v) -> None:
+    def load_layer(self, pages: Sequence[torch.Tensor], rows: Sequence[int], layer: int,
+                   dst: KVTensorLayout, k: torch.Tensor, v: torch.Tensor) -> None:
         bt = self.layout.block_tokens
         staging = self._slot(layer, len(pages))
         for i, page in enumerate(pages):
@@ -99,7 +103,7 @@ class CudaCopier(CpuCopier):
             for i, n in enumerate(rows):
                 dst.view(k, i, n, bt).copy_(dev[i, 0, :n])
                 dst.view(v, i, n, bt).copy_(dev[i, 1, :n])
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.side)
         self._slot_done[layer % self.SLOTS] = done
         self._layer_done[layer] = done
@@ -108,7 +112,7 @@ class CudaCopier(CpuCopier):
         torch.cuda.current_stream(self.device).wait_event(self._layer_done[layer])
 
     def mark_computed(self, k: torch.Tensor, v: torch.Tensor) -> torch.cuda.Event:
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(torch.cuda.current_stream(self.device))
         # NOTE: the side stream reads k/v later; keep the allocator from reusing their memory.
         k.record_stream(self.side)
@@ -116,15 +120,18 @@ class CudaCopier(CpuCopier):
         return ready
 
     @torch.inference_mode()
-    def store_layer(self, targets, layer, src, k, v, ready) -> None:
+    def store_layer(self, targets: Sequence[tuple[int, torch.Tensor]], layer: int,
+                    src: KVTensorLayout, k: torch.Tensor, v: torch.Tensor,
+                    ready: torch.cuda.Event | None) -> None:
         bt = self.layout.block_tokens
         staging = self._slot(layer, len(targets))
         with torch.cuda.stream(self.side):
+            assert ready is not None  # this copier's mark_computed always returns an event
             self.side.wait_event(ready)
             for j, (block, _) in enumerate(targets):
                 staging[j, 0].copy_(src.view(k, block, bt, bt), non_blocking=True)
                 staging[j, 1].copy_(src.view(v, block, bt, bt), non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.side)
         done.synchronize()
         for j, (_, page) in enumerate(targets):
