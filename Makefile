@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench proto clean
+.PHONY: demo test test-quick check bench proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,19 @@ demo: $(STAMP)
 	echo "demo: report in $(DEMO_OUT)/live.json, plot in $(DEMO_OUT)/live.png (exit $$status)"; \
 	exit $$status
 
+# Every test (about 2 minutes here); `make test-quick` leaves out the ones marked slow.
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow"
+
+# Lint, format, types (strict on kvstore/, rpc/, clients/) and the layer contract.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 proto: $(STAMP)
 	$(PY) -m proto.generate

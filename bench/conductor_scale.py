@@ -36,18 +36,18 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.report import Column, Progress, parse_count, print_table, write_json
-from node.agent import NodeAgent
 from conductor.index import GlobalIndex
 from conductor.registry import NodeDescriptor, Registry, Role
 from conductor.scheduler import POLICIES, Request, Scheduler
-from rpc.launch import start_service
-from rpc.channel import make_channel
 from kvstore.layout import KVLayout
+from node.agent import NodeAgent
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
+from rpc.channel import make_channel
+from rpc.launch import start_service
 
 LAYOUT = KVLayout(model="llama3-70b", num_layers=80, kv_heads=8, head_dim=128, dtype="bfloat16",
                   block_tokens=512)

@@ -31,8 +31,16 @@ from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers import Tier
 
 from .parallel import fork_map
-from .report import (Column, Progress, Series, human_count, parse_count_list, plot_lines,
-                     print_table, write_json)
+from .report import (
+    Column,
+    Progress,
+    Series,
+    human_count,
+    parse_count_list,
+    plot_lines,
+    print_table,
+    write_json,
+)
 from .trace import Trace, TraceError, add_trace_args, describe, trace_from_args
 
 log = logging.getLogger(__name__)

@@ -28,13 +28,20 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.node_client import KVCacheRpcError, KVStoreClient
 from clients.conductor_client import ConductorClient
-from rpc.channel import make_channel
+from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import block_keys, root_key
+from rpc.channel import make_channel
 
-from .live_engine import (ClusterInfo, Engine, EngineOptions, LiveError, RequestOutcome,
-                          load_cluster, prompt_tokens)
+from .live_engine import (
+    ClusterInfo,
+    Engine,
+    EngineOptions,
+    LiveError,
+    RequestOutcome,
+    load_cluster,
+    prompt_tokens,
+)
 from .report import Progress, figure, write_json
 from .trace import DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, TraceError, TraceRequest, load_trace
 
@@ -270,7 +277,9 @@ def summarize(outcomes: list[RequestOutcome], ideal: list[int], cluster: Cluster
     reused = sum(o.reused_blocks for o in scheduled)
     fetched = sum(o.fetched_blocks for o in scheduled)
     ideal_blocks = sum(ideal[o.index] for o in scheduled)
-    rate = (lambda n: n / blocks if blocks else None)
+
+    def rate(n: float) -> float | None:
+        return n / blocks if blocks else None
 
     def lat(values: list[float | None]) -> dict[str, float | None]:
         vals = [v * 1e3 for v in values if v is not None]

@@ -31,10 +31,10 @@ from typing import Iterable
 import grpc
 import numpy as np
 
-from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
 from clients.conductor_client import ConductorClient
-from kvstore.layout import KVLayout
 from clients.messenger_client import MessengerClient
+from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
+from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
 from proto import messenger_pb2 as mpb
 

@@ -63,7 +63,8 @@ def fork_map(fn: Callable[[T, Step], R], items: Sequence[T], jobs: int,
             except queue.Empty:
                 dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"a worker process died (exit code {dead[0].exitcode})")
+                    raise RuntimeError(
+                        f"a worker process died (exit code {dead[0].exitcode})") from None
                 continue
             if kind == "progress":
                 step(index)

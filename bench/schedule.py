@@ -39,8 +39,17 @@ from typing import Sequence
 
 import numpy as np
 
-from conductor import (FlopsCostModel, GlobalIndex, NodeDescriptor, Registry, Request, Role,
-                       Scheduler, SchedulerConfig, SLORejected)
+from conductor import (
+    FlopsCostModel,
+    GlobalIndex,
+    NodeDescriptor,
+    Registry,
+    Request,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    SLORejected,
+)
 from conductor.costmodel import CostModel, with_mfu
 from conductor.scheduler import POLICIES as SCHEDULING_POLICIES
 from kvstore.errors import CapacityExhausted
@@ -50,10 +59,8 @@ from kvstore.policy import POLICIES as EVICTION_POLICIES
 from kvstore.store import StoreConfig, TieredStore
 
 from .parallel import Step, fork_map
-from .report import (Column, Progress, human_count, parse_count, plot_bars, print_table,
-                     write_json)
-from .trace import (DEFAULT_TRACE, Trace, TraceError, add_trace_args, describe,
-                    trace_from_args)
+from .report import Column, Progress, human_count, parse_count, plot_bars, print_table, write_json
+from .trace import DEFAULT_TRACE, Trace, TraceError, add_trace_args, describe, trace_from_args
 
 # Mooncake (FAST'25) Fig. 5: average TTFT on the conversation trace with 16 prefill nodes.
 PAPER_FIG5_AVG_TTFT_S = {"random": 19.65, "load": 5.27, "local-cache": 3.58,

@@ -258,7 +258,7 @@ def bench_hashing(args) -> list[Figure]:
     figs = []
     for bt in (256, 16):
         ref, ours = best_pair(lambda: xxhash.xxh3_128_digest(raw),
-                              lambda: block_keys(tokens, bt, root), max(args.repeats, 20))
+                              lambda bt=bt: block_keys(tokens, bt, root), max(args.repeats, 20))
         ms = ours * 1e3
         is_target = bt == 256
         figs.append(Figure("hashing", f"block keys, {args.tokens} tokens, {bt}-token blocks "

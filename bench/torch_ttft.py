@@ -154,11 +154,13 @@ def bench_device(args, device: torch.device, tmp: str) -> tuple[list[Row], dict]
         check: dict = {}
         for run in range(args.runs):
             p_shm, p_streamed = fresh(total), fresh(total)
-            cold = [("full prefill", "no store", lambda: prefill_with_store(model, p_shm, None)),
+            # NOTE: each closure runs in this iteration; defaults bind this run's prompts.
+            cold = [("full prefill", "no store",
+                     lambda p=p_shm: prefill_with_store(model, p, None)),
                     ("cold prefill + layer-wise store", "shm",
-                     lambda: prefill_with_store(model, p_shm, clients["shm"])),
+                     lambda p=p_shm: prefill_with_store(model, p, clients["shm"])),
                     ("cold prefill + layer-wise store", "streamed",
-                     lambda: prefill_with_store(model, p_streamed, clients["streamed"]))]
+                     lambda p=p_streamed: prefill_with_store(model, p, clients["streamed"]))]
             if run % 2:
                 cold[0], cold[1] = cold[1], cold[0]  # alternate order against drift
             for scenario, path, fn in cold:
@@ -174,8 +176,8 @@ def bench_device(args, device: torch.device, tmp: str) -> tuple[list[Row], dict]
             for path in ("shm", "shm, no prefetch", "streamed"):
                 prompt = torch.cat([(p_shm if path != "streamed" else p_streamed)[:cached],
                                     fresh(total - cached)])
-                secs, cpu, res = _timed(lambda: prefill_with_store(model, prompt, clients[path]),
-                                   device)
+                secs, cpu, res = _timed(
+                    lambda p=prompt, c=clients[path]: prefill_with_store(model, p, c), device)
                 assert res.cached_tokens == cached and not res.notes, (res.cached_tokens,
                                                                       res.notes)
                 key = (f"{cached / total:.0%} cached prefix", path)

@@ -241,11 +241,11 @@ def _bench_layout(page_bytes: int) -> str:
 def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement:
     """SubmitTransfer of ``total`` bytes between two real node+messenger pairs, timed from the
     submit to the finished status: Acquire/Allocate/Commit RPCs and slab mapping included."""
+    from clients.messenger_client import MessengerClient
     from clients.node_client import KVStoreClient
-    from rpc.launch import start_service
     from kvstore.keys import keys_from_block_ids, root_key
     from node.config import parse_layout
-    from clients.messenger_client import MessengerClient
+    from rpc.launch import start_service
 
     layout_spec = _bench_layout(page_bytes)
     namespace = parse_layout(layout_spec).namespace

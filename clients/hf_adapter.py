@@ -38,8 +38,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from kvstore.layout import KVLayout
 
 from .node_client import KVCacheRpcError
-from .torch_client import (LayerwiseLoad, LayerwiseStore, LayoutMismatchError, LoadError,
-                           LoadProgress, TorchKVClient)
+from .torch_client import (
+    LayerwiseLoad,
+    LayerwiseStore,
+    LayoutMismatchError,
+    LoadError,
+    LoadProgress,
+    TorchKVClient,
+)
 from .torch_layout import HFLayout
 
 log = logging.getLogger(__name__)

@@ -3,12 +3,30 @@
 In-process use (simulation, tests) needs no gRPC: ``GlobalIndex`` + ``Registry`` + ``Scheduler``
 with a ``CostModel``. The gRPC service (``conductor.service``) wraps them in ``core.Conductor``.
 """
-from .costmodel import (DEFAULT_COST_MODEL, CostModel, FittedCostModel, FlopsCostModel,
-                        HardwareSpec, ModelSpec, PrefillSample, fit_prefill)
+from .costmodel import (
+                        DEFAULT_COST_MODEL,
+                        CostModel,
+                        FittedCostModel,
+                        FlopsCostModel,
+                        HardwareSpec,
+                        ModelSpec,
+                        PrefillSample,
+                        fit_prefill,
+)
 from .index import GlobalIndex, SequenceGap
 from .registry import NodeDescriptor, NodeLoad, NodeState, Registry, Role, TierUsage
-from .scheduler import (POLICIES, Decision, NoNodeAvailable, Request, Scheduler, SchedulerConfig,
-                        SchedulingPolicy, SLORejected, TransferPlan, make_policy)
+from .scheduler import (
+                        POLICIES,
+                        Decision,
+                        NoNodeAvailable,
+                        Request,
+                        Scheduler,
+                        SchedulerConfig,
+                        SchedulingPolicy,
+                        SLORejected,
+                        TransferPlan,
+                        make_policy,
+)
 
 __all__ = [
     "CostModel", "DEFAULT_COST_MODEL", "Decision", "FittedCostModel", "FlopsCostModel",

@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import os
 from dataclasses import replace
-
 from typing import Any
 
 import grpc

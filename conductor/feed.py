@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+
 import grpc
 
-from rpc.channel import make_channel
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
+from rpc.channel import make_channel
 
 from .core import Conductor, StaleFeed
 from .index import SequenceGap

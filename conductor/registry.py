@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.layout import KVLayout
-from kvstore.tiers import Tier
 from rpc.cluster import NodeDescriptor, NodeLoad, Role, TierUsage
 
 from .index import GlobalIndex

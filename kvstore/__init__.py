@@ -35,14 +35,35 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .errors import (CapacityExhausted, FailedPrecondition, InvalidArgument, KVStoreError,
-                         NotFound, StorageError)
+    from .errors import (
+        CapacityExhausted,
+        FailedPrecondition,
+        InvalidArgument,
+        KVStoreError,
+        NotFound,
+        StorageError,
+    )
     from .events import BlockEvent, EventKind
-    from .keys import (BlockKey, block_keys, check_keys, keys_from_block_ids, root_key,
-                       scope_keys, tokens_as_array)
+    from .keys import (
+        BlockKey,
+        block_keys,
+        check_keys,
+        keys_from_block_ids,
+        root_key,
+        scope_keys,
+        tokens_as_array,
+    )
     from .layout import KVLayout
     from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
     from .shm import SharedSlab
-    from .store import (CommitResult, LookupResult, ReadLease, StoreConfig, StoreStats,
-                        TieredStore, TierStats, WriteLease)
+    from .store import (
+        CommitResult,
+        LookupResult,
+        ReadLease,
+        StoreConfig,
+        StoreStats,
+        TieredStore,
+        TierStats,
+        WriteLease,
+    )
     from .tiers import Tier

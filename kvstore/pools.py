@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-
 from .payload import ByteView, copy_bytes
 from .shm import SharedSlab, unique_shm_name
 from .tiers import Tier

@@ -6,13 +6,13 @@ attaching process exits (fixed only in Python 3.13 with ``track=False``).
 """
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, no stubs
 import mmap
-import re
 import os
+import re
 import secrets
 import weakref
 
-import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, no stubs
 import numpy as np
 
 from .errors import StorageError

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
-
 from typing import Any
 
 import grpc

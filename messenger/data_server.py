@@ -18,9 +18,23 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Header, Kind,
-                     ProtocolError, Status, checksum, is_disconnect, pack_header, recv_exact,
-                     send_buffers, set_io_timeout, unpack_header, unpack_keys_body)
+from .frames import (
+    HEADER_BYTES,
+    MAX_CONTROL_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    Header,
+    Kind,
+    ProtocolError,
+    Status,
+    checksum,
+    is_disconnect,
+    pack_header,
+    recv_exact,
+    send_buffers,
+    set_io_timeout,
+    unpack_header,
+    unpack_keys_body,
+)
 from .transport import PageSource
 
 log = logging.getLogger(__name__)

@@ -31,15 +31,43 @@ from typing import Sequence
 import numpy as np
 
 from .data_server import DataServer, PeerConnection
-from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Header, Kind,
-                     Pinned, ProtocolError, Status, checksum, is_disconnect, lease_key,
-                     lease_of_key, pack_header, pack_json, pack_keys_body, pack_pinned,
-                     recv_exact, recv_header, send_buffers, set_io_timeout, unpack_json,
-                     unpack_keys_body, unpack_pinned)
+from .frames import (
+    HEADER_BYTES,
+    MAX_CONTROL_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    Header,
+    Kind,
+    Pinned,
+    ProtocolError,
+    Status,
+    checksum,
+    is_disconnect,
+    lease_key,
+    lease_of_key,
+    pack_header,
+    pack_json,
+    pack_keys_body,
+    pack_pinned,
+    recv_exact,
+    recv_header,
+    send_buffers,
+    set_io_timeout,
+    unpack_json,
+    unpack_keys_body,
+    unpack_pinned,
+)
 from .tcp import destination_views, hello, parse_address
 from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
-from .verbs import (Access, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError,
-                    wc_status_name)
+from .verbs import (
+    Access,
+    MemoryRegion,
+    QpInfo,
+    QueuePair,
+    ReadWr,
+    VerbsBackend,
+    VerbsError,
+    wc_status_name,
+)
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class TransportChoice:
 def open_rdma_backend() -> tuple[VerbsBackend | None, str]:
     """A real verbs backend, or None and the reason it is unavailable."""
     try:
-        from .verbs_pyverbs import PyverbsBackend   # lazy: pyverbs is optional
+        from .verbs_pyverbs import PyverbsBackend  # lazy: pyverbs is optional
     except ImportError as e:
         return None, f"pyverbs is not importable ({e})"
     try:

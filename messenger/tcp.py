@@ -19,9 +19,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from .frames import (HEADER_BYTES, MAX_CONTROL_BYTES, MAX_KEYS_PER_REQUEST, Kind, ProtocolError,
-                     Status, checksum, is_disconnect, pack_header, pack_keys_body, recv_exact,
-                     recv_header, send_buffers, set_io_timeout)
+from .frames import (
+    HEADER_BYTES,
+    MAX_CONTROL_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    Kind,
+    ProtocolError,
+    Status,
+    checksum,
+    is_disconnect,
+    pack_header,
+    pack_keys_body,
+    recv_exact,
+    recv_header,
+    send_buffers,
+    set_io_timeout,
+)
 from .transport import OK, EntryResult, Outcome, Transport
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from .verbs import (Access, Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend,
-                    VerbsError, WcStatus)
+from .verbs import (
+    Access,
+    Completion,
+    MemoryRegion,
+    QpInfo,
+    QueuePair,
+    ReadWr,
+    VerbsBackend,
+    VerbsError,
+    WcStatus,
+)
 
 
 @dataclass

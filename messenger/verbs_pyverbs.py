@@ -15,7 +15,7 @@ from typing import Sequence
 
 import pyverbs.device as d  # noqa: F401 - the import itself is the availability check
 import pyverbs.enums as e
-from pyverbs.addr import AHAttr, GID, GlobalRoute
+from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ
 from pyverbs.mr import MR
 from pyverbs.pd import PD
@@ -23,8 +23,7 @@ from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, SendWR
 
-from .verbs import (Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend,
-                    VerbsError)
+from .verbs import Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError
 
 PORT_ACTIVE = 4   # IBV_PORT_ACTIVE
 

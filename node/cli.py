@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-
 from typing import Any
 
 import grpc

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import BlockKey, scope_keys, select_keys
 from kvstore.shm import sweep_orphans

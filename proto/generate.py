@@ -17,8 +17,8 @@ def proto_files() -> list[pathlib.Path]:
 
 
 def generate(out_dir: pathlib.Path = ROOT) -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(ROOT)) for p in proto_files()]

@@ -13,8 +13,14 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
 
-from kvstore.errors import (CapacityExhausted, FailedPrecondition, InvalidArgument, KVStoreError,
-                            NotFound, StorageError)
+from kvstore.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    StorageError,
+)
 
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

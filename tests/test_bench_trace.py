@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.report import parse_count, parse_count_list
-from bench.trace import (SyntheticSpec, TraceError, load_trace, synthetic_trace, write_trace)
+from bench.trace import SyntheticSpec, TraceError, load_trace, synthetic_trace, write_trace
 
 
 def _write(path, lines: list[str]) -> str:

@@ -4,12 +4,12 @@ Timings are not checked (they belong to the benchmark's output), only that each 
 produced, finite, and comes with its target or reference; the index counts are exact."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import math
 import subprocess
 import sys
+
+import pytest
 
 
 @pytest.mark.slow

@@ -9,15 +9,35 @@ import threading
 
 import pytest
 
-from conductor import (FittedCostModel, FlopsCostModel, GlobalIndex, NodeDescriptor, NodeLoad,
-                       Registry, Request, Role, Scheduler, SchedulerConfig, SequenceGap,
-                       SLORejected, fit_prefill)
+from conductor import (
+    FittedCostModel,
+    FlopsCostModel,
+    GlobalIndex,
+    NodeDescriptor,
+    NodeLoad,
+    Registry,
+    Request,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    SequenceGap,
+    SLORejected,
+    fit_prefill,
+)
 from conductor.core import Conductor, StaleFeed
 from conductor.costmodel import HardwareSpec, ModelSpec, PrefillSample, with_mfu
 from conductor.scheduler import NoNodeAvailable, make_policy
 from conductor.transfer import RecordingTransferHook
-from kvstore import (InvalidArgument, KVLayout, NotFound, StoreConfig, Tier, TieredStore,
-                     keys_from_block_ids, root_key)
+from kvstore import (
+    InvalidArgument,
+    KVLayout,
+    NotFound,
+    StoreConfig,
+    Tier,
+    TieredStore,
+    keys_from_block_ids,
+    root_key,
+)
 from kvstore.events import BlockEvent, EventKind
 
 BT = 512

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import urllib.request
 from concurrent import futures
 
@@ -17,13 +16,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVStoreClient
 from clients.conductor_client import ConductorClient, selector
-from rpc.channel import make_channel
 from kvstore.keys import block_keys, root_key, scope_keys
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
+from rpc.channel import make_channel
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
 from helpers import rpc_error, wait_until

@@ -4,11 +4,11 @@ Timings are not checked here (they belong to the benchmark's own output), only t
 is produced, finite and carries its reference."""
 from __future__ import annotations
 
-import pytest
-
 import argparse
 import json
 import math
+
+import pytest
 
 import bench.store
 

@@ -9,11 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import (CapacityExhausted, EventKind, FailedPrecondition, InvalidArgument, NotFound,
-                     StorageError, Tier)
+from kvstore import (
+    CapacityExhausted,
+    EventKind,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StorageError,
+    Tier,
+)
 from kvstore.shm import unique_shm_name
-from kvstore_helpers import (LAYOUT, FakeClock, key, keys, make_store, page, run_python,
-                             tiers_of)
+
+from kvstore_helpers import LAYOUT, FakeClock, key, keys, make_store, page, run_python, tiers_of
 
 JOIN_TIMEOUT_S = 20
 

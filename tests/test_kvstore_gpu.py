@@ -7,6 +7,7 @@ import torch
 
 from kvstore import StorageError, Tier
 from kvstore.pools import TorchSlabPool
+
 from kvstore_helpers import LAYOUT, key, keys, make_store, page, tiers_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

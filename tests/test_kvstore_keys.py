@@ -1,16 +1,24 @@
 """Block keys: the chained xxh3-128 of DESIGN.md, deterministic, isolated by namespace and salt."""
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from kvstore import (InvalidArgument, KVLayout, block_keys, check_keys, keys_from_block_ids,
-                     root_key, scope_keys)
+from kvstore import (
+    InvalidArgument,
+    KVLayout,
+    block_keys,
+    check_keys,
+    keys_from_block_ids,
+    root_key,
+    scope_keys,
+)
+
 from kvstore_helpers import LAYOUT, make_store, run_python
 
 BT = 16  # block_tokens used by these tests

@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import (CapacityExhausted, EventKind, InvalidArgument, LFUPolicy, LRUPolicy, Tier,
-                     make_policy)
+from kvstore import (
+    CapacityExhausted,
+    EventKind,
+    InvalidArgument,
+    LFUPolicy,
+    LRUPolicy,
+    Tier,
+    make_policy,
+)
+
 from kvstore_helpers import key, keys, make_store, page
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvstore import InvalidArgument, SharedSlab, StorageError, StoreConfig, TieredStore
 from kvstore.shm import unique_shm_name
+
 from kvstore_helpers import LAYOUT, key, keys, make_store, page, run_python
 
 # The other process knows only the slab's name, the page size and a slot, as a messenger or a

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import (EventKind, FailedPrecondition, InvalidArgument, Tier, TieredStore,
-                     StoreConfig)
+from kvstore import EventKind, FailedPrecondition, InvalidArgument, StoreConfig, Tier, TieredStore
+
 from kvstore_helpers import LAYOUT, key, keys, make_store, page, tiers_of
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvstore import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound, Tier
+
 from kvstore_helpers import LAYOUT, key, keys, make_store, page
 
 

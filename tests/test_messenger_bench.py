@@ -2,9 +2,9 @@
 asserted: they belong to the benchmark's output, not to pass/fail)."""
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
 
 from bench.transfer import main, parse_bytes
 

@@ -6,14 +6,18 @@ Tests that need real verbs are marked ``rdma`` and skipped with the reason on ma
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from messenger.data_server import DataServer
-from messenger.rdma import (FallbackTransport, RdmaConfig, RdmaSource, RdmaTransport,
-                            Segment, plan_segments)
+from messenger.rdma import (
+    FallbackTransport,
+    RdmaConfig,
+    RdmaSource,
+    RdmaTransport,
+    Segment,
+    plan_segments,
+)
 from messenger.select import choose_transport, open_rdma_backend
 from messenger.slab_peer import fill_pattern, pattern_keys
 from messenger.tcp import TcpTransport
@@ -377,10 +381,12 @@ def test_rdma_between_real_nodes_through_the_mover(start_node):
     """The RDMA path on real node processes: the source pins through node A and registers its
     shared-memory slab; the mover allocates on node B, READs into B's slab, verifies, commits."""
     from clients.node_client import KVStoreClient
-    from conftest import TEST_NAMESPACE as NS_NODE, TEST_PAGE_BYTES
     from kvstore.keys import keys_from_block_ids, root_key
     from messenger.mover import DataAddressResolver, EntryRequest, Mover
     from messenger.node_access import NodeAccess, NodePageSource
+
+    from conftest import TEST_NAMESPACE as NS_NODE
+    from conftest import TEST_PAGE_BYTES
 
     node_a, node_b = start_node(), start_node()
     ca, cb = KVStoreClient(node_a.address), KVStoreClient(node_b.address)

@@ -7,22 +7,23 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 
-from clients.node_client import KVCacheRpcError, KVStoreClient
-from rpc.launch import start_service
-from kvstore.keys import keys_from_block_ids, root_key
 from clients.messenger_client import MessengerClient
+from clients.node_client import KVCacheRpcError, KVStoreClient
+from kvstore.keys import keys_from_block_ids, root_key
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
+from rpc.launch import start_service
 
-from conftest import TEST_LAYOUT, TEST_NAMESPACE as NS, TEST_PAGE_BYTES as PB
+from conftest import TEST_LAYOUT
+from conftest import TEST_NAMESPACE as NS
+from conftest import TEST_PAGE_BYTES as PB
 from helpers import wait_until
 
 DONE, FAILED, PENDING = pb.ENTRY_DONE, pb.ENTRY_FAILED, pb.ENTRY_PENDING
@@ -343,9 +344,9 @@ def test_token_everywhere(cluster):
 
 
 def test_conductor_transfer_hook_moves_a_plan(shared_pair):
+    from conductor.messenger_hook import make_transfer_hook
     from conductor.registry import NodeDescriptor
     from conductor.scheduler import TransferPlan
-    from conductor.messenger_hook import make_transfer_hook
 
     a, b = shared_pair
     keys, pages = make_keys(32, start=50_000), make_pages(32, seed=9)

@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 from kvstore.shm import SharedSlab, unique_shm_name
-from messenger.frames import (HEADER_BYTES, Kind, Status, checksum, pack_header, recv_exact,
-                              unpack_header, unpack_keys_body)
+from messenger.frames import (
+    HEADER_BYTES,
+    Kind,
+    Status,
+    checksum,
+    pack_header,
+    recv_exact,
+    unpack_header,
+    unpack_keys_body,
+)
 from messenger.slab_peer import NAMESPACE, expected_page, fill_pattern, pattern_keys
 from messenger.tcp import TcpConfig, TcpTransport
 from messenger.transport import Outcome

@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVCacheRpcError, KVStoreClient
-from rpc.channel import make_channel
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
+from rpc.channel import make_channel
 
 from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES, shm_exists
 from helpers import rpc_error
@@ -244,7 +244,7 @@ def test_auth_and_tenant_isolation(start_node):
                       "--tenant-token", "tok-b=bob")
     sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
     for token in (None, "wrong"):
-        code, msg = rpc_error(lambda: stub(node.address, token).Lookup(sel))
+        code, msg = rpc_error(lambda token=token: stub(node.address, token).Lookup(sel))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in msg
     health = health_pb2_grpc.HealthStub(make_channel(node.address))  # health stays open
     assert health.Check(health_pb2.HealthCheckRequest()).status == \

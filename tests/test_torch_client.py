@@ -112,7 +112,7 @@ def test_paged_layout_round_trip_through_block_tables(connect, use_shm):
         for l in range(LAYOUT.num_layers):
             k, v = load.layer(l)
             assert k is dst[l][0]
-            for i, (a, b) in enumerate(zip(src_table, dst_table.tolist())):
+            for a, b in zip(src_table, dst_table.tolist()):
                 torch.testing.assert_close(k[b], src[l][0][a], rtol=0, atol=0)
                 torch.testing.assert_close(v[b], src[l][1][a], rtol=0, atol=0)
             untouched = [b for b in range(10) if b not in dst_table.tolist()]
@@ -137,7 +137,7 @@ def test_store_after_a_cached_prefix_writes_only_new_blocks(connect, use_shm):
         result = store.finish()
     assert (result.blocks, result.stored) == (3, 3)
     with kv.load(req) as load:
-        for l, k, v in load:
+        for l, k, _v in load:
             torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
 
 

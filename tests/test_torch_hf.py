@@ -12,8 +12,7 @@ import threading
 import pytest
 import torch
 
-from clients.hf_adapter import (connect_for_model, greedy_generate, kv_layout_for,
-                                prefill_with_store)
+from clients.hf_adapter import connect_for_model, greedy_generate, kv_layout_for, prefill_with_store
 from clients.torch_client import LayoutMismatchError, LoadProgress
 from clients.torch_layout import HFLayout
 

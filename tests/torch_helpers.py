@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from rpc.launch import ServiceProcess
+from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
 from kvstore.shm import SharedSlab
-from kvstore.errors import StorageError
+from rpc.launch import ServiceProcess
 
 BLOCK_TOKENS = 16
 
