@@ -38,6 +38,31 @@ def _services(text: str) -> list[tuple[str, list[tuple[str, str, str, str]]]]:
     return services
 
 
+# How any engine computes the keys every kvcache client uses (tests/test_kvstore_keys.py checks an
+# implementation written from this text against kvstore.keys).
+KEYS = """## Block keys
+
+A block is `block_tokens` consecutive prompt tokens; only full blocks have keys. Every client (the
+Python client, the torch client, the vLLM connector, the conductor) names a block by the same
+16-byte key, so a prefix stored through one is found through all of them:
+
+- **namespace**: the layout fingerprint `{model}|L{num_layers}|H{kv_heads}|D{head_dim}|{dtype}|B{block_tokens}`
+  (e.g. `llama3-8b|L32|H8|D128|bfloat16|B256`), UTF-8.
+- **root** = `xxh3_128(b"kvcache/root/v1\\x00" + u32le(len(namespace)) + namespace + salt)`,
+  where `salt` is the request's cache salt as bytes (empty by default) and `u32le` a 4-byte
+  little-endian length.
+- **key of block i** = `xxh3_128(parent + tokens_i)`, where `parent` is the root for block 0 and
+  the key of block i-1 after it, and `tokens_i` is the block's token ids as little-endian
+  `uint32`, `4 * block_tokens` bytes. Digests are the 16 bytes of `xxh3_128` (seed 0) in
+  the byte order of `xxhash.xxh3_128_digest` (big-endian of the 128-bit value).
+
+Servers scope keys to the caller's tenant before storing them (`xxh3_128(b"kvcache/tenant/" +
+tenant + b"\\x00" + key)`), so a client always sends and receives keys as computed above; the
+admin token (tenant "") sees keys unscoped. Selectors may carry token ids instead of keys
+(`token_bytes`: packed little-endian `uint32`); the server then computes the keys itself.
+"""
+
+
 def render() -> str:
     out = ["# gRPC API reference", "",
            "Generated from `proto/*.proto` by `python -m proto.docs` (`make proto`); do not edit.",
@@ -52,6 +77,7 @@ def render() -> str:
                     "|---|---|---|---|"]
             out += [f"| `{r}` | `{q}` | `{p}` | {c} |" for r, q, p, c in rpcs]
             out.append("")
+    out += KEYS.splitlines() + [""]
     out += ["## Messages", ""]
     for name, text in sources:
         out += [f"### `{name}`", "", "```proto", text.rstrip(), "```", ""]

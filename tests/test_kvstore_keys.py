@@ -180,3 +180,21 @@ def test_store_keys_for_uses_the_layout_namespace():
             block_keys(toks, 4, root_key(other.namespace)))
     finally:
         store.close()
+
+
+def test_keys_follow_the_algorithm_written_in_docs_api_md():
+    """An implementation written from docs/api.md's "Block keys" text agrees with block_keys."""
+    import struct
+
+    ns, salt, bt = "llama3-8b|L32|H8|D128|bfloat16|B256", b"tenant-salt", 256
+    tokens = list(range(1000, 1000 + 3 * bt + 17))
+
+    def h(data: bytes) -> bytes:  # xxh3_128, seed 0, the 128-bit value big-endian
+        return xxhash.xxh3_128_intdigest(data).to_bytes(16, "big")
+
+    parent = h(b"kvcache/root/v1\x00" + struct.pack("<I", len(ns.encode())) + ns.encode() + salt)
+    expected = []
+    for i in range(len(tokens) // bt):
+        parent = h(parent + struct.pack(f"<{bt}I", *tokens[i * bt:(i + 1) * bt]))
+        expected.append(parent)
+    assert block_keys(tokens, bt, root_key(ns, salt)) == expected
