@@ -1,6 +1,6 @@
 """TieredStore: the block index, tiers, leases and eviction of one node for one model layout.
 
-Invariants (checked by the tests):
+Invariants (``TieredStore.check_invariants`` checks them; see ``invariants.py``):
 - A committed block lives in exactly one tier (exclusive tiers); ``_index`` maps its key to it.
 - A tier's slot is in exactly one of: the free list, a writer's lease, or ``tier.keys`` (committed).
 - A committed block is in its tier's eviction policy iff it is not pinned.
@@ -10,188 +10,57 @@ Invariants (checked by the tests):
 
 Every public method takes one lock; bulk copies run under it too, so a lease can never expire and
 hand its page to someone else halfway through a copy. Metadata work per page is O(1).
+
+The store is split by job, over one shared state:
+- ``records``: the public value types (config, results, stats);
+- ``blocks``: the shared state (index, tiers, counters, events) and block primitives;
+- ``leases``: lease handles, deadlines and expiry (``LeaseBook``);
+- ``movement``: eviction, demotion and promotion (``TierMovement``);
+- ``invariants``: the consistency check;
+- this module: ``TieredStore``, the public API over them. Every public name stays importable here.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import os
-import threading
-import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
-from .errors import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound
-from .events import BlockEvent, EventKind, EventLog
+from .blocks import Block, TierState
+from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .events import BlockEvent
+from .invariants import InvariantViolation, check_store
 from .keys import BlockKey, block_keys, check_keys, root_key
 from .layout import KVLayout
+from .leases import LeaseBook, ReadLease, WriteLease
+from .movement import TierMovement
 from .payload import as_uint8, copy_bytes
-from .policy import EvictionPolicy, make_policy
+from .policy import make_policy
 from .pools import MetadataPool, PagePool, SharedDramPool, TorchSlabPool
+from .records import (
+    DEFAULT_LEASE_TTL_S,
+    CommitResult,
+    LookupResult,
+    StoreConfig,
+    StoreStats,
+    TierStats,
+)
 from .ssd import SsdPool
 from .tiers import Tier
 
-DEFAULT_LEASE_TTL_S = 30.0
+__all__ = [
+    "DEFAULT_LEASE_TTL_S", "CommitResult", "InvariantViolation", "LookupResult", "ReadLease",
+    "StoreConfig", "StoreStats", "TierStats", "TieredStore", "WriteLease",
+]
 
 
-@dataclass(frozen=True, kw_only=True)
-class StoreConfig:
-    """Capacities in pages per tier (0: tier absent) and behaviour switches."""
-
-    gpu_pages: int = 0
-    dram_pages: int = 0
-    ssd_pages: int = 0
-    ssd_dir: str | None = None
-    gpu_policy: str = "lru"
-    dram_policy: str = "lru"
-    ssd_policy: str = "lru"
-    gpu_device: str = "cuda"
-    write_tier: Tier = Tier.DRAM
-    promote_on_hit: bool = True
-    shm_name: str | None = None
-    reserve_shm: bool = False
-    metadata_only: bool = False
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    max_events: int = 1 << 20
-    clock: Callable[[], float] = time.monotonic
-    on_event: Callable[[], None] | None = None  # called (under the store lock) after new events
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    hits: int                 # length of the cached prefix, in blocks
-    tiers: list[Tier]         # tier of each hit block
-
-
-@dataclass(frozen=True, slots=True)
-class WriteLease:
-    lease_id: int
-    tier: Tier
-    keys: list[BlockKey]
-    slots: list[int]          # page slot to write for each key; -1: already stored, skip it
-    expires_at: float
-
-    @property
-    def to_write(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s >= 0]
-
-
-@dataclass(frozen=True, slots=True)
-class ReadLease:
-    lease_id: int
-    keys: list[BlockKey]
-    slots: list[int]          # page slot of each key; -1: not stored
-    tiers: list[Tier | None]
-    expires_at: float
-
-    @property
-    def found(self) -> int:
-        return sum(1 for s in self.slots if s >= 0)
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    stored: int               # newly published blocks
-    duplicates: int           # blocks another writer published first (our pages were freed)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierStats:
-    tier: Tier
-    capacity_pages: int
-    used_pages: int
-    leased_pages: int
-    pinned_blocks: int
-    hits: int
-    evictions: int
-
-    @property
-    def free_pages(self) -> int:
-        """Pages neither committed nor leased to a writer: what an allocation can take now."""
-        return self.capacity_pages - self.used_pages - self.leased_pages
-
-
-@dataclass(frozen=True, kw_only=True)
-class StoreStats:
-    tiers: list[TierStats]
-    blocks: int
-    misses: int
-    demotions: int
-    promotions: int
-    corrupt_pages: int
-    bytes_written: int
-    bytes_read: int
-    write_leases: int
-    read_leases: int
-    expired_leases: int
-    last_event_seq: int
-    dropped_events: int
-
-
-@dataclass(slots=True)
-class _Block:
-    tier: Tier
-    slot: int
-    pins: int = 0
-    doomed: bool = False      # out of the index while pinned: its page is freed on the last unpin
-
-
-@dataclass(slots=True)
-class _TierState:
-    tier: Tier
-    pool: PagePool
-    policy: EvictionPolicy
-    free: list[int]
-    keys: list[BlockKey | None]
-    leased: int = 0
-    pinned: int = 0
-    hits: int = 0
-    evictions: int = 0
-
-
-@dataclass(slots=True)
-class _WriteLeaseState:
-    lease: WriteLease
-    deadline: float
-
-
-@dataclass(slots=True)
-class _ReadLeaseState:
-    blocks: list[tuple[BlockKey, "_Block"]]   # what this lease pinned (found ones only)
-    deadline: float
-
-
-@dataclass
-class _Counters:
-    misses: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    expired_leases: int = 0
-    corrupt_pages: int = 0
-
-
-class TieredStore:
+class TieredStore(LeaseBook, TierMovement):
     """Paged KV blocks of one layout in GPU / DRAM / SSD tiers. Thread-safe; batch-first."""
 
     def __init__(self, layout: KVLayout, config: StoreConfig) -> None:
-        self.layout = layout
-        self.config = config
-        self.namespace = layout.namespace
-        self._clock = config.clock
-        self._lock = threading.RLock()
-        self._index: dict[BlockKey, _Block] = {}
-        self._tiers: dict[Tier, _TierState] = {}
-        self._write_leases: dict[int, _WriteLeaseState] = {}
-        self._read_leases: dict[int, _ReadLeaseState] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
-        self._events = EventLog(config.max_events, config.on_event)
-        self._n = _Counters()
+        super().__init__(layout, config)
         self._closed = False
         try:
             self._open_tiers()
@@ -206,7 +75,7 @@ class TieredStore:
         cfg, page = self.config, self.layout.page_bytes
         specs = [(Tier.GPU, cfg.gpu_pages, cfg.gpu_policy), (Tier.DRAM, cfg.dram_pages,
                  cfg.dram_policy), (Tier.SSD, cfg.ssd_pages, cfg.ssd_policy)]
-        for tier, pages, policy in specs:
+        for tier, pages, _ in specs:
             if pages < 0:
                 raise InvalidArgument(f"{tier.name.lower()}_pages must be >= 0, got {pages}")
         if not any(p for _, p, _ in specs):
@@ -221,8 +90,8 @@ class TieredStore:
                 continue
             evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
-            self._tiers[tier] = _TierState(tier, pool, evict, list(range(pages - 1, -1, -1)),
-                                           [None] * pages)
+            self._tiers[tier] = TierState(tier, pool, evict, list(range(pages - 1, -1, -1)),
+                                          [None] * pages)
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
         cfg = self.config
@@ -268,7 +137,7 @@ class TieredStore:
     def pool(self, tier: Tier) -> PagePool:
         return self._tiers[tier].pool
 
-    def keys_for(self, tokens, salt: bytes | str = b"") -> list[BlockKey]:
+    def keys_for(self, tokens: Any, salt: bytes | str = b"") -> list[BlockKey]:
         """Block keys of ``tokens`` in this store's namespace under ``salt``."""
         return block_keys(tokens, self.layout.block_tokens, root_key(self.namespace, salt))
 
@@ -276,11 +145,11 @@ class TieredStore:
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest cached prefix of ``keys``; stops at the first miss. Counts as an access."""
-        keys = check_keys(keys)
+        checked = check_keys(keys)
         tiers: list[Tier] = []
         with self._lock:
             index = self._index
-            for key in keys:
+            for key in checked:
                 block = index.get(key)
                 if block is None:
                     break
@@ -288,43 +157,38 @@ class TieredStore:
                 ts.policy.touch(block.slot)
                 ts.hits += 1
                 tiers.append(block.tier)
-            self._n.misses += len(keys) - len(tiers)
+            self._n.misses += len(checked) - len(tiers)
         return LookupResult(len(tiers), tiers)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per-key presence without touching recency or statistics."""
-        keys = check_keys(keys)
+        checked = check_keys(keys)
         with self._lock:
-            return [k in self._index for k in keys]
+            return [k in self._index for k in checked]
 
     # ---- two-phase writes --------------------------------------------------------------
 
     def allocate(self, keys: Sequence[bytes], ttl_s: float | None = None,
-                 tier: Tier | None = None) -> WriteLease:
+                 tier: Tier | str | None = None) -> WriteLease:
         """Lease pages for the keys not yet stored. Evicts (demoting) as needed; raises
         ``CapacityExhausted`` when the pages cannot be freed because the rest are pinned."""
-        keys = check_keys(keys)
-        if len(set(keys)) != len(keys):
+        checked = check_keys(keys)
+        if len(set(checked)) != len(checked):
             raise InvalidArgument("allocate: the key list contains duplicates")
-        tier = self.config.write_tier if tier is None else Tier.parse(tier)
-        ttl_s = self._ttl(ttl_s)
+        target = self.config.write_tier if tier is None else Tier.parse(tier)
+        ttl = self._ttl(ttl_s)
         with self._lock:
-            ts = self._tier(tier)
+            ts = self._tier(target)
             self._expire_locked()
-            missing = [i for i, k in enumerate(keys) if k not in self._index]
+            missing = [i for i, k in enumerate(checked) if k not in self._index]
             pages = self._reserve(ts, len(missing))
-            slots = [-1] * len(keys)
+            slots = [-1] * len(checked)
             for i, slot in zip(missing, pages):
                 slots[i] = slot
             ts.leased += len(pages)
-            lease_id = next(self._lease_ids)
-            deadline = self._clock() + ttl_s
-            lease = WriteLease(lease_id, tier, keys, slots, deadline)
-            self._write_leases[lease_id] = _WriteLeaseState(lease, deadline)
-            heapq.heappush(self._deadlines, (deadline, lease_id))
-            return lease
+            return self._add_write_lease(target, checked, slots, ttl)
 
-    def write(self, lease_id: int, index: int, data, layer: int | None = None) -> None:
+    def write(self, lease_id: int, index: int, data: Any, layer: int | None = None) -> None:
         """Copy one page (or, with ``layer``, one layer's K|V slice) into a leased page."""
         with self._lock:
             lease, slot = self._leased_slot(lease_id, index)
@@ -340,7 +204,7 @@ class TieredStore:
                 copy_bytes(view[offset:offset + size], src)
             self._n.bytes_written += size
 
-    def write_pages(self, lease_id: int, pages: Sequence) -> None:
+    def write_pages(self, lease_id: int, pages: Sequence[Any]) -> None:
         """Write every page the lease asks for; ``pages`` is aligned with the lease's keys."""
         with self._lock:
             lease = self._write_lease(lease_id).lease
@@ -349,13 +213,15 @@ class TieredStore:
             for i in lease.to_write:
                 self.write(lease_id, i, pages[i])
 
-    def page_view(self, lease: WriteLease | ReadLease, index: int, layer: int | None = None):
+    def page_view(self, lease: WriteLease | ReadLease, index: int,
+                  layer: int | None = None) -> Any:
         """Zero-copy view of a leased or pinned page (or one layer of it), valid while the lease
         is. Writers fill it in place; readers must not write to it."""
         slot = lease.slots[index]
         if slot < 0:
             raise NotFound(f"key #{index} of lease {lease.lease_id} has no page")
-        tier = lease.tier if isinstance(lease, WriteLease) else lease.tiers[index]
+        # A found key (slot >= 0) of a read lease always has its tier.
+        tier = lease.tier if isinstance(lease, WriteLease) else cast(Tier, lease.tiers[index])
         view = self._tiers[tier].pool.page_view(slot)
         if view is None or layer is None:
             return view
@@ -393,7 +259,7 @@ class TieredStore:
                 raise FailedPrecondition(f"abort of write lease {lease_id}: no such lease")
             self._free_write_lease(state.lease)
 
-    def put(self, keys: Sequence[bytes], pages: Sequence) -> CommitResult:
+    def put(self, keys: Sequence[bytes], pages: Sequence[Any]) -> CommitResult:
         """allocate + write + commit in one call (aborts on a bad page)."""
         lease = self.allocate(keys)
         try:
@@ -414,18 +280,19 @@ class TieredStore:
         ``tiers`` say where each page is. Default: DRAM when ``promote_on_hit``, else leave blocks
         where they are.
         """
-        keys = check_keys(keys)
-        ttl_s = self._ttl(ttl_s)
+        checked = check_keys(keys)
+        ttl = self._ttl(ttl_s)
         if into == "default":
             into = Tier.DRAM if self.config.promote_on_hit and Tier.DRAM in self._tiers else None
         with self._lock:
             self._expire_locked()
+            # NOTE: resolve the target before pinning: a bad ``into`` must not leave pins behind.
+            dst = None if into is None else self._tier(into)
             index = self._index
-            pinned = [(k, index[k]) for k in dict.fromkeys(keys) if k in index]
+            pinned = [(k, index[k]) for k in dict.fromkeys(checked) if k in index]
             for _, block in pinned:
                 self._pin(block)
-            if into is not None:
-                dst = self._tier(into)
+            if dst is not None:
                 # NOTE: only blocks no other lease pins may move: another reader may hold a view.
                 movers = [(k, b) for k, b in pinned if b.tier != dst.tier and b.pins == 1]
                 # Best effort: what does not fit (the target is pinned full) stays where it is.
@@ -433,17 +300,17 @@ class TieredStore:
                 if movers:
                     self._relocate(movers, dst)
                     pinned = [(k, b) for k, b in pinned if b.pins]
-            slots, tiers = [], []
-            for key in keys:
-                b = index.get(key)
-                ok = b is not None and b.pins > 0
-                slots.append(b.slot if ok else -1)
-                tiers.append(b.tier if ok else None)
-            lease_id = next(self._lease_ids)
-            deadline = self._clock() + ttl_s
-            self._read_leases[lease_id] = _ReadLeaseState(pinned, deadline)
-            heapq.heappush(self._deadlines, (deadline, lease_id))
-            return ReadLease(lease_id, keys, slots, tiers, deadline)
+            slots: list[int] = []
+            tiers: list[Tier | None] = []
+            for key in checked:
+                found: Block | None = index.get(key)
+                if found is not None and found.pins > 0:
+                    slots.append(found.slot)
+                    tiers.append(found.tier)
+                else:
+                    slots.append(-1)
+                    tiers.append(None)
+            return self._add_read_lease(checked, pinned, slots, tiers, ttl)
 
     def release(self, lease_id: int) -> None:
         with self._lock:
@@ -455,17 +322,12 @@ class TieredStore:
 
     def extend(self, lease_id: int, ttl_s: float | None = None) -> float:
         """Push a read or write lease's deadline ``ttl_s`` from now; returns the new deadline."""
-        ttl_s = self._ttl(ttl_s)
+        ttl = self._ttl(ttl_s)
         with self._lock:
             self._expire_locked()
-            state = self._read_leases.get(lease_id) or self._write_leases.get(lease_id)
-            if state is None:
-                raise NotFound(f"lease {lease_id} does not exist (expired or released)")
-            state.deadline = self._clock() + ttl_s
-            heapq.heappush(self._deadlines, (state.deadline, lease_id))
-            return state.deadline
+            return self._extend_lease(lease_id, ttl)
 
-    def copy_out(self, lease: ReadLease, index: int, out) -> bool:
+    def copy_out(self, lease: ReadLease, index: int, out: Any) -> bool:
         """Copy one pinned page of a read lease into ``out`` (a flat uint8 numpy array or torch
         tensor of page_bytes), from whichever tier holds it. False if it failed its checksum
         (the block is then dropped)."""
@@ -477,21 +339,24 @@ class TieredStore:
         if slot < 0:
             raise NotFound(f"key #{index} of lease {lease.lease_id} is not stored")
         with self._lock:
-            if not self._tiers[tier].pool.has_data:
+            ts = self._tiers[cast(Tier, tier)]  # a found key (slot >= 0) always has its tier
+            if not ts.pool.has_data:
                 raise FailedPrecondition("this store is metadata_only: it keeps no page bytes")
             self._expire_locked()
             if lease.lease_id not in self._read_leases:
                 raise FailedPrecondition(f"read lease {lease.lease_id} expired or was released")
-            if not self._tiers[tier].pool.read_page_into(slot, key, out):
+            if not ts.pool.read_page_into(slot, key, out):
                 self._n.corrupt_pages += 1
                 block = self._index.get(key)
-                if block is not None:
+                # NOTE: only if it is the page just read: a lease may hold a removed (doomed)
+                # copy while the index holds a newer, healthy one elsewhere.
+                if block is not None and block.tier is tier and block.slot == slot:
                     self._discard(key, block)
                 return False
             self._n.bytes_read += self.layout.page_bytes
             return True
 
-    def read(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+    def read(self, keys: Sequence[bytes]) -> list[npt.NDArray[np.uint8] | None]:
         """Copies of the stored pages (None where missing). SSD hits are promoted when
         ``promote_on_hit``; otherwise read straight from lmdb.
 
@@ -504,7 +369,7 @@ class TieredStore:
         try:
             found = [i for i, slot in enumerate(lease.slots) if slot >= 0]
             buf = np.empty((len(found), self.layout.page_bytes), dtype=np.uint8)
-            out: list[np.ndarray | None] = [None] * len(lease.slots)
+            out: list[npt.NDArray[np.uint8] | None] = [None] * len(lease.slots)
             for i, row in zip(found, buf):
                 if self.copy_out(lease, i, row):
                     out[i] = row
@@ -516,10 +381,10 @@ class TieredStore:
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop blocks; a pinned block goes when its last pin is released. Returns how many."""
-        keys = check_keys(keys)
+        checked = check_keys(keys)
         n = 0
         with self._lock:
-            for key in keys:
+            for key in checked:
                 b = self._index.get(key)
                 if b is not None:
                     self._discard(key, b)
@@ -546,15 +411,23 @@ class TieredStore:
                                leased_pages=ts.leased, pinned_blocks=ts.pinned, hits=ts.hits,
                                evictions=ts.evictions)
                      for t, ts in sorted(self._tiers.items())]
-            corrupt = self._n.corrupt_pages
             n = self._n
             return StoreStats(tiers=tiers, blocks=len(self._index), misses=n.misses,
                               demotions=n.demotions, promotions=n.promotions,
-                              corrupt_pages=corrupt, bytes_written=n.bytes_written,
+                              corrupt_pages=n.corrupt_pages, bytes_written=n.bytes_written,
                               bytes_read=n.bytes_read, write_leases=len(self._write_leases),
                               read_leases=len(self._read_leases), expired_leases=n.expired_leases,
                               last_event_seq=self._events.last_seq,
                               dropped_events=self._events.dropped)
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantViolation`` (an ``AssertionError``) listing every broken invariant
+        (see ``invariants.py``). O(pages + leases), plus a key scan of the SSD tier: for tests
+        and debugging, not a hot path. A closed store dropped its state: there is nothing to check.
+        """
+        with self._lock:
+            if not self._closed:
+                check_store(self)
 
     def close(self) -> None:
         """Drop every lease and release pools (shared memory unlinked, lmdb synced)."""
@@ -570,199 +443,8 @@ class TieredStore:
         for ts in getattr(self, "_tiers", {}).values():
             ts.pool.close()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- internals (caller holds the lock) -------------------------------------------------------
-
-    def _ttl(self, ttl_s: float | None) -> float:
-        ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
-        if not ttl_s > 0:
-            raise InvalidArgument(f"lease ttl must be positive seconds, got {ttl_s!r}")
-        return float(ttl_s)
-
-    def _tier(self, tier: Tier) -> _TierState:
-        ts = self._tiers.get(Tier.parse(tier))
-        if ts is None:
-            raise InvalidArgument(f"this store has no {Tier.parse(tier).name} tier")
-        return ts
-
-    def _write_lease(self, lease_id: int) -> _WriteLeaseState:
-        # NOTE: sweep first so that a lease is dead from its deadline on, not from whenever the
-        # next allocate/acquire happens to sweep (a late writer must not publish).
-        self._expire_locked()
-        state = self._write_leases.get(lease_id)
-        if state is None:
-            raise FailedPrecondition(f"write lease {lease_id} does not exist (never allocated, "
-                                     "committed, aborted or expired)")
-        return state
-
-    def _leased_slot(self, lease_id: int, index: int) -> tuple[WriteLease, int]:
-        lease = self._write_lease(lease_id).lease
-        if not 0 <= index < len(lease.keys):
-            raise InvalidArgument(f"page index {index} out of range for a lease of "
-                                  f"{len(lease.keys)} keys")
-        slot = lease.slots[index]
-        if slot < 0:
-            raise FailedPrecondition(f"key #{index} is already stored; there is nothing to write")
-        return lease, slot
-
-    def _publish(self, ts: _TierState, key: BlockKey, slot: int) -> None:
-        self._index[key] = _Block(ts.tier, slot)
-        ts.keys[slot] = key
-        ts.policy.insert(slot, fresh=True)
-        self._events.append(EventKind.STORED, key, ts.tier)
-
-    def _pin(self, block: _Block) -> None:
-        if block.pins == 0:
-            ts = self._tiers[block.tier]
-            ts.policy.remove(block.slot)
-            ts.pinned += 1
-        block.pins += 1
-
-    def _unpin_blocks(self, blocks: Sequence[tuple[BlockKey, _Block]]) -> None:
-        for key, b in blocks:
-            if b.pins == 0:
-                continue
-            b.pins -= 1
-            if b.pins == 0:
-                ts = self._tiers[b.tier]
-                ts.pinned -= 1
-                if b.doomed:
-                    self._free_page(key, b)
-                else:
-                    ts.policy.insert(b.slot, fresh=False)
-
-    def _reserve(self, ts: _TierState, n: int) -> list[int]:
-        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed."""
-        if n == 0:
-            return []
-        need = n - len(ts.free)
-        if need > 0:
-            if need > len(ts.policy):
-                raise CapacityExhausted(
-                    f"{ts.tier.name} tier is full: need {n} pages, {len(ts.free)} free and "
-                    f"{len(ts.policy)} evictable; the other {len(ts.keys) - len(ts.free) - len(ts.policy)}"
-                    " are pinned by readers or leased to writers. Release leases or add capacity")
-            victims = [ts.policy.pop_victim() for _ in range(need)]
-            self._evict(ts, victims)
-        free = ts.free
-        out = free[-n:]
-        del free[-n:]
-        return out
-
-    def _next_tier(self, tier: Tier) -> _TierState | None:
-        for t in range(tier + 1, Tier.SSD + 1):
-            if Tier(t) in self._tiers:
-                return self._tiers[Tier(t)]
-        return None
-
-    def _evict(self, ts: _TierState, victims: list[int]) -> None:
-        """Move victim slots' blocks to the next tier if there is room, else drop them."""
-        keys = [ts.keys[s] for s in victims]
-        dst = self._next_tier(ts.tier)
-        moved: list[int] = []
-        if dst is not None:
-            room = min(len(victims), len(dst.free) + len(dst.policy))
-            if room:
-                dslots = self._reserve(dst, room)
-                src_views = [ts.pool.page_view(s) for s in victims[:room]]
-                if ts.pool.has_data and dst.pool.has_data:
-                    dst.pool.write_pages(dslots, keys[:room], src_views)
-                for key, sslot, dslot in zip(keys, victims, dslots):
-                    block = self._index[key]
-                    block.tier, block.slot = dst.tier, dslot
-                    dst.keys[dslot] = key
-                    dst.policy.insert(dslot, fresh=True)
-                    self._events.append(EventKind.STORED, key, dst.tier)
-                moved = victims[:room]
-                self._n.demotions += room
-        dropped = victims[len(moved):]
-        if dropped:
-            dkeys = keys[len(moved):]
-            ts.pool.drop_pages(dropped, dkeys)
-            for key in dkeys:
-                del self._index[key]
-                self._events.append(EventKind.EVICTED, key, ts.tier)
-            ts.evictions += len(dropped)
-        for s in victims:
-            ts.keys[s] = None
-        ts.free.extend(victims)
-
-    def _relocate(self, blocks: list[tuple[BlockKey, _Block]], dst: _TierState) -> None:
-        """Move blocks pinned only by the caller into ``dst``. A page that fails its checksum on
-        the way is dropped (unpinned, reported evicted): the caller sees it as missing."""
-        dslots = self._reserve(dst, len(blocks))
-        for (key, b), dslot in zip(blocks, dslots):
-            src = self._tiers[b.tier]
-            if src.pool.has_data and dst.pool.has_data:
-                if not src.pool.read_page_into(b.slot, key, dst.pool.page_view(dslot)):
-                    dst.free.append(dslot)
-                    self._n.corrupt_pages += 1
-                    b.pins = 0
-                    src.pinned -= 1
-                    self._discard(key, b)
-                    continue
-            src.pool.drop_pages([b.slot], [key])
-            src.keys[b.slot] = None
-            src.free.append(b.slot)
-            src.pinned -= 1
-            dst.pinned += 1
-            if b.tier > dst.tier:
-                self._n.promotions += 1
-            else:
-                self._n.demotions += 1
-            b.tier, b.slot = dst.tier, dslot
-            dst.keys[dslot] = key
-            # NOTE: the pinned block re-enters the policy on unpin with fresh=False, which keeps
-            # the slot's history: clear what the slot's previous occupant left there (LFU count).
-            dst.policy.forget(dslot)
-            self._events.append(EventKind.STORED, key, dst.tier)
-
-    def _discard(self, key: BlockKey, b: _Block) -> None:
-        """Take a block out of the index (reported evicted); its page is freed now, or on its
-        last unpin if a reader still holds it."""
-        if self._index.get(key) is b:
-            del self._index[key]
-            self._events.append(EventKind.EVICTED, key, b.tier)
-        if b.pins:
-            b.doomed = True
-        else:
-            self._free_page(key, b)
-
-    def _free_page(self, key: BlockKey, b: _Block) -> None:
-        ts = self._tiers[b.tier]
-        ts.pool.drop_pages([b.slot], [key])
-        ts.policy.remove(b.slot)
-        ts.keys[b.slot] = None
-        ts.free.append(b.slot)
-
-    def _free_write_lease(self, lease: WriteLease) -> None:
-        ts = self._tiers[lease.tier]
-        for slot in lease.slots:
-            if slot >= 0:
-                ts.free.append(slot)
-                ts.leased -= 1
-
-    def _expire_locked(self) -> int:
-        now = self._clock()
-        expired = 0
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            deadline, lease_id = heapq.heappop(heap)
-            w = self._write_leases.get(lease_id)
-            if w is not None and w.deadline <= now:
-                del self._write_leases[lease_id]
-                self._free_write_lease(w.lease)
-                expired += 1
-                continue
-            r = self._read_leases.get(lease_id)
-            if r is not None and r.deadline <= now:
-                del self._read_leases[lease_id]
-                self._unpin_blocks(r.blocks)
-                expired += 1
-        self._n.expired_leases += expired
-        return expired

@@ -1,0 +1,148 @@
+"""Lease bookkeeping: the handles callers hold, their deadlines, and what expiry gives back.
+
+A write lease owns the free pages it was given until commit, abort or expiry; a read lease owns one
+pin on each block it found. Deadlines sit in one heap, swept lazily (``_expire_locked``) at the
+start of every operation that depends on a lease being alive.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from .blocks import Block, BlockStore
+from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .keys import BlockKey
+from .layout import KVLayout
+from .records import StoreConfig
+from .tiers import Tier
+
+
+@dataclass(frozen=True, slots=True)
+class WriteLease:
+    lease_id: int
+    tier: Tier
+    keys: list[BlockKey]
+    slots: list[int]          # page slot to write for each key; -1: already stored, skip it
+    expires_at: float
+
+    @property
+    def to_write(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s >= 0]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLease:
+    lease_id: int
+    keys: list[BlockKey]
+    slots: list[int]          # page slot of each key; -1: not stored
+    tiers: list[Tier | None]
+    expires_at: float
+
+    @property
+    def found(self) -> int:
+        return sum(1 for s in self.slots if s >= 0)
+
+
+@dataclass(slots=True)
+class WriteLeaseState:
+    lease: WriteLease
+    deadline: float           # ``lease.expires_at`` until ``extend`` moves it
+
+
+@dataclass(slots=True)
+class ReadLeaseState:
+    blocks: list[tuple[BlockKey, Block]]   # what this lease pinned (found ones only)
+    deadline: float
+
+
+class LeaseBook(BlockStore):
+    """Live leases and their deadlines (a mixin of ``TieredStore``; caller holds the lock)."""
+
+    def __init__(self, layout: KVLayout, config: StoreConfig) -> None:
+        super().__init__(layout, config)
+        self._write_leases: dict[int, WriteLeaseState] = {}
+        self._read_leases: dict[int, ReadLeaseState] = {}
+        # NOTE: (deadline, lease_id) entries; ``extend`` pushes a new one and leaves the old one to
+        # be skipped by the sweep, so a lease is expired only when its *current* deadline passed.
+        self._deadlines: list[tuple[float, int]] = []
+        self._lease_ids = itertools.count(1)
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
+        if not ttl_s > 0:
+            raise InvalidArgument(f"lease ttl must be positive seconds, got {ttl_s!r}")
+        return float(ttl_s)
+
+    def _add_write_lease(self, tier: Tier, keys: list[BlockKey], slots: list[int],
+                         ttl_s: float) -> WriteLease:
+        lease_id = next(self._lease_ids)
+        deadline = self._clock() + ttl_s
+        lease = WriteLease(lease_id, tier, keys, slots, deadline)
+        self._write_leases[lease_id] = WriteLeaseState(lease, deadline)
+        heapq.heappush(self._deadlines, (deadline, lease_id))
+        return lease
+
+    def _add_read_lease(self, keys: list[BlockKey], pinned: list[tuple[BlockKey, Block]],
+                        slots: list[int], tiers: list[Tier | None], ttl_s: float) -> ReadLease:
+        lease_id = next(self._lease_ids)
+        deadline = self._clock() + ttl_s
+        self._read_leases[lease_id] = ReadLeaseState(pinned, deadline)
+        heapq.heappush(self._deadlines, (deadline, lease_id))
+        return ReadLease(lease_id, keys, slots, tiers, deadline)
+
+    def _extend_lease(self, lease_id: int, ttl_s: float) -> float:
+        state: ReadLeaseState | WriteLeaseState | None = (
+            self._read_leases.get(lease_id) or self._write_leases.get(lease_id))
+        if state is None:
+            raise NotFound(f"lease {lease_id} does not exist (expired or released)")
+        state.deadline = self._clock() + ttl_s
+        heapq.heappush(self._deadlines, (state.deadline, lease_id))
+        return state.deadline
+
+    def _write_lease(self, lease_id: int) -> WriteLeaseState:
+        # NOTE: sweep first so that a lease is dead from its deadline on, not from whenever the
+        # next allocate/acquire happens to sweep (a late writer must not publish).
+        self._expire_locked()
+        state = self._write_leases.get(lease_id)
+        if state is None:
+            raise FailedPrecondition(f"write lease {lease_id} does not exist (never allocated, "
+                                     "committed, aborted or expired)")
+        return state
+
+    def _leased_slot(self, lease_id: int, index: int) -> tuple[WriteLease, int]:
+        lease = self._write_lease(lease_id).lease
+        if not 0 <= index < len(lease.keys):
+            raise InvalidArgument(f"page index {index} out of range for a lease of "
+                                  f"{len(lease.keys)} keys")
+        slot = lease.slots[index]
+        if slot < 0:
+            raise FailedPrecondition(f"key #{index} is already stored; there is nothing to write")
+        return lease, slot
+
+    def _free_write_lease(self, lease: WriteLease) -> None:
+        ts = self._tiers[lease.tier]
+        for slot in lease.slots:
+            if slot >= 0:
+                ts.free.append(slot)
+                ts.leased -= 1
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        expired = 0
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            w = self._write_leases.get(lease_id)
+            if w is not None and w.deadline <= now:
+                del self._write_leases[lease_id]
+                self._free_write_lease(w.lease)
+                expired += 1
+                continue
+            r = self._read_leases.get(lease_id)
+            if r is not None and r.deadline <= now:
+                del self._read_leases[lease_id]
+                self._unpin_blocks(r.blocks)
+                expired += 1
+        self._n.expired_leases += expired
+        return expired

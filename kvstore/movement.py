@@ -1,0 +1,128 @@
+"""Tier movement: freeing pages by eviction (demoting to the next tier down, or dropping from the
+last), and relocating pinned blocks between tiers (promotion on hit, moving GPU pages to DRAM).
+
+Tiers are exclusive: a block that moves leaves its old page free, and its key's ``STORED`` event
+names the new tier.
+"""
+from __future__ import annotations
+
+from .blocks import Block, BlockStore, TierState
+from .errors import CapacityExhausted
+from .events import EventKind
+from .keys import BlockKey
+from .payload import ByteView
+from .tiers import Tier
+
+
+class TierMovement(BlockStore):
+    """Eviction, demotion, promotion (a mixin of ``TieredStore``; caller holds the lock)."""
+
+    def _reserve(self, ts: TierState, n: int) -> list[int]:
+        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed."""
+        if n == 0:
+            return []
+        need = n - len(ts.free)
+        if need > 0:
+            if need > len(ts.policy):
+                held = len(ts.keys) - len(ts.free) - len(ts.policy)
+                raise CapacityExhausted(
+                    f"{ts.tier.name} tier is full: need {n} pages, {len(ts.free)} free and "
+                    f"{len(ts.policy)} evictable; the other {held} are pinned by readers or "
+                    "leased to writers. Release leases or add capacity")
+            victims: list[int] = []
+            for _ in range(need):
+                slot = ts.policy.pop_victim()
+                assert slot is not None, "need <= len(policy) was checked above"
+                victims.append(slot)
+            self._evict(ts, victims)
+        free = ts.free
+        out = free[-n:]
+        del free[-n:]
+        return out
+
+    def _next_tier(self, tier: Tier) -> TierState | None:
+        for t in range(tier + 1, Tier.SSD + 1):
+            if Tier(t) in self._tiers:
+                return self._tiers[Tier(t)]
+        return None
+
+    def _evict(self, ts: TierState, victims: list[int]) -> None:
+        """Move victim slots' blocks to the next tier if there is room, else drop them."""
+        keys = [_committed_key(ts, s) for s in victims]
+        dst = self._next_tier(ts.tier)
+        moved: list[int] = []
+        if dst is not None:
+            room = min(len(victims), len(dst.free) + len(dst.policy))
+            if room:
+                dslots = self._reserve(dst, room)
+                if ts.pool.has_data and dst.pool.has_data:
+                    src_views = [_source_view(ts, s) for s in victims[:room]]
+                    dst.pool.write_pages(dslots, keys[:room], src_views)
+                for key, dslot in zip(keys, dslots):
+                    block = self._index[key]
+                    block.tier, block.slot = dst.tier, dslot
+                    dst.keys[dslot] = key
+                    dst.policy.insert(dslot, fresh=True)
+                    self._events.append(EventKind.STORED, key, dst.tier)
+                moved = victims[:room]
+                self._n.demotions += room
+        dropped = victims[len(moved):]
+        if dropped:
+            dkeys = keys[len(moved):]
+            ts.pool.drop_pages(dropped, dkeys)
+            for key in dkeys:
+                del self._index[key]
+                self._events.append(EventKind.EVICTED, key, ts.tier)
+            ts.evictions += len(dropped)
+        for s in victims:
+            ts.keys[s] = None
+        ts.free.extend(victims)
+
+    def _relocate(self, blocks: list[tuple[BlockKey, Block]], dst: TierState) -> None:
+        """Move blocks pinned only by the caller into ``dst``. A page that fails its checksum on
+        the way is dropped (unpinned, reported evicted): the caller sees it as missing."""
+        dslots = self._reserve(dst, len(blocks))
+        for (key, b), dslot in zip(blocks, dslots):
+            src = self._tiers[b.tier]
+            if src.pool.has_data and dst.pool.has_data:
+                dview = dst.pool.page_view(dslot)
+                if dview is None:
+                    # A keyed pool (SSD, via ``acquire(into=SSD)``) has no page views: store the
+                    # page under its key, as ``_evict`` does when it demotes.
+                    dst.pool.write_pages([dslot], [key], [_source_view(src, b.slot)])
+                elif not src.pool.read_page_into(b.slot, key, dview):
+                    dst.free.append(dslot)
+                    self._n.corrupt_pages += 1
+                    b.pins = 0
+                    src.pinned -= 1
+                    self._discard(key, b)
+                    continue
+            src.pool.drop_pages([b.slot], [key])
+            src.keys[b.slot] = None
+            src.free.append(b.slot)
+            src.pinned -= 1
+            dst.pinned += 1
+            if b.tier > dst.tier:
+                self._n.promotions += 1
+            else:
+                self._n.demotions += 1
+            b.tier, b.slot = dst.tier, dslot
+            dst.keys[dslot] = key
+            # NOTE: the pinned block re-enters the policy on unpin with fresh=False, which keeps
+            # the slot's history: clear what the slot's previous occupant left there (LFU count).
+            dst.policy.forget(dslot)
+            self._events.append(EventKind.STORED, key, dst.tier)
+
+
+def _source_view(ts: TierState, slot: int) -> ByteView:
+    """A page to copy out of: sources are slab tiers (GPU, DRAM); the SSD is the last tier, so
+    nothing is demoted from it, and a promotion reads it with ``read_page_into``."""
+    view = ts.pool.page_view(slot)
+    assert view is not None, f"{ts.tier.name} slot {slot} has no page view to copy from"
+    return view
+
+
+def _committed_key(ts: TierState, slot: int) -> BlockKey:
+    key = ts.keys[slot]
+    assert key is not None, f"{ts.tier.name} slot {slot} is evictable but holds no block"
+    return key

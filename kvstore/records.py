@@ -1,0 +1,83 @@
+"""The values the store API takes and returns: its configuration, lookup and commit results, stats.
+
+Plain dataclasses with no behaviour, in a module of their own so that every part of the store
+(``blocks``, ``leases``, ``movement``, ``store``) can import them without importing each other.
+``kvstore.store`` re-exports them; callers keep importing them from there.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .tiers import Tier
+
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Capacities in pages per tier (0: tier absent) and behaviour switches."""
+
+    gpu_pages: int = 0
+    dram_pages: int = 0
+    ssd_pages: int = 0
+    ssd_dir: str | None = None
+    gpu_policy: str = "lru"
+    dram_policy: str = "lru"
+    ssd_policy: str = "lru"
+    gpu_device: str = "cuda"
+    write_tier: Tier = Tier.DRAM
+    promote_on_hit: bool = True
+    shm_name: str | None = None
+    reserve_shm: bool = False
+    metadata_only: bool = False
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_events: int = 1 << 20
+    clock: Callable[[], float] = time.monotonic
+    on_event: Callable[[], None] | None = None  # called (under the store lock) after new events
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: int                 # length of the cached prefix, in blocks
+    tiers: list[Tier]         # tier of each hit block
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    stored: int               # newly published blocks
+    duplicates: int           # blocks another writer published first (our pages were freed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierStats:
+    tier: Tier
+    capacity_pages: int
+    used_pages: int
+    leased_pages: int
+    pinned_blocks: int
+    hits: int
+    evictions: int
+
+    @property
+    def free_pages(self) -> int:
+        """Pages neither committed nor leased to a writer: what an allocation can take now."""
+        return self.capacity_pages - self.used_pages - self.leased_pages
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreStats:
+    tiers: list[TierStats]
+    blocks: int
+    misses: int
+    demotions: int
+    promotions: int
+    corrupt_pages: int
+    bytes_written: int
+    bytes_read: int
+    write_leases: int
+    read_leases: int
+    expired_leases: int
+    last_event_seq: int
+    dropped_events: int
