@@ -3,6 +3,7 @@
 Only the chosen command's module is imported (``bench.hitrate`` does not pay for grpc or torch).
 Each module exposes ``configure(parser)`` and ``run(args) -> int``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("command", choices=sorted(COMMANDS), metavar="command",
-                        help="; ".join(f"{n}: {h}" for n, (_, h) in COMMANDS.items()))
-    parser.add_argument("options", nargs=argparse.REMAINDER,
-                        help="options of the command (see 'kvcache bench <command> --help')")
+    parser.add_argument(
+        "command",
+        choices=sorted(COMMANDS),
+        metavar="command",
+        help="; ".join(f"{n}: {h}" for n, (_, h) in COMMANDS.items()),
+    )
+    parser.add_argument(
+        "options",
+        nargs=argparse.REMAINDER,
+        help="options of the command (see 'kvcache bench <command> --help')",
+    )
 
 
 def load_command(name: str):
@@ -33,21 +41,25 @@ def load_command(name: str):
     try:
         module_name = COMMANDS[name][0]
     except KeyError:
-        raise SystemExit(f"kvcache bench: unknown command {name!r}; "
-                         f"choose one of {', '.join(sorted(COMMANDS))}") from None
+        raise SystemExit(
+            f"kvcache bench: unknown command {name!r}; choose one of {', '.join(sorted(COMMANDS))}"
+        ) from None
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise  # the module exists but one of its imports is missing: show the real error
-        raise SystemExit(f"kvcache bench {name}: not available yet ({module_name} does not "
-                         "exist in this checkout)") from None
+        raise SystemExit(
+            f"kvcache bench {name}: not available yet ({module_name} does not "
+            "exist in this checkout)"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
     module = load_command(args.command)
-    parser = argparse.ArgumentParser(prog=f"kvcache bench {args.command}",
-                                     description=COMMANDS[args.command][1])
+    parser = argparse.ArgumentParser(
+        prog=f"kvcache bench {args.command}", description=COMMANDS[args.command][1]
+    )
     module.configure(parser)
     sub_args = parser.parse_args(args.options)
     # The top-level --log-level also applies below; keep it visible to the command.

@@ -19,6 +19,7 @@ of it, up to ``--max-holders - 1`` more hold random prefixes of it. A request ta
 prefix of a random chain plus ``--new-blocks`` uncached blocks (512-token blocks, LLaMA3-70B
 layout: Mooncake Table 1). Keys are random 16-byte strings (the conductor treats keys as opaque).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
 from rpc.launch import start_service
 
-LAYOUT = KVLayout(model="llama3-70b", num_layers=80, kv_heads=8, head_dim=128, dtype="bfloat16",
-                  block_tokens=512)
+LAYOUT = KVLayout(
+    model="llama3-70b", num_layers=80, kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=512
+)
 P99_TARGET_S = 2e-3
 THROUGHPUT_TARGET = 2000.0
 RSS_TARGET_MB = 400.0
@@ -59,26 +61,38 @@ _SNAPSHOT_BATCH = 4096
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=parse_count, default=1_000_000,
-                        help="distinct indexed blocks (default 1M)")
+    parser.add_argument(
+        "--blocks", type=parse_count, default=1_000_000, help="distinct indexed blocks (default 1M)"
+    )
     parser.add_argument("--chain-blocks", type=int, default=64, help="blocks per prefix chain")
     parser.add_argument("--prefill", type=int, default=16, help="prefill nodes")
     parser.add_argument("--decode", type=int, default=16, help="decode nodes")
     parser.add_argument("--max-holders", type=int, default=3, help="nodes holding a chain, max")
-    parser.add_argument("--new-blocks", type=int, default=8,
-                        help="uncached blocks appended to every request")
-    parser.add_argument("--requests", type=parse_count, default=20_000,
-                        help="in-process decisions per policy")
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated policies for the in-process run")
+    parser.add_argument(
+        "--new-blocks", type=int, default=8, help="uncached blocks appended to every request"
+    )
+    parser.add_argument(
+        "--requests", type=parse_count, default=20_000, help="in-process decisions per policy"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated policies for the in-process run",
+    )
     parser.add_argument("--grpc-policy", default="global-cache", choices=sorted(POLICIES))
-    parser.add_argument("--grpc-requests", type=parse_count, default=10_000,
-                        help="Schedule calls through gRPC (all threads together)")
+    parser.add_argument(
+        "--grpc-requests",
+        type=parse_count,
+        default=10_000,
+        help="Schedule calls through gRPC (all threads together)",
+    )
     parser.add_argument("--threads", type=int, default=8, help="gRPC client threads")
-    parser.add_argument("--batch", type=int, default=16,
-                        help="requests per ScheduleBatch call in the batched run")
-    parser.add_argument("--skip-grpc", action="store_true",
-                        help="in-process only (no conductor process)")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="requests per ScheduleBatch call in the batched run"
+    )
+    parser.add_argument(
+        "--skip-grpc", action="store_true", help="in-process only (no conductor process)"
+    )
     parser.add_argument("--workers", type=int, default=8, help="the conductor's gRPC threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -87,11 +101,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 # ---- the workload -------------------------------------------------------------------------------
 
+
 @dataclass
 class Workload:
-    keys: np.ndarray        # (chains, chain_blocks, 16) uint8
-    holders: np.ndarray     # (chains, max_holders) node index, -1: none
-    lengths: np.ndarray     # (chains, max_holders) prefix length held
+    keys: np.ndarray  # (chains, chain_blocks, 16) uint8
+    holders: np.ndarray  # (chains, max_holders) node index, -1: none
+    lengths: np.ndarray  # (chains, max_holders) prefix length held
     node_ids: list[str]
     prefill: int
     new_blocks: int
@@ -109,9 +124,9 @@ class Workload:
         rows = []
         for h in range(self.holders.shape[1]):
             for chain in np.nonzero(self.holders[:, h] == node)[0]:
-                rows.append(self.keys[chain, :self.lengths[chain, h]].tobytes())
+                rows.append(self.keys[chain, : self.lengths[chain, h]].tobytes())
         buf = b"".join(rows)
-        return [buf[i:i + 16] for i in range(0, len(buf), 16)]
+        return [buf[i : i + 16] for i in range(0, len(buf), 16)]
 
     def held_pairs(self) -> int:
         return int(self.lengths[self.holders >= 0].sum())
@@ -120,7 +135,7 @@ class Workload:
         chain = int(rng.integers(self.chains))
         n = int(rng.integers(1, self.keys.shape[1] + 1))
         buf = self.keys[chain, :n].tobytes() + rng.bytes(16 * self.new_blocks)
-        return [buf[i:i + 16] for i in range(0, len(buf), 16)]
+        return [buf[i : i + 16] for i in range(0, len(buf), 16)]
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -135,13 +150,20 @@ def make_workload(args: argparse.Namespace) -> Workload:
     counts = rng.integers(1, h + 1, size=chains)
     for c in range(chains):
         chosen = rng.choice(nodes, size=counts[c], replace=False)
-        holders[c, :counts[c]] = chosen
+        holders[c, : counts[c]] = chosen
         lengths[c, 0] = args.chain_blocks
-        lengths[c, 1:counts[c]] = rng.integers(1, args.chain_blocks + 1, size=counts[c] - 1)
-    node_ids = [f"prefill-{i}" for i in range(args.prefill)] + \
-        [f"decode-{i}" for i in range(args.decode)]
-    return Workload(keys=keys, holders=holders, lengths=lengths, node_ids=node_ids,
-                    prefill=args.prefill, new_blocks=args.new_blocks)
+        lengths[c, 1 : counts[c]] = rng.integers(1, args.chain_blocks + 1, size=counts[c] - 1)
+    node_ids = [f"prefill-{i}" for i in range(args.prefill)] + [
+        f"decode-{i}" for i in range(args.decode)
+    ]
+    return Workload(
+        keys=keys,
+        holders=holders,
+        lengths=lengths,
+        node_ids=node_ids,
+        prefill=args.prefill,
+        new_blocks=args.new_blocks,
+    )
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -156,7 +178,8 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-# ---- in-process -----------------------------------------------------------------------------------
+# ---- in-process ----------------------------------------------------------------------------------
+
 
 def build_index(w: Workload, progress: Progress) -> tuple[Registry, float]:
     """Register the nodes and load their snapshots; returns the registry and the RSS growth."""
@@ -178,8 +201,14 @@ def build_index(w: Workload, progress: Progress) -> tuple[Registry, float]:
     return registry, rss_mb() - before
 
 
-def bench_in_process(w: Workload, registry: Registry, policies: list[str], requests: int,
-                     seed: int, progress: Progress) -> list[dict]:
+def bench_in_process(
+    w: Workload,
+    registry: Registry,
+    policies: list[str],
+    requests: int,
+    seed: int,
+    progress: Progress,
+) -> list[dict]:
     rows = []
     for policy in policies:
         rng = np.random.default_rng(seed + 1)
@@ -190,9 +219,15 @@ def bench_in_process(w: Workload, registry: Registry, policies: list[str], reque
         now = 0.0
         for i in range(requests):
             keys = w.request_keys(rng)
-            req = Request(request_id=f"r{i}", keys=keys, prompt_tokens=len(keys) * 512 + 100,
-                          block_tokens=512, output_tokens=256, namespace=LAYOUT.namespace,
-                          block_bytes=LAYOUT.page_bytes)
+            req = Request(
+                request_id=f"r{i}",
+                keys=keys,
+                prompt_tokens=len(keys) * 512 + 100,
+                block_tokens=512,
+                output_tokens=256,
+                namespace=LAYOUT.namespace,
+                block_bytes=LAYOUT.page_bytes,
+            )
             c0 = time.thread_time()
             t0 = time.perf_counter()
             d = sched.schedule(req, now)
@@ -211,17 +246,27 @@ def bench_in_process(w: Workload, registry: Registry, policies: list[str], reque
         while pending:
             sched.complete(pending.popleft(), now)
         p99 = pct(lat, 99)
-        rows.append({"policy": policy, "requests": requests, "p50_ms": pct(lat, 50) * 1e3,
-                     "p99_ms": p99 * 1e3, "max_ms": max(lat) * 1e3,
-                     "cpu_p99_ms": pct(cpu, 99) * 1e3,
-                     "walk_p50_ms": pct(walk, 50) * 1e3, "walk_p99_ms": pct(walk, 99) * 1e3,
-                     "target_ms": P99_TARGET_S * 1e3, "p99_vs_target": p99 / P99_TARGET_S,
-                     "decisions_per_s": len(lat) / sum(lat),
-                     "reuse_blocks_avg": reuse / requests})
+        rows.append(
+            {
+                "policy": policy,
+                "requests": requests,
+                "p50_ms": pct(lat, 50) * 1e3,
+                "p99_ms": p99 * 1e3,
+                "max_ms": max(lat) * 1e3,
+                "cpu_p99_ms": pct(cpu, 99) * 1e3,
+                "walk_p50_ms": pct(walk, 50) * 1e3,
+                "walk_p99_ms": pct(walk, 99) * 1e3,
+                "target_ms": P99_TARGET_S * 1e3,
+                "p99_vs_target": p99 / P99_TARGET_S,
+                "decisions_per_s": len(lat) / sum(lat),
+                "reuse_blocks_avg": reuse / requests,
+            }
+        )
     return rows
 
 
-# ---- a real conductor process ---------------------------------------------------------------------
+# ---- a real conductor process --------------------------------------------------------------------
+
 
 class SnapshotNode(npbg.NodeServiceServicer):
     """Serves one node's snapshot on Events, then keeps the stream open with no live events.
@@ -233,11 +278,15 @@ class SnapshotNode(npbg.NodeServiceServicer):
     def Events(self, request, context):
         keys = self.keys
         for start in range(0, max(len(keys), 1), _SNAPSHOT_BATCH):
-            yield npb.EventBatch(events=[cpb.BlockEvent(seq=0, kind=cpb.EVENT_STORED, key=k,
-                                                        tier=cpb.TIER_DRAM)
-                                         for k in keys[start:start + _SNAPSHOT_BATCH]],
-                                 snapshot=True, snapshot_seq=0,
-                                 snapshot_done=start + _SNAPSHOT_BATCH >= len(keys))
+            yield npb.EventBatch(
+                events=[
+                    cpb.BlockEvent(seq=0, kind=cpb.EVENT_STORED, key=k, tier=cpb.TIER_DRAM)
+                    for k in keys[start : start + _SNAPSHOT_BATCH]
+                ],
+                snapshot=True,
+                snapshot_seq=0,
+                snapshot_done=start + _SNAPSHOT_BATCH >= len(keys),
+            )
         done = threading.Event()
         context.add_callback(done.set)
         done.wait()
@@ -253,9 +302,16 @@ def fill_conductor(conductor, w: Workload, progress: Progress):
         server.start()
         servers.append(server)
         role = Role.PREFILL if i < w.prefill else Role.DECODE
-        agents.append(NodeAgent(conductor.address, None, NodeDescriptor(
-            node_id=node_id, role=role, address=f"127.0.0.1:{port}", layouts=(LAYOUT,)),
-            load=lambda: None).start())  # type: ignore[arg-type, return-value]
+        agents.append(
+            NodeAgent(
+                conductor.address,
+                None,
+                NodeDescriptor(
+                    node_id=node_id, role=role, address=f"127.0.0.1:{port}", layouts=(LAYOUT,)
+                ),
+                load=lambda: None,
+            ).start()
+        )  # type: ignore[arg-type, return-value]
     stub = pbg.ConductorServiceStub(make_channel(conductor.address))
     expected = w.held_pairs()
     deadline = time.monotonic() + 600
@@ -309,14 +365,27 @@ def _closed_loop(address: str, threads: int, total: int, make_call) -> tuple[flo
 
 
 def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
-    conductor = start_service(["conductor", "--listen", "127.0.0.1:0", "--lease", "60",
-                               "--policy", args.grpc_policy, "--workers", str(args.workers),
-                               "--log-level", "WARNING"])
+    conductor = start_service(
+        [
+            "conductor",
+            "--listen",
+            "127.0.0.1:0",
+            "--lease",
+            "60",
+            "--policy",
+            args.grpc_policy,
+            "--workers",
+            str(args.workers),
+            "--log-level",
+            "WARNING",
+        ]
+    )
     servers, agents = [], []
     try:
         rss_idle = rss_mb(conductor.pid)
-        progress = Progress(w.held_pairs(), "conductor process: index via Events",
-                            enabled=not args.no_progress)
+        progress = Progress(
+            w.held_pairs(), "conductor process: index via Events", enabled=not args.no_progress
+        )
         servers, agents, indexed_keys = fill_conductor(conductor, w, progress)
         progress.finish(f"{indexed_keys} keys")
         gc.collect()
@@ -327,13 +396,28 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
         per = max(args.grpc_requests // args.threads, 1)
 
         def make_requests(tag: str) -> list[list[pb.ScheduleRequest]]:
-            return [[pb.ScheduleRequest(
-                request_id=f"{tag}{t}-{i}", output_tokens=256,
-                blocks=cpb.BlockSelector(namespace=LAYOUT.namespace, keys=w.request_keys(rng)))
-                for i in range(per)] for t in range(args.threads)]
+            return [
+                [
+                    pb.ScheduleRequest(
+                        request_id=f"{tag}{t}-{i}",
+                        output_tokens=256,
+                        blocks=cpb.BlockSelector(
+                            namespace=LAYOUT.namespace, keys=w.request_keys(rng)
+                        ),
+                    )
+                    for i in range(per)
+                ]
+                for t in range(args.threads)
+            ]
+
         unary_requests, batch_requests = make_requests("u"), make_requests("b")
-        batches = [[pb.ScheduleBatchRequest(requests=mine[i:i + args.batch])
-                    for i in range(0, len(mine), args.batch)] for mine in batch_requests]
+        batches = [
+            [
+                pb.ScheduleBatchRequest(requests=mine[i : i + args.batch])
+                for i in range(0, len(mine), args.batch)
+            ]
+            for mine in batch_requests
+        ]
         warm = cpb.BlockSelector(namespace=LAYOUT.namespace, keys=w.request_keys(rng))
 
         def schedule_call(channel, t):
@@ -345,6 +429,7 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
                     stub.Locate(warm, timeout=30)
                 else:
                     stub.Schedule(mine[i], timeout=30)
+
             return call
 
         def batch_call(channel, t):
@@ -358,8 +443,8 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
                     reply = stub.ScheduleBatch(mine[i], timeout=30)
                     bad = [o for o in reply.outcomes if o.code]
                     if bad:
-                        raise RuntimeError(f"ScheduleBatch outcome {bad[0].code}: "
-                                           f"{bad[0].message}")
+                        raise RuntimeError(f"ScheduleBatch outcome {bad[0].code}: {bad[0].message}")
+
             return call
 
         def health_call(channel, t):
@@ -375,20 +460,32 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
         rss_after = rss_mb(conductor.pid)
         rate, ref_rate = len(lat) / wall, len(ref_lat) / ref_wall
         b_rate = calls / b_wall
-        return {"policy": args.grpc_policy, "threads": args.threads, "decisions": len(lat),
-                "decisions_per_s": rate, "target_per_s": THROUGHPUT_TARGET,
-                "rate_vs_target": rate / THROUGHPUT_TARGET,
-                "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
-                "batch": args.batch, "batched_decisions_per_s": b_rate,
-                "batched_rate_vs_target": b_rate / THROUGHPUT_TARGET,
-                "batch_call_p50_ms": pct(b_lat, 50) * 1e3,
-                "batch_call_p99_ms": pct(b_lat, 99) * 1e3,
-                "empty_rpc_per_s": ref_rate, "rate_vs_empty_rpc": rate / ref_rate,
-                "empty_rpc_p50_ms": pct(ref_lat, 50) * 1e3,
-                "indexed_keys": int(indexed_keys), "held_pairs": w.held_pairs(),
-                "rss_idle_mb": rss_idle, "rss_full_mb": rss_full, "rss_after_mb": rss_after,
-                "rss_index_mb": rss_full - rss_idle, "rss_target_mb": RSS_TARGET_MB,
-                "rss_vs_target": max(rss_full, rss_after) / RSS_TARGET_MB}
+        return {
+            "policy": args.grpc_policy,
+            "threads": args.threads,
+            "decisions": len(lat),
+            "decisions_per_s": rate,
+            "target_per_s": THROUGHPUT_TARGET,
+            "rate_vs_target": rate / THROUGHPUT_TARGET,
+            "p50_ms": pct(lat, 50) * 1e3,
+            "p99_ms": pct(lat, 99) * 1e3,
+            "batch": args.batch,
+            "batched_decisions_per_s": b_rate,
+            "batched_rate_vs_target": b_rate / THROUGHPUT_TARGET,
+            "batch_call_p50_ms": pct(b_lat, 50) * 1e3,
+            "batch_call_p99_ms": pct(b_lat, 99) * 1e3,
+            "empty_rpc_per_s": ref_rate,
+            "rate_vs_empty_rpc": rate / ref_rate,
+            "empty_rpc_p50_ms": pct(ref_lat, 50) * 1e3,
+            "indexed_keys": int(indexed_keys),
+            "held_pairs": w.held_pairs(),
+            "rss_idle_mb": rss_idle,
+            "rss_full_mb": rss_full,
+            "rss_after_mb": rss_after,
+            "rss_index_mb": rss_full - rss_idle,
+            "rss_target_mb": RSS_TARGET_MB,
+            "rss_vs_target": max(rss_full, rss_after) / RSS_TARGET_MB,
+        }
     finally:
         for agent in agents:
             agent.stop(unregister=False)
@@ -397,12 +494,15 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
             server.stop(0)
 
 
-# ---- the command ----------------------------------------------------------------------------------
+# ---- the command ---------------------------------------------------------------------------------
 
 IN_PROCESS_COLUMNS = [
-    Column("policy", "policy"), Column("requests", "decisions"),
-    Column("p50_ms", "p50 ms", "{:.3f}"), Column("p99_ms", "p99 ms", "{:.3f}"),
-    Column("max_ms", "max ms", "{:.2f}"), Column("p99_vs_target", "p99/2ms", "{:.2f}"),
+    Column("policy", "policy"),
+    Column("requests", "decisions"),
+    Column("p50_ms", "p50 ms", "{:.3f}"),
+    Column("p99_ms", "p99 ms", "{:.3f}"),
+    Column("max_ms", "max ms", "{:.2f}"),
+    Column("p99_vs_target", "p99/2ms", "{:.2f}"),
     Column("cpu_p99_ms", "CPU p99 ms", "{:.3f}"),
     Column("walk_p50_ms", "index walk p50", "{:.3f}"),
     Column("decisions_per_s", "decisions/s (1 thread)", "{:,.0f}"),
@@ -414,58 +514,93 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        raise SystemExit(f"kvcache bench conductor: unknown policies {unknown}; "
-                         f"choose from {sorted(POLICIES)}")
-    if args.prefill < 1 or args.decode < 1 or args.chain_blocks < 1 or args.threads < 1 \
-            or not 1 <= args.batch <= 1024:
-        raise SystemExit("kvcache bench conductor: need >= 1 prefill and decode node, chain "
-                         "block and thread, and --batch in [1, 1024]")
+        raise SystemExit(
+            f"kvcache bench conductor: unknown policies {unknown}; choose from {sorted(POLICIES)}"
+        )
+    if (
+        args.prefill < 1
+        or args.decode < 1
+        or args.chain_blocks < 1
+        or args.threads < 1
+        or not 1 <= args.batch <= 1024
+    ):
+        raise SystemExit(
+            "kvcache bench conductor: need >= 1 prefill and decode node, chain "
+            "block and thread, and --batch in [1, 1024]"
+        )
     # The 32 node agents in this process would log every registration: keep the output a table.
     logging.getLogger("node.agent").setLevel(logging.WARNING)
     w = make_workload(args)
-    print(f"workload: {w.distinct_blocks:,} distinct blocks in {w.chains:,} chains, "
-          f"{w.held_pairs():,} (block, node) pairs on {len(w.node_ids)} nodes "
-          f"({args.prefill} prefill + {args.decode} decode)")
+    print(
+        f"workload: {w.distinct_blocks:,} distinct blocks in {w.chains:,} chains, "
+        f"{w.held_pairs():,} (block, node) pairs on {len(w.node_ids)} nodes "
+        f"({args.prefill} prefill + {args.decode} decode)"
+    )
 
     progress = Progress(w.held_pairs(), "in-process index", enabled=not args.no_progress)
     registry, index_mb = build_index(w, progress)
     progress.finish(f"{len(registry.index):,} keys")
-    progress = Progress(args.requests * len(policies), "in-process schedule",
-                        enabled=not args.no_progress)
+    progress = Progress(
+        args.requests * len(policies), "in-process schedule", enabled=not args.no_progress
+    )
     rows = bench_in_process(w, registry, policies, args.requests, args.seed, progress)
     progress.finish()
-    print_table(rows, IN_PROCESS_COLUMNS, title=(
-        f"\nin-process Schedule decisions, {len(registry.index):,} indexed blocks, "
-        f"{len(w.node_ids)} nodes (target p99 < {P99_TARGET_S * 1e3:.0f} ms)"))
-    print(f"in-process index memory: {index_mb:.0f} MB RSS growth for {len(registry.index):,} "
-          f"keys / {w.held_pairs():,} (key, node) pairs = "
-          f"{index_mb * 2**20 / max(len(registry.index), 1):.0f} B per key")
-    result = {"workload": {"blocks": w.distinct_blocks, "chains": w.chains,
-                           "held_pairs": w.held_pairs(), "nodes": len(w.node_ids)},
-              "in_process": rows, "in_process_index_rss_mb": index_mb}
+    print_table(
+        rows,
+        IN_PROCESS_COLUMNS,
+        title=(
+            f"\nin-process Schedule decisions, {len(registry.index):,} indexed blocks, "
+            f"{len(w.node_ids)} nodes (target p99 < {P99_TARGET_S * 1e3:.0f} ms)"
+        ),
+    )
+    print(
+        f"in-process index memory: {index_mb:.0f} MB RSS growth for {len(registry.index):,} "
+        f"keys / {w.held_pairs():,} (key, node) pairs = "
+        f"{index_mb * 2**20 / max(len(registry.index), 1):.0f} B per key"
+    )
+    result = {
+        "workload": {
+            "blocks": w.distinct_blocks,
+            "chains": w.chains,
+            "held_pairs": w.held_pairs(),
+            "nodes": len(w.node_ids),
+        },
+        "in_process": rows,
+        "in_process_index_rss_mb": index_mb,
+    }
     del registry
     gc.collect()
 
     if not args.skip_grpc:
         g = bench_grpc(w, args)
         result["grpc"] = g
-        print(f"\nreal conductor process ({g['indexed_keys']:,} keys, {g['held_pairs']:,} "
-              f"(key, node) pairs from 32 Events streams):")
-        print(f"  RSS (VmRSS): {g['rss_idle_mb']:.0f} MB idle -> {g['rss_full_mb']:.0f} MB "
-              f"indexed -> {g['rss_after_mb']:.0f} MB after the Schedule run; "
-              f"index {g['rss_index_mb']:.0f} MB; target <= {RSS_TARGET_MB:.0f} MB: "
-              f"ratio {g['rss_vs_target']:.2f}")
-        print(f"  Schedule through gRPC ({g['threads']} client threads, {g['policy']}): "
-              f"{g['decisions_per_s']:,.0f} decisions/s, p50 {g['p50_ms']:.2f} ms, "
-              f"p99 {g['p99_ms']:.2f} ms; target >= {THROUGHPUT_TARGET:,.0f}/s: ratio "
-              f"{g['rate_vs_target']:.2f}")
-        print(f"  ScheduleBatch ({g['batch']} requests per call, same threads): "
-              f"{g['batched_decisions_per_s']:,.0f} decisions/s, call p50 "
-              f"{g['batch_call_p50_ms']:.2f} ms, p99 {g['batch_call_p99_ms']:.2f} ms; target "
-              f"ratio {g['batched_rate_vs_target']:.2f}")
-        print(f"  reference, empty RPC (health Check) same threads: "
-              f"{g['empty_rpc_per_s']:,.0f} calls/s, p50 {g['empty_rpc_p50_ms']:.2f} ms; "
-              f"Schedule / empty RPC = {g['rate_vs_empty_rpc']:.2f}")
+        print(
+            f"\nreal conductor process ({g['indexed_keys']:,} keys, {g['held_pairs']:,} "
+            f"(key, node) pairs from 32 Events streams):"
+        )
+        print(
+            f"  RSS (VmRSS): {g['rss_idle_mb']:.0f} MB idle -> {g['rss_full_mb']:.0f} MB "
+            f"indexed -> {g['rss_after_mb']:.0f} MB after the Schedule run; "
+            f"index {g['rss_index_mb']:.0f} MB; target <= {RSS_TARGET_MB:.0f} MB: "
+            f"ratio {g['rss_vs_target']:.2f}"
+        )
+        print(
+            f"  Schedule through gRPC ({g['threads']} client threads, {g['policy']}): "
+            f"{g['decisions_per_s']:,.0f} decisions/s, p50 {g['p50_ms']:.2f} ms, "
+            f"p99 {g['p99_ms']:.2f} ms; target >= {THROUGHPUT_TARGET:,.0f}/s: ratio "
+            f"{g['rate_vs_target']:.2f}"
+        )
+        print(
+            f"  ScheduleBatch ({g['batch']} requests per call, same threads): "
+            f"{g['batched_decisions_per_s']:,.0f} decisions/s, call p50 "
+            f"{g['batch_call_p50_ms']:.2f} ms, p99 {g['batch_call_p99_ms']:.2f} ms; target "
+            f"ratio {g['batched_rate_vs_target']:.2f}"
+        )
+        print(
+            f"  reference, empty RPC (health Check) same threads: "
+            f"{g['empty_rpc_per_s']:,.0f} calls/s, p50 {g['empty_rpc_p50_ms']:.2f} ms; "
+            f"Schedule / empty RPC = {g['rate_vs_empty_rpc']:.2f}"
+        )
     path = os.path.join(args.out, "conductor.json")
     write_json(path, result)
     print(f"\nwrote {path}")

@@ -11,6 +11,7 @@ index, tiers, leases and eviction policies, no page bytes) in timestamp order:
 The theoretical maximum is the same replay against an infinite cache (a set of keys): a
 reference for how much prefix sharing the trace holds at all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ _PROGRESS_EVERY = 2000  # requests between progress reports from a replay
 
 
 # ---- routing of requests to local pools ------------------------------------------------------
+
 
 class Router(ABC):
     """Chooses which of ``pools`` local caches serves a request."""
@@ -106,6 +108,7 @@ ROUTERS: dict[str, type[Router]] = {
 
 # ---- one configuration ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True)
 class CacheSetup:
     """One cache configuration to replay. Capacities are totals over all pools, in tokens."""
@@ -113,16 +116,18 @@ class CacheSetup:
     capacity_tokens: int
     policy: str
     ssd_capacity_tokens: int = 0
-    ssd_policy: str | None = None      # default: same as ``policy``
+    ssd_policy: str | None = None  # default: same as ``policy``
     pools: int = 1
-    routing: str = "round-robin"       # only used when pools > 1
+    routing: str = "round-robin"  # only used when pools > 1
     session_blocks: int = 2
     seed: int = 0
 
     def pages_per_pool(self, block_tokens: int) -> tuple[int, int]:
         """(DRAM pages, SSD pages) of each pool."""
-        return (self.capacity_tokens // self.pools // block_tokens,
-                self.ssd_capacity_tokens // self.pools // block_tokens)
+        return (
+            self.capacity_tokens // self.pools // block_tokens,
+            self.ssd_capacity_tokens // self.pools // block_tokens,
+        )
 
     def check(self, block_tokens: int) -> None:
         if self.policy not in POLICIES or (self.ssd_policy or self.policy) not in POLICIES:
@@ -135,15 +140,19 @@ class CacheSetup:
         if dram < 1:
             raise ValueError(
                 f"capacity {self.capacity_tokens} tokens over {self.pools} pool(s) is less than "
-                f"one {block_tokens}-token block per pool; raise the capacity")
+                f"one {block_tokens}-token block per pool; raise the capacity"
+            )
         if self.ssd_capacity_tokens and ssd < 1:
-            raise ValueError(f"SSD capacity {self.ssd_capacity_tokens} tokens is less than one "
-                             f"{block_tokens}-token block per pool")
+            raise ValueError(
+                f"SSD capacity {self.ssd_capacity_tokens} tokens is less than one "
+                f"{block_tokens}-token block per pool"
+            )
 
     @property
     def label(self) -> str:
-        tiers = "DRAM" + (f"+SSD {human_count(self.ssd_capacity_tokens)}"
-                          if self.ssd_capacity_tokens else "")
+        tiers = "DRAM" + (
+            f"+SSD {human_count(self.ssd_capacity_tokens)}" if self.ssd_capacity_tokens else ""
+        )
         pools = f", {self.pools} pools ({self.routing})" if self.pools > 1 else ""
         return f"{self.policy} {tiers}{pools}"
 
@@ -171,35 +180,45 @@ class HitRateResult:
     dram_pages_per_pool: int
     ssd_pages_per_pool: int
     counts: HitCounts
-    ssd_hit_blocks: int       # hits served from the SSD tier (then promoted)
-    evictions: int            # blocks dropped from the last tier, all pools
+    ssd_hit_blocks: int  # hits served from the SSD tier (then promoted)
+    evictions: int  # blocks dropped from the last tier, all pools
     seconds: float
 
     def row(self, best: HitCounts) -> dict:
         s, c = self.setup, self.counts
         return {
-            "capacity": s.capacity_tokens, "policy": s.policy,
+            "capacity": s.capacity_tokens,
+            "policy": s.policy,
             "ssd": s.ssd_capacity_tokens or None,
             "pools": f"{s.pools} {s.routing}" if s.pools > 1 else "1 global",
-            "block_hit": c.block_hit_rate, "token_hit": c.token_hit_rate,
+            "block_hit": c.block_hit_rate,
+            "token_hit": c.token_hit_rate,
             "max_block_hit": best.block_hit_rate,
             "of_max": c.block_hit_rate / best.block_hit_rate if best.hit_blocks else None,
             "ssd_share": (self.ssd_hit_blocks / c.hit_blocks if c.hit_blocks else 0.0)
-            if s.ssd_capacity_tokens else None,
-            "evictions": self.evictions, "seconds": self.seconds,
+            if s.ssd_capacity_tokens
+            else None,
+            "evictions": self.evictions,
+            "seconds": self.seconds,
         }
 
 
 def _layout(block_tokens: int) -> KVLayout:
     # Metadata only: the page geometry matters for nothing but the key namespace.
-    return KVLayout(model="bench-hitrate", num_layers=1, kv_heads=1, head_dim=1,
-                    block_tokens=block_tokens)
+    return KVLayout(
+        model="bench-hitrate", num_layers=1, kv_heads=1, head_dim=1, block_tokens=block_tokens
+    )
 
 
 def _make_store(trace: Trace, dram_pages: int, ssd_pages: int, setup: CacheSetup) -> TieredStore:
-    config = StoreConfig(dram_pages=dram_pages, ssd_pages=ssd_pages,
-                         dram_policy=setup.policy, ssd_policy=setup.ssd_policy or setup.policy,
-                         metadata_only=True, max_events=1024)
+    config = StoreConfig(
+        dram_pages=dram_pages,
+        ssd_pages=ssd_pages,
+        dram_policy=setup.policy,
+        ssd_policy=setup.ssd_policy or setup.policy,
+        metadata_only=True,
+        max_events=1024,
+    )
     return TieredStore(_layout(trace.block_tokens), config)
 
 
@@ -217,20 +236,31 @@ def theoretical_max(trace: Trace, keys: Sequence[Sequence[BlockKey]]) -> HitCoun
         hit_blocks += h
         hit_tokens += min(h * bt, req.input_length)
         seen.update(ks)
-    return HitCounts(requests=len(trace), blocks=trace.total_blocks,
-                     input_tokens=trace.total_input_tokens, hit_blocks=hit_blocks,
-                     hit_tokens=hit_tokens)
+    return HitCounts(
+        requests=len(trace),
+        blocks=trace.total_blocks,
+        input_tokens=trace.total_input_tokens,
+        hit_blocks=hit_blocks,
+        hit_tokens=hit_tokens,
+    )
 
 
-def replay(trace: Trace, keys: Sequence[Sequence[BlockKey]], setup: CacheSetup,
-           progress: Callable[[int], None] | None = None) -> HitRateResult:
+def replay(
+    trace: Trace,
+    keys: Sequence[Sequence[BlockKey]],
+    setup: CacheSetup,
+    progress: Callable[[int], None] | None = None,
+) -> HitRateResult:
     """Replay ``trace`` (with its precomputed ``keys``) through real kvstore pools."""
     setup.check(trace.block_tokens)
     start = time.perf_counter()
     dram_pages, ssd_pages = setup.pages_per_pool(trace.block_tokens)
     stores = [_make_store(trace, dram_pages, ssd_pages, setup) for _ in range(setup.pools)]
-    router = (ROUTERS[setup.routing](setup.pools, setup.seed, setup.session_blocks)
-              if setup.pools > 1 else None)
+    router = (
+        ROUTERS[setup.routing](setup.pools, setup.seed, setup.session_blocks)
+        if setup.pools > 1
+        else None
+    )
     bt = trace.block_tokens
     hit_blocks = hit_tokens = ssd_hits = 0
     ssd = Tier.SSD
@@ -266,51 +296,91 @@ def replay(trace: Trace, keys: Sequence[Sequence[BlockKey]], setup: CacheSetup,
     finally:
         for store in stores:
             store.close()
-    counts = HitCounts(requests=len(trace), blocks=trace.total_blocks,
-                       input_tokens=trace.total_input_tokens, hit_blocks=hit_blocks,
-                       hit_tokens=hit_tokens)
-    return HitRateResult(setup=setup, dram_pages_per_pool=dram_pages,
-                         ssd_pages_per_pool=ssd_pages, counts=counts, ssd_hit_blocks=ssd_hits,
-                         evictions=evictions, seconds=time.perf_counter() - start)
+    counts = HitCounts(
+        requests=len(trace),
+        blocks=trace.total_blocks,
+        input_tokens=trace.total_input_tokens,
+        hit_blocks=hit_blocks,
+        hit_tokens=hit_tokens,
+    )
+    return HitRateResult(
+        setup=setup,
+        dram_pages_per_pool=dram_pages,
+        ssd_pages_per_pool=ssd_pages,
+        counts=counts,
+        ssd_hit_blocks=ssd_hits,
+        evictions=evictions,
+        seconds=time.perf_counter() - start,
+    )
 
 
 # ---- many configurations, in parallel ----------------------------------------------------------
 
-def run_setups(trace: Trace, keys, setups: Sequence[CacheSetup], jobs: int,
-               progress: Progress | None = None) -> list[HitRateResult]:
+
+def run_setups(
+    trace: Trace, keys, setups: Sequence[CacheSetup], jobs: int, progress: Progress | None = None
+) -> list[HitRateResult]:
     """Replay every setup, over ``jobs`` forked workers; results in the order of ``setups``."""
+
     def one(setup: CacheSetup, step) -> HitRateResult:
         return replay(trace, keys, setup, step)
 
     return fork_map(one, setups, jobs, progress.update if progress is not None else None)
 
 
-# ---- the command ----------------------------------------------------------------------------------
+# ---- the command ---------------------------------------------------------------------------------
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_trace_args(parser)
     cache = parser.add_argument_group("cache")
-    cache.add_argument("--capacities", default=DEFAULT_CAPACITIES,
-                       help="comma-separated total DRAM capacities in tokens, k/M/G suffixes "
-                            "allowed (default: %(default)s)")
-    cache.add_argument("--policies", default="lru,lfu",
-                       help=f"comma-separated eviction policies from {sorted(POLICIES)} "
-                            "(default: %(default)s)")
-    cache.add_argument("--ssd-capacity", default="0",
-                       help="add an SSD tier of this many tokens behind DRAM (default: none)")
-    cache.add_argument("--pools", type=int, default=1,
-                       help="split the capacity into N local pools (default: 1 global pool)")
-    cache.add_argument("--routing", default="round-robin", choices=sorted(ROUTERS),
-                       help="how requests are spread over local pools (default: %(default)s)")
-    cache.add_argument("--session-blocks", type=int, default=2,
-                       help="session-hash routing: hash of the first N blocks (default: 2)")
+    cache.add_argument(
+        "--capacities",
+        default=DEFAULT_CAPACITIES,
+        help="comma-separated total DRAM capacities in tokens, k/M/G suffixes "
+        "allowed (default: %(default)s)",
+    )
+    cache.add_argument(
+        "--policies",
+        default="lru,lfu",
+        help=f"comma-separated eviction policies from {sorted(POLICIES)} (default: %(default)s)",
+    )
+    cache.add_argument(
+        "--ssd-capacity",
+        default="0",
+        help="add an SSD tier of this many tokens behind DRAM (default: none)",
+    )
+    cache.add_argument(
+        "--pools",
+        type=int,
+        default=1,
+        help="split the capacity into N local pools (default: 1 global pool)",
+    )
+    cache.add_argument(
+        "--routing",
+        default="round-robin",
+        choices=sorted(ROUTERS),
+        help="how requests are spread over local pools (default: %(default)s)",
+    )
+    cache.add_argument(
+        "--session-blocks",
+        type=int,
+        default=2,
+        help="session-hash routing: hash of the first N blocks (default: 2)",
+    )
     run_opts = parser.add_argument_group("run")
     run_opts.add_argument("--seed", type=int, default=0)
-    run_opts.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8),
-                          help="worker processes over configurations (default: %(default)s)")
+    run_opts.add_argument(
+        "--jobs",
+        type=int,
+        default=min(os.cpu_count() or 1, 8),
+        help="worker processes over configurations (default: %(default)s)",
+    )
     run_opts.add_argument("--out", help="write the results as JSON here")
-    run_opts.add_argument("--plot", help="write the hit rate vs capacity PNG here "
-                                         "(default: next to --out, same name, .png)")
+    run_opts.add_argument(
+        "--plot",
+        help="write the hit rate vs capacity PNG here (default: next to --out, same name, .png)",
+    )
     run_opts.add_argument("--no-progress", action="store_true")
 
 
@@ -319,12 +389,23 @@ def _setups(args: argparse.Namespace) -> list[CacheSetup]:
     policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if not policies or unknown:
-        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; "
-                         f"choose from {sorted(POLICIES)}")
+        raise ValueError(
+            f"--policies: unknown {unknown or 'empty list'}; choose from {sorted(POLICIES)}"
+        )
     ssd = parse_count_list(args.ssd_capacity)[0]
-    return [CacheSetup(capacity_tokens=c, policy=p, ssd_capacity_tokens=ssd, pools=args.pools,
-                       routing=args.routing, session_blocks=args.session_blocks, seed=args.seed)
-            for p in policies for c in sorted(capacities)]
+    return [
+        CacheSetup(
+            capacity_tokens=c,
+            policy=p,
+            ssd_capacity_tokens=ssd,
+            pools=args.pools,
+            routing=args.routing,
+            session_blocks=args.session_blocks,
+            seed=args.seed,
+        )
+        for p in policies
+        for c in sorted(capacities)
+    ]
 
 
 COLUMNS = [
@@ -346,14 +427,24 @@ def plot(path: str, results: Sequence[HitRateResult], best: HitCounts, title: st
     by_label: dict[str, list[HitRateResult]] = {}
     for r in results:
         by_label.setdefault(r.setup.policy, []).append(r)
-    series = [Series(label.upper(), [r.setup.capacity_tokens for r in rs],
-                     [100.0 * r.counts.block_hit_rate for r in rs])
-              for label, rs in by_label.items()]
-    plot_lines(path, series, title=title, xlabel="cache capacity (tokens, log scale)",
-               ylabel="block hit rate (%)", logx=True,
-               hlines=[(100.0 * best.block_hit_rate,
-                        f"infinite cache {best.block_hit_rate:.1%}")],
-               ylim=(0.0, max(5.0, 100.0 * best.block_hit_rate * 1.15)))
+    series = [
+        Series(
+            label.upper(),
+            [r.setup.capacity_tokens for r in rs],
+            [100.0 * r.counts.block_hit_rate for r in rs],
+        )
+        for label, rs in by_label.items()
+    ]
+    plot_lines(
+        path,
+        series,
+        title=title,
+        xlabel="cache capacity (tokens, log scale)",
+        ylabel="block hit rate (%)",
+        logx=True,
+        hlines=[(100.0 * best.block_hit_rate, f"infinite cache {best.block_hit_rate:.1%}")],
+        ylim=(0.0, max(5.0, 100.0 * best.block_hit_rate * 1.15)),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -366,8 +457,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache bench hitrate: {e}", file=sys.stderr)
         return 2
     if not len(trace):
-        print(f"kvcache bench hitrate: the trace {trace.source} has no requests; nothing to "
-              "replay", file=sys.stderr)
+        print(
+            f"kvcache bench hitrate: the trace {trace.source} has no requests; nothing to replay",
+            file=sys.stderr,
+        )
         return 1
     print(describe(trace))
     start = time.perf_counter()
@@ -377,21 +470,43 @@ def run(args: argparse.Namespace) -> int:
     results = run_setups(trace, keys, setups, args.jobs, progress)
     elapsed = progress.finish(f"{len(setups)} configurations")
     rows = [r.row(best) for r in results]
-    print_table(rows, COLUMNS, title=(
-        f"prefix-cache hit rate (kvstore metadata-only replay, {len(setups)} configurations in "
-        f"{elapsed:.1f} s; infinite cache: {best.block_hit_rate:.1%} of blocks, "
-        f"{best.token_hit_rate:.1%} of tokens)"))
+    print_table(
+        rows,
+        COLUMNS,
+        title=(
+            f"prefix-cache hit rate (kvstore metadata-only replay, {len(setups)} configurations in "
+            f"{elapsed:.1f} s; infinite cache: {best.block_hit_rate:.1%} of blocks, "
+            f"{best.token_hit_rate:.1%} of tokens)"
+        ),
+    )
     doc = {
         "command": "hitrate",
-        "trace": {"source": trace.source, "requests": len(trace), "blocks": trace.total_blocks,
-                  "block_tokens": trace.block_tokens, "input_tokens": trace.total_input_tokens,
-                  "duration_s": trace.duration_s, "reordered": trace.reordered},
-        "theoretical_max": {**vars(best), "block_hit_rate": best.block_hit_rate,
-                            "token_hit_rate": best.token_hit_rate},
-        "results": [{**row, "setup": r.setup, "dram_pages_per_pool": r.dram_pages_per_pool,
-                     "ssd_pages_per_pool": r.ssd_pages_per_pool, "hit_blocks": r.counts.hit_blocks,
-                     "hit_tokens": r.counts.hit_tokens, "ssd_hit_blocks": r.ssd_hit_blocks}
-                    for r, row in zip(results, rows)],
+        "trace": {
+            "source": trace.source,
+            "requests": len(trace),
+            "blocks": trace.total_blocks,
+            "block_tokens": trace.block_tokens,
+            "input_tokens": trace.total_input_tokens,
+            "duration_s": trace.duration_s,
+            "reordered": trace.reordered,
+        },
+        "theoretical_max": {
+            **vars(best),
+            "block_hit_rate": best.block_hit_rate,
+            "token_hit_rate": best.token_hit_rate,
+        },
+        "results": [
+            {
+                **row,
+                "setup": r.setup,
+                "dram_pages_per_pool": r.dram_pages_per_pool,
+                "ssd_pages_per_pool": r.ssd_pages_per_pool,
+                "hit_blocks": r.counts.hit_blocks,
+                "hit_tokens": r.counts.hit_tokens,
+                "ssd_hit_blocks": r.ssd_hit_blocks,
+            }
+            for r, row in zip(results, rows)
+        ],
         "seconds": time.perf_counter() - start,
     }
     if args.out:
@@ -399,7 +514,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path:
-        plot(plot_path, results, best, f"Prefix-cache hit rate vs capacity ({len(trace):,} "
-             f"requests, {os.path.basename(trace.source)})")
+        plot(
+            plot_path,
+            results,
+            best,
+            f"Prefix-cache hit rate vs capacity ({len(trace):,} "
+            f"requests, {os.path.basename(trace.source)})",
+        )
         print(f"wrote {plot_path}")
     return 0

@@ -12,6 +12,7 @@ the same requests (so the table prints hit rate as a fraction of it), and the ba
 multiples of it). Bytes moved between nodes come from the messengers' Prometheus counters (exact,
 whoever submitted the transfer) when ``kvcache up`` exposed them, else from the replies seen here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,42 +51,80 @@ RECEIVED_BYTES = "kvcache_messenger_received_bytes_total"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default=DEFAULT_CLUSTER,
-                        help="the cluster's state file written by 'kvcache up' "
-                             "(default %(default)s)")
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace "
-                        "(default: ../shared/data/conversation_trace.jsonl)")
-    parser.add_argument("--trace-block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                        help="tokens per hash_id in the trace (default %(default)s)")
-    parser.add_argument("--requests", type=int, default=500,
-                        help="replay the first N requests (0: all; default %(default)s)")
-    parser.add_argument("--speedup", type=float, default=5.0,
-                        help="time compression: arrivals at timestamp / X (0: all at once; "
-                             "default %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=4,
-                        help="requests in flight at once (emulated engines; default "
-                             "%(default)s)")
-    parser.add_argument("--ttft-slo", type=float, default=0.0,
-                        help="TTFT SLO in seconds sent with every Schedule (0: none); the "
-                             "conductor rejects requests whose estimate exceeds it")
+    parser.add_argument(
+        "--cluster",
+        default=DEFAULT_CLUSTER,
+        help="the cluster's state file written by 'kvcache up' (default %(default)s)",
+    )
+    parser.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL trace (default: ../shared/data/conversation_trace.jsonl)",
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per hash_id in the trace (default %(default)s)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=500,
+        help="replay the first N requests (0: all; default %(default)s)",
+    )
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        default=5.0,
+        help="time compression: arrivals at timestamp / X (0: all at once; default %(default)s)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="requests in flight at once (emulated engines; default %(default)s)",
+    )
+    parser.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=0.0,
+        help="TTFT SLO in seconds sent with every Schedule (0: none); the "
+        "conductor rejects requests whose estimate exceeds it",
+    )
     parser.add_argument("--tbt-slo", type=float, default=0.0, help="TBT SLO in seconds (0: none)")
-    parser.add_argument("--transfer-timeout", type=float, default=60.0,
-                        help="seconds to wait for one transfer batch (default %(default)s)")
-    parser.add_argument("--namespace", default=None,
-                        help="layout namespace to use (default: the one the prefill nodes serve)")
-    parser.add_argument("--salt", default=None,
-                        help="cache salt of every request (default: a fresh one per run, so each "
-                             "run starts cold; give a fixed one to reuse an earlier run's cache)")
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for one transfer batch (default %(default)s)",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=None,
+        help="layout namespace to use (default: the one the prefill nodes serve)",
+    )
+    parser.add_argument(
+        "--salt",
+        default=None,
+        help="cache salt of every request (default: a fresh one per run, so each "
+        "run starts cold; give a fixed one to reuse an earlier run's cache)",
+    )
     parser.add_argument("--token", default=None, help="bearer token (default: cluster.json's)")
-    parser.add_argument("--out", default=os.path.join("out", "bench"),
-                        help="directory for live.json and live.png (default %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=os.path.join("out", "bench"),
+        help="directory for live.json and live.png (default %(default)s)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
 # ---- preparing a run -------------------------------------------------------------------------
 
-def wait_for_nodes(conductor: ConductorClient, cluster: ClusterInfo,
-                   timeout_s: float = 30.0) -> None:
+
+def wait_for_nodes(
+    conductor: ConductorClient, cluster: ClusterInfo, timeout_s: float = 30.0
+) -> None:
     """Nodes register with the conductor after they serve; wait until every node of the cluster
     is registered and its index is loaded (a real readiness signal, with a deadline)."""
     wanted = {n.id for n in cluster.nodes}
@@ -96,13 +135,17 @@ def wait_for_nodes(conductor: ConductorClient, cluster: ClusterInfo,
             reply = conductor.list_nodes()
             ready = {s.node.node_id for s in reply.nodes if not s.resyncing}
         except KVCacheRpcError as e:
-            raise LiveError(f"conductor {cluster.conductor} does not answer: {e.code.name}: "
-                            f"{e.details} (is the cluster up? 'kvcache up --detach')") from None
+            raise LiveError(
+                f"conductor {cluster.conductor} does not answer: {e.code.name}: "
+                f"{e.details} (is the cluster up? 'kvcache up --detach')"
+            ) from None
         if wanted <= ready:
             return
         if time.monotonic() > deadline:
-            raise LiveError(f"nodes {sorted(wanted - ready)} did not register with the conductor "
-                            f"within {timeout_s:g} s; see the logs under the cluster's state_dir")
+            raise LiveError(
+                f"nodes {sorted(wanted - ready)} did not register with the conductor "
+                f"within {timeout_s:g} s; see the logs under the cluster's state_dir"
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 
@@ -114,8 +157,7 @@ def pick_namespace(node: KVStoreClient, wanted: str | None) -> str:
             raise LiveError(f"namespace {wanted!r} is not served; the nodes serve {served}")
         return wanted
     if len(served) != 1:
-        raise LiveError(f"the nodes serve several namespaces {served}; choose one with "
-                        "--namespace")
+        raise LiveError(f"the nodes serve several namespaces {served}; choose one with --namespace")
     return served[0]
 
 
@@ -143,18 +185,22 @@ def received_bytes(cluster: ClusterInfo) -> dict[str, float] | None:
         if node.messenger_metrics is None:
             return None
         try:
-            with urllib.request.urlopen(f"http://{node.messenger_metrics}/metrics",
-                                        timeout=5) as r:
+            with urllib.request.urlopen(f"http://{node.messenger_metrics}/metrics", timeout=5) as r:
                 text = r.read().decode()
         except OSError:
             return None
-        out[node.id] = sum(s.value for fam in text_string_to_metric_families(text)
-                           for s in fam.samples if s.name == RECEIVED_BYTES)
+        out[node.id] = sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == RECEIVED_BYTES
+        )
     return out
 
 
-def ideal_hits(requests: list[TraceRequest], served: list[bool], trace_block_tokens: int,
-               block_tokens: int) -> list[int]:
+def ideal_hits(
+    requests: list[TraceRequest], served: list[bool], trace_block_tokens: int, block_tokens: int
+) -> list[int]:
     """Per request, the prefix blocks one infinite cache shared by all nodes would hold when it
     arrives, having kept every block of the earlier served requests (the reference hit rate;
     rejected requests store nothing). Keyed like the nodes key them: chained over tokens."""
@@ -174,8 +220,14 @@ def ideal_hits(requests: list[TraceRequest], served: list[bool], trace_block_tok
 
 # ---- the replay ------------------------------------------------------------------------------
 
-def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurrency: int,
-           progress: Progress) -> list[RequestOutcome]:
+
+def replay(
+    engine: Engine,
+    requests: list[TraceRequest],
+    speedup: float,
+    concurrency: int,
+    progress: Progress,
+) -> list[RequestOutcome]:
     """Release each request at its (compressed) arrival time to a pool of ``concurrency``
     engines; a request arriving while all are busy waits (its queueing delay is measured)."""
     t0 = requests[0].timestamp_ms
@@ -184,15 +236,18 @@ def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurr
 
     def done(f: Future) -> None:
         if f.exception() is not None:
-            return   # re-raised below by f.result()
+            return  # re-raised below by f.result()
         o = f.result()
         with lock:
             tally[o.status] += 1
             tally["blocks"] += o.total_blocks
             tally["reused"] += o.reused_blocks
             hit = tally["reused"] / tally["blocks"] if tally["blocks"] else 0.0
-            progress.update(1, f"ok {tally['ok']} rejected {tally['rejected']} failed "
-                               f"{tally['failed']} hit {hit:.1%}")
+            progress.update(
+                1,
+                f"ok {tally['ok']} rejected {tally['rejected']} failed "
+                f"{tally['failed']} hit {hit:.1%}",
+            )
 
     futures: list[Future] = []
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="engine")
@@ -202,11 +257,11 @@ def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurr
             arrival = start + ((r.timestamp_ms - t0) / 1000.0 / speedup if speedup else 0.0)
             delay = arrival - engine.now()
             if delay > 0:
-                time.sleep(delay)   # pacing the arrivals, not waiting for a result
+                time.sleep(delay)  # pacing the arrivals, not waiting for a result
             f = pool.submit(engine.serve, i, r, arrival)
             f.add_done_callback(done)
             futures.append(f)
-    except BaseException:   # Ctrl-C: requests not started yet are dropped, running ones finish
+    except BaseException:  # Ctrl-C: requests not started yet are dropped, running ones finish
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
@@ -214,6 +269,7 @@ def replay(engine: Engine, requests: list[TraceRequest], speedup: float, concurr
 
 
 # ---- the summary -----------------------------------------------------------------------------
+
 
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
@@ -269,9 +325,16 @@ class LiveSummary:
     per_node: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def summarize(outcomes: list[RequestOutcome], ideal: list[int], cluster: ClusterInfo,
-              page_bytes: int, wall_s: float, rtts: tuple[float, float],
-              before: dict[str, float] | None, after: dict[str, float] | None) -> LiveSummary:
+def summarize(
+    outcomes: list[RequestOutcome],
+    ideal: list[int],
+    cluster: ClusterInfo,
+    page_bytes: int,
+    wall_s: float,
+    rtts: tuple[float, float],
+    before: dict[str, float] | None,
+    after: dict[str, float] | None,
+) -> LiveSummary:
     scheduled = [o for o in outcomes if o.prefill_node]
     blocks = sum(o.total_blocks for o in scheduled)
     reused = sum(o.reused_blocks for o in scheduled)
@@ -305,39 +368,60 @@ def summarize(outcomes: list[RequestOutcome], ideal: list[int], cluster: Cluster
         decode_bytes = float(sum(o.decode_moved_bytes for o in scheduled))
         replication = float(sum(o.fetched_blocks for o in scheduled) * page_bytes)
         source = "replies seen by this run (approximate)"
-    busy = _busy_seconds([(o.decode_at_s, o.decode_at_s + o.decode_s) for o in scheduled
-                          if o.decode_s is not None and o.decode_moved_bytes])
-    per_node: dict[str, dict[str, int]] = {n.id: {"prefill": 0, "decode": 0}
-                                           for n in cluster.nodes}
+    busy = _busy_seconds(
+        [
+            (o.decode_at_s, o.decode_at_s + o.decode_s)
+            for o in scheduled
+            if o.decode_s is not None and o.decode_moved_bytes
+        ]
+    )
+    per_node: dict[str, dict[str, int]] = {n.id: {"prefill": 0, "decode": 0} for n in cluster.nodes}
     for o in scheduled:
         per_node.setdefault(o.prefill_node, {"prefill": 0, "decode": 0})["prefill"] += 1
         per_node.setdefault(o.decode_node, {"prefill": 0, "decode": 0})["decode"] += 1
     errors = Counter(o.error for o in outcomes if o.status == "failed")
     rejections = Counter(o.error.split(":")[0] for o in outcomes if o.status == "rejected")
     return LiveSummary(
-        requests=len(outcomes), scheduled=len(scheduled),
+        requests=len(outcomes),
+        scheduled=len(scheduled),
         rejected=sum(o.status == "rejected" for o in outcomes),
         failed=sum(o.status == "failed" for o in outcomes),
-        ok=sum(o.status == "ok" for o in outcomes), wall_s=wall_s, blocks=blocks,
-        reused_blocks=reused, local_blocks=reused - fetched, fetched_blocks=fetched,
+        ok=sum(o.status == "ok" for o in outcomes),
+        wall_s=wall_s,
+        blocks=blocks,
+        reused_blocks=reused,
+        local_blocks=reused - fetched,
+        fetched_blocks=fetched,
         computed_blocks=sum(o.computed_blocks for o in scheduled),
-        hit_rate=rate(reused), local_hit_rate=rate(reused - fetched),
-        fetched_hit_rate=rate(fetched), ideal_hit_rate=rate(ideal_blocks),
+        hit_rate=rate(reused),
+        local_hit_rate=rate(reused - fetched),
+        fetched_hit_rate=rate(fetched),
+        ideal_hit_rate=rate(ideal_blocks),
         hit_vs_ideal=reused / ideal_blocks if ideal_blocks else None,
         plans=sum(1 for o in scheduled if o.plan_blocks),
         plan_blocks=sum(o.plan_blocks for o in scheduled),
-        plan_failed=sum(o.plan_failed for o in scheduled), latency_ms=latency,
-        conductor_rtt_ms=rtts[0] * 1e3, node_rtt_ms=rtts[1] * 1e3, page_bytes=page_bytes,
+        plan_failed=sum(o.plan_failed for o in scheduled),
+        latency_ms=latency,
+        conductor_rtt_ms=rtts[0] * 1e3,
+        node_rtt_ms=rtts[1] * 1e3,
+        page_bytes=page_bytes,
         written_bytes=sum(o.computed_blocks for o in scheduled) * page_bytes,
-        decode_bytes=decode_bytes, replication_bytes=replication, bytes_source=source,
-        decode_busy_s=busy, decode_held=sum(o.decode_held for o in scheduled), decode_gbps=decode_bytes / busy / 1e9 if busy else None,
+        decode_bytes=decode_bytes,
+        replication_bytes=replication,
+        bytes_source=source,
+        decode_busy_s=busy,
+        decode_held=sum(o.decode_held for o in scheduled),
+        decode_gbps=decode_bytes / busy / 1e9 if busy else None,
         verified_pages=sum(o.verified_pages for o in outcomes),
         verify_failures=sum(o.verify_failures for o in outcomes),
-        errors=dict(errors.most_common(10)), rejections=dict(rejections.most_common(5)),
-        per_node=per_node)
+        errors=dict(errors.most_common(10)),
+        rejections=dict(rejections.most_common(5)),
+        per_node=per_node,
+    )
 
 
 # ---- output ----------------------------------------------------------------------------------
+
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
@@ -354,43 +438,80 @@ def _mib(n: float) -> str:
 def report_rows(s: LiveSummary) -> list[dict]:
     lat = s.latency_ms
     rows = [
-        {"what": "requests", "value": f"{s.scheduled} scheduled / {s.requests}",
-         "detail": f"{s.rejected} rejected (SLO), {s.failed} failed, {s.ok} ok; "
-                   f"{s.wall_s:.1f} s wall, {s.requests / s.wall_s:.2f} req/s"},
-        {"what": "cache hit rate", "value": _pct_s(s.hit_rate),
-         "detail": f"{s.reused_blocks} of {s.blocks} blocks reused: local "
-                   f"{_pct_s(s.local_hit_rate)}, fetched by transfer {_pct_s(s.fetched_hit_rate)}"},
-        {"what": "  vs infinite cache", "value": "-" if s.hit_vs_ideal is None
-         else f"{s.hit_vs_ideal:.2f}x",
-         "detail": f"ideal (one infinite cache, same requests) {_pct_s(s.ideal_hit_rate)}"},
-        {"what": "schedule latency", "value": f"p50 {_ms(lat['schedule']['p50'])}",
-         "detail": f"p99 {_ms(lat['schedule']['p99'])}; p50 = "
-                   f"{(lat['schedule']['p50'] or 0) / s.conductor_rtt_ms:.1f}x a bare gRPC "
-                   f"round trip ({_ms(s.conductor_rtt_ms)})"},
-        {"what": "lookup latency", "value": f"p50 {_ms(lat['lookup']['p50'])}",
-         "detail": f"p99 {_ms(lat['lookup']['p99'])}; p50 = "
-                   f"{(lat['lookup']['p50'] or 0) / s.node_rtt_ms:.1f}x a bare gRPC round "
-                   f"trip ({_ms(s.node_rtt_ms)})"},
-        {"what": "prefill -> decode", "value": _mib(s.decode_bytes),
-         "detail": "-" if s.decode_gbps is None else
-         f"{s.decode_gbps:.2f} GB/s while pulls ran ({s.decode_busy_s:.1f} s); pull p50 "
-         f"{_ms(lat['decode_pull']['p50'])}, p99 {_ms(lat['decode_pull']['p99'])}; "
-         f"{s.decode_held} pages already on the decode node"},
-        {"what": "hot-block replication", "value": _mib(s.replication_bytes),
-         "detail": f"{s.plans} plans, {s.plan_blocks} blocks planned, {s.plan_failed} did not "
-                   f"land; wait p50 {_ms(lat['plan_wait']['p50'])}"},
-        {"what": "written by prefill", "value": _mib(s.written_bytes),
-         "detail": f"{s.computed_blocks} synthetic pages of {s.page_bytes // 1024} KiB; store "
-                   f"p50 {_ms(lat['store']['p50'])}, load p50 {_ms(lat['load']['p50'])}"},
-        {"what": "placement", "value": f"{len(s.per_node)} nodes",
-         "detail": ", ".join(f"{node} {c['prefill']} prefills" if not c["decode"] else
-                             f"{node} {c['decode']} decodes" for node, c in s.per_node.items())},
-        {"what": "verification failures", "value": str(s.verify_failures),
-         "detail": f"{s.verified_pages} pages checked byte for byte (prefix loads and decode "
-                   "pulls)"},
-        {"what": "end to end", "value": f"p50 {_ms(lat['end_to_end']['p50'])}",
-         "detail": f"p99 {_ms(lat['end_to_end']['p99'])}; queueing p50 "
-                   f"{_ms(lat['queueing']['p50'])}, p99 {_ms(lat['queueing']['p99'])}"},
+        {
+            "what": "requests",
+            "value": f"{s.scheduled} scheduled / {s.requests}",
+            "detail": f"{s.rejected} rejected (SLO), {s.failed} failed, {s.ok} ok; "
+            f"{s.wall_s:.1f} s wall, {s.requests / s.wall_s:.2f} req/s",
+        },
+        {
+            "what": "cache hit rate",
+            "value": _pct_s(s.hit_rate),
+            "detail": f"{s.reused_blocks} of {s.blocks} blocks reused: local "
+            f"{_pct_s(s.local_hit_rate)}, fetched by transfer {_pct_s(s.fetched_hit_rate)}",
+        },
+        {
+            "what": "  vs infinite cache",
+            "value": "-" if s.hit_vs_ideal is None else f"{s.hit_vs_ideal:.2f}x",
+            "detail": f"ideal (one infinite cache, same requests) {_pct_s(s.ideal_hit_rate)}",
+        },
+        {
+            "what": "schedule latency",
+            "value": f"p50 {_ms(lat['schedule']['p50'])}",
+            "detail": f"p99 {_ms(lat['schedule']['p99'])}; p50 = "
+            f"{(lat['schedule']['p50'] or 0) / s.conductor_rtt_ms:.1f}x a bare gRPC "
+            f"round trip ({_ms(s.conductor_rtt_ms)})",
+        },
+        {
+            "what": "lookup latency",
+            "value": f"p50 {_ms(lat['lookup']['p50'])}",
+            "detail": f"p99 {_ms(lat['lookup']['p99'])}; p50 = "
+            f"{(lat['lookup']['p50'] or 0) / s.node_rtt_ms:.1f}x a bare gRPC round "
+            f"trip ({_ms(s.node_rtt_ms)})",
+        },
+        {
+            "what": "prefill -> decode",
+            "value": _mib(s.decode_bytes),
+            "detail": "-"
+            if s.decode_gbps is None
+            else f"{s.decode_gbps:.2f} GB/s while pulls ran ({s.decode_busy_s:.1f} s); pull p50 "
+            f"{_ms(lat['decode_pull']['p50'])}, p99 {_ms(lat['decode_pull']['p99'])}; "
+            f"{s.decode_held} pages already on the decode node",
+        },
+        {
+            "what": "hot-block replication",
+            "value": _mib(s.replication_bytes),
+            "detail": f"{s.plans} plans, {s.plan_blocks} blocks planned, {s.plan_failed} did not "
+            f"land; wait p50 {_ms(lat['plan_wait']['p50'])}",
+        },
+        {
+            "what": "written by prefill",
+            "value": _mib(s.written_bytes),
+            "detail": f"{s.computed_blocks} synthetic pages of {s.page_bytes // 1024} KiB; store "
+            f"p50 {_ms(lat['store']['p50'])}, load p50 {_ms(lat['load']['p50'])}",
+        },
+        {
+            "what": "placement",
+            "value": f"{len(s.per_node)} nodes",
+            "detail": ", ".join(
+                f"{node} {c['prefill']} prefills"
+                if not c["decode"]
+                else f"{node} {c['decode']} decodes"
+                for node, c in s.per_node.items()
+            ),
+        },
+        {
+            "what": "verification failures",
+            "value": str(s.verify_failures),
+            "detail": f"{s.verified_pages} pages checked byte for byte (prefix loads and decode "
+            "pulls)",
+        },
+        {
+            "what": "end to end",
+            "value": f"p50 {_ms(lat['end_to_end']['p50'])}",
+            "detail": f"p99 {_ms(lat['end_to_end']['p99'])}; queueing p50 "
+            f"{_ms(lat['queueing']['p50'])}, p99 {_ms(lat['queueing']['p99'])}",
+        },
     ]
     return rows
 
@@ -399,8 +520,7 @@ def format_report(rows: list[dict]) -> str:
     """Measure (left), value (right), detail (left, unpadded: it is the last column)."""
     w0 = max(len(r["what"]) for r in rows)
     w1 = max(len(r["value"]) for r in rows)
-    return "\n".join(f"{r['what'].ljust(w0)}  {r['value'].rjust(w1)}  {r['detail']}"
-                     for r in rows)
+    return "\n".join(f"{r['what'].ljust(w0)}  {r['value'].rjust(w1)}  {r['detail']}" for r in rows)
 
 
 def plot(path: str, outcomes: list[RequestOutcome], ideal: list[int]) -> None:
@@ -422,10 +542,12 @@ def plot(path: str, outcomes: list[RequestOutcome], ideal: list[int]) -> None:
         left.set_title("cache hits over time")
         left.grid(True, alpha=0.3)
         left.legend()
-        for name, values in (("schedule", [o.schedule_s for o in outcomes]),
-                             ("lookup", [o.lookup_s for o in sched]),
-                             ("decode pull", [o.decode_s for o in sched]),
-                             ("end to end", [o.end_s - o.arrival_s for o in sched])):
+        for name, values in (
+            ("schedule", [o.schedule_s for o in outcomes]),
+            ("lookup", [o.lookup_s for o in sched]),
+            ("decode pull", [o.decode_s for o in sched]),
+            ("end to end", [o.end_s - o.arrival_s for o in sched]),
+        ):
             ms = np.sort([v * 1e3 for v in values if v is not None and v > 0])
             if ms.size:
                 right.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=name)
@@ -438,6 +560,7 @@ def plot(path: str, outcomes: list[RequestOutcome], ideal: list[int]) -> None:
 
 
 # ---- the command -----------------------------------------------------------------------------
+
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.requests < 0:
@@ -460,14 +583,20 @@ def run(args: argparse.Namespace) -> int:
     except (LiveError, TraceError) as e:
         print(f"kvcache bench live: {e}", file=sys.stderr)
         return 2
-    requests = trace.requests[:args.requests] if args.requests else trace.requests
+    requests = trace.requests[: args.requests] if args.requests else trace.requests
     if not requests:
-        print(f"kvcache bench live: the trace {trace.source} has no requests; nothing to replay",
-              file=sys.stderr)
+        print(
+            f"kvcache bench live: the trace {trace.source} has no requests; nothing to replay",
+            file=sys.stderr,
+        )
         return 2
     if args.token:
-        cluster = ClusterInfo(conductor=cluster.conductor, token=args.token,
-                              nodes=cluster.nodes, source=cluster.source)
+        cluster = ClusterInfo(
+            conductor=cluster.conductor,
+            token=args.token,
+            nodes=cluster.nodes,
+            source=cluster.source,
+        )
     engine = None
     try:
         prefill = next((n for n in cluster.nodes if n.role in ("prefill", "both")), None)
@@ -478,22 +607,35 @@ def run(args: argparse.Namespace) -> int:
         with KVStoreClient(prefill.address, cluster.token) as node:
             namespace = pick_namespace(node, args.namespace)
             layout = node.layout(namespace)
-        options = EngineOptions(namespace=namespace, trace_block_tokens=args.trace_block_tokens,
-                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                                transfer_timeout_s=args.transfer_timeout)
+        options = EngineOptions(
+            namespace=namespace,
+            trace_block_tokens=args.trace_block_tokens,
+            ttft_slo_s=args.ttft_slo,
+            tbt_slo_s=args.tbt_slo,
+            transfer_timeout_s=args.transfer_timeout,
+        )
         options.salt = (args.salt if args.salt is not None else f"live-{options.run_id}").encode()
         engine = Engine(cluster, options, layout)
-        rtts = (grpc_rtt_s(cluster.conductor, cluster.token),
-                grpc_rtt_s(prefill.address, cluster.token))
+        rtts = (
+            grpc_rtt_s(cluster.conductor, cluster.token),
+            grpc_rtt_s(prefill.address, cluster.token),
+        )
         span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0
         roles = Counter(n.role for n in cluster.nodes)
-        print(f"live: {len(requests)} requests of {os.path.basename(trace.source)} "
-              f"({span:.0f} s of trace" + (f" at {args.speedup:g}x: {span / args.speedup:.1f} s)"
-                                           if args.speedup else ", all at once)") +
-              f", concurrency {args.concurrency}; cluster {cluster.source}: "
-              + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))
-              + f"; namespace {namespace}, {layout.page_bytes // 1024} KiB pages, "
-              f"{layout.block_tokens}-token blocks", flush=True)
+        print(
+            f"live: {len(requests)} requests of {os.path.basename(trace.source)} "
+            f"({span:.0f} s of trace"
+            + (
+                f" at {args.speedup:g}x: {span / args.speedup:.1f} s)"
+                if args.speedup
+                else ", all at once)"
+            )
+            + f", concurrency {args.concurrency}; cluster {cluster.source}: "
+            + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))
+            + f"; namespace {namespace}, {layout.page_bytes // 1024} KiB pages, "
+            f"{layout.block_tokens}-token blocks",
+            flush=True,
+        )
         before = received_bytes(cluster)
         progress = Progress(len(requests), "live", enabled=not args.no_progress)
         t = time.perf_counter()
@@ -501,8 +643,12 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t
         progress.finish()
         after = received_bytes(cluster)
-        ideal = ideal_hits(requests, [bool(o.prefill_node) for o in outcomes],
-                           args.trace_block_tokens, layout.block_tokens)
+        ideal = ideal_hits(
+            requests,
+            [bool(o.prefill_node) for o in outcomes],
+            args.trace_block_tokens,
+            layout.block_tokens,
+        )
     except (LiveError, KVCacheRpcError, grpc.RpcError, OSError) as e:
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
         print(f"kvcache bench live: {detail}", file=sys.stderr)
@@ -515,8 +661,9 @@ def run(args: argparse.Namespace) -> int:
             engine.close()
 
     summary = summarize(outcomes, ideal, cluster, layout.page_bytes, wall, rtts, before, after)
-    print(f"\nlive replay against {cluster.source} (bytes between nodes from "
-          f"{summary.bytes_source})")
+    print(
+        f"\nlive replay against {cluster.source} (bytes between nodes from {summary.bytes_source})"
+    )
     print(format_report(report_rows(summary)))
     if summary.rejections:
         print("rejections: " + "; ".join(f"{n} x {r}" for r, n in summary.rejections.items()))
@@ -526,14 +673,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {n} x {msg}")
     json_path = os.path.join(args.out, "live.json")
     png_path = os.path.join(args.out, "live.png")
-    write_json(json_path, {
-        "command": "live", "trace": trace.source, "cluster": cluster.source,
-        "namespace": namespace, "page_bytes": layout.page_bytes,
-        "block_tokens": layout.block_tokens,
-        "options": {"requests": len(requests), "speedup": args.speedup,
-                    "concurrency": args.concurrency, "ttft_slo_s": args.ttft_slo,
-                    "tbt_slo_s": args.tbt_slo},
-        "summary": summary, "requests": outcomes})
+    write_json(
+        json_path,
+        {
+            "command": "live",
+            "trace": trace.source,
+            "cluster": cluster.source,
+            "namespace": namespace,
+            "page_bytes": layout.page_bytes,
+            "block_tokens": layout.block_tokens,
+            "options": {
+                "requests": len(requests),
+                "speedup": args.speedup,
+                "concurrency": args.concurrency,
+                "ttft_slo_s": args.ttft_slo,
+                "tbt_slo_s": args.tbt_slo,
+            },
+            "summary": summary,
+            "requests": outcomes,
+        },
+    )
     plot(png_path, outcomes, ideal)
     print(f"wrote {json_path} and {png_path}")
     return 0 if summary.failed == 0 and summary.verify_failures == 0 else 1

@@ -18,6 +18,7 @@ Per request (``Engine.serve``):
 The trailing partial block of a prompt is never cached (only full blocks are), so it is neither
 stored nor moved here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,13 +48,14 @@ class LiveError(Exception):
 
 # ---- the cluster -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class ClusterNode:
     id: str
     role: str
     address: str
     messenger: str
-    messenger_metrics: str | None    # host:port of the messenger's Prometheus endpoint
+    messenger_metrics: str | None  # host:port of the messenger's Prometheus endpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +75,10 @@ def load_cluster(path: str) -> ClusterInfo:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise LiveError(f"no cluster state at {path}: start a cluster with 'kvcache up --detach' "
-                        "(or pass --cluster <state_dir>/cluster.json)") from None
+        raise LiveError(
+            f"no cluster state at {path}: start a cluster with 'kvcache up --detach' "
+            "(or pass --cluster <state_dir>/cluster.json)"
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise LiveError(f"cannot read cluster state {path}: {e}") from None
     try:
@@ -82,16 +86,27 @@ def load_cluster(path: str) -> ClusterInfo:
         for n in state["nodes"]:
             host = n["messenger"].rpartition(":")[0]
             port = n.get("messenger_metrics_port")
-            nodes.append(ClusterNode(id=n["id"], role=n["role"], address=n["address"],
-                                     messenger=n["messenger"],
-                                     messenger_metrics=f"{host}:{port}" if port else None))
-        return ClusterInfo(conductor=state["conductor"]["address"], token=state.get("token"),
-                           nodes=nodes, source=path)
+            nodes.append(
+                ClusterNode(
+                    id=n["id"],
+                    role=n["role"],
+                    address=n["address"],
+                    messenger=n["messenger"],
+                    messenger_metrics=f"{host}:{port}" if port else None,
+                )
+            )
+        return ClusterInfo(
+            conductor=state["conductor"]["address"],
+            token=state.get("token"),
+            nodes=nodes,
+            source=path,
+        )
     except (KeyError, TypeError) as e:
         raise LiveError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
 
 
 # ---- prompts and pages ---------------------------------------------------------------------
+
 
 def prompt_tokens(request: TraceRequest, trace_block_tokens: int) -> np.ndarray:
     """Token ids for a trace request: block ``i`` with id ``h`` is ``h * B + arange(B)``
@@ -99,10 +114,12 @@ def prompt_tokens(request: TraceRequest, trace_block_tokens: int) -> np.ndarray:
     with equal hash-id prefixes have equal token prefixes. uint32 (ids up to 2**32 / B)."""
     ids = np.asarray(request.hash_ids, dtype=np.uint64)
     if ids.size and int(ids.max()) >= (1 << 32) // trace_block_tokens:
-        raise LiveError(f"hash id {int(ids.max())} is too large for 32-bit token ids with "
-                        f"{trace_block_tokens}-token blocks")
+        raise LiveError(
+            f"hash id {int(ids.max())} is too large for 32-bit token ids with "
+            f"{trace_block_tokens}-token blocks"
+        )
     tokens = ids[:, None] * trace_block_tokens + np.arange(trace_block_tokens, dtype=np.uint64)
-    return tokens.reshape(-1)[:request.input_length].astype("<u4")
+    return tokens.reshape(-1)[: request.input_length].astype("<u4")
 
 
 class SyntheticKV:
@@ -123,18 +140,21 @@ class SyntheticKV:
         tiled = self._tiled(key)
         lb = self.layer_bytes
         for layer, salt in enumerate(self._salts):
-            np.bitwise_xor(tiled, salt, out=page[layer * lb:(layer + 1) * lb])
+            np.bitwise_xor(tiled, salt, out=page[layer * lb : (layer + 1) * lb])
 
     def matches(self, page: np.ndarray, key: bytes) -> bool:
         if page.size != self.page_bytes:
             return False
         tiled = self._tiled(key)
         lb = self.layer_bytes
-        return all(np.array_equal(np.bitwise_xor(page[layer * lb:(layer + 1) * lb], salt), tiled)
-                   for layer, salt in enumerate(self._salts))
+        return all(
+            np.array_equal(np.bitwise_xor(page[layer * lb : (layer + 1) * lb], salt), tiled)
+            for layer, salt in enumerate(self._salts)
+        )
 
 
 # ---- one request's outcome -------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class RequestOutcome:
@@ -142,38 +162,39 @@ class RequestOutcome:
 
     index: int
     request_id: str
-    arrival_s: float                 # when the trace says it arrives (compressed), from run start
+    arrival_s: float  # when the trace says it arrives (compressed), from run start
     prompt_tokens: int
-    status: str = "pending"          # ok | rejected | failed
+    status: str = "pending"  # ok | rejected | failed
     error: str = ""
     start_s: float = 0.0
     end_s: float = 0.0
     prefill_node: str = ""
     decode_node: str = ""
-    total_blocks: int = 0            # full blocks of the prompt
-    lookup_blocks: int = 0           # cached prefix the prefill node reported at Lookup
-    planned_local: int = 0           # the conductor's view: prefix the prefill node holds
-    planned_reuse: int = 0           # ... and will hold after the plan's transfer
-    reused_blocks: int = 0           # prefix actually loaded at prefill
-    fetched_blocks: int = 0          # of those, landed by the plan's transfer
-    computed_blocks: int = 0         # pages written by this request's "prefill"
-    plan_blocks: int = 0             # blocks the plan asked to move to the prefill node
-    plan_failed: int = 0             # plan entries that did not land (they are recomputed)
+    total_blocks: int = 0  # full blocks of the prompt
+    lookup_blocks: int = 0  # cached prefix the prefill node reported at Lookup
+    planned_local: int = 0  # the conductor's view: prefix the prefill node holds
+    planned_reuse: int = 0  # ... and will hold after the plan's transfer
+    reused_blocks: int = 0  # prefix actually loaded at prefill
+    fetched_blocks: int = 0  # of those, landed by the plan's transfer
+    computed_blocks: int = 0  # pages written by this request's "prefill"
+    plan_blocks: int = 0  # blocks the plan asked to move to the prefill node
+    plan_failed: int = 0  # plan entries that did not land (they are recomputed)
     schedule_s: float | None = None
     lookup_s: float | None = None
     plan_wait_s: float | None = None
     load_s: float | None = None
     store_s: float | None = None
-    decode_at_s: float = 0.0         # when the pull was submitted (run clock)
-    decode_s: float | None = None    # the decode messenger's pull, submit to finished
-    decode_held: int = 0             # pages the decode node held already (not pulled)
-    decode_moved_bytes: int = 0      # bytes the pull moved
+    decode_at_s: float = 0.0  # when the pull was submitted (run clock)
+    decode_s: float | None = None  # the decode messenger's pull, submit to finished
+    decode_held: int = 0  # pages the decode node held already (not pulled)
+    decode_moved_bytes: int = 0  # bytes the pull moved
     verified_pages: int = 0
     verify_failures: int = 0
     est_ttft_s: float | None = None
 
 
 # ---- the engine ------------------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class EngineOptions:
@@ -217,7 +238,8 @@ class Engine:
             client = self._messengers.get(address)
             if client is None:
                 client = self._messengers[address] = MessengerClient(
-                    address, self.cluster.token, timeout_s=30.0)
+                    address, self.cluster.token, timeout_s=30.0
+                )
             return client
 
     def close(self) -> None:
@@ -233,15 +255,25 @@ class Engine:
     def serve(self, index: int, request: TraceRequest, arrival_s: float) -> RequestOutcome:
         opts = self.options
         tokens = prompt_tokens(request, opts.trace_block_tokens)
-        out = RequestOutcome(index=index, request_id=f"live-{opts.run_id}-{index}",
-                             arrival_s=arrival_s, prompt_tokens=int(tokens.size),
-                             start_s=self.now())
+        out = RequestOutcome(
+            index=index,
+            request_id=f"live-{opts.run_id}-{index}",
+            arrival_s=arrival_s,
+            prompt_tokens=int(tokens.size),
+            start_s=self.now(),
+        )
         t = time.perf_counter()
         try:
             reply = self.conductor.schedule(
-                opts.namespace, tokens=tokens, salt=opts.salt, request_id=out.request_id,
-                prompt_tokens=int(tokens.size), output_tokens=request.output_length,
-                ttft_slo_s=opts.ttft_slo_s, tbt_slo_s=opts.tbt_slo_s)
+                opts.namespace,
+                tokens=tokens,
+                salt=opts.salt,
+                request_id=out.request_id,
+                prompt_tokens=int(tokens.size),
+                output_tokens=request.output_length,
+                ttft_slo_s=opts.ttft_slo_s,
+                tbt_slo_s=opts.tbt_slo_s,
+            )
         except KVCacheRpcError as e:
             out.schedule_s = time.perf_counter() - t
             if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -265,7 +297,7 @@ class Engine:
             out.status = "failed"
             out.error = _describe(e)
         finally:
-            try:   # free the conductor's ledger entry whatever happened
+            try:  # free the conductor's ledger entry whatever happened
                 self.conductor.complete(out.request_id)
             except KVCacheRpcError as e:
                 if out.status == "ok":
@@ -273,15 +305,16 @@ class Engine:
             out.end_s = self.now()
         return out
 
-    def _prefill(self, reply: cpb.ScheduleReply, tokens: np.ndarray,
-                 out: RequestOutcome) -> list[bytes]:
+    def _prefill(
+        self, reply: cpb.ScheduleReply, tokens: np.ndarray, out: RequestOutcome
+    ) -> list[bytes]:
         ns, salt = self.options.namespace, self.options.salt
         node = self.node(reply.prefill_address)
         t = time.perf_counter()
         out.lookup_blocks = node.lookup(ns, tokens=tokens, salt=salt).hit_blocks
         out.lookup_s = time.perf_counter() - t
 
-        landed: set[bytes] = set()        # planned keys the prefill node holds now
+        landed: set[bytes] = set()  # planned keys the prefill node holds now
         if reply.transfers:
             t = time.perf_counter()
             for plan in reply.transfers:
@@ -295,7 +328,7 @@ class Engine:
             # NOTE: the plan names exactly the blocks the conductor's index says this node lacks,
             # so a planned block that is here now was fetched (by the hook's batch, or ours when
             # we came first); only an index lagging behind the node's own stores miscounts.
-            out.fetched_blocks = sum(1 for k in lease.keys[:lease.hit_blocks] if k in landed)
+            out.fetched_blocks = sum(1 for k in lease.keys[: lease.hit_blocks] if k in landed)
             out.load_s = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -325,14 +358,16 @@ class Engine:
         status = messenger.status(batch.batch_id, wait=True, timeout_s=timeout)
         if not status.finished:
             messenger.cancel(batch.batch_id)
-            raise LiveError(f"planned transfer {plan.src_node} -> {plan.dst_node} of "
-                            f"{len(plan.keys)} blocks not done after {timeout:g} s")
+            raise LiveError(
+                f"planned transfer {plan.src_node} -> {plan.dst_node} of "
+                f"{len(plan.keys)} blocks not done after {timeout:g} s"
+            )
         landed = set()
         for e in status.entries:
             if e.state == mpb.ENTRY_DONE:
                 landed.add(e.key)
             else:
-                out.plan_failed += 1   # e.g. the source evicted it: the prefill recomputes it
+                out.plan_failed += 1  # e.g. the source evicted it: the prefill recomputes it
         return landed
 
     def _decode(self, reply: cpb.ScheduleReply, keys: list[bytes], out: RequestOutcome) -> None:
@@ -353,15 +388,19 @@ class Engine:
                 with prefill.acquire(ns, keys=[keys[i] for i in need]) as pin:
                     gone = sum(1 for f in pin.found if not f)
                     if gone:
-                        raise LiveError(f"{gone} of {len(need)} pages were evicted from "
-                                        f"{reply.prefill_node} before the decode node could "
-                                        "pull them")
+                        raise LiveError(
+                            f"{gone} of {len(need)} pages were evicted from "
+                            f"{reply.prefill_node} before the decode node could "
+                            "pull them"
+                        )
                     self._pull(reply, [keys[i] for i in need], out)
                 pulled = stack.enter_context(decode.acquire(ns, keys=[keys[i] for i in need]))
                 gone = sum(1 for f in pulled.found if not f)
                 if gone:
-                    raise LiveError(f"{gone} of {len(need)} pages missing on "
-                                    f"{reply.decode_node} right after its messenger pulled them")
+                    raise LiveError(
+                        f"{gone} of {len(need)} pages missing on "
+                        f"{reply.decode_node} right after its messenger pulled them"
+                    )
                 self._verify(decode, pulled, range(len(need)), out)
             self._verify(decode, held, [i for i, f in enumerate(held.found) if f], out)
 
@@ -371,23 +410,29 @@ class Engine:
         messenger = self.messenger(reply.decode_messenger)
         out.decode_at_s = self.now()
         t = time.perf_counter()
-        batch = messenger.submit(self.options.namespace,
-                                 [(k, reply.prefill_messenger) for k in keys])
+        batch = messenger.submit(
+            self.options.namespace, [(k, reply.prefill_messenger) for k in keys]
+        )
         status = messenger.status(batch.batch_id, wait=True, timeout_s=timeout)
         out.decode_s = time.perf_counter() - t
         if not status.finished:
             messenger.cancel(batch.batch_id)
-            raise LiveError(f"decode pull {reply.prefill_node} -> {reply.decode_node} of "
-                            f"{len(keys)} pages not done after {timeout:g} s")
+            raise LiveError(
+                f"decode pull {reply.prefill_node} -> {reply.decode_node} of "
+                f"{len(keys)} pages not done after {timeout:g} s"
+            )
         out.decode_moved_bytes = status.bytes_moved
         if status.failed:
             bad = next(e for e in status.entries if e.state == mpb.ENTRY_FAILED)
-            raise LiveError(f"decode pull {reply.prefill_node} -> {reply.decode_node}: "
-                            f"{status.failed} of {len(keys)} pages failed, e.g. {bad.code}: "
-                            f"{bad.reason}")
+            raise LiveError(
+                f"decode pull {reply.prefill_node} -> {reply.decode_node}: "
+                f"{status.failed} of {len(keys)} pages failed, e.g. {bad.code}: "
+                f"{bad.reason}"
+            )
 
-    def _verify(self, node: KVStoreClient, lease: ReadLease, indices: Iterable[int],
-                out: RequestOutcome) -> None:
+    def _verify(
+        self, node: KVStoreClient, lease: ReadLease, indices: Iterable[int], out: RequestOutcome
+    ) -> None:
         streamed = []
         for i in indices:
             if lease.offsets[i] >= 0:
@@ -396,7 +441,7 @@ class Engine:
                 out.verify_failures += not self.kv.matches(page, lease.keys[i])
             else:
                 streamed.append(i)
-        if streamed:   # a hit outside shared memory (SSD tier): read a copy
+        if streamed:  # a hit outside shared memory (SSD tier): read a copy
             pages = node.get(lease.namespace, keys=[lease.keys[i] for i in streamed])
             for i, page in zip(streamed, pages):
                 out.verified_pages += 1

@@ -7,6 +7,7 @@ TieredStore measured in the same run.
 - streamed: the gRPC Put/Get fallback for remote clients, for scale.
 Each figure is printed as a ratio to the in-process store (target: same-host close to 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ from kvstore.layout import KVLayout
 from kvstore.store import StoreConfig, TieredStore
 from rpc.launch import start_service
 
-LAYOUT = KVLayout(model="bench", num_layers=4, kv_heads=4, head_dim=64, dtype="float16",
-                  block_tokens=256)  # 1 MiB pages
+LAYOUT = KVLayout(
+    model="bench", num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=256
+)  # 1 MiB pages
 LAYOUT_SPEC = "model=bench,num_layers=4,kv_heads=4,head_dim=64,dtype=float16,block_tokens=256"
 
 
@@ -55,13 +57,13 @@ def bench_in_process(pages: int, batch: int, runs: int, src: np.ndarray) -> dict
             keys = _keys(run, pages, "inproc")
             t0 = time.perf_counter()
             for b in range(0, pages, batch):
-                lease = store.allocate(keys[b:b + batch])
+                lease = store.allocate(keys[b : b + batch])
                 for i in range(len(lease.keys)):
                     store.write(lease.lease_id, i, src[(b + i) % len(src)])
                 store.commit(lease.lease_id)
             t1 = time.perf_counter()
             for b in range(0, pages, batch):
-                lease = store.acquire(keys[b:b + batch])
+                lease = store.acquire(keys[b : b + batch])
                 for i in range(len(lease.keys)):
                     store.copy_out(lease, i, out)
                 store.release(lease.lease_id)
@@ -75,8 +77,9 @@ def bench_in_process(pages: int, batch: int, runs: int, src: np.ndarray) -> dict
     return {"write_GBps": _median_gbps(pages * page, w), "read_GBps": _median_gbps(pages * page, r)}
 
 
-def bench_client(address: str, namespace: str, pages: int, batch: int, runs: int,
-                 src: np.ndarray, use_shm: bool) -> dict:
+def bench_client(
+    address: str, namespace: str, pages: int, batch: int, runs: int, src: np.ndarray, use_shm: bool
+) -> dict:
     from clients import KVStoreClient
 
     page = LAYOUT.page_bytes
@@ -87,18 +90,19 @@ def bench_client(address: str, namespace: str, pages: int, batch: int, runs: int
             keys = _keys(run, pages, f"client-{use_shm}")
             t0 = time.perf_counter()
             for b in range(0, pages, batch):
-                chunk = keys[b:b + batch]
+                chunk = keys[b : b + batch]
                 if use_shm:
                     lease = c.allocate(namespace, keys=chunk)
                     for i in lease.to_write:
                         np.copyto(lease.page(i), src[(b + i) % len(src)])
                     lease.commit()
                 else:
-                    c.put(namespace, [src[(b + i) % len(src)] for i in range(len(chunk))],
-                          keys=chunk)
+                    c.put(
+                        namespace, [src[(b + i) % len(src)] for i in range(len(chunk))], keys=chunk
+                    )
             t1 = time.perf_counter()
             for b in range(0, pages, batch):
-                chunk = keys[b:b + batch]
+                chunk = keys[b : b + batch]
                 if use_shm:
                     with c.acquire(namespace, keys=chunk) as lease:
                         for i in range(len(chunk)):
@@ -129,8 +133,10 @@ def bench_lookup(address: str, namespace: str, n: int) -> dict:
                 c.lookup(namespace, **kw)
                 lat.append(time.perf_counter() - t0)
             lat.sort()
-            res[label] = {"p50_us": lat[len(lat) // 2] * 1e6,
-                          "p99_us": lat[int(len(lat) * 0.99)] * 1e6}
+            res[label] = {
+                "p50_us": lat[len(lat) // 2] * 1e6,
+                "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+            }
     return res
 
 
@@ -153,38 +159,85 @@ def run(args: argparse.Namespace) -> int:
     memcpy = bench_memcpy(pages, args.runs, src)
     ref = bench_in_process(pages, args.batch, args.runs, src)
     with tempfile.TemporaryDirectory() as tmp:
-        node = start_service(["node", "--listen", "127.0.0.1:0", "--dram",
-                              f"{args.total_mib + 16}MiB", "--layout", LAYOUT_SPEC],
-                             log_dir=tmp)
+        node = start_service(
+            [
+                "node",
+                "--listen",
+                "127.0.0.1:0",
+                "--dram",
+                f"{args.total_mib + 16}MiB",
+                "--layout",
+                LAYOUT_SPEC,
+            ],
+            log_dir=tmp,
+        )
         try:
-            shm = bench_client(node.address, LAYOUT.namespace, pages, args.batch, args.runs,
-                               src, use_shm=True)
-            streamed = bench_client(node.address, LAYOUT.namespace, pages // 4, args.batch,
-                                    args.runs, src, use_shm=False)
+            shm = bench_client(
+                node.address, LAYOUT.namespace, pages, args.batch, args.runs, src, use_shm=True
+            )
+            streamed = bench_client(
+                node.address,
+                LAYOUT.namespace,
+                pages // 4,
+                args.batch,
+                args.runs,
+                src,
+                use_shm=False,
+            )
             lookup = bench_lookup(node.address, LAYOUT.namespace, args.lookups)
         finally:
             node.stop()
     rows = []
-    for name, res in (("in-process TieredStore (reference)", ref), ("client, shared memory", shm),
-                      ("client, streamed gRPC", streamed)):
+    for name, res in (
+        ("in-process TieredStore (reference)", ref),
+        ("client, shared memory", shm),
+        ("client, streamed gRPC", streamed),
+    ):
         for op in ("write", "read"):
             gbps = res[f"{op}_GBps"]
-            rows.append({"path": name, "op": op + (" (alloc+copy+commit)" if op == "write"
-                                                   else " (acquire+copy+release)"),
-                         "GBps": gbps, "vs_store": gbps / ref[f"{op}_GBps"],
-                         "vs_memcpy": gbps / memcpy})
-    print(f"1 MiB pages, {pages} pages per run, batches of {args.batch}, median of {args.runs} "
-          f"runs; numpy memcpy reference {memcpy:.2f} GB/s")
-    print_table(rows, [Column("path", "path"), Column("op", "op"),
-                       Column("GBps", "GB/s", "{:.2f}"), Column("vs_store", "x store", "{:.2f}"),
-                       Column("vs_memcpy", "x memcpy", "{:.2f}")])
+            rows.append(
+                {
+                    "path": name,
+                    "op": op
+                    + (" (alloc+copy+commit)" if op == "write" else " (acquire+copy+release)"),
+                    "GBps": gbps,
+                    "vs_store": gbps / ref[f"{op}_GBps"],
+                    "vs_memcpy": gbps / memcpy,
+                }
+            )
+    print(
+        f"1 MiB pages, {pages} pages per run, batches of {args.batch}, median of {args.runs} "
+        f"runs; numpy memcpy reference {memcpy:.2f} GB/s"
+    )
+    print_table(
+        rows,
+        [
+            Column("path", "path"),
+            Column("op", "op"),
+            Column("GBps", "GB/s", "{:.2f}"),
+            Column("vs_store", "x store", "{:.2f}"),
+            Column("vs_memcpy", "x memcpy", "{:.2f}"),
+        ],
+    )
     print()
-    print_table([{"request": f"64-block Lookup by {k}", **v} for k, v in lookup.items()],
-                [Column("request", "request"), Column("p50_us", "p50 us", "{:.0f}"),
-                 Column("p99_us", "p99 us", "{:.0f}")])
-    result = {"memcpy_GBps": memcpy, "in_process": ref, "client_shm": shm,
-              "client_streamed": streamed, "lookup_64_blocks": lookup, "pages": pages,
-              "batch": args.batch, "runs": args.runs}
+    print_table(
+        [{"request": f"64-block Lookup by {k}", **v} for k, v in lookup.items()],
+        [
+            Column("request", "request"),
+            Column("p50_us", "p50 us", "{:.0f}"),
+            Column("p99_us", "p99 us", "{:.0f}"),
+        ],
+    )
+    result = {
+        "memcpy_GBps": memcpy,
+        "in_process": ref,
+        "client_shm": shm,
+        "client_streamed": streamed,
+        "lookup_64_blocks": lookup,
+        "pages": pages,
+        "batch": args.batch,
+        "runs": args.runs,
+    }
     path = os.path.join(args.out, "node.json")
     write_json(path, result)
     print(f"\nwrote {path}")

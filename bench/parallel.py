@@ -4,6 +4,7 @@ The workers are forked, so the inputs (a trace, its precomputed keys, a closure)
 never pickled; only each configuration's result travels back. Progress (request counts) streams
 back through the same queue, so the parent keeps one progress line for all workers.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -32,8 +33,9 @@ def _worker(fn, items, tasks, results) -> None:
             return
 
 
-def fork_map(fn: Callable[[T, Step], R], items: Sequence[T], jobs: int,
-             progress: Step | None = None) -> list[R]:
+def fork_map(
+    fn: Callable[[T, Step], R], items: Sequence[T], jobs: int, progress: Step | None = None
+) -> list[R]:
     """``[fn(item, step) for item in items]``, over up to ``jobs`` forked processes.
 
     ``fn`` reports work done with ``step(n)``; it reaches ``progress`` in the parent. With
@@ -48,8 +50,10 @@ def fork_map(fn: Callable[[T, Step], R], items: Sequence[T], jobs: int,
     tasks, results = ctx.Queue(), ctx.Queue()
     for i in range(len(items)):
         tasks.put(i)
-    workers = [ctx.Process(target=_worker, args=(fn, items, tasks, results), daemon=True)
-               for _ in range(min(jobs, len(items)))]
+    workers = [
+        ctx.Process(target=_worker, args=(fn, items, tasks, results), daemon=True)
+        for _ in range(min(jobs, len(items)))
+    ]
     for _ in workers:
         tasks.put(None)
     for w in workers:
@@ -64,7 +68,8 @@ def fork_map(fn: Callable[[T, Step], R], items: Sequence[T], jobs: int,
                 dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(
-                        f"a worker process died (exit code {dead[0].exitcode})") from None
+                        f"a worker process died (exit code {dead[0].exitcode})"
+                    ) from None
                 continue
             if kind == "progress":
                 step(index)

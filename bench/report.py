@@ -1,4 +1,5 @@
 """Output helpers shared by the benchmark commands: tables, JSON, PNG plots, progress, sizes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,12 @@ def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
-def print_table(rows: Sequence[dict], columns: Sequence[Column], title: str | None = None,
-                file: TextIO | None = None) -> None:
+def print_table(
+    rows: Sequence[dict],
+    columns: Sequence[Column],
+    title: str | None = None,
+    file: TextIO | None = None,
+) -> None:
     out = file or sys.stdout
     if title:
         print(title, file=out)
@@ -84,6 +89,7 @@ def figure(path: str, *args, **kwargs):
     """``plt.subplots(*args, **kwargs)`` on matplotlib's Agg backend (no display needed); the
     figure is laid out and saved to ``path`` when the block ends, and closed either way."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -97,17 +103,32 @@ def figure(path: str, *args, **kwargs):
         plt.close(fig)
 
 
-def plot_lines(path: str, series: Sequence[Series], *, title: str, xlabel: str, ylabel: str,
-               logx: bool = False, hlines: Sequence[tuple[float, str]] = (),
-               ylim: tuple[float, float] | None = None) -> None:
+def plot_lines(
+    path: str,
+    series: Sequence[Series],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    hlines: Sequence[tuple[float, str]] = (),
+    ylim: tuple[float, float] | None = None,
+) -> None:
     """One PNG with a line per series (matplotlib's Agg backend: no display needed)."""
     with figure(path, figsize=(7, 4.5), dpi=120) as (fig, ax):
         for s in series:
             ax.plot(list(s.x), list(s.y), s.style, label=s.label)
         for y, label in hlines:
             ax.axhline(y, linestyle="--", color="grey", linewidth=1)
-            ax.annotate(label, (0.01, y), xycoords=("axes fraction", "data"),
-                        textcoords="offset points", xytext=(0, 3), fontsize=8, color="grey")
+            ax.annotate(
+                label,
+                (0.01, y),
+                xycoords=("axes fraction", "data"),
+                textcoords="offset points",
+                xytext=(0, 3),
+                fontsize=8,
+                color="grey",
+            )
         if logx:
             ax.set_xscale("log")
         if ylim:
@@ -119,8 +140,9 @@ def plot_lines(path: str, series: Sequence[Series], *, title: str, xlabel: str, 
         ax.legend()
 
 
-def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float]], *,
-              title: str, ylabel: str) -> None:
+def plot_bars(
+    path: str, labels: Sequence[str], groups: dict[str, Sequence[float]], *, title: str, ylabel: str
+) -> None:
     """Grouped bars: one group per label, one bar per entry of ``groups``."""
     with figure(path, figsize=(7, 4.5), dpi=120) as (fig, ax):
         n = max(1, len(groups))
@@ -138,8 +160,15 @@ def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float
 class Progress:
     """A throttled one-line progress report on stderr (at most every ``interval_s``)."""
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True,
-                 interval_s: float = 1.0, file: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        *,
+        enabled: bool = True,
+        interval_s: float = 1.0,
+        file: TextIO | None = None,
+    ) -> None:
         self.total = max(total, 0)
         self.label = label
         self.enabled = enabled
@@ -159,8 +188,10 @@ class Progress:
 
     def _emit(self, note: str, end: str | None = None) -> None:
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        line = (f"{self.label}: {pct:5.1f}% ({self.done}/{self.total}) "
-                f"{time.monotonic() - self._start:6.1f} s {note}").rstrip()
+        line = (
+            f"{self.label}: {pct:5.1f}% ({self.done}/{self.total}) "
+            f"{time.monotonic() - self._start:6.1f} s {note}"
+        ).rstrip()
         if end is None:
             end = "\r" if self._tty else "\n"
         print(line, end=end, file=self._file, flush=True)

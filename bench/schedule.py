@@ -24,6 +24,7 @@ The cost model is the conductor's ``FlopsCostModel`` (Mooncake Table 1: LLaMA3-7
 at the ``--mfu`` given; the same model prices the scheduler's estimates and the simulated
 execution, so differences between policies come from placement, queueing and cache contents.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,14 +64,13 @@ from .report import Column, Progress, human_count, parse_count, plot_bars, print
 from .trace import DEFAULT_TRACE, Trace, TraceError, add_trace_args, describe, trace_from_args
 
 # Mooncake (FAST'25) Fig. 5: average TTFT on the conversation trace with 16 prefill nodes.
-PAPER_FIG5_AVG_TTFT_S = {"random": 19.65, "load": 5.27, "local-cache": 3.58,
-                         "global-cache": 3.07}
+PAPER_FIG5_AVG_TTFT_S = {"random": 19.65, "load": 5.27, "local-cache": 3.58, "global-cache": 3.07}
 PAPER_PREFILL_NODES = 16
 POLICY_ORDER = ("random", "load", "local-cache", "global-cache")
 
 DEFAULT_MFU = 0.3
 DEFAULT_CAPACITY = "3M"
-_FOREVER_S = 1e12          # lease TTLs and registry leases never run out in simulated time
+_FOREVER_S = 1e12  # lease TTLs and registry leases never run out in simulated time
 _PROGRESS_EVERY = 1000
 
 
@@ -84,23 +84,27 @@ class ClusterSpec:
     decode_capacity_tokens: int = 3_000_000
     eviction: str = "lru"
     mfu: float = DEFAULT_MFU
-    ttft_slo_s: float = 0.0            # 0: no SLO
+    ttft_slo_s: float = 0.0  # 0: no SLO
     tbt_slo_s: float = 0.0
     min_transfer_gain: float = SchedulerConfig.min_transfer_gain
-    speedup: float = 1.0               # trace time is divided by this
+    speedup: float = 1.0  # trace time is divided by this
     seed: int = 0
 
     def check(self, block_tokens: int) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ValueError("the cluster needs at least one prefill and one decode node")
         if self.capacity_tokens < block_tokens:
-            raise ValueError(f"--capacity {self.capacity_tokens} tokens is less than one "
-                             f"{block_tokens}-token block")
+            raise ValueError(
+                f"--capacity {self.capacity_tokens} tokens is less than one "
+                f"{block_tokens}-token block"
+            )
         if self.decode_capacity_tokens < 0:
             raise ValueError("--decode-capacity must be >= 0")
         if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from "
-                             f"{sorted(EVICTION_POLICIES)}")
+            raise ValueError(
+                f"unknown eviction policy {self.eviction!r}; choose from "
+                f"{sorted(EVICTION_POLICIES)}"
+            )
         if not 0 < self.mfu <= 1:
             raise ValueError(f"--mfu must be in (0, 1], got {self.mfu}")
         if self.ttft_slo_s < 0 or self.tbt_slo_s < 0:
@@ -125,17 +129,17 @@ class PolicyResult:
     ttft_p99_s: float
     queue_avg_s: float
     tbt_avg_s: float
-    hit_rate: float               # prompt tokens reused / prompt tokens (admitted requests)
-    fetched_share: float          # of the reused tokens, the share fetched from another node
-    planned_prefix_lost: int      # requests whose cache held less at start than planned
+    hit_rate: float  # prompt tokens reused / prompt tokens (admitted requests)
+    fetched_share: float  # of the reused tokens, the share fetched from another node
+    planned_prefix_lost: int  # requests whose cache held less at start than planned
     transfers: int
     transfer_bytes: int
-    prefill_gpu_s: float          # node-seconds of prefill computed
+    prefill_gpu_s: float  # node-seconds of prefill computed
     prefill_gpu_s_no_cache: float  # the same prompts with no cache at all
-    est_ttft_error_s: float       # mean |scheduler's TTFT estimate - simulated TTFT|
-    fetch_dropped: int            # fetched blocks that found the target pinned full
-    store_skipped: int            # prefills whose new blocks found the cache pinned full
-    schedule_us: float            # mean wall time of one Scheduler.schedule call
+    est_ttft_error_s: float  # mean |scheduler's TTFT estimate - simulated TTFT|
+    fetch_dropped: int  # fetched blocks that found the target pinned full
+    store_skipped: int  # prefills whose new blocks found the cache pinned full
+    schedule_us: float  # mean wall time of one Scheduler.schedule call
     makespan_s: float
     wall_s: float
 
@@ -155,8 +159,8 @@ class _Job:
     prefill: "_PrefillNode | None" = None
     decode: "_DecodeNode | None" = None
     est_ttft_s: float = 0.0
-    local_blocks: int = 0         # prefix the prefill node held when scheduled
-    planned_blocks: int = 0       # prefix it should hold at start (local + fetched)
+    local_blocks: int = 0  # prefix the prefill node held when scheduled
+    planned_blocks: int = 0  # prefix it should hold at start (local + fetched)
     ready: bool = True
     pins: list[tuple[TieredStore, int]] = field(default_factory=list)  # held until prefill end
     fetch_pin: tuple[TieredStore, int] | None = None  # source blocks, held while transferring
@@ -191,8 +195,9 @@ _TRANSFER_DONE, _PREFILL_END, _DECODE_JOIN, _COMPLETE, _ARRIVE = range(5)
 class ClusterSim:
     """One policy on one trace: the real scheduler, simulated nodes, simulated time."""
 
-    def __init__(self, trace: Trace, keys: Sequence[Sequence[BlockKey]], spec: ClusterSpec,
-                 policy: str) -> None:
+    def __init__(
+        self, trace: Trace, keys: Sequence[Sequence[BlockKey]], spec: ClusterSpec, policy: str
+    ) -> None:
         self.trace = trace
         self.keys = keys
         self.spec = spec
@@ -203,11 +208,16 @@ class ClusterSim:
         self.index = GlobalIndex()
         self.registry = Registry(self.index, lease_s=_FOREVER_S)
         self.scheduler = Scheduler(
-            self.registry, cost_model=self.cost, policy=policy,
+            self.registry,
+            cost_model=self.cost,
+            policy=policy,
             config=SchedulerConfig(min_transfer_gain=spec.min_transfer_gain),
-            clock=self._clock, seed=spec.seed)
-        layout = KVLayout(model="bench-schedule", num_layers=1, kv_heads=1, head_dim=1,
-                          block_tokens=self.bt)
+            clock=self._clock,
+            seed=spec.seed,
+        )
+        layout = KVLayout(
+            model="bench-schedule", num_layers=1, kv_heads=1, head_dim=1, block_tokens=self.bt
+        )
         self._layout = layout
         pages = spec.capacity_tokens // self.bt
         self.prefill: dict[str, _PrefillNode] = {}
@@ -240,8 +250,14 @@ class ClusterSim:
         return self.now
 
     def _store(self, pages: int) -> TieredStore:
-        config = StoreConfig(dram_pages=pages, dram_policy=self.spec.eviction, metadata_only=True,
-                             lease_ttl_s=_FOREVER_S, clock=self._clock, max_events=1 << 16)
+        config = StoreConfig(
+            dram_pages=pages,
+            dram_policy=self.spec.eviction,
+            metadata_only=True,
+            lease_ttl_s=_FOREVER_S,
+            clock=self._clock,
+            max_events=1 << 16,
+        )
         return TieredStore(self._layout, config)
 
     def _publish(self, node_id: str, store: TieredStore) -> None:
@@ -258,17 +274,23 @@ class ClusterSim:
         reqs = self.trace.requests
         t0 = reqs[0].timestamp_ms if reqs else 0.0
         # The trace is in timestamp order already (load_trace sorts it).
-        arrivals_iter = (((r.timestamp_ms - t0) / 1000.0 / self.spec.speedup, i)
-                         for i, r in enumerate(reqs))
-        handlers = {_TRANSFER_DONE: self._transfer_done, _PREFILL_END: self._prefill_end,
-                    _DECODE_JOIN: self._decode_join, _COMPLETE: self._complete}
+        arrivals_iter = (
+            ((r.timestamp_ms - t0) / 1000.0 / self.spec.speedup, i) for i, r in enumerate(reqs)
+        )
+        handlers = {
+            _TRANSFER_DONE: self._transfer_done,
+            _PREFILL_END: self._prefill_end,
+            _DECODE_JOIN: self._decode_join,
+            _COMPLETE: self._complete,
+        }
         next_arrival = next(arrivals_iter, None)
         done = 0
         try:
             while next_arrival is not None or self._events:
                 # Arrivals are merged lazily: the heap only holds work in flight.
-                if next_arrival is not None and (not self._events or
-                                                 next_arrival[0] < self._events[0][0]):
+                if next_arrival is not None and (
+                    not self._events or next_arrival[0] < self._events[0][0]
+                ):
                     self.now, i = next_arrival
                     self._arrive(i)
                     next_arrival = next(arrivals_iter, None)
@@ -294,13 +316,23 @@ class ClusterSim:
         if req.input_length <= 0:
             return
         full = req.input_length // self.bt
-        job = _Job(index=i, request_id=f"r{i}", arrival=self.now, prompt_tokens=req.input_length,
-                   output_tokens=req.output_length, keys=list(self.keys[i][:full]))
-        request = Request(request_id=job.request_id, keys=job.keys,
-                          prompt_tokens=req.input_length, block_tokens=self.bt,
-                          output_tokens=req.output_length,
-                          ttft_slo_s=self.spec.ttft_slo_s or None,
-                          tbt_slo_s=self.spec.tbt_slo_s or None)
+        job = _Job(
+            index=i,
+            request_id=f"r{i}",
+            arrival=self.now,
+            prompt_tokens=req.input_length,
+            output_tokens=req.output_length,
+            keys=list(self.keys[i][:full]),
+        )
+        request = Request(
+            request_id=job.request_id,
+            keys=job.keys,
+            prompt_tokens=req.input_length,
+            block_tokens=self.bt,
+            output_tokens=req.output_length,
+            ttft_slo_s=self.spec.ttft_slo_s or None,
+            tbt_slo_s=self.spec.tbt_slo_s or None,
+        )
         wall = time.perf_counter()
         try:
             decision = self.scheduler.schedule(request, now=self.now)
@@ -318,7 +350,7 @@ class ClusterSim:
         job.planned_blocks = decision.reuse_blocks
         if decision.local_blocks:
             # The engine holds the prefix it was chosen for while the request waits.
-            lease = node.store.acquire(job.keys[:decision.local_blocks])
+            lease = node.store.acquire(job.keys[: decision.local_blocks])
             job.pins.append((node.store, lease.lease_id))
         plan = decision.transfer
         if plan is not None:
@@ -371,7 +403,7 @@ class ClusterSim:
         end = min(len(job.keys), node.pages)
         if job.hits < end:
             try:
-                lease = node.store.allocate(job.keys[job.hits:end])
+                lease = node.store.allocate(job.keys[job.hits : end])
                 node.store.commit(lease.lease_id)
             except CapacityExhausted:
                 self.store_skipped += 1
@@ -384,8 +416,9 @@ class ClusterSim:
         reused = job.hits * self.bt
         self.reused_tokens += reused
         if job.planned_blocks > job.local_blocks:
-            self.fetched_tokens += max(min(job.hits, job.planned_blocks) - job.local_blocks,
-                                       0) * self.bt
+            self.fetched_tokens += (
+                max(min(job.hits, job.planned_blocks) - job.local_blocks, 0) * self.bt
+            )
         self.prompt_tokens += job.prompt_tokens
         self.planned_lost += job.hits < job.planned_blocks
         self.gpu_s += job.prefill_s
@@ -429,22 +462,35 @@ class ClusterSim:
             return float(np.mean(values)) if values else 0.0
 
         return PolicyResult(
-            policy=self.policy, requests=len(self.trace), admitted=len(self.ttft),
-            rejected_ttft=self.rejected["TTFT"], rejected_tbt=self.rejected["TBT"],
-            ttft_avg_s=mean(self.ttft), ttft_p50_s=pct(50), ttft_p90_s=pct(90),
-            ttft_p99_s=pct(99), queue_avg_s=mean(self.queue_wait), tbt_avg_s=mean(self.tbt),
+            policy=self.policy,
+            requests=len(self.trace),
+            admitted=len(self.ttft),
+            rejected_ttft=self.rejected["TTFT"],
+            rejected_tbt=self.rejected["TBT"],
+            ttft_avg_s=mean(self.ttft),
+            ttft_p50_s=pct(50),
+            ttft_p90_s=pct(90),
+            ttft_p99_s=pct(99),
+            queue_avg_s=mean(self.queue_wait),
+            tbt_avg_s=mean(self.tbt),
             hit_rate=self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            fetched_share=(self.fetched_tokens / self.reused_tokens
-                           if self.reused_tokens else 0.0),
-            planned_prefix_lost=self.planned_lost, transfers=self.transfers,
-            transfer_bytes=self.transfer_bytes, prefill_gpu_s=self.gpu_s,
-            prefill_gpu_s_no_cache=self.gpu_s_no_cache, est_ttft_error_s=mean(self.est_error),
-            fetch_dropped=self.fetch_dropped, store_skipped=self.store_skipped,
+            fetched_share=(self.fetched_tokens / self.reused_tokens if self.reused_tokens else 0.0),
+            planned_prefix_lost=self.planned_lost,
+            transfers=self.transfers,
+            transfer_bytes=self.transfer_bytes,
+            prefill_gpu_s=self.gpu_s,
+            prefill_gpu_s_no_cache=self.gpu_s_no_cache,
+            est_ttft_error_s=mean(self.est_error),
+            fetch_dropped=self.fetch_dropped,
+            store_skipped=self.store_skipped,
             schedule_us=1e6 * self.schedule_wall_s / self.decisions if self.decisions else 0.0,
-            makespan_s=self.now, wall_s=wall_s)
+            makespan_s=self.now,
+            wall_s=wall_s,
+        )
 
 
 # ---- many policies ------------------------------------------------------------------------------
+
 
 def offered_load(trace: Trace, spec: ClusterSpec) -> float:
     """Prefill node-seconds the trace asks for with no cache at all, per node-second of the
@@ -453,14 +499,20 @@ def offered_load(trace: Trace, spec: ClusterSpec) -> float:
     if duration <= 0:
         return math.inf if len(trace) else 0.0
     cost = spec.cost_model()
-    work = sum(cost.prefill_seconds(r.input_length, 0) for r in trace.requests
-               if r.input_length > 0)
+    work = sum(
+        cost.prefill_seconds(r.input_length, 0) for r in trace.requests if r.input_length > 0
+    )
     return work / (spec.prefill_nodes * duration)
 
 
-def simulate(trace: Trace, keys: Sequence[Sequence[BlockKey]], spec: ClusterSpec,
-             policies: Sequence[str], jobs: int = 1,
-             progress: Progress | None = None) -> list[PolicyResult]:
+def simulate(
+    trace: Trace,
+    keys: Sequence[Sequence[BlockKey]],
+    spec: ClusterSpec,
+    policies: Sequence[str],
+    jobs: int = 1,
+    progress: Progress | None = None,
+) -> list[PolicyResult]:
     """Run every policy on the same trace and cluster (one forked worker per policy)."""
     spec.check(trace.block_tokens)
 
@@ -472,41 +524,76 @@ def simulate(trace: Trace, keys: Sequence[Sequence[BlockKey]], spec: ClusterSpec
 
 # ---- the command --------------------------------------------------------------------------------
 
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_trace_args(parser)
     c = parser.add_argument_group("cluster")
     c.add_argument("--prefill-nodes", type=int, default=ClusterSpec.prefill_nodes)
     c.add_argument("--decode-nodes", type=int, default=ClusterSpec.decode_nodes)
-    c.add_argument("--capacity", default=DEFAULT_CAPACITY,
-                   help="KV cache per prefill node, tokens, k/M/G suffixes (default: "
-                        "%(default)s = ~983 GB of LLaMA3-70B KV, one 8xA800 host's DRAM)")
-    c.add_argument("--decode-capacity", default=None,
-                   help="KV cache per decode node, tokens (default: same as --capacity; 0: "
-                        "decode nodes cache nothing)")
+    c.add_argument(
+        "--capacity",
+        default=DEFAULT_CAPACITY,
+        help="KV cache per prefill node, tokens, k/M/G suffixes (default: "
+        "%(default)s = ~983 GB of LLaMA3-70B KV, one 8xA800 host's DRAM)",
+    )
+    c.add_argument(
+        "--decode-capacity",
+        default=None,
+        help="KV cache per decode node, tokens (default: same as --capacity; 0: "
+        "decode nodes cache nothing)",
+    )
     c.add_argument("--eviction", default="lru", choices=sorted(EVICTION_POLICIES))
-    c.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help="model FLOPs utilisation of prefill (default: %(default)s)")
-    c.add_argument("--speedup", type=float, default=1.0,
-                   help="replay the trace this many times faster than recorded (default: 1)")
-    c.add_argument("--target-load", type=float, default=None,
-                   help="instead of --speedup: compress time so that the prefill nodes would be "
-                        "this busy with no cache (e.g. 0.9)")
+    c.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help="model FLOPs utilisation of prefill (default: %(default)s)",
+    )
+    c.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="replay the trace this many times faster than recorded (default: 1)",
+    )
+    c.add_argument(
+        "--target-load",
+        type=float,
+        default=None,
+        help="instead of --speedup: compress time so that the prefill nodes would be "
+        "this busy with no cache (e.g. 0.9)",
+    )
     s = parser.add_argument_group("scheduling")
-    s.add_argument("--policies", default=",".join(POLICY_ORDER),
-                   help=f"comma-separated, from {sorted(SCHEDULING_POLICIES)} "
-                        "(default: %(default)s)")
-    s.add_argument("--ttft-slo", type=float, default=0.0,
-                   help="reject requests whose estimated TTFT exceeds this (s; 0: no SLO)")
-    s.add_argument("--tbt-slo", type=float, default=0.0,
-                   help="reject requests whose estimated TBT exceeds this (s; 0: no SLO)")
-    s.add_argument("--min-transfer-gain", type=float,
-                   default=SchedulerConfig.min_transfer_gain,
-                   help="global-cache fetches only when it cuts TTFT by this fraction "
-                        "(default: %(default)s)")
+    s.add_argument(
+        "--policies",
+        default=",".join(POLICY_ORDER),
+        help=f"comma-separated, from {sorted(SCHEDULING_POLICIES)} (default: %(default)s)",
+    )
+    s.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=0.0,
+        help="reject requests whose estimated TTFT exceeds this (s; 0: no SLO)",
+    )
+    s.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=0.0,
+        help="reject requests whose estimated TBT exceeds this (s; 0: no SLO)",
+    )
+    s.add_argument(
+        "--min-transfer-gain",
+        type=float,
+        default=SchedulerConfig.min_transfer_gain,
+        help="global-cache fetches only when it cuts TTFT by this fraction (default: %(default)s)",
+    )
     r = parser.add_argument_group("run")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
-                   help="worker processes, one policy each (default: %(default)s)")
+    r.add_argument(
+        "--jobs",
+        type=int,
+        default=min(os.cpu_count() or 1, 4),
+        help="worker processes, one policy each (default: %(default)s)",
+    )
     r.add_argument("--out", help="write the results as JSON here")
     r.add_argument("--plot", help="write the TTFT bar chart PNG here (default: next to --out)")
     r.add_argument("--no-progress", action="store_true")
@@ -514,13 +601,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _spec(args: argparse.Namespace, trace: Trace) -> ClusterSpec:
     capacity = parse_count(args.capacity)
-    decode_capacity = capacity if args.decode_capacity is None else parse_count(
-        args.decode_capacity)
-    spec = ClusterSpec(prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
-                       capacity_tokens=capacity, decode_capacity_tokens=decode_capacity,
-                       eviction=args.eviction, mfu=args.mfu, ttft_slo_s=args.ttft_slo,
-                       tbt_slo_s=args.tbt_slo, min_transfer_gain=args.min_transfer_gain,
-                       speedup=args.speedup, seed=args.seed)
+    decode_capacity = (
+        capacity if args.decode_capacity is None else parse_count(args.decode_capacity)
+    )
+    spec = ClusterSpec(
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
+        capacity_tokens=capacity,
+        decode_capacity_tokens=decode_capacity,
+        eviction=args.eviction,
+        mfu=args.mfu,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        min_transfer_gain=args.min_transfer_gain,
+        speedup=args.speedup,
+        seed=args.seed,
+    )
     spec.check(trace.block_tokens)
     if args.target_load is not None:
         if not args.target_load > 0:
@@ -536,8 +632,10 @@ def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in SCHEDULING_POLICIES]
     if not names or unknown:
-        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; choose from "
-                         f"{sorted(SCHEDULING_POLICIES)}")
+        raise ValueError(
+            f"--policies: unknown {unknown or 'empty list'}; choose from "
+            f"{sorted(SCHEDULING_POLICIES)}"
+        )
     return names
 
 
@@ -598,19 +696,28 @@ def rows(results: Sequence[PolicyResult]) -> list[dict]:
     out = []
     for r in results:
         paper = PAPER_FIG5_AVG_TTFT_S.get(r.policy)
-        out.append({
-            "policy": r.policy, "ttft_avg_s": r.ttft_avg_s, "ttft_p90_s": r.ttft_p90_s,
-            "paper_avg_s": paper,
-            "ratio": r.ttft_avg_s / ref.ttft_avg_s if ref and ref.ttft_avg_s else None,
-            "paper_ratio": (paper / PAPER_FIG5_AVG_TTFT_S["global-cache"]
-                            if paper is not None else None),
-            "hit_rate": r.hit_rate, "fetched_share": r.fetched_share,
-            "gpu_h": r.prefill_gpu_s / 3600.0,
-            "gpu_vs_no_cache": (r.prefill_gpu_s / r.prefill_gpu_s_no_cache
-                                if r.prefill_gpu_s_no_cache else None),
-            "rejected": r.rejected, "transfer_gb": r.transfer_bytes / 1e9,
-            "queue_avg_s": r.queue_avg_s, "schedule_us": r.schedule_us,
-        })
+        out.append(
+            {
+                "policy": r.policy,
+                "ttft_avg_s": r.ttft_avg_s,
+                "ttft_p90_s": r.ttft_p90_s,
+                "paper_avg_s": paper,
+                "ratio": r.ttft_avg_s / ref.ttft_avg_s if ref and ref.ttft_avg_s else None,
+                "paper_ratio": (
+                    paper / PAPER_FIG5_AVG_TTFT_S["global-cache"] if paper is not None else None
+                ),
+                "hit_rate": r.hit_rate,
+                "fetched_share": r.fetched_share,
+                "gpu_h": r.prefill_gpu_s / 3600.0,
+                "gpu_vs_no_cache": (
+                    r.prefill_gpu_s / r.prefill_gpu_s_no_cache if r.prefill_gpu_s_no_cache else None
+                ),
+                "rejected": r.rejected,
+                "transfer_gb": r.transfer_bytes / 1e9,
+                "queue_avg_s": r.queue_avg_s,
+                "schedule_us": r.schedule_us,
+            }
+        )
     return out
 
 
@@ -623,15 +730,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache bench schedule: {e}", file=sys.stderr)
         return 2
     if not len(trace):
-        print(f"kvcache bench schedule: the trace {trace.source} has no requests; nothing to "
-              "replay", file=sys.stderr)
+        print(
+            f"kvcache bench schedule: the trace {trace.source} has no requests; nothing to replay",
+            file=sys.stderr,
+        )
         return 1
     print(describe(trace))
-    print(f"cluster: {spec.prefill_nodes} prefill + {spec.decode_nodes} decode nodes, "
-          f"{human_count(spec.capacity_tokens)} tokens of {spec.eviction} cache per prefill node, "
-          f"MFU {spec.mfu:g}, speedup {spec.speedup:.3g}x"
-          + (f", TTFT SLO {spec.ttft_slo_s:g} s" if spec.ttft_slo_s else "")
-          + (f", TBT SLO {spec.tbt_slo_s * 1e3:g} ms" if spec.tbt_slo_s else ""))
+    print(
+        f"cluster: {spec.prefill_nodes} prefill + {spec.decode_nodes} decode nodes, "
+        f"{human_count(spec.capacity_tokens)} tokens of {spec.eviction} cache per prefill node, "
+        f"MFU {spec.mfu:g}, speedup {spec.speedup:.3g}x"
+        + (f", TTFT SLO {spec.ttft_slo_s:g} s" if spec.ttft_slo_s else "")
+        + (f", TBT SLO {spec.tbt_slo_s * 1e3:g} ms" if spec.tbt_slo_s else "")
+    )
     start = time.perf_counter()
     keys = trace.block_keys()
     load = offered_load(trace, spec)
@@ -639,23 +750,36 @@ def run(args: argparse.Namespace) -> int:
     results = simulate(trace, keys, spec, policies, args.jobs, progress)
     elapsed = progress.finish(f"{len(policies)} policies")
     table = rows(results)
-    print_table(table, COLUMNS, title=(
-        f"scheduling policies (real conductor Scheduler, simulated time; {elapsed:.1f} s)"))
-    comparable = (spec.prefill_nodes == PAPER_PREFILL_NODES
-                  and os.path.basename(trace.source) == os.path.basename(DEFAULT_TRACE))
+    print_table(
+        table,
+        COLUMNS,
+        title=(f"scheduling policies (real conductor Scheduler, simulated time; {elapsed:.1f} s)"),
+    )
+    comparable = spec.prefill_nodes == PAPER_PREFILL_NODES and os.path.basename(
+        trace.source
+    ) == os.path.basename(DEFAULT_TRACE)
     if not comparable:
-        print("NOTE: the paper column is for the conversation trace on 16 prefill nodes; this "
-              "run differs")
+        print(
+            "NOTE: the paper column is for the conversation trace on 16 prefill nodes; this "
+            "run differs"
+        )
     explained = notes(trace, spec, load)
     for line in explained:
         print(f"- {line}")
     doc = {
         "command": "schedule",
-        "trace": {"source": trace.source, "requests": len(trace), "blocks": trace.total_blocks,
-                  "block_tokens": trace.block_tokens, "input_tokens": trace.total_input_tokens,
-                  "duration_s": trace.duration_s},
-        "cluster": spec, "offered_load": load,
-        "paper_fig5_avg_ttft_s": PAPER_FIG5_AVG_TTFT_S, "paper_comparable": comparable,
+        "trace": {
+            "source": trace.source,
+            "requests": len(trace),
+            "blocks": trace.total_blocks,
+            "block_tokens": trace.block_tokens,
+            "input_tokens": trace.total_input_tokens,
+            "duration_s": trace.duration_s,
+        },
+        "cluster": spec,
+        "offered_load": load,
+        "paper_fig5_avg_ttft_s": PAPER_FIG5_AVG_TTFT_S,
+        "paper_comparable": comparable,
         "notes": explained,
         "results": [{**row, "detail": r} for r, row in zip(results, table)],
         "seconds": time.perf_counter() - start,
@@ -665,13 +789,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path:
-        groups = {"ours: avg TTFT": [r.ttft_avg_s for r in results],
-                  "ours: p90 TTFT": [r.ttft_p90_s for r in results]}
+        groups = {
+            "ours: avg TTFT": [r.ttft_avg_s for r in results],
+            "ours: p90 TTFT": [r.ttft_p90_s for r in results],
+        }
         if any(r.policy in PAPER_FIG5_AVG_TTFT_S for r in results):
-            groups["Mooncake Fig. 5: avg TTFT"] = [PAPER_FIG5_AVG_TTFT_S.get(r.policy)
-                                                   for r in results]
-        plot_bars(plot_path, [r.policy for r in results], groups,
-                  title=f"TTFT by scheduling policy ({spec.prefill_nodes} prefill nodes, "
-                        f"{human_count(spec.capacity_tokens)} tokens each)", ylabel="seconds")
+            groups["Mooncake Fig. 5: avg TTFT"] = [
+                PAPER_FIG5_AVG_TTFT_S.get(r.policy) for r in results
+            ]
+        plot_bars(
+            plot_path,
+            [r.policy for r in results],
+            groups,
+            title=f"TTFT by scheduling policy ({spec.prefill_nodes} prefill nodes, "
+            f"{human_count(spec.capacity_tokens)} tokens each)",
+            ylabel="seconds",
+        )
         print(f"wrote {plot_path}")
     return 0

@@ -6,6 +6,7 @@ One request per line: ``{"timestamp": ms, "input_length": tokens, "output_length
 mean a shared prefix, so a trace replays through the real kvstore by chaining the ids into block
 keys (``kvstore.keys.keys_from_block_ids``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 512
 # The real trace lives in the shared data folder beside the repository (../shared/data).
-DEFAULT_TRACE = os.path.normpath(os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-    "conversation_trace.jsonl"))
+DEFAULT_TRACE = os.path.normpath(
+    os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "..",
+        "..",
+        "shared",
+        "data",
+        "conversation_trace.jsonl",
+    )
+)
 TRACE_NAMESPACE = "bench/trace"
 
 
@@ -94,19 +102,22 @@ def parse_request(line: str, where: str, block_tokens: int) -> TraceRequest:
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("timestamp")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(f"{where}: 'timestamp' must be a non-negative number of milliseconds, "
-                         f"got {ts!r}")
+        raise TraceError(
+            f"{where}: 'timestamp' must be a non-negative number of milliseconds, got {ts!r}"
+        )
     input_length = _field_int(obj, "input_length", where)
     output_length = _field_int(obj, "output_length", where)
     ids = obj.get("hash_ids")
     if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
         raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
     expected = -(-input_length // block_tokens)
     if len(ids) != expected:
         raise TraceError(
             f"{where}: {len(ids)} hash_ids, but input_length {input_length} in blocks of "
-            f"{block_tokens} tokens needs {expected}; is --trace-block-tokens right?")
+            f"{block_tokens} tokens needs {expected}; is --trace-block-tokens right?"
+        )
     return TraceRequest(float(ts), input_length, output_length, tuple(ids))
 
 
@@ -132,8 +143,11 @@ def load_trace(path: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
             last = max(last, req.timestamp_ms)
             requests.append(req)
     if reordered:
-        log.warning("%s: %d requests are out of timestamp order; replaying them sorted by "
-                    "timestamp", path, reordered)
+        log.warning(
+            "%s: %d requests are out of timestamp order; replaying them sorted by timestamp",
+            path,
+            reordered,
+        )
         requests.sort(key=lambda r: r.timestamp_ms)
     return Trace(requests=requests, block_tokens=block_tokens, source=path, reordered=reordered)
 
@@ -142,12 +156,21 @@ def write_trace(path: str, trace: Trace) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in trace.requests:
             ts = int(r.timestamp_ms) if r.timestamp_ms == int(r.timestamp_ms) else r.timestamp_ms
-            f.write(json.dumps({"timestamp": ts, "input_length": r.input_length,
-                                "output_length": r.output_length,
-                                "hash_ids": list(r.hash_ids)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": ts,
+                        "input_length": r.input_length,
+                        "output_length": r.output_length,
+                        "hash_ids": list(r.hash_ids),
+                    }
+                )
+                + "\n"
+            )
 
 
 # ---- synthetic traces ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, kw_only=True)
 class SyntheticSpec:
@@ -229,7 +252,7 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
     doc_base = spec.system_prompts
     next_id = doc_base + spec.documents
     ranks = np.arange(1, spec.documents + 1, dtype=np.float64)
-    doc_p = ranks ** -spec.zipf_s
+    doc_p = ranks**-spec.zipf_s
     doc_p /= doc_p.sum()
 
     namer = _BlockNamer(spec.block_tokens)
@@ -262,43 +285,67 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
             times = np.fromiter((e[0] for e in events), dtype=np.float64, count=len(events))
             cutoff = float(np.partition(times, spec.requests - 1)[spec.requests - 1]) / 1000.0
     events.sort(key=lambda e: (e[0], e[1]))
-    del events[spec.requests:]
-    requests = [TraceRequest(round(ms, 3), sum(n for _, n in segs), out,
-                             tuple(namer.hash_ids(segs)))
-                for ms, _, segs, out in events]
-    return Trace(requests=requests, block_tokens=spec.block_tokens,
-                 source=f"synthetic(seed={spec.seed})")
+    del events[spec.requests :]
+    requests = [
+        TraceRequest(round(ms, 3), sum(n for _, n in segs), out, tuple(namer.hash_ids(segs)))
+        for ms, _, segs, out in events
+    ]
+    return Trace(
+        requests=requests, block_tokens=spec.block_tokens, source=f"synthetic(seed={spec.seed})"
+    )
 
 
 # ---- command-line options shared by the trace-driven commands -----------------------------------
 
+
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("trace")
-    src.add_argument("--trace", default=DEFAULT_TRACE,
-                     help="Mooncake-format JSONL trace (default: %(default)s)")
-    src.add_argument("--trace-block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                     help="tokens per hash_id block in the trace (default: %(default)s)")
-    src.add_argument("--synthetic", action="store_true",
-                     help="generate a synthetic trace instead (shared system prompts, multi-turn "
-                          "sessions, Zipf-popular documents; seeded by --seed)")
+    src.add_argument(
+        "--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)"
+    )
+    src.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per hash_id block in the trace (default: %(default)s)",
+    )
+    src.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="generate a synthetic trace instead (shared system prompts, multi-turn "
+        "sessions, Zipf-popular documents; seeded by --seed)",
+    )
     src.add_argument("--synthetic-requests", type=int, default=SyntheticSpec.requests)
     src.add_argument("--synthetic-documents", type=int, default=SyntheticSpec.documents)
-    src.add_argument("--synthetic-zipf", type=float, default=SyntheticSpec.zipf_s,
-                     help="Zipf exponent of document popularity (default: %(default)s)")
-    src.add_argument("--synthetic-sessions-per-s", type=float,
-                     default=SyntheticSpec.sessions_per_s,
-                     help="new sessions per second (default: %(default)s)")
+    src.add_argument(
+        "--synthetic-zipf",
+        type=float,
+        default=SyntheticSpec.zipf_s,
+        help="Zipf exponent of document popularity (default: %(default)s)",
+    )
+    src.add_argument(
+        "--synthetic-sessions-per-s",
+        type=float,
+        default=SyntheticSpec.sessions_per_s,
+        help="new sessions per second (default: %(default)s)",
+    )
     src.add_argument("--save-trace", help="also write the trace replayed to this JSONL file")
-    src.add_argument("--requests", type=int, default=0,
-                     help="replay only the first N requests (default: all)")
+    src.add_argument(
+        "--requests", type=int, default=0, help="replay only the first N requests (default: all)"
+    )
 
 
 def trace_from_args(args: argparse.Namespace) -> Trace:
     """The trace the options name (``TraceError`` / ``ValueError`` on bad input)."""
     if args.synthetic:
-        spec = SyntheticSpec(requests=args.synthetic_requests, block_tokens=args.trace_block_tokens,
-                             documents=args.synthetic_documents, zipf_s=args.synthetic_zipf,
-                             sessions_per_s=args.synthetic_sessions_per_s, seed=args.seed)
+        spec = SyntheticSpec(
+            requests=args.synthetic_requests,
+            block_tokens=args.trace_block_tokens,
+            documents=args.synthetic_documents,
+            zipf_s=args.synthetic_zipf,
+            sessions_per_s=args.synthetic_sessions_per_s,
+            seed=args.seed,
+        )
         trace = synthetic_trace(spec)
     else:
         trace = load_trace(args.trace, args.trace_block_tokens)
@@ -312,7 +359,9 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
 
 
 def describe(trace: Trace) -> str:
-    return (f"trace: {trace.source}: {len(trace):,} requests, {trace.total_blocks:,} blocks of "
-            f"{trace.block_tokens} tokens, {trace.total_input_tokens:,} input tokens over "
-            f"{trace.duration_s:,.0f} s" + (f" ({trace.reordered} reordered)"
-                                            if trace.reordered else ""))
+    return (
+        f"trace: {trace.source}: {len(trace):,} requests, {trace.total_blocks:,} blocks of "
+        f"{trace.block_tokens} tokens, {trace.total_input_tokens:,} input tokens over "
+        f"{trace.duration_s:,.0f} s"
+        + (f" ({trace.reordered} reordered)" if trace.reordered else "")
+    )

@@ -18,6 +18,7 @@ Raw and messenger rounds alternate (so load from elsewhere hits both alike); med
 timed rounds after one warm-up; GB/s = 1e9 bytes/s. Ratios are printed
 against the raw socket and against Mooncake's batch read.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,27 +84,31 @@ class Measurement:
         return self.total_bytes / self.median_s / 1e9
 
     def as_row(self) -> dict:
-        return {"method": self.method, "page": human(self.page_bytes),
-                "gbps": self.gbps, "runs": [round(self.total_bytes / s / 1e9, 3)
-                                            for s in self.runs_s],
-                "pages_per_s": self.total_bytes / self.page_bytes / self.median_s,
-                "note": self.note}
+        return {
+            "method": self.method,
+            "page": human(self.page_bytes),
+            "gbps": self.gbps,
+            "runs": [round(self.total_bytes / s / 1e9, 3) for s in self.runs_s],
+            "pages_per_s": self.total_bytes / self.page_bytes / self.median_s,
+            "note": self.note,
+        }
 
 
 # ---- raw socket reference ---------------------------------------------------------------------
+
 
 def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
     """Child role: wait for a request byte, send ``total`` bytes in ``chunk`` slices, repeat."""
     data = bytearray(total)
     mv = memoryview(data)
-    for off in range(0, total, MIB):   # prefault and give the bytes a value
-        data[off:off + MIB] = b"\x09" * min(MIB, total - off)
+    for off in range(0, total, MIB):  # prefault and give the bytes a value
+        data[off : off + MIB] = b"\x09" * min(MIB, total - off)
     with socket.create_connection(("127.0.0.1", port)) as s:
         for _ in range(rounds):
             if s.recv(1) != b"G":
                 return
             for off in range(0, total, chunk):
-                s.sendall(mv[off:off + chunk])
+                s.sendall(mv[off : off + chunk])
 
 
 class RawReference:
@@ -113,15 +118,30 @@ class RawReference:
         self.total = total
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        self.child = subprocess.Popen([sys.executable, "-m", "bench.transfer", "--role",
-                                       "raw-sender", "--port", str(port), "--total", str(total),
-                                       "--chunk", str(chunk), "--rounds", str(rounds)], cwd=ROOT)
+        self.child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.transfer",
+                "--role",
+                "raw-sender",
+                "--port",
+                str(port),
+                "--total",
+                str(total),
+                "--chunk",
+                str(chunk),
+                "--rounds",
+                str(rounds),
+            ],
+            cwd=ROOT,
+        )
         try:
             listener.settimeout(60)
             self.conn, _ = listener.accept()
         finally:
             listener.close()
-        self.buf = np.zeros(total, dtype=np.uint8)   # prefaulted
+        self.buf = np.zeros(total, dtype=np.uint8)  # prefaulted
         self.view = memoryview(self.buf)
 
     def round(self) -> float:
@@ -146,6 +166,7 @@ class RawReference:
 
 # ---- the messenger's TCP transport ------------------------------------------------------------
 
+
 class MessengerSide:
     """A slab peer (source process) and this process's destination slab for one page size."""
 
@@ -155,9 +176,21 @@ class MessengerSide:
         self.n = total // page_bytes
         self.page_bytes, self.request_bytes = page_bytes, request_bytes
         self.namespace = NAMESPACE
-        self.child = subprocess.Popen([sys.executable, "-m", "messenger.slab_peer", "--pages",
-                                       str(self.n), "--page-bytes", str(page_bytes)], cwd=ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "messenger.slab_peer",
+                "--pages",
+                str(self.n),
+                "--page-bytes",
+                str(page_bytes),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.slab = SharedSlab.create(unique_shm_name("bench-dst"), self.n * page_bytes)
         self.transports: dict = {}
         line = self.child.stdout.readline()
@@ -166,7 +199,7 @@ class MessengerSide:
             raise RuntimeError(f"slab peer did not start: {line!r}")
         self.address = json.loads(line[6:])["address"]
         self.pages = self.slab.array.reshape(self.n, page_bytes)
-        self.pages[:] = 0   # prefault, as the raw reference's buffer is
+        self.pages[:] = 0  # prefault, as the raw reference's buffer is
         self.keys = pattern_keys(self.n)
         self.views = [memoryview(self.pages[i]) for i in range(self.n)]
 
@@ -190,7 +223,7 @@ class MessengerSide:
 
         expected = np.empty((min(self.n, 64), self.page_bytes), dtype=np.uint8)
         fill_pattern(expected)
-        return bool(np.array_equal(self.pages[:len(expected)], expected))
+        return bool(np.array_equal(self.pages[: len(expected)], expected))
 
     def close(self) -> None:
         for t in self.transports.values():
@@ -202,8 +235,9 @@ class MessengerSide:
         self.slab.unlink()
 
 
-def bench_size(total: int, page_bytes: int, runs: int, lanes_list: list[int],
-               request_bytes: int) -> list[Measurement]:
+def bench_size(
+    total: int, page_bytes: int, runs: int, lanes_list: list[int], request_bytes: int
+) -> list[Measurement]:
     """Raw and messenger rounds interleaved (raw, x1, x2, raw, ...) so that load from elsewhere
     on the machine hits every method alike; the first round of each is a warm-up."""
     raw = RawReference(total, page_bytes, runs + 1)
@@ -229,13 +263,16 @@ def bench_size(total: int, page_bytes: int, runs: int, lanes_list: list[int],
 
 # ---- end to end: node + messenger processes ------------------------------------------------------
 
+
 def _bench_layout(page_bytes: int) -> str:
     """A fp16 layout whose page is ``page_bytes`` (8 KiB per layer-block-token unit)."""
-    unit = 2 * 32 * 8 * 128 * 2          # K|V x 32 tokens x 8 heads x 128 dims x fp16 = 128 KiB
+    unit = 2 * 32 * 8 * 128 * 2  # K|V x 32 tokens x 8 heads x 128 dims x fp16 = 128 KiB
     if page_bytes % unit:
         raise SystemExit(f"--e2e needs page sizes that are multiples of {unit} bytes")
-    return (f"model=bench,num_layers={page_bytes // unit},kv_heads=8,head_dim=128,"
-            "dtype=float16,block_tokens=32")
+    return (
+        f"model=bench,num_layers={page_bytes // unit},kv_heads=8,head_dim=128,"
+        "dtype=float16,block_tokens=32"
+    )
 
 
 def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement:
@@ -256,8 +293,19 @@ def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement
     try:
         for _ in range(2):
             procs.append(start_service(["node", "--dram", dram, "--layout", layout_spec]))
-            procs.append(start_service(["messenger", "--node", procs[-1].address,
-                                        "--transport", "tcp", "--lanes", str(lanes)]))
+            procs.append(
+                start_service(
+                    [
+                        "messenger",
+                        "--node",
+                        procs[-1].address,
+                        "--transport",
+                        "tcp",
+                        "--lanes",
+                        str(lanes),
+                    ]
+                )
+            )
         src_node, src_msg, dst_node, dst_msg = procs
         a, b = KVStoreClient(src_node.address), KVStoreClient(dst_node.address)
         mb = MessengerClient(dst_msg.address)
@@ -265,7 +313,7 @@ def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement
         keys = keys_from_block_ids(list(range(n)), root_key(namespace, b"bench-transfer"))
         pages = np.random.default_rng(0).integers(0, 256, (n, page_bytes), dtype=np.uint8)
         for s in range(0, n, 64):
-            a.put(namespace, list(pages[s:s + 64]), keys=keys[s:s + 64])
+            a.put(namespace, list(pages[s : s + 64]), keys=keys[s : s + 64])
         for r in range(runs + 1):
             b.remove(namespace, keys=keys)
             t0 = time.perf_counter()
@@ -274,8 +322,7 @@ def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement
             dt = time.perf_counter() - t0
             if status.done != n:
                 bad = next(e for e in status.entries if e.state != 2)
-                raise RuntimeError(f"e2e transfer: {status.done}/{n} done: {bad.code} "
-                                   f"{bad.reason}")
+                raise RuntimeError(f"e2e transfer: {status.done}/{n} done: {bad.code} {bad.reason}")
             if r:
                 m.runs_s.append(dt)
         step = max(1, n // 16)
@@ -293,20 +340,37 @@ def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement
 
 # ---- Mooncake Transfer Engine -----------------------------------------------------------------
 
-def bench_mooncake(python: str, script: Path, total: int, sizes: list[int], runs: int
-                   ) -> tuple[list[Measurement], str]:
+
+def bench_mooncake(
+    python: str, script: Path, total: int, sizes: list[int], runs: int
+) -> tuple[list[Measurement], str]:
     if not (os.path.exists(python) and script.exists()):
-        return [], (f"Mooncake TE skipped: need {python} with mooncake-transfer-engine-non-cuda "
-                    f"(python -m venv /tmp/mc-venv && /tmp/mc-venv/bin/pip install "
-                    f"mooncake-transfer-engine-non-cuda numpy) and {script}")
+        return [], (
+            f"Mooncake TE skipped: need {python} with mooncake-transfer-engine-non-cuda "
+            f"(python -m venv /tmp/mc-venv && /tmp/mc-venv/bin/pip install "
+            f"mooncake-transfer-engine-non-cuda numpy) and {script}"
+        )
     check = subprocess.run([python, "-c", "import mooncake.engine"], capture_output=True)
     if check.returncode:
         return [], f"Mooncake TE skipped: {python} cannot import mooncake.engine"
     with tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp:
         out = Path(tmp) / "te.json"
-        cmd = [python, str(script), "--sizes", ",".join(str(s) for s in sizes),
-               "--total", str(total), "--runs", str(runs), "--ops", "read,write",
-               "--json", str(out), "--child-log", str(Path(tmp) / "te_child.log")]
+        cmd = [
+            python,
+            str(script),
+            "--sizes",
+            ",".join(str(s) for s in sizes),
+            "--total",
+            str(total),
+            "--runs",
+            str(runs),
+            "--ops",
+            "read,write",
+            "--json",
+            str(out),
+            "--child-log",
+            str(Path(tmp) / "te_child.log"),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode or not out.exists():
             tail = (proc.stdout + proc.stderr)[-600:]
@@ -315,38 +379,60 @@ def bench_mooncake(python: str, script: Path, total: int, sizes: list[int], runs
     ms = []
     for r in data["results"]:
         op = "batch read (pull)" if r["op"] == "read" else "batch write (push)"
-        m = Measurement(f"mooncake TE {op}", r["block"], r["total_bytes"], list(r["runs_s"]),
-                        note="verified" if data.get("verify_ok") else "")
+        m = Measurement(
+            f"mooncake TE {op}",
+            r["block"],
+            r["total_bytes"],
+            list(r["runs_s"]),
+            note="verified" if data.get("verify_ok") else "",
+        )
         ms.append(m)
-    note = "Mooncake TE over TCP: " + ("private loopback netns" if data.get("isolated_netns")
-                                       else "host network")
+    note = "Mooncake TE over TCP: " + (
+        "private loopback netns" if data.get("isolated_netns") else "host network"
+    )
     return ms, note
 
 
 # ---- command -----------------------------------------------------------------------------------
 
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--total", type=parse_bytes, default=1 << 30,
-                        help="bytes moved per run and page size (default 1G; e.g. 128M quick)")
+    parser.add_argument(
+        "--total",
+        type=parse_bytes,
+        default=1 << 30,
+        help="bytes moved per run and page size (default 1G; e.g. 128M quick)",
+    )
     parser.add_argument("--sizes", default="1M,4M", help="page sizes (default 1M,4M)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
     parser.add_argument("--lanes", default="1,2", help="messenger TCP lanes; a list compares")
-    parser.add_argument("--request-bytes", type=parse_bytes, default=32 << 20,
-                        help="bytes of pages per messenger request (pipelined)")
-    parser.add_argument("--mooncake-python", default=os.environ.get("KVCACHE_MOONCAKE_PYTHON",
-                                                                    DEFAULT_MC_PYTHON),
-                        help="a Python with mooncake-transfer-engine-non-cuda installed")
-    parser.add_argument("--mooncake-script", type=Path,
-                        default=DEFAULT_PEERS / "mooncake_te_bench.py")
+    parser.add_argument(
+        "--request-bytes",
+        type=parse_bytes,
+        default=32 << 20,
+        help="bytes of pages per messenger request (pipelined)",
+    )
+    parser.add_argument(
+        "--mooncake-python",
+        default=os.environ.get("KVCACHE_MOONCAKE_PYTHON", DEFAULT_MC_PYTHON),
+        help="a Python with mooncake-transfer-engine-non-cuda installed",
+    )
+    parser.add_argument(
+        "--mooncake-script", type=Path, default=DEFAULT_PEERS / "mooncake_te_bench.py"
+    )
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake TE runs")
-    parser.add_argument("--e2e", action="store_true",
-                        help="also time SubmitTransfer between two real node+messenger pairs "
-                             "(needs 2x --total of shared memory)")
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="also time SubmitTransfer between two real node+messenger pairs "
+        "(needs 2x --total of shared memory)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="write a GB/s bar chart PNG here")
     # Child role of the raw reference (internal).
-    parser.add_argument("--role", default="main", choices=["main", "raw-sender"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", default="main", choices=["main", "raw-sender"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=MIB, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
@@ -362,10 +448,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--runs, --sizes and --lanes need positive values")
     for size in sizes:
         if args.total % size or size % 4096:
-            raise SystemExit(f"--total {args.total} must be a multiple of page size {size}, "
-                             "and page sizes multiples of 4096")
-    print(f"transfer benchmark: {human(args.total)} per run, pages {', '.join(map(human, sizes))},"
-          f" median of {args.runs} runs, loopback, 2 processes each", flush=True)
+            raise SystemExit(
+                f"--total {args.total} must be a multiple of page size {size}, "
+                "and page sizes multiples of 4096"
+            )
+    print(
+        f"transfer benchmark: {human(args.total)} per run, pages {', '.join(map(human, sizes))},"
+        f" median of {args.runs} runs, loopback, 2 processes each",
+        flush=True,
+    )
     results: list[Measurement] = []
     for size in sizes:
         for m in bench_size(args.total, size, args.runs, lanes_list, args.request_bytes):
@@ -378,8 +469,9 @@ def run(args: argparse.Namespace) -> int:
     mc_note = "Mooncake TE skipped (--no-mooncake)"
     if not args.no_mooncake:
         print("  running Mooncake TE (shared/peers/mooncake_te_bench.py) ...", flush=True)
-        mc, mc_note = bench_mooncake(args.mooncake_python, args.mooncake_script, args.total,
-                                     sizes, args.runs)
+        mc, mc_note = bench_mooncake(
+            args.mooncake_python, args.mooncake_script, args.total, sizes, args.runs
+        )
         results += mc
     print(mc_note)
 
@@ -387,37 +479,69 @@ def run(args: argparse.Namespace) -> int:
     for m in results:
         row = m.as_row()
         raw = next(r for r in results if r.method == "raw socket" and r.page_bytes == m.page_bytes)
-        mc_read = next((r for r in results if r.method.startswith("mooncake TE batch read")
-                        and r.page_bytes == m.page_bytes), None)
+        mc_read = next(
+            (
+                r
+                for r in results
+                if r.method.startswith("mooncake TE batch read") and r.page_bytes == m.page_bytes
+            ),
+            None,
+        )
         row["vs_raw"] = m.gbps / raw.gbps
         row["vs_mooncake"] = m.gbps / mc_read.gbps if mc_read else None
         rows.append(row)
     print()
-    print_table(rows, [Column("page", "page"), Column("method", "method"),
-                       Column("gbps", "GB/s", "{:.3f}"), Column("pages_per_s", "pages/s", "{:.0f}"),
-                       Column("vs_raw", "x raw socket", "{:.2f}"),
-                       Column("vs_mooncake", "x Mooncake read", "{:.2f}"),
-                       Column("note", "note")],
-                title="messenger TCP transfer vs references (same run)")
+    print_table(
+        rows,
+        [
+            Column("page", "page"),
+            Column("method", "method"),
+            Column("gbps", "GB/s", "{:.3f}"),
+            Column("pages_per_s", "pages/s", "{:.0f}"),
+            Column("vs_raw", "x raw socket", "{:.2f}"),
+            Column("vs_mooncake", "x Mooncake read", "{:.2f}"),
+            Column("note", "note"),
+        ],
+        title="messenger TCP transfer vs references (same run)",
+    )
     target = 0.60
     for row in rows:
         if row["method"].startswith(("messenger", "e2e")):
             verdict = "meets" if row["vs_raw"] >= target else "BELOW"
-            mc = (f", {row['vs_mooncake']:.2f}x Mooncake TE read" if row["vs_mooncake"]
-                  else "")
-            print(f"{row['page']:>7} {row['method']}: {row['vs_raw']:.2f}x raw socket "
-                  f"({verdict} the {target:.0%} target){mc}")
+            mc = f", {row['vs_mooncake']:.2f}x Mooncake TE read" if row["vs_mooncake"] else ""
+            print(
+                f"{row['page']:>7} {row['method']}: {row['vs_raw']:.2f}x raw socket "
+                f"({verdict} the {target:.0%} target){mc}"
+            )
     if args.out:
-        write_json(args.out, {"bench": "transfer", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                              "total_bytes": args.total, "runs": args.runs, "mooncake": mc_note,
-                              "results": rows})
+        write_json(
+            args.out,
+            {
+                "bench": "transfer",
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "total_bytes": args.total,
+                "runs": args.runs,
+                "mooncake": mc_note,
+                "results": rows,
+            },
+        )
     if args.plot:
         methods = list(dict.fromkeys(r["method"] for r in rows))
         labels = list(dict.fromkeys(r["page"] for r in rows))
-        groups = {meth: [next((r["gbps"] for r in rows if r["method"] == meth and r["page"] == lab),
-                              None) for lab in labels] for meth in methods}
-        plot_bars(args.plot, labels, groups, title=f"transfer of {human(args.total)} on loopback",
-                  ylabel="GB/s")
+        groups = {
+            meth: [
+                next((r["gbps"] for r in rows if r["method"] == meth and r["page"] == lab), None)
+                for lab in labels
+            ]
+            for meth in methods
+        }
+        plot_bars(
+            args.plot,
+            labels,
+            groups,
+            title=f"transfer of {human(args.total)} on loopback",
+            ylabel="GB/s",
+        )
     return 0
 
 

@@ -20,6 +20,7 @@ The store is a cache: if the node is lost or full, the adapter says so (a warnin
 Only models whose every layer is full attention are supported (no sliding window, no linear
 attention): their K/V for a token depend only on the prefix, which is what a block key names.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,35 +52,55 @@ from .torch_layout import HFLayout
 log = logging.getLogger(__name__)
 
 
-def kv_layout_for(model: PreTrainedModel, model_name: str | None = None,
-                  block_tokens: int = 256) -> KVLayout:
+def kv_layout_for(
+    model: PreTrainedModel, model_name: str | None = None, block_tokens: int = 256
+) -> KVLayout:
     """The KV page layout of ``model``'s cache; ``model_name`` names its weights (the namespace
     must change whenever the weights do: equal keys must mean equal K/V)."""
     cfg = model.config.get_text_config(decoder=True)
     name = model_name or getattr(cfg, "_name_or_path", "") or ""
     if not name:
-        raise ValueError("the model has no name (built from a config?): pass model_name=, which "
-                         "must identify its weights")
+        raise ValueError(
+            "the model has no name (built from a config?): pass model_name=, which "
+            "must identify its weights"
+        )
     layer_types = getattr(cfg, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise ValueError(f"model {name} has non-full-attention layers ({other or 'sliding window'})"
-                         "; only full-attention models can load cached prefixes")
+        raise ValueError(
+            f"model {name} has non-full-attention layers ({other or 'sliding window'})"
+            "; only full-attention models can load cached prefixes"
+        )
     heads = cfg.num_attention_heads
-    return KVLayout(model=name, num_layers=cfg.num_hidden_layers,
-                    kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                    dtype=str(model.dtype).removeprefix("torch."), block_tokens=block_tokens)
+    return KVLayout(
+        model=name,
+        num_layers=cfg.num_hidden_layers,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        dtype=str(model.dtype).removeprefix("torch."),
+        block_tokens=block_tokens,
+    )
 
 
-def connect_for_model(address: str, model: PreTrainedModel, model_name: str | None = None,
-                      block_tokens: int = 256, token: str | None = None, use_shm: bool = True,
-                      lease_ttl_s: float = 0.0) -> TorchKVClient:
+def connect_for_model(
+    address: str,
+    model: PreTrainedModel,
+    model_name: str | None = None,
+    block_tokens: int = 256,
+    token: str | None = None,
+    use_shm: bool = True,
+    lease_ttl_s: float = 0.0,
+) -> TorchKVClient:
     """A ``TorchKVClient`` for ``model`` on the node at ``address``; ``LayoutMismatchError`` if
     the node does not serve the model's layout."""
-    return TorchKVClient.connect(address, kv_layout_for(model, model_name, block_tokens),
-                                 token=token, use_shm=use_shm, device=model.device,
-                                 lease_ttl_s=lease_ttl_s)
+    return TorchKVClient.connect(
+        address,
+        kv_layout_for(model, model_name, block_tokens),
+        token=token,
+        use_shm=use_shm,
+        device=model.device,
+        lease_ttl_s=lease_ttl_s,
+    )
 
 
 # NOTE: transformers' CacheLayerMixin.__init_subclass__ and __init__ are unannotated.
@@ -88,8 +109,13 @@ class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     its first ``update`` and hands that update's new K/V to the store; later updates (decode)
     behave exactly like ``DynamicLayer``."""
 
-    def __init__(self, layer_idx: int, load: LayerwiseLoad | None, prefix_tokens: int,
-                 store: LayerwiseStore | None) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        load: LayerwiseLoad | None,
+        prefix_tokens: int,
+        store: LayerwiseStore | None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._idx = layer_idx
         self._load = load
@@ -101,8 +127,9 @@ class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
             return self._prefix
         return super().get_seq_length()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         store, self._store = self._store, None
         if store is not None:
             store.put_layer(self._idx, key_states, value_states)
@@ -111,7 +138,7 @@ class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
             return super().update(key_states, value_states, *args, **kwargs)
         k, v = load.layer(self._idx)  # allocated with room for the suffix: no concatenation
         n, q = self._prefix, key_states.shape[-2]
-        k, v = k[:, :, :n + q], v[:, :, :n + q]
+        k, v = k[:, :, : n + q], v[:, :, : n + q]
         k[:, :, n:].copy_(key_states)
         v[:, :, n:].copy_(value_states)
         self.lazy_initialization(key_states, value_states)
@@ -121,13 +148,13 @@ class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
 
 @dataclass
 class PrefillResult:
-    logits: torch.Tensor        # next-token logits after the prompt, [vocab]
-    cache: DynamicCache         # the prompt's KV cache, ready for decoding
+    logits: torch.Tensor  # next-token logits after the prompt, [vocab]
+    cache: DynamicCache  # the prompt's KV cache, ready for decoding
     num_tokens: int
-    cached_tokens: int          # prefix loaded from the store (not computed)
-    stored_blocks: int          # new blocks published to the store
-    load_wait_s: float = 0.0    # time the forward waited for loaded layers (not overlapped)
-    store_copy_s: float = 0.0   # background time copying new layers into pages (overlapped)
+    cached_tokens: int  # prefix loaded from the store (not computed)
+    stored_blocks: int  # new blocks published to the store
+    load_wait_s: float = 0.0  # time the forward waited for loaded layers (not overlapped)
+    store_copy_s: float = 0.0  # background time copying new layers into pages (overlapped)
     store_finish_s: float = 0.0  # time spent after the forward publishing them (not overlapped)
     notes: list[str] = field(default_factory=list)  # fallbacks taken, for the caller to log
 
@@ -137,8 +164,9 @@ def _as_ids(tokens: Any, device: torch.device) -> torch.Tensor:
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
-        raise ValueError(f"one prompt at a time: token ids of shape [T] or [1, T], got "
-                         f"{tuple(ids.shape)}")
+        raise ValueError(
+            f"one prompt at a time: token ids of shape [T] or [1, T], got {tuple(ids.shape)}"
+        )
     ids = ids.to(device=device, dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("the prompt is empty")
@@ -151,9 +179,13 @@ def _note(notes: list[str], message: str) -> None:
 
 
 @torch.inference_mode()
-def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | None,
-                       on_progress: Callable[[LoadProgress], None] | None = None,
-                       load_cached: bool = True) -> PrefillResult:
+def prefill_with_store(
+    model: PreTrainedModel,
+    tokens: Any,
+    kv: TorchKVClient | None,
+    on_progress: Callable[[LoadProgress], None] | None = None,
+    load_cached: bool = True,
+) -> PrefillResult:
     """Prefill ``tokens`` (one prompt) reusing and extending the store's cached prefix.
 
     ``kv=None`` is a plain prefill. ``on_progress(LoadProgress)`` is called from the loader
@@ -165,8 +197,10 @@ def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | 
         return PrefillResult(out.logits[0, -1], out.past_key_values, ids.numel(), 0, 0)
     expected = kv_layout_for(model, kv.layout.model, kv.layout.block_tokens)
     if expected != kv.layout:
-        raise LayoutMismatchError(f"the model's KV layout {expected.namespace} differs from the "
-                                  f"client's {kv.layout.namespace}")
+        raise LayoutMismatchError(
+            f"the model's KV layout {expected.namespace} differs from the "
+            f"client's {kv.layout.namespace}"
+        )
     notes: list[str] = []
     total = ids.numel()
     req = kv.request(ids)
@@ -188,9 +222,12 @@ def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | 
         except KVCacheRpcError as e:
             _note(notes, f"could not pin the cached prefix ({e}); computing the whole prompt")
         if load is not None and n < want:
-            _note(notes, f"loaded {n} of {want} cached tokens "
-                         f"({load.error or 'blocks evicted since the lookup'}); recomputing "
-                         f"tokens {n}..{total}")
+            _note(
+                notes,
+                f"loaded {n} of {want} cached tokens "
+                f"({load.error or 'blocks evicted since the lookup'}); recomputing "
+                f"tokens {n}..{total}",
+            )
         if load is not None and n == 0:
             load.close()
             load = None
@@ -206,8 +243,9 @@ def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | 
     cache = DynamicCache(config=model.config)
     cache.layers = [StoreBackedLayer(l, load, n, store) for l in range(kv.layout.num_layers)]
     try:
-        out = model(input_ids=ids[None, n:], past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=ids[None, n:], past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
     except LoadError as e:
         if store is not None:
             store.abort()
@@ -228,17 +266,26 @@ def prefill_with_store(model: PreTrainedModel, tokens: Any, kv: TorchKVClient | 
         try:
             stored = store.finish().stored
         except KVCacheRpcError as e:
-            _note(notes, f"storing {store.blocks} new blocks failed ({e}); the output is "
-                         "unaffected")
-    return PrefillResult(out.logits[0, -1], cache, total, n, stored,
-                         load.wait_s if load is not None else 0.0,
-                         store.copy_s if store is not None else 0.0,
-                         store.finish_s if store is not None else 0.0, notes)
+            _note(
+                notes, f"storing {store.blocks} new blocks failed ({e}); the output is unaffected"
+            )
+    return PrefillResult(
+        out.logits[0, -1],
+        cache,
+        total,
+        n,
+        stored,
+        load.wait_s if load is not None else 0.0,
+        store.copy_s if store is not None else 0.0,
+        store.finish_s if store is not None else 0.0,
+        notes,
+    )
 
 
 @torch.inference_mode()
-def greedy_generate(model: PreTrainedModel, tokens: Any, max_new_tokens: int,
-                    kv: TorchKVClient | None = None) -> tuple[torch.Tensor, PrefillResult]:
+def greedy_generate(
+    model: PreTrainedModel, tokens: Any, max_new_tokens: int, kv: TorchKVClient | None = None
+) -> tuple[torch.Tensor, PrefillResult]:
     """Greedy decoding after a (store-backed) prefill; returns the new token ids and the
     prefill's result."""
     if max_new_tokens <= 0:
@@ -247,11 +294,17 @@ def greedy_generate(model: PreTrainedModel, tokens: Any, max_new_tokens: int,
     cache = first.cache
     out = [first.logits.argmax()]
     for _ in range(max_new_tokens - 1):
-        logits = model(input_ids=out[-1].view(1, 1), past_key_values=cache,
-                       use_cache=True).logits
+        logits = model(input_ids=out[-1].view(1, 1), past_key_values=cache, use_cache=True).logits
         out.append(logits[0, -1].argmax())
     return torch.stack(out), first
 
 
-__all__ = ["LoadProgress", "PrefillResult", "StoreBackedLayer", "connect_for_model",
-           "greedy_generate", "kv_layout_for", "prefill_with_store"]
+__all__ = [
+    "LoadProgress",
+    "PrefillResult",
+    "StoreBackedLayer",
+    "connect_for_model",
+    "greedy_generate",
+    "kv_layout_for",
+    "prefill_with_store",
+]

@@ -1,4 +1,5 @@
 """A small client of ``MessengerService`` (used by the conductor hook, tests and tools)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -10,8 +11,13 @@ from rpc.status import call
 
 
 class MessengerClient:
-    def __init__(self, address: str, token: str | None = None, tls_ca_file: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
@@ -25,19 +31,26 @@ class MessengerClient:
         reply: pb.MessengerInfo = self._call("GetInfo", pb.MessengerInfoRequest())
         return reply
 
-    def submit(self, namespace: str, entries: Iterable[tuple[bytes, str]]
-               ) -> pb.SubmitTransferReply:
+    def submit(
+        self, namespace: str, entries: Iterable[tuple[bytes, str]]
+    ) -> pb.SubmitTransferReply:
         """``entries``: (key, source messenger gRPC address) pairs."""
-        reply: pb.SubmitTransferReply = self._call("SubmitTransfer", pb.SubmitTransferRequest(
-            namespace=namespace,
-            entries=[pb.TransferEntry(key=k, source=s) for k, s in entries]))
+        reply: pb.SubmitTransferReply = self._call(
+            "SubmitTransfer",
+            pb.SubmitTransferRequest(
+                namespace=namespace, entries=[pb.TransferEntry(key=k, source=s) for k, s in entries]
+            ),
+        )
         return reply
 
-    def status(self, batch_id: str, wait: bool = False, timeout_s: float = 30.0
-               ) -> pb.TransferStatusReply:
-        reply: pb.TransferStatusReply = self._call("TransferStatus", pb.TransferStatusRequest(
-            batch_id=batch_id, wait=wait, timeout_s=timeout_s),
-            timeout_s=timeout_s + 10 if wait else None)
+    def status(
+        self, batch_id: str, wait: bool = False, timeout_s: float = 30.0
+    ) -> pb.TransferStatusReply:
+        reply: pb.TransferStatusReply = self._call(
+            "TransferStatus",
+            pb.TransferStatusRequest(batch_id=batch_id, wait=wait, timeout_s=timeout_s),
+            timeout_s=timeout_s + 10 if wait else None,
+        )
         return reply
 
     def cancel(self, batch_id: str) -> pb.TransferStatusReply:

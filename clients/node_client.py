@@ -12,6 +12,7 @@ the gRPC status code and the server's message.
         with c.acquire(ns, tokens=prompt_ids, prefix_only=True) as lease:
             kv = lease.page(0)          # numpy view into shared memory, no copy
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,13 +83,15 @@ class _Lease:
         if off < 0:
             raise KeyError(f"page #{index} has no shared-memory page in this lease")
         if self.slab is None:
-            raise StorageError("the node's shared memory is not mapped here (remote client?); "
-                               "use put()/get() instead")
-        return self.slab.array[off:off + self.page_bytes]
+            raise StorageError(
+                "the node's shared memory is not mapped here (remote client?); "
+                "use put()/get() instead"
+            )
+        return self.slab.array[off : off + self.page_bytes]
 
     def layer(self, index: int, layer: int, layout: KVLayout) -> NDArray[np.uint8]:
         off = layout.layer_offset(layer)
-        return self.page(index)[off:off + layout.layer_bytes]
+        return self.page(index)[off : off + layout.layer_bytes]
 
 
 @dataclass(eq=False)
@@ -108,8 +111,12 @@ class WriteLease(_Lease):
     def __enter__(self) -> "WriteLease":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.commit()
         else:
@@ -154,8 +161,14 @@ class ReadLease(_Lease):
 class KVStoreClient:
     """Client of one node server. Thread-safe; one gRPC channel; shared memory mapped lazily."""
 
-    def __init__(self, address: str, token: str | None = None, tls_ca_file: str | None = None,
-                 use_shm: bool = True, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        use_shm: bool = True,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
@@ -169,8 +182,13 @@ class KVStoreClient:
     # ---- plumbing -----------------------------------------------------------------------------
 
     def _call(self, name: str, request: Any, **kw: Any) -> Any:
-        return call(getattr(self._stub, name), name, request,
-                    timeout=kw.pop("timeout", self.timeout_s), **kw)
+        return call(
+            getattr(self._stub, name),
+            name,
+            request,
+            timeout=kw.pop("timeout", self.timeout_s),
+            **kw,
+        )
 
     def _slab(self, namespace: str) -> SharedSlab | None:
         """The node's DRAM slab for ``namespace`` if it can be mapped here, else None."""
@@ -183,13 +201,18 @@ class KVStoreClient:
             try:
                 slab = SharedSlab.attach(info.shm_name)
                 if slab.size < info.dram_pages * info.page_bytes:
-                    log.warning("shared memory %s is smaller than the node's pool: not the "
-                                "node's segment; using the streamed path", info.shm_name)
+                    log.warning(
+                        "shared memory %s is smaller than the node's pool: not the "
+                        "node's segment; using the streamed path",
+                        info.shm_name,
+                    )
                     slab.close()
                     slab = None
             except StorageError:
-                log.info("cannot map %s (not on the node's host?); using the streamed path",
-                         info.shm_name)
+                log.info(
+                    "cannot map %s (not on the node's host?); using the streamed path",
+                    info.shm_name,
+                )
         with self._lock:
             self._slabs[namespace] = slab
         return slab
@@ -211,17 +234,20 @@ class KVStoreClient:
             out: dict[str, NamespaceInfo] = {}
             for n in self.info().namespaces:
                 dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
-                out[n.namespace] = NamespaceInfo(n.namespace, layout_from_pb(n.layout),
-                                                 n.shm_name, n.page_bytes, dram)
+                out[n.namespace] = NamespaceInfo(
+                    n.namespace, layout_from_pb(n.layout), n.shm_name, n.page_bytes, dram
+                )
             self._info = out
         return self._info
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         info = self._namespaces().get(namespace)
         if info is None:
-            raise KVCacheRpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"namespace {namespace!r} is not served by {self.address} "
-                                  f"(it serves: {', '.join(self._namespaces())})")
+            raise KVCacheRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"namespace {namespace!r} is not served by {self.address} "
+                f"(it serves: {', '.join(self._namespaces())})",
+            )
         return info
 
     def layout(self, namespace: str) -> KVLayout:
@@ -229,55 +255,104 @@ class KVStoreClient:
 
     # ---- lookup / leases ------------------------------------------------------------------------
 
-    def lookup(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
-               salt: bytes | str = b"") -> LookupResult:
+    def lookup(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+    ) -> LookupResult:
         r = self._call("Lookup", selector_to_pb(namespace, keys, tokens, salt))
-        return LookupResult(r.hit_blocks, [tier_or_none_from_pb(t) for t in r.tiers], r.total_blocks)
+        return LookupResult(
+            r.hit_blocks, [tier_or_none_from_pb(t) for t in r.tiers], r.total_blocks
+        )
 
-    def allocate(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
-                 salt: bytes | str = b"", ttl_s: float = 0.0) -> WriteLease:
-        r = self._call("Allocate", pb.AllocateRequest(
-            blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s))
-        return WriteLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
-                          r.page_bytes, self._slab(namespace))
+    def allocate(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+        ttl_s: float = 0.0,
+    ) -> WriteLease:
+        r = self._call(
+            "Allocate",
+            pb.AllocateRequest(blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s),
+        )
+        return WriteLease(
+            self,
+            namespace,
+            r.lease_id,
+            list(r.keys),
+            list(r.offsets),
+            r.page_bytes,
+            self._slab(namespace),
+        )
 
     def commit(self, lease: WriteLease) -> CommitResult:
-        r = self._call("Commit", pb.LeaseRequest(namespace=lease.namespace,
-                                                 lease_id=lease.lease_id))
+        r = self._call(
+            "Commit", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
+        )
         return CommitResult(r.stored, r.duplicates)
 
     def abort(self, lease: WriteLease) -> None:
         self._call("Abort", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id))
 
-    def acquire(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
-                salt: bytes | str = b"", ttl_s: float = 0.0,
-                prefix_only: bool = False) -> ReadLease:
-        r = self._call("Acquire", pb.AcquireRequest(
-            blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s,
-            prefix_only=prefix_only))
-        return ReadLease(self, namespace, r.lease_id, list(r.keys), list(r.offsets),
-                         r.page_bytes, self._slab(namespace),
-                         [tier_or_none_from_pb(t) for t in r.tiers])
+    def acquire(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+        ttl_s: float = 0.0,
+        prefix_only: bool = False,
+    ) -> ReadLease:
+        r = self._call(
+            "Acquire",
+            pb.AcquireRequest(
+                blocks=selector_to_pb(namespace, keys, tokens, salt),
+                ttl_s=ttl_s,
+                prefix_only=prefix_only,
+            ),
+        )
+        return ReadLease(
+            self,
+            namespace,
+            r.lease_id,
+            list(r.keys),
+            list(r.offsets),
+            r.page_bytes,
+            self._slab(namespace),
+            [tier_or_none_from_pb(t) for t in r.tiers],
+        )
 
     def release(self, lease: ReadLease) -> None:
-        self._call("Release", pb.LeaseRequest(namespace=lease.namespace,
-                                              lease_id=lease.lease_id))
+        self._call("Release", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id))
 
     def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
-        reply: pb.ExtendLeaseReply = self._call("ExtendLease", pb.ExtendLeaseRequest(
-            namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s))
+        reply: pb.ExtendLeaseReply = self._call(
+            "ExtendLease",
+            pb.ExtendLeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s),
+        )
         return reply.ttl_s
 
     # ---- whole pages: shared memory when mapped, else streamed ----------------------------------
 
-    def put(self, namespace: str, pages: Sequence[NDArray[Any] | torch.Tensor | bytes],
-            keys: Sequence[bytes] | None = None, tokens: Any = None, salt: bytes | str = b""
-            ) -> CommitResult:
+    def put(
+        self,
+        namespace: str,
+        pages: Sequence[NDArray[Any] | torch.Tensor | bytes],
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+    ) -> CommitResult:
         """Store one page per block (numpy / torch / bytes of page_bytes each)."""
         info = self.namespace_info(namespace)
-        srcs = [as_uint8(p, info.page_bytes, info.layout.dtype, f"page #{i}")
-                for i, p in enumerate(pages)]
+        srcs = [
+            as_uint8(p, info.page_bytes, info.layout.dtype, f"page #{i}")
+            for i, p in enumerate(pages)
+        ]
         if self._slab(namespace) is None:
             return self._put_streamed(namespace, srcs, keys, tokens, salt)
         lease = self.allocate(namespace, keys, tokens, salt)
@@ -292,9 +367,14 @@ class KVStoreClient:
             raise
         return self.commit(lease)
 
-    def _put_streamed(self, namespace: str, srcs: Sequence[NDArray[np.uint8] | torch.Tensor],
-                      keys: Sequence[bytes] | None, tokens: Any, salt: bytes | str
-                      ) -> CommitResult:
+    def _put_streamed(
+        self,
+        namespace: str,
+        srcs: Sequence[NDArray[np.uint8] | torch.Tensor],
+        keys: Sequence[bytes] | None,
+        tokens: Any,
+        salt: bytes | str,
+    ) -> CommitResult:
         selector = selector_to_pb(namespace, keys, tokens, salt)
 
         def chunks() -> Iterator[pb.PutChunk]:
@@ -305,7 +385,7 @@ class KVStoreClient:
                 # NOTE: numpy's stubs give ndarray __buffer__ on Python >= 3.12 only.
                 mv = memoryview(src)  # type: ignore[arg-type]
                 for off in range(0, len(mv), STREAM_CHUNK_BYTES):
-                    yield pb.PutChunk(data=bytes(mv[off:off + STREAM_CHUNK_BYTES]))
+                    yield pb.PutChunk(data=bytes(mv[off : off + STREAM_CHUNK_BYTES]))
 
         try:
             r = self._stub.Put(chunks(), timeout=self.timeout_s)
@@ -313,9 +393,14 @@ class KVStoreClient:
             raise KVCacheRpcError.of(e, "Put") from None
         return CommitResult(r.stored, r.duplicates)
 
-    def get(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
-            salt: bytes | str = b"", prefix_only: bool = False
-            ) -> list[NDArray[np.uint8] | None]:
+    def get(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+        prefix_only: bool = False,
+    ) -> list[NDArray[np.uint8] | None]:
         """Copies of the pages (None where missing)."""
         if self._slab(namespace) is not None:
             with self.acquire(namespace, keys, tokens, salt, prefix_only=prefix_only) as lease:
@@ -329,22 +414,34 @@ class KVStoreClient:
                         if tier is not None:  # present but not in shared memory
                             streamed.append(i)
                 if streamed:
-                    for i, page in zip(streamed, self._get_streamed(
-                            namespace, [lease.keys[i] for i in streamed], None, salt, False)):
+                    for i, page in zip(
+                        streamed,
+                        self._get_streamed(
+                            namespace, [lease.keys[i] for i in streamed], None, salt, False
+                        ),
+                    ):
                         out[i] = page
                 return out
         return self._get_streamed(namespace, keys, tokens, salt, prefix_only)
 
-    def _get_streamed(self, namespace: str, keys: Sequence[bytes] | None, tokens: Any,
-                      salt: bytes | str, prefix_only: bool) -> list[NDArray[np.uint8] | None]:
-        request = pb.GetRequest(blocks=selector_to_pb(namespace, keys, tokens, salt),
-                                prefix_only=prefix_only)
+    def _get_streamed(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None,
+        tokens: Any,
+        salt: bytes | str,
+        prefix_only: bool,
+    ) -> list[NDArray[np.uint8] | None]:
+        request = pb.GetRequest(
+            blocks=selector_to_pb(namespace, keys, tokens, salt), prefix_only=prefix_only
+        )
         try:
             stream = self._stub.Get(request, timeout=self.timeout_s)
             header = next(stream).header
             page = header.page_bytes
-            out: list[NDArray[np.uint8] | None] = [np.empty(page, np.uint8) if f else None
-                                                   for f in header.found]
+            out: list[NDArray[np.uint8] | None] = [
+                np.empty(page, np.uint8) if f else None for f in header.found
+            ]
             targets = iter([p for p in out if p is not None])
             cur: NDArray[np.uint8]  # bound at the first byte: pos starts at page
             pos = page
@@ -355,15 +452,20 @@ class KVStoreClient:
                     if pos == page:
                         cur, pos = next(targets), 0
                     take = min(page - pos, len(data) - off)
-                    cur[pos:pos + take] = np.frombuffer(data, np.uint8, take, off)
+                    cur[pos : pos + take] = np.frombuffer(data, np.uint8, take, off)
                     pos += take
                     off += take
         except grpc.RpcError as e:
             raise KVCacheRpcError.of(e, "Get") from None
         return out
 
-    def remove(self, namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None,
-               salt: bytes | str = b"") -> int:
+    def remove(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+    ) -> int:
         reply: pb.RemoveReply = self._call("Remove", selector_to_pb(namespace, keys, tokens, salt))
         return reply.removed
 

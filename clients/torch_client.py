@@ -31,6 +31,7 @@ from ``finish()``; callers that treat the store as a cache (``hf_adapter``) log 
 Tensor layouts: ``HFLayout`` (``[1, kv_heads, seq, head_dim]``) and ``PagedLayout``
 (``[num_blocks, block_tokens, kv_heads, head_dim]`` + block table); see ``torch_layout``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -92,10 +93,10 @@ class LoadProgress:
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
-    blocks: int       # full blocks this store covered
-    written: int      # pages written by this client
-    stored: int       # pages newly published by the node
-    duplicates: int   # pages another writer published first
+    blocks: int  # full blocks this store covered
+    written: int  # pages written by this client
+    stored: int  # pages newly published by the node
+    duplicates: int  # pages another writer published first
 
 
 class TorchKVClient:
@@ -106,10 +107,17 @@ class TorchKVClient:
     layers loaded ahead of the one the caller waits for.
     """
 
-    def __init__(self, client: KVStoreClient, layout: KVLayout, salt: bytes | str = b"",
-                 device: str | torch.device = "cpu", lease_ttl_s: float = 0.0,
-                 fetch_blocks: int = 16, prefetch_layers: int = 1,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: KVStoreClient,
+        layout: KVLayout,
+        salt: bytes | str = b"",
+        device: str | torch.device = "cpu",
+        lease_ttl_s: float = 0.0,
+        fetch_blocks: int = 16,
+        prefetch_layers: int = 1,
+        owns_client: bool = False,
+    ) -> None:
         if fetch_blocks <= 0 or prefetch_layers < 0:
             raise ValueError("fetch_blocks must be positive and prefetch_layers >= 0")
         self.client = client
@@ -131,14 +139,30 @@ class TorchKVClient:
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
 
     @classmethod
-    def connect(cls, address: str, layout: KVLayout, token: str | None = None,
-                use_shm: bool = True, salt: bytes | str = b"",
-                device: str | torch.device = "cpu", lease_ttl_s: float = 0.0,
-                fetch_blocks: int = 16, prefetch_layers: int = 1) -> "TorchKVClient":
+    def connect(
+        cls,
+        address: str,
+        layout: KVLayout,
+        token: str | None = None,
+        use_shm: bool = True,
+        salt: bytes | str = b"",
+        device: str | torch.device = "cpu",
+        lease_ttl_s: float = 0.0,
+        fetch_blocks: int = 16,
+        prefetch_layers: int = 1,
+    ) -> "TorchKVClient":
         client = KVStoreClient(address, token=token, use_shm=use_shm)
         try:
-            return cls(client, layout, salt, device, lease_ttl_s, fetch_blocks,
-                       prefetch_layers, owns_client=True)
+            return cls(
+                client,
+                layout,
+                salt,
+                device,
+                lease_ttl_s,
+                fetch_blocks,
+                prefetch_layers,
+                owns_client=True,
+            )
         except BaseException:
             client.close()
             raise
@@ -149,8 +173,9 @@ class TorchKVClient:
         """Token ids (list / numpy / 1-D torch) -> their block keys (a trailing partial block
         has none and is never cached)."""
         arr = tokens_as_array(tokens)
-        return KVRequest(arr, block_keys(arr, self.layout.block_tokens, self._root),
-                         self.layout.block_tokens)
+        return KVRequest(
+            arr, block_keys(arr, self.layout.block_tokens, self._root), self.layout.block_tokens
+        )
 
     def _as_request(self, tokens_or_request: KVRequest | Any) -> KVRequest:
         if isinstance(tokens_or_request, KVRequest):
@@ -167,10 +192,14 @@ class TorchKVClient:
 
     # ---- layer-wise load / store -------------------------------------------------------------
 
-    def load(self, tokens_or_request: KVRequest | Any, num_tokens: int | None = None,
-             tensor_layout: KVTensorLayout | None = None,
-             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-             on_progress: Callable[[LoadProgress], None] | None = None) -> "LayerwiseLoad":
+    def load(
+        self,
+        tokens_or_request: KVRequest | Any,
+        num_tokens: int | None = None,
+        tensor_layout: KVTensorLayout | None = None,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        on_progress: Callable[[LoadProgress], None] | None = None,
+    ) -> "LayerwiseLoad":
         """Start loading the cached prefix (at most ``num_tokens``; default: all cached blocks).
 
         ``tensor_layout``: ``HFLayout(capacity=...)`` (default; the load allocates each layer's
@@ -183,11 +212,16 @@ class TorchKVClient:
         if not 0 <= num_tokens <= req.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} outside [0, {req.num_tokens}]")
         num_tokens = min(num_tokens, cached)
-        return LayerwiseLoad(self, req, num_tokens, tensor_layout or HFLayout(), kv_caches,
-                             on_progress)
+        return LayerwiseLoad(
+            self, req, num_tokens, tensor_layout or HFLayout(), kv_caches, on_progress
+        )
 
-    def store(self, tokens_or_request: KVRequest | Any, first_block: int = 0,
-              tensor_layout: KVTensorLayout | None = None) -> "LayerwiseStore":
+    def store(
+        self,
+        tokens_or_request: KVRequest | Any,
+        first_block: int = 0,
+        tensor_layout: KVTensorLayout | None = None,
+    ) -> "LayerwiseStore":
         """Store the request's full blocks from ``first_block`` on, one layer at a time.
 
         ``tensor_layout``: where ``put_layer``'s tensors hold the request's tokens; default
@@ -196,23 +230,26 @@ class TorchKVClient:
         """
         req = self._as_request(tokens_or_request)
         if not 0 <= first_block <= req.full_blocks:
-            raise ValueError(f"first_block={first_block} outside [0, {req.full_blocks}] (the "
-                             "request's full blocks)")
+            raise ValueError(
+                f"first_block={first_block} outside [0, {req.full_blocks}] (the "
+                "request's full blocks)"
+            )
         if tensor_layout is None:
             tensor_layout = HFLayout(start=first_block * self.layout.block_tokens)
         return LayerwiseStore(self, req, first_block, tensor_layout)
 
     # ---- plumbing ------------------------------------------------------------------------------
 
-    def _pages_in_slab(self, lease: ReadLease | WriteLease,
-                       offsets: Sequence[int]) -> list[torch.Tensor]:
+    def _pages_in_slab(
+        self, lease: ReadLease | WriteLease, offsets: Sequence[int]
+    ) -> list[torch.Tensor]:
         """Zero-copy page views into the node's shared memory."""
         if self._slab is None:
             if lease.slab is None:
                 raise RuntimeError("the node's shared memory is not mapped here")
             self._slab = torch.from_numpy(lease.slab.array)
         pb = self.layout.page_bytes
-        return [page_view(self._slab[off:off + pb], self.layout) for off in offsets]
+        return [page_view(self._slab[off : off + pb], self.layout) for off in offsets]
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
@@ -240,9 +277,12 @@ def check_layout_served(client: KVStoreClient, layout: KVLayout) -> None:
         lines.append(f"  {ns}: differs in {', '.join(diff)}")
     raise LayoutMismatchError(
         f"node {client.address} does not serve the model's KV layout {layout.namespace}; "
-        f"it serves:\n" + ("\n".join(lines) or "  (nothing)") +
-        "\nstart the node with --layout " + ",".join(f"{k}={v}" for k, v in mine.items()) +
-        " or build the client with the node's layout")
+        f"it serves:\n"
+        + ("\n".join(lines) or "  (nothing)")
+        + "\nstart the node with --layout "
+        + ",".join(f"{k}={v}" for k, v in mine.items())
+        + " or build the client with the node's layout"
+    )
 
 
 class LayerwiseLoad:
@@ -253,10 +293,15 @@ class LayerwiseLoad:
     evicted blocks or was lost part-way: ``error`` says why). ``close()`` releases the pins.
     """
 
-    def __init__(self, kv: TorchKVClient, req: KVRequest, num_tokens: int,
-                 tensor_layout: KVTensorLayout,
-                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
-                 on_progress: Callable[[LoadProgress], None] | None) -> None:
+    def __init__(
+        self,
+        kv: TorchKVClient,
+        req: KVRequest,
+        num_tokens: int,
+        tensor_layout: KVTensorLayout,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+        on_progress: Callable[[LoadProgress], None] | None,
+    ) -> None:
         self._kv = kv
         self._req = req
         self._layout = kv.layout
@@ -284,8 +329,7 @@ class LayerwiseLoad:
             if tensor_layout.start != 0:
                 raise ValueError("a load fills the prefix from token 0: HFLayout(start=0)")
             device = kv.device
-            self._dst = [tensor_layout.allocate(self._layout, num_tokens, device)
-                         for _ in range(L)]
+            self._dst = [tensor_layout.allocate(self._layout, num_tokens, device) for _ in range(L)]
         self._copier: CpuCopier = make_copier(self._layout, device)
         self._copier.begin()
 
@@ -303,14 +347,20 @@ class LayerwiseLoad:
 
     def _pin(self, want: int) -> tuple[list[torch.Tensor], int]:
         kv = self._kv
-        lease = kv.client.acquire(kv.namespace, keys=self._req.keys[:want], prefix_only=True,
-                                  ttl_s=kv.lease_ttl_s)
+        lease = kv.client.acquire(
+            kv.namespace, keys=self._req.keys[:want], prefix_only=True, ttl_s=kv.lease_ttl_s
+        )
         self._lease = lease
         hit = lease.hit_blocks
         in_slab = next((i for i in range(hit) if lease.offsets[i] < 0), hit)
         if in_slab < hit:
-            log.info("kvcache: blocks %d.. of the prefix are not in shared memory; loading %d "
-                     "of %d cached blocks", in_slab, in_slab, hit)
+            log.info(
+                "kvcache: blocks %d.. of the prefix are not in shared memory; loading %d "
+                "of %d cached blocks",
+                in_slab,
+                in_slab,
+                hit,
+            )
         pages = kv._pages_in_slab(lease, lease.offsets[:in_slab])
         return pages, min(in_slab * self._layout.block_tokens, self.requested_tokens)
 
@@ -320,8 +370,9 @@ class LayerwiseLoad:
         pages: list[torch.Tensor] = []
         try:
             for a in range(0, want, kv.fetch_blocks):
-                got = kv.client.get(kv.namespace, keys=keys[a:a + kv.fetch_blocks],
-                                    prefix_only=True)
+                got = kv.client.get(
+                    kv.namespace, keys=keys[a : a + kv.fetch_blocks], prefix_only=True
+                )
                 for page in got:
                     if page is None:
                         break
@@ -331,8 +382,14 @@ class LayerwiseLoad:
                 self._report("blocks", len(pages), want)
         except KVCacheRpcError as e:
             self.error = e
-            log.warning("kvcache: lost node %s while loading (%s); received %d of %d blocks, the "
-                        "caller recomputes the rest", kv.client.address, e, len(pages), want)
+            log.warning(
+                "kvcache: lost node %s while loading (%s); received %d of %d blocks, the "
+                "caller recomputes the rest",
+                kv.client.address,
+                e,
+                len(pages),
+                want,
+            )
         return pages, min(len(pages) * self._layout.block_tokens, self.requested_tokens)
 
     # ---- layers --------------------------------------------------------------------------------
@@ -350,7 +407,7 @@ class LayerwiseLoad:
         bt = self._layout.block_tokens
         rows = [min(bt, n - i * bt) for i in range(math.ceil(n / bt))]
         k, v = self._dst[layer]
-        self._copier.load_layer(pages[:len(rows)], rows, layer, self._tensor_layout, k, v)
+        self._copier.load_layer(pages[: len(rows)], rows, layer, self._tensor_layout, k, v)
         self._report("layer", layer + 1, self._layout.num_layers)
 
     @property
@@ -404,8 +461,12 @@ class LayerwiseLoad:
             try:
                 lease.release()
             except KVCacheRpcError as e:
-                log.warning("kvcache: could not release the load's pins on %s (%s); the node "
-                            "frees them when the lease expires", self._kv.client.address, e)
+                log.warning(
+                    "kvcache: could not release the load's pins on %s (%s); the node "
+                    "frees them when the lease expires",
+                    self._kv.client.address,
+                    e,
+                )
 
     def __enter__(self) -> "LayerwiseLoad":
         return self
@@ -422,8 +483,9 @@ class LayerwiseStore:
     ``abort()`` drops them. Leaving a ``with`` block without ``finish()`` aborts.
     """
 
-    def __init__(self, kv: TorchKVClient, req: KVRequest, first_block: int,
-                 tensor_layout: KVTensorLayout) -> None:
+    def __init__(
+        self, kv: TorchKVClient, req: KVRequest, first_block: int, tensor_layout: KVTensorLayout
+    ) -> None:
         self._kv = kv
         self._layout = kv.layout
         self._tensor_layout = tensor_layout
@@ -437,7 +499,7 @@ class LayerwiseStore:
         self._buffer: torch.Tensor | None = None
         self._done = False
         self._targets: list[tuple[int, torch.Tensor]] = []
-        self.copy_s = 0.0    # worker time spent copying layers (overlaps the caller's compute)
+        self.copy_s = 0.0  # worker time spent copying layers (overlaps the caller's compute)
         self.finish_s = 0.0  # time finish() made the caller wait: last copies + publish
         if not self._keys:
             return
@@ -447,10 +509,13 @@ class LayerwiseStore:
             pages = kv._pages_in_slab(self._lease, [self._lease.offsets[i] for i in todo])
             self._targets = [(first_block + i, p) for i, p in zip(todo, pages)]
         else:
-            self._buffer = torch.empty((len(self._keys), self._layout.page_bytes),
-                                       dtype=torch.uint8)
-            self._targets = [(first_block + i, page_view(self._buffer[i], self._layout))
-                             for i in range(len(self._keys))]
+            self._buffer = torch.empty(
+                (len(self._keys), self._layout.page_bytes), dtype=torch.uint8
+            )
+            self._targets = [
+                (first_block + i, page_view(self._buffer[i], self._layout))
+                for i in range(len(self._keys))
+            ]
 
     @property
     def blocks(self) -> int:
@@ -465,8 +530,9 @@ class LayerwiseStore:
         if self._put[layer]:
             raise ValueError(f"layer {layer} was already stored")
         if self._keys:
-            self._tensor_layout.check(k, v, self._layout, self.first_block, self._end_token,
-                                      f"layer {layer}")
+            self._tensor_layout.check(
+                k, v, self._layout, self.first_block, self._end_token, f"layer {layer}"
+            )
         self._put[layer] = True
         if not self._targets:
             return
@@ -475,8 +541,9 @@ class LayerwiseStore:
         ready = self._copier.mark_computed(k, v)
         self._futures.append(self._kv._storer.submit(self._copy_layer, layer, k, v, ready))
 
-    def _copy_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                    ready: torch.cuda.Event | None) -> None:
+    def _copy_layer(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
         t0 = time.perf_counter()
         assert self._copier is not None  # put_layer sets it before it queues a copy
         self._copier.store_layer(self._targets, layer, self._tensor_layout, k, v, ready)
@@ -526,9 +593,12 @@ class LayerwiseStore:
                 lease.abort()
             except KVCacheRpcError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:
-                    log.warning("kvcache: could not abort the store's lease on %s (%s); the "
-                                "node frees the pages when the lease expires",
-                                self._kv.client.address, e)
+                    log.warning(
+                        "kvcache: could not abort the store's lease on %s (%s); the "
+                        "node frees the pages when the lease expires",
+                        self._kv.client.address,
+                        e,
+                    )
 
     def __enter__(self) -> "LayerwiseStore":
         return self

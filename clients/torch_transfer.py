@@ -14,6 +14,7 @@ Both work on lists of host pages viewed as ``[layers, 2, block_tokens, kv_heads,
 Worker-side methods run under ``torch.inference_mode()``: KV caches never need autograd, and the
 caller's tensors may be inference tensors (a prefill under ``inference_mode``).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,8 +36,15 @@ class CpuCopier:
         """Called on the caller's thread once the destination tensors exist."""
 
     @torch.inference_mode()
-    def load_layer(self, pages: Sequence[torch.Tensor], rows: Sequence[int], layer: int,
-                   dst: KVTensorLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    def load_layer(
+        self,
+        pages: Sequence[torch.Tensor],
+        rows: Sequence[int],
+        layer: int,
+        dst: KVTensorLayout,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         bt = self.layout.block_tokens
         for i, (page, n) in enumerate(zip(pages, rows)):
             dst.view(k, i, n, bt).copy_(page[layer, 0, :n])
@@ -51,9 +59,15 @@ class CpuCopier:
         return None
 
     @torch.inference_mode()
-    def store_layer(self, targets: Sequence[tuple[int, torch.Tensor]], layer: int,
-                    src: KVTensorLayout, k: torch.Tensor, v: torch.Tensor,
-                    ready: torch.cuda.Event | None) -> None:
+    def store_layer(
+        self,
+        targets: Sequence[tuple[int, torch.Tensor]],
+        layer: int,
+        src: KVTensorLayout,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
         bt = self.layout.block_tokens
         for block, page in targets:
             page[layer, 0].copy_(src.view(k, block, bt, bt))
@@ -92,8 +106,15 @@ class CudaCopier(CpuCopier):
         self.side.wait_stream(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
-    def load_layer(self, pages: Sequence[torch.Tensor], rows: Sequence[int], layer: int,
-                   dst: KVTensorLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    def load_layer(
+        self,
+        pages: Sequence[torch.Tensor],
+        rows: Sequence[int],
+        layer: int,
+        dst: KVTensorLayout,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         bt = self.layout.block_tokens
         staging = self._slot(layer, len(pages))
         for i, page in enumerate(pages):
@@ -120,9 +141,15 @@ class CudaCopier(CpuCopier):
         return ready
 
     @torch.inference_mode()
-    def store_layer(self, targets: Sequence[tuple[int, torch.Tensor]], layer: int,
-                    src: KVTensorLayout, k: torch.Tensor, v: torch.Tensor,
-                    ready: torch.cuda.Event | None) -> None:
+    def store_layer(
+        self,
+        targets: Sequence[tuple[int, torch.Tensor]],
+        layer: int,
+        src: KVTensorLayout,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
         bt = self.layout.block_tokens
         staging = self._slot(layer, len(targets))
         with torch.cuda.stream(self.side):

@@ -3,6 +3,7 @@
 Prints one JSON line ``{"event": "ready", "role": "conductor", "address": ...}`` once it serves
 (``--listen 127.0.0.1:0`` picks a free port; read it from that line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,37 +33,76 @@ log = logging.getLogger("kvcache.conductor")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
-    parser.add_argument("--policy", default="global-cache", choices=sorted(POLICIES),
-                        help="scheduling policy (default: global-cache, Mooncake Algorithm 1)")
-    parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S,
-                        help=f"node lease in seconds (default {DEFAULT_LEASE_S:g}); nodes "
-                             "heartbeat every lease/4")
-    parser.add_argument("--node-token", default=None,
-                        help="admin token for the nodes' Events streams (default: --token)")
-    parser.add_argument("--node-tls-ca", default=None,
-                        help="CA certificate (PEM) to verify nodes serving TLS")
-    parser.add_argument("--mfu", type=float, default=HardwareSpec().mfu,
-                        help="prefill model-FLOPs utilisation of the default cost model "
-                             "(LLaMA3-70B on 8xA800, Mooncake Table 1)")
-    parser.add_argument("--nic-gbps", type=float, default=HardwareSpec().nic_gbps,
-                        help="per-node network bandwidth for KV transfers, Gbit/s")
-    parser.add_argument("--cost-samples", default=None, metavar="CSV",
-                        help="fit the prefill cost model to measured samples: CSV rows of "
-                             "tokens,prefix_tokens,seconds")
-    parser.add_argument("--refit-every", type=int, default=0, metavar="N",
-                        help="refit the prefill cost model to the prefill times reported with "
-                             "Complete after every N new samples (default 0: never)")
-    parser.add_argument("--min-transfer-gain", type=float,
-                        default=SchedulerConfig().min_transfer_gain,
-                        help="fetch a prefix from another node only when it cuts the estimated "
-                             "TTFT by at least this fraction (default %(default)s)")
-    parser.add_argument("--transfer-hook", default="auto", choices=["auto", "messenger", "record"],
-                        help="what to do with plans that move blocks to a non-holder (default "
-                             "and messenger: ask the destination's messenger; record: only "
-                             "return them in Schedule replies)")
-    parser.add_argument("--workers", type=int, default=8,
-                        help="gRPC handler threads (default 8; Python runs one at a time, so "
-                             "more threads mostly add GIL hand-offs)")
+    parser.add_argument(
+        "--policy",
+        default="global-cache",
+        choices=sorted(POLICIES),
+        help="scheduling policy (default: global-cache, Mooncake Algorithm 1)",
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help=f"node lease in seconds (default {DEFAULT_LEASE_S:g}); nodes heartbeat every lease/4",
+    )
+    parser.add_argument(
+        "--node-token",
+        default=None,
+        help="admin token for the nodes' Events streams (default: --token)",
+    )
+    parser.add_argument(
+        "--node-tls-ca", default=None, help="CA certificate (PEM) to verify nodes serving TLS"
+    )
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=HardwareSpec().mfu,
+        help="prefill model-FLOPs utilisation of the default cost model "
+        "(LLaMA3-70B on 8xA800, Mooncake Table 1)",
+    )
+    parser.add_argument(
+        "--nic-gbps",
+        type=float,
+        default=HardwareSpec().nic_gbps,
+        help="per-node network bandwidth for KV transfers, Gbit/s",
+    )
+    parser.add_argument(
+        "--cost-samples",
+        default=None,
+        metavar="CSV",
+        help="fit the prefill cost model to measured samples: CSV rows of "
+        "tokens,prefix_tokens,seconds",
+    )
+    parser.add_argument(
+        "--refit-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="refit the prefill cost model to the prefill times reported with "
+        "Complete after every N new samples (default 0: never)",
+    )
+    parser.add_argument(
+        "--min-transfer-gain",
+        type=float,
+        default=SchedulerConfig().min_transfer_gain,
+        help="fetch a prefix from another node only when it cuts the estimated "
+        "TTFT by at least this fraction (default %(default)s)",
+    )
+    parser.add_argument(
+        "--transfer-hook",
+        default="auto",
+        choices=["auto", "messenger", "record"],
+        help="what to do with plans that move blocks to a non-holder (default "
+        "and messenger: ask the destination's messenger; record: only "
+        "return them in Schedule replies)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=8,
+        help="gRPC handler threads (default 8; Python runs one at a time, so "
+        "more threads mostly add GIL hand-offs)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
 
 
@@ -72,19 +112,29 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
         raise SystemExit(f"kvcache conductor: --mfu must be in (0, 1], got {args.mfu}")
     if args.nic_gbps <= 0:
         raise SystemExit(f"kvcache conductor: --nic-gbps must be positive, got {args.nic_gbps}")
-    model: CostModel = replace(base, hardware=replace(base.hardware, mfu=args.mfu,
-                                                      nic_gbps=args.nic_gbps))
+    model: CostModel = replace(
+        base, hardware=replace(base.hardware, mfu=args.mfu, nic_gbps=args.nic_gbps)
+    )
     if args.cost_samples:
         try:
             with open(args.cost_samples, newline="") as f:
-                rows = [tuple(float(x) for x in row[:3]) for row in csv.reader(f)
-                        if row and not row[0].startswith("#")]
+                rows = [
+                    tuple(float(x) for x in row[:3])
+                    for row in csv.reader(f)
+                    if row and not row[0].startswith("#")
+                ]
             model = fit_prefill(rows, base=model)
         except (OSError, ValueError, IndexError, KVStoreError) as e:
-            raise SystemExit(f"kvcache conductor: cannot fit --cost-samples "
-                             f"{args.cost_samples}: {e}") from None
-        log.info("prefill cost model fitted to %d samples: quad=%.3g lin=%.3g const=%.3g",
-                 len(rows), model.quad, model.lin, model.const)  # type: ignore[attr-defined]
+            raise SystemExit(
+                f"kvcache conductor: cannot fit --cost-samples {args.cost_samples}: {e}"
+            ) from None
+        log.info(
+            "prefill cost model fitted to %d samples: quad=%.3g lin=%.3g const=%.3g",
+            len(rows),
+            model.quad,
+            model.lin,
+            model.const,
+        )  # type: ignore[attr-defined]
     return model
 
 
@@ -103,26 +153,52 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvcache conductor: {e}") from None
     tls = tls_from_args(args)
     conductor = Conductor.create(
-        policy=args.policy, cost_model=build_cost_model(args), lease_s=args.lease,
-        config=SchedulerConfig(min_transfer_gain=args.min_transfer_gain,
-                               refit_every=args.refit_every), seed=args.seed,
-        hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca))
+        policy=args.policy,
+        cost_model=build_cost_model(args),
+        lease_s=args.lease,
+        config=SchedulerConfig(
+            min_transfer_gain=args.min_transfer_gain, refit_every=args.refit_every
+        ),
+        seed=args.seed,
+        hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca),
+    )
     metrics = ConductorMetrics(conductor)
-    servicer = ConductorServicer(conductor, auth, FeedOptions(
-        token=args.node_token or args.token, tls_ca_file=args.node_tls_ca), metrics)
+    servicer = ConductorServicer(
+        conductor,
+        auth,
+        FeedOptions(token=args.node_token or args.token, tls_ca_file=args.node_tls_ca),
+        metrics,
+    )
 
     def add(server: grpc.Server) -> list[str]:
         pbg.add_ConductorServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
-        log.info("conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)", address,
-                 args.policy, args.lease, bool(tls), auth.enabled)
+        log.info(
+            "conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)",
+            address,
+            args.policy,
+            args.lease,
+            bool(tls),
+            auth.enabled,
+        )
         return {"policy": args.policy}
 
-    return serve(Service(role="conductor", listen=args.listen, auth=auth, tls=tls, add=add,
-                         metrics_port=args.metrics_port, registry=metrics.registry,
-                         workers=args.workers, on_serving=on_serving, close=servicer.close))
+    return serve(
+        Service(
+            role="conductor",
+            listen=args.listen,
+            auth=auth,
+            tls=tls,
+            add=add,
+            metrics_port=args.metrics_port,
+            registry=metrics.registry,
+            workers=args.workers,
+            on_serving=on_serving,
+            close=servicer.close,
+        )
+    )
 
 
 def _transfer_hook(choice: str, token: str | None, tls_ca_file: str | None) -> TransferHook:

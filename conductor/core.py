@@ -5,6 +5,7 @@ Python runs one thread at a time anyway, so finer locks would buy nothing). Even
 *generation* of the registration they belong to: a feed of an older registration of the same
 node id is refused (``StaleFeed``) so it can never write into the new one's index entries.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,7 +46,7 @@ class NodeView:
 
 @dataclass(frozen=True, kw_only=True)
 class Maintenance:
-    expired_nodes: list[tuple[str, int]]   # (node id, generation)
+    expired_nodes: list[tuple[str, int]]  # (node id, generation)
     stale_requests: list[str]
     sweep_done: bool
 
@@ -60,13 +61,28 @@ class Conductor:
         self.dispatcher = TransferDispatcher(hook) if hook is not None else None
 
     @classmethod
-    def create(cls, policy: str = "global-cache", cost_model: CostModel = DEFAULT_COST_MODEL,
-               lease_s: float = DEFAULT_LEASE_S, config: SchedulerConfig = SchedulerConfig(),
-               hook: TransferHook | None = None, clock: Callable[[], float] = time.monotonic,
-               seed: int | None = None) -> "Conductor":
+    def create(
+        cls,
+        policy: str = "global-cache",
+        cost_model: CostModel = DEFAULT_COST_MODEL,
+        lease_s: float = DEFAULT_LEASE_S,
+        config: SchedulerConfig = SchedulerConfig(),
+        hook: TransferHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> "Conductor":
         registry = Registry(GlobalIndex(), lease_s=lease_s)
-        return cls(Scheduler(registry, cost_model=cost_model, policy=policy, config=config,
-                             clock=clock, seed=seed), hook)
+        return cls(
+            Scheduler(
+                registry,
+                cost_model=cost_model,
+                policy=policy,
+                config=config,
+                clock=clock,
+                seed=seed,
+            ),
+            hook,
+        )
 
     def close(self) -> None:
         if self.dispatcher is not None:
@@ -110,8 +126,9 @@ class Conductor:
             self._check_feed(node_id, generation)
             self.index.begin_resync(node_id)
 
-    def load_snapshot(self, node_id: str, generation: int,
-                      items: Iterable[tuple[bytes, int]]) -> int:
+    def load_snapshot(
+        self, node_id: str, generation: int, items: Iterable[tuple[bytes, int]]
+    ) -> int:
         with self.lock:
             self._check_feed(node_id, generation)
             return self.index.load_snapshot(node_id, items)
@@ -158,22 +175,31 @@ class Conductor:
     def nodes(self) -> list[NodeView]:
         with self.lock:
             now = self.clock()
-            return [NodeView(descriptor=s.descriptor, generation=s.generation, load=s.load,
-                             lease_remaining_s=max(s.lease_expires_at - now, 0.0),
-                             indexed_blocks=self.index.blocks(s.node_id),
-                             last_seq=self.index.last_seq(s.node_id),
-                             resyncing=self.index.is_resyncing(s.node_id),
-                             queue_s=self.scheduler.queue_seconds(s, now),
-                             prefill_pending=s.prefill_pending,
-                             decode_requests=s.decode_requests, decode_tokens=s.decode_tokens)
-                    for s in self.registry.nodes()]
+            return [
+                NodeView(
+                    descriptor=s.descriptor,
+                    generation=s.generation,
+                    load=s.load,
+                    lease_remaining_s=max(s.lease_expires_at - now, 0.0),
+                    indexed_blocks=self.index.blocks(s.node_id),
+                    last_seq=self.index.last_seq(s.node_id),
+                    resyncing=self.index.is_resyncing(s.node_id),
+                    queue_s=self.scheduler.queue_seconds(s, now),
+                    prefill_pending=s.prefill_pending,
+                    decode_requests=s.decode_requests,
+                    decode_tokens=s.decode_tokens,
+                )
+                for s in self.registry.nodes()
+            ]
 
     def locate(self, keys: Sequence[bytes]) -> dict[str, list[Tier]]:
         """For each node holding a prefix of ``keys``: the tier of each block of that prefix."""
         with self.lock:
             lengths = self.index.prefix_lengths(keys)
-            return {node_id: self.index.tiers(node_id, keys[:n])  # type: ignore[misc]
-                    for node_id, n in lengths.items()}
+            return {
+                node_id: self.index.tiers(node_id, keys[:n])  # type: ignore[misc]
+                for node_id, n in lengths.items()
+            }
 
     def maintain(self, sweep_keys: int = 8192) -> Maintenance:
         """Drop lapsed nodes, expire stale ledger entries, sweep part of the index."""

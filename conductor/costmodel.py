@@ -18,6 +18,7 @@ only run on the suffix). Defaults are Table 1's LLaMA3-70B on 8xA800.
 fitted by least squares from measured ``(n, prefix, seconds)`` samples (``fit_prefill``); the
 analytic model is the special case ``const = 0``.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,7 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """Weights read once per decode step: the linear layers' ``b * d^2 / 2`` params per
         layer (``b * n * d^2`` FLOPs = 2 FLOPs per weight per token)."""
-        return self.layers * self.b * self.hidden ** 2 / 2 * self.elem_bytes
+        return self.layers * self.b * self.hidden**2 / 2 * self.elem_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,11 +61,11 @@ class HardwareSpec:
 
     gpus: int = 8
     flops_per_gpu: float = 312e12
-    mfu: float = 0.5                  # achieved fraction of peak FLOPs during prefill
+    mfu: float = 0.5  # achieved fraction of peak FLOPs during prefill
     hbm_bytes_per_s: float = 2.039e12  # per GPU (A800 80GB)
-    mbu: float = 0.6                  # achieved fraction of HBM bandwidth during decode
-    nic_gbps: float = 800.0           # per instance, all NICs together
-    nic_efficiency: float = 0.8       # achieved fraction of line rate for KV transfers
+    mbu: float = 0.6  # achieved fraction of HBM bandwidth during decode
+    nic_gbps: float = 800.0  # per instance, all NICs together
+    nic_efficiency: float = 0.8  # achieved fraction of line rate for KV transfers
     transfer_latency_s: float = 1e-3  # fixed cost of starting a transfer
 
     @property
@@ -118,7 +119,7 @@ class FlopsCostModel(CostModel):
         m, hw = self.model, self.hardware
         rate = hw.prefill_flops_per_s
         object.__setattr__(self, "_quad", m.layers * m.a * m.hidden / rate)
-        object.__setattr__(self, "_lin", m.layers * m.b * m.hidden ** 2 / rate)
+        object.__setattr__(self, "_lin", m.layers * m.b * m.hidden**2 / rate)
         object.__setattr__(self, "_kv_token", m.kv_bytes_per_token)
         object.__setattr__(self, "_weights", m.weight_bytes)
         object.__setattr__(self, "_hbm", hw.gpus * hw.hbm_bytes_per_s * hw.mbu)
@@ -197,13 +198,18 @@ class PrefillSample:
     seconds: float
 
 
-def fit_prefill(samples: Iterable[PrefillSample | Sequence[float]],
-                base: CostModel | None = None) -> FittedCostModel:
+def fit_prefill(
+    samples: Iterable[PrefillSample | Sequence[float]], base: CostModel | None = None
+) -> FittedCostModel:
     """Least-squares fit of ``quad``, ``lin``, ``const`` (each clamped to >= 0) to measured
     prefills. Needs at least three samples with distinct suffix sizes; raises InvalidArgument
     otherwise. One numpy solve: O(samples)."""
-    rows = [(s.tokens, s.prefix_tokens, s.seconds) if isinstance(s, PrefillSample) else
-            (s[0], s[1], s[2]) for s in samples]
+    rows = [
+        (s.tokens, s.prefix_tokens, s.seconds)
+        if isinstance(s, PrefillSample)
+        else (s[0], s[1], s[2])
+        for s in samples
+    ]
     if len(rows) < 3:
         raise InvalidArgument(f"fitting a cost model needs >= 3 samples, got {len(rows)}")
     arr = np.asarray(rows, dtype=np.float64)

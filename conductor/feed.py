@@ -9,6 +9,7 @@ events. Nothing is lost silently:
 The thread ends when its registration is gone (lease lapsed, node re-registered: ``StaleFeed``)
 or the manager stops it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class FeedOptions:
-    token: str | None = None          # admin token of the nodes' Events RPC
+    token: str | None = None  # admin token of the nodes' Events RPC
     tls_ca_file: str | None = None
-    backoff_s: float = 0.2            # first reconnect delay, doubled up to max_backoff_s
+    backoff_s: float = 0.2  # first reconnect delay, doubled up to max_backoff_s
     max_backoff_s: float = 2.0
 
 
@@ -49,8 +50,15 @@ class FeedCounters:
 
 
 class NodeFeed:
-    def __init__(self, conductor: Conductor, node_id: str, generation: int, address: str,
-                 options: FeedOptions, counters: FeedCounters) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        node_id: str,
+        generation: int,
+        address: str,
+        options: FeedOptions,
+        counters: FeedCounters,
+    ) -> None:
         self.conductor = conductor
         self.node_id, self.generation, self.address = node_id, generation, address
         self.options = options
@@ -60,8 +68,9 @@ class NodeFeed:
         self._call_lock = threading.Lock()
         self._failing = False
         self._backoff = options.backoff_s
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"feed-{node_id}-{generation}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"feed-{node_id}-{generation}"
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -79,8 +88,11 @@ class NodeFeed:
         try:
             self._loop(npbg.NodeServiceStub(channel))
         except StaleFeed:
-            log.info("feed %s generation %d: registration gone; feed stopped", self.node_id,
-                     self.generation)
+            log.info(
+                "feed %s generation %d: registration gone; feed stopped",
+                self.node_id,
+                self.generation,
+            )
         finally:
             channel.close()
 
@@ -109,8 +121,9 @@ class NodeFeed:
             except (ValueError, KVStoreError) as e:
                 # A malformed event (no tier, unknown kind): the node's feed cannot be trusted
                 # from here on, so rebuild from a snapshot rather than skip it.
-                log.error("feed %s: bad event stream (%s); resyncing from a snapshot",
-                          self.node_id, e)
+                log.error(
+                    "feed %s: bad event stream (%s); resyncing from a snapshot", self.node_id, e
+                )
                 resync, reason = True, "error"
                 if self._stop.wait(self._backoff):
                     return
@@ -120,8 +133,13 @@ class NodeFeed:
                 if self._stop.is_set():
                     return
                 if not self._failing:
-                    log.warning("feed %s: Events stream at %s failed (%s: %s); retrying",
-                                self.node_id, self.address, e.code().name, e.details())
+                    log.warning(
+                        "feed %s: Events stream at %s failed (%s: %s); retrying",
+                        self.node_id,
+                        self.address,
+                        e.code().name,
+                        e.details(),
+                    )
                 self._failing = True
                 if self.conductor.is_resyncing(self.node_id, self.generation):
                     resync, reason = True, "reconnect"
@@ -149,8 +167,9 @@ class NodeFeed:
                 if batch.snapshot_done:
                     c.finish_resync(node, gen, batch.snapshot_seq)
                     in_snapshot = False
-                    log.info("feed %s: index rebuilt from a snapshot at seq %d", node,
-                             batch.snapshot_seq)
+                    log.info(
+                        "feed %s: index rebuilt from a snapshot at seq %d", node, batch.snapshot_seq
+                    )
             else:
                 if in_snapshot:
                     raise SnapshotInterrupted()
@@ -162,8 +181,9 @@ class NodeFeed:
 class FeedManager:
     """Owns the feed threads: one per current registration."""
 
-    def __init__(self, conductor: Conductor, options: FeedOptions,
-                 counters: FeedCounters | None = None) -> None:
+    def __init__(
+        self, conductor: Conductor, options: FeedOptions, counters: FeedCounters | None = None
+    ) -> None:
         self.conductor = conductor
         self.options = options
         self.counters = counters or FeedCounters()
@@ -172,8 +192,7 @@ class FeedManager:
 
     def start(self, node_id: str, generation: int, address: str) -> None:
         """(Re)subscribe to ``node_id``; a previous registration's feed is stopped first."""
-        feed = NodeFeed(self.conductor, node_id, generation, address, self.options,
-                        self.counters)
+        feed = NodeFeed(self.conductor, node_id, generation, address, self.options, self.counters)
         with self._lock:
             old = self._feeds.get(node_id)
             if old is not None and old.generation > generation:
@@ -196,5 +215,3 @@ class FeedManager:
             feeds, self._feeds = list(self._feeds.values()), {}
         for feed in feeds:
             feed.stop()
-
-

@@ -19,6 +19,7 @@ the snapshot into a fresh *shadow* slot while the old one keeps answering, then 
 
 Not thread-safe: the owner (``conductor.core.Conductor``) serialises calls with one lock.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ class SequenceGap(FailedPrecondition):
     """Events from a node skipped a sequence number: its index entries must be resynced."""
 
     def __init__(self, node_id: str, expected: int, got: int) -> None:
-        super().__init__(f"node {node_id!r}: event seq {got} arrived, expected {expected}; "
-                         f"{got - expected} event(s) lost, resync from a snapshot")
+        super().__init__(
+            f"node {node_id!r}: event seq {got} arrived, expected {expected}; "
+            f"{got - expected} event(s) lost, resync from a snapshot"
+        )
         self.node_id, self.expected, self.got = node_id, expected, got
 
 
@@ -45,17 +48,17 @@ class SequenceGap(FailedPrecondition):
 class _Feed:
     slot: int
     last_seq: int = 0
-    shadow: int = -1          # slot being filled by a resync snapshot, -1 when none
+    shadow: int = -1  # slot being filled by a resync snapshot, -1 when none
     shadow_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
-    keys: int                 # distinct keys in the map (retired-only keys until swept)
+    keys: int  # distinct keys in the map (retired-only keys until swept)
     nodes: int
-    slots: int                # slots ever allocated (live + shadow + retired + free)
-    retired_slots: int        # waiting for a sweep
-    blocks: dict[str, int]    # indexed blocks per node
+    slots: int  # slots ever allocated (live + shadow + retired + free)
+    retired_slots: int  # waiting for a sweep
+    blocks: dict[str, int]  # indexed blocks per node
 
 
 class GlobalIndex:
@@ -67,11 +70,11 @@ class GlobalIndex:
         self._node_of_slot: list[str | None] = []
         self._blocks_of_slot: list[int] = []
         self._free_slots: list[int] = []
-        self._live_low = 0        # bit 2s set for each slot visible to queries
-        self._retired = 0         # both bits set for each slot waiting for a sweep
+        self._live_low = 0  # bit 2s set for each slot visible to queries
+        self._retired = 0  # both bits set for each slot waiting for a sweep
         self._sweep_keys: list[bytes] | None = None
         self._sweep_pos = 0
-        self._sweep_clear = 0     # bits the running sweep clears
+        self._sweep_clear = 0  # bits the running sweep clears
 
     # ---- nodes ----------------------------------------------------------------------------
 
@@ -253,9 +256,13 @@ class GlobalIndex:
 
     def stats(self) -> IndexStats:
         retired = bin(self._retired).count("1") // 2
-        return IndexStats(keys=len(self._map), nodes=len(self._feeds),
-                          slots=len(self._node_of_slot), retired_slots=retired,
-                          blocks={n: self._blocks_of_slot[f.slot] for n, f in self._feeds.items()})
+        return IndexStats(
+            keys=len(self._map),
+            nodes=len(self._feeds),
+            slots=len(self._node_of_slot),
+            retired_slots=retired,
+            blocks={n: self._blocks_of_slot[f.slot] for n, f in self._feeds.items()},
+        )
 
     # ---- slots and sweeping ---------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 messenger, naming the source's messenger for every key (``kvcache conductor --transfer-hook
 messenger``). The conductor calls it from its dispatcher thread; it returns once the destination
 messenger accepted the batch (the bytes move asynchronously)."""
+
 from __future__ import annotations
 
 import logging
@@ -20,14 +21,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SubmittedBatch:
     request_id: str
-    messenger: str      # the destination messenger that runs it
+    messenger: str  # the destination messenger that runs it
     batch_id: str
     blocks: int
 
 
 class MessengerTransferHook(TransferHook):
-    def __init__(self, token: str | None = None, tls_ca_file: str | None = None,
-                 timeout_s: float = 10.0, keep: int = 1024) -> None:
+    def __init__(
+        self,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        timeout_s: float = 10.0,
+        keep: int = 1024,
+    ) -> None:
         self._token, self._tls, self._timeout = token, tls_ca_file, timeout_s
         self._lock = threading.Lock()
         self._clients: dict[str, MessengerClient] = {}
@@ -36,8 +42,10 @@ class MessengerTransferHook(TransferHook):
     def submit(self, plan: TransferPlan) -> None:
         dst, src = plan.dst.messenger_address, plan.src.messenger_address
         if not dst:
-            raise ValueError(f"destination node {plan.dst.node_id} registered no messenger "
-                             "(start it with --messenger ADDR)")
+            raise ValueError(
+                f"destination node {plan.dst.node_id} registered no messenger "
+                "(start it with --messenger ADDR)"
+            )
         if not src:
             raise ValueError(f"source node {plan.src.node_id} registered no messenger")
         if not plan.keys:
@@ -46,8 +54,15 @@ class MessengerTransferHook(TransferHook):
         batch = SubmittedBatch(plan.request_id, dst, reply.batch_id, len(plan.keys))
         with self._lock:
             self._recent.append(batch)
-        log.info("request %s: %d blocks %s -> %s, batch %s on %s", plan.request_id,
-                 len(plan.keys), plan.src.node_id, plan.dst.node_id, reply.batch_id, dst)
+        log.info(
+            "request %s: %d blocks %s -> %s, batch %s on %s",
+            plan.request_id,
+            len(plan.keys),
+            plan.src.node_id,
+            plan.dst.node_id,
+            reply.batch_id,
+            dst,
+        )
 
     def recent(self) -> list[SubmittedBatch]:
         with self._lock:
@@ -68,6 +83,7 @@ class MessengerTransferHook(TransferHook):
             c.close()
 
 
-def make_transfer_hook(token: str | None = None, tls_ca_file: str | None = None
-                       ) -> MessengerTransferHook:
+def make_transfer_hook(
+    token: str | None = None, tls_ca_file: str | None = None
+) -> MessengerTransferHook:
     return MessengerTransferHook(token, tls_ca_file)

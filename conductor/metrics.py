@@ -1,5 +1,6 @@
 """Prometheus metrics of the conductor. One registry per service instance (no global state);
 gauges are read from the ``Conductor`` at scrape time so the hot path pays nothing for them."""
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -20,13 +21,18 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable:
         c = self._conductor
         nodes = GaugeMetricFamily("kvcache_conductor_nodes", "Registered nodes", labels=["role"])
-        blocks = GaugeMetricFamily("kvcache_conductor_node_blocks", "Blocks indexed per node",
-                                   labels=["node"])
+        blocks = GaugeMetricFamily(
+            "kvcache_conductor_node_blocks", "Blocks indexed per node", labels=["node"]
+        )
         keys = GaugeMetricFamily("kvcache_conductor_index_keys", "Distinct keys in the index")
-        pending = GaugeMetricFamily("kvcache_conductor_pending_requests",
-                                    "Scheduled requests not yet completed")
-        transfers = CounterMetricFamily("kvcache_conductor_transfer_plans",
-                                        "Transfer plans handed to the hook", labels=["result"])
+        pending = GaugeMetricFamily(
+            "kvcache_conductor_pending_requests", "Scheduled requests not yet completed"
+        )
+        transfers = CounterMetricFamily(
+            "kvcache_conductor_transfer_plans",
+            "Transfer plans handed to the hook",
+            labels=["result"],
+        )
         views = c.nodes()
         for role in ("prefill", "decode", "both"):
             nodes.add_metric([role], sum(v.descriptor.role.value == role for v in views))
@@ -37,8 +43,11 @@ class _StateCollector(Collector):
             pending.add_metric([], c.scheduler.pending())
         if c.dispatcher is not None:
             d = c.dispatcher
-            for result, n in (("submitted", d.submitted), ("failed", d.failed),
-                              ("dropped", d.dropped)):
+            for result, n in (
+                ("submitted", d.submitted),
+                ("failed", d.failed),
+                ("dropped", d.dropped),
+            ):
                 transfers.add_metric([result], n)
         yield from (nodes, blocks, keys, pending, transfers)
 
@@ -47,22 +56,48 @@ class ConductorMetrics:
     def __init__(self, conductor: Conductor) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.latency = Histogram("kvcache_conductor_rpc_seconds", "Conductor RPC latency",
-                                 ["method"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.errors = Counter("kvcache_conductor_rpc_errors", "Conductor RPCs failed, by code",
-                              ["method", "code"], registry=r)
-        self.decisions = Counter("kvcache_conductor_schedule_decisions", "Requests placed",
-                                 ["policy", "transfer"], registry=r)
-        self.rejections = Counter("kvcache_conductor_schedule_rejections",
-                                  "Requests rejected, by the SLO missed", ["slo"], registry=r)
-        self.reused_blocks = Counter("kvcache_conductor_reused_blocks",
-                                     "Prompt blocks the chosen prefill node reuses", registry=r)
-        self.prompt_blocks = Counter("kvcache_conductor_prompt_blocks",
-                                     "Full prompt blocks scheduled", registry=r)
-        self.events = Counter("kvcache_conductor_events", "Node events applied to the index",
-                              registry=r)
-        self.resyncs = Counter("kvcache_conductor_resyncs", "Index rebuilds from snapshots",
-                               ["reason"], registry=r)
-        self.expirations = Counter("kvcache_conductor_lease_expirations", "Nodes dropped because "
-                                   "their lease lapsed", registry=r)
+        self.latency = Histogram(
+            "kvcache_conductor_rpc_seconds",
+            "Conductor RPC latency",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvcache_conductor_rpc_errors",
+            "Conductor RPCs failed, by code",
+            ["method", "code"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvcache_conductor_schedule_decisions",
+            "Requests placed",
+            ["policy", "transfer"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvcache_conductor_schedule_rejections",
+            "Requests rejected, by the SLO missed",
+            ["slo"],
+            registry=r,
+        )
+        self.reused_blocks = Counter(
+            "kvcache_conductor_reused_blocks",
+            "Prompt blocks the chosen prefill node reuses",
+            registry=r,
+        )
+        self.prompt_blocks = Counter(
+            "kvcache_conductor_prompt_blocks", "Full prompt blocks scheduled", registry=r
+        )
+        self.events = Counter(
+            "kvcache_conductor_events", "Node events applied to the index", registry=r
+        )
+        self.resyncs = Counter(
+            "kvcache_conductor_resyncs", "Index rebuilds from snapshots", ["reason"], registry=r
+        )
+        self.expirations = Counter(
+            "kvcache_conductor_lease_expirations",
+            "Nodes dropped because their lease lapsed",
+            registry=r,
+        )
         r.register(_StateCollector(conductor))

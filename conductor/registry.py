@@ -10,6 +10,7 @@ has not seen finish), so a dropped node takes its ledger with it.
 
 Not thread-safe: ``conductor.core.Conductor`` serialises calls with one lock.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +22,15 @@ from rpc.cluster import NodeDescriptor, NodeLoad, Role, TierUsage
 from .index import GlobalIndex
 
 DEFAULT_LEASE_S = 10.0
-__all__ = ["DEFAULT_LEASE_S", "NodeDescriptor", "NodeLoad", "NodeState", "Registry", "Role",
-           "TierUsage"]
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "NodeDescriptor",
+    "NodeLoad",
+    "NodeState",
+    "Registry",
+    "Role",
+    "TierUsage",
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -36,11 +44,11 @@ class NodeState:
     load: NodeLoad = field(default_factory=NodeLoad)
     last_heartbeat: float = 0.0
     # ---- scheduler ledger (conductor.scheduler) ----
-    prefill_busy_until: float = 0.0   # when the prefill work sent here should be done
-    prefill_pending_s: float = 0.0    # estimated seconds of prefill sent and not yet done
-    prefill_pending: int = 0          # requests sent and not yet prefilled
-    decode_requests: int = 0          # requests decoding (or about to) here
-    decode_tokens: int = 0            # their context tokens
+    prefill_busy_until: float = 0.0  # when the prefill work sent here should be done
+    prefill_pending_s: float = 0.0  # estimated seconds of prefill sent and not yet done
+    prefill_pending: int = 0  # requests sent and not yet prefilled
+    decode_requests: int = 0  # requests decoding (or about to) here
+    decode_tokens: int = 0  # their context tokens
     node_id: str = field(init=False)  # = descriptor.node_id (a plain slot: read per decision)
 
     def __post_init__(self) -> None:
@@ -57,32 +65,41 @@ class Registry:
         self.lease_s = lease_s
         self._nodes: dict[str, NodeState] = {}
         self._generation = 0
-        self.version = 0          # bumped on every membership change (caches key on it)
+        self.version = 0  # bumped on every membership change (caches key on it)
 
-    def register(self, descriptor: NodeDescriptor, now: float,
-                 load: NodeLoad | None = None) -> NodeState:
+    def register(
+        self, descriptor: NodeDescriptor, now: float, load: NodeLoad | None = None
+    ) -> NodeState:
         """Add (or re-add) a node. Its index entries start empty: its event feed must start
         with a snapshot. Returns the new state (``generation`` identifies this registration)."""
         if descriptor.node_id in self._nodes:
             self.drop(descriptor.node_id)
         self._generation += 1
-        state = NodeState(descriptor=descriptor, generation=self._generation,
-                          registered_at=now, lease_expires_at=now + self.lease_s,
-                          load=load or NodeLoad(), last_heartbeat=now,
-                          prefill_busy_until=now)
+        state = NodeState(
+            descriptor=descriptor,
+            generation=self._generation,
+            registered_at=now,
+            lease_expires_at=now + self.lease_s,
+            load=load or NodeLoad(),
+            last_heartbeat=now,
+            prefill_busy_until=now,
+        )
         self._nodes[descriptor.node_id] = state
         self.index.add_node(descriptor.node_id)
         self.version += 1
         return state
 
-    def heartbeat(self, node_id: str, now: float, load: NodeLoad | None = None,
-                  generation: int = 0) -> NodeState:
+    def heartbeat(
+        self, node_id: str, now: float, load: NodeLoad | None = None, generation: int = 0
+    ) -> NodeState:
         """Renew a lease. NotFound when the node is unknown, its lease lapsed, or
         ``generation`` (if given) names an older registration: the node must register again."""
         state = self._nodes.get(node_id)
         if state is None or (generation and generation != state.generation):
-            raise NotFound(f"node {node_id!r} is not registered (lease lapsed or conductor "
-                           "restarted): register again")
+            raise NotFound(
+                f"node {node_id!r} is not registered (lease lapsed or conductor "
+                "restarted): register again"
+            )
         state.lease_expires_at = now + self.lease_s
         state.last_heartbeat = now
         if load is not None:

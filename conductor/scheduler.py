@@ -31,6 +31,7 @@ gRPC service needs; a simulation calls the scheduler directly::
                        now=t)
     sched.prefill_done("r1", now=t + d.est_ttft_s); sched.complete("r1", now=t_end)
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 # ---- boundary types -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """One request to place. ``keys`` are the chained keys of the prompt's full blocks, already
@@ -61,10 +63,10 @@ class Request:
     prompt_tokens: int
     block_tokens: int
     output_tokens: int = 0
-    namespace: str = ""               # only nodes serving it are candidates ("" = any node)
-    ttft_slo_s: float | None = None   # None / 0: no SLO
+    namespace: str = ""  # only nodes serving it are candidates ("" = any node)
+    ttft_slo_s: float | None = None  # None / 0: no SLO
     tbt_slo_s: float | None = None
-    block_bytes: int | None = None    # KV bytes per block; None: cost_model.kv_bytes(block)
+    block_bytes: int | None = None  # KV bytes per block; None: cost_model.kv_bytes(block)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +89,10 @@ class Decision:
     policy: str
     prefill: NodeDescriptor
     decode: NodeDescriptor
-    total_blocks: int        # full blocks in the prompt
-    local_blocks: int        # prefix the prefill node holds now
-    best_blocks: int         # longest prefix any node holds
-    reuse_blocks: int        # prefix the prefill node will have (local, or best after fetching)
+    total_blocks: int  # full blocks in the prompt
+    local_blocks: int  # prefix the prefill node holds now
+    best_blocks: int  # longest prefix any node holds
+    reuse_blocks: int  # prefix the prefill node will have (local, or best after fetching)
     transfer: TransferPlan | None
     est_queue_s: float
     est_transfer_s: float
@@ -112,8 +114,10 @@ class SLORejected(CapacityExhausted):
     """No choice meets the request's SLO (gRPC RESOURCE_EXHAUSTED)."""
 
     def __init__(self, slo: str, limit_s: float, estimate_s: float, detail: str) -> None:
-        super().__init__(f"{slo} SLO of {limit_s * 1e3:.1f} ms cannot be met: best estimate "
-                         f"{estimate_s * 1e3:.1f} ms ({detail}); retry later or relax the SLO")
+        super().__init__(
+            f"{slo} SLO of {limit_s * 1e3:.1f} ms cannot be met: best estimate "
+            f"{estimate_s * 1e3:.1f} ms ({detail}); retry later or relax the SLO"
+        )
         self.slo, self.limit_s, self.estimate_s = slo, limit_s, estimate_s
 
 
@@ -122,6 +126,7 @@ class NoNodeAvailable(FailedPrecondition):
 
 
 # ---- options the policies choose from -------------------------------------------------------
+
 
 @dataclass(slots=True)
 class PrefillOption:
@@ -132,13 +137,13 @@ class PrefillOption:
     transfer_s: float
     prefill_s: float
     ttft_s: float
-    source: NodeState | None = None   # fetch [local_blocks, reuse_blocks) from here
+    source: NodeState | None = None  # fetch [local_blocks, reuse_blocks) from here
 
 
 @dataclass(slots=True)
 class DecodeOption:
     node: NodeState
-    requests: int            # after adding this request
+    requests: int  # after adding this request
     tokens: int
     tbt_s: float
 
@@ -235,20 +240,23 @@ def make_policy(name: str, seed: int | None = None) -> SchedulingPolicy:
 
 # ---- the scheduler --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    min_transfer_gain: float = 0.05   # fetch only when it cuts TTFT by at least this fraction
-    stale_after_s: float = 900.0      # ledger entries never completed are dropped after this
-    max_samples: int = 4096           # measured prefills kept for refitting the cost model
-    refit_every: int = 0              # refit the prefill model after this many new samples (0: off)
+    min_transfer_gain: float = 0.05  # fetch only when it cuts TTFT by at least this fraction
+    stale_after_s: float = 900.0  # ledger entries never completed are dropped after this
+    max_samples: int = 4096  # measured prefills kept for refitting the cost model
+    refit_every: int = 0  # refit the prefill model after this many new samples (0: off)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_transfer_gain < 1.0:
-            raise InvalidArgument(f"min_transfer_gain must be in [0, 1), got "
-                                  f"{self.min_transfer_gain}")
+            raise InvalidArgument(
+                f"min_transfer_gain must be in [0, 1), got {self.min_transfer_gain}"
+            )
         if self.stale_after_s <= 0 or self.max_samples < 1 or self.refit_every < 0:
-            raise InvalidArgument("stale_after_s must be > 0, max_samples >= 1 and "
-                                  "refit_every >= 0")
+            raise InvalidArgument(
+                "stale_after_s must be > 0, max_samples >= 1 and refit_every >= 0"
+            )
 
 
 @dataclass(slots=True)
@@ -268,10 +276,15 @@ class _Pending:
 class Scheduler:
     """Places requests on nodes of ``registry`` using its ``index`` and ``cost_model``."""
 
-    def __init__(self, registry: Registry, cost_model: CostModel = DEFAULT_COST_MODEL,
-                 policy: str | SchedulingPolicy = "global-cache",
-                 config: SchedulerConfig = SchedulerConfig(),
-                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        cost_model: CostModel = DEFAULT_COST_MODEL,
+        policy: str | SchedulingPolicy = "global-cache",
+        config: SchedulerConfig = SchedulerConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
         self.registry = registry
         self.index = registry.index
         self.cost_model = cost_model
@@ -281,7 +294,7 @@ class Scheduler:
         self._pending: dict[str, _Pending] = {}
         self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
         self._new_samples = 0
-        self._base_cost_model = cost_model   # what refits keep transfer / decode estimates from
+        self._base_cost_model = cost_model  # what refits keep transfer / decode estimates from
         self._candidates: dict[str, tuple[int, list[NodeState], list[NodeState]]] = {}
 
     # ---- scheduling -----------------------------------------------------------------------
@@ -318,9 +331,17 @@ class Scheduler:
                 queue = max(queue, queued(reported))
             if queue < 0.0:
                 queue = 0.0
-            options.append(PrefillOption(node=node, local_blocks=local, queue_s=queue,
-                                         reuse_blocks=local, transfer_s=0.0, prefill_s=prefill,
-                                         ttft_s=queue + prefill))
+            options.append(
+                PrefillOption(
+                    node=node,
+                    local_blocks=local,
+                    queue_s=queue,
+                    reuse_blocks=local,
+                    transfer_s=0.0,
+                    prefill_s=prefill,
+                    ttft_s=queue + prefill,
+                )
+            )
         block_bytes = request.block_bytes or cost.kv_bytes(bt)
         keep = 1.0 - self.config.min_transfer_gain
         transfer_of: dict[int, float] = {}
@@ -331,49 +352,84 @@ class Scheduler:
             transfer = transfer_of.get(option.local_blocks)
             if transfer is None:
                 transfer = transfer_of[option.local_blocks] = cost.transfer_seconds(
-                    (best_blocks - option.local_blocks) * block_bytes)
+                    (best_blocks - option.local_blocks) * block_bytes
+                )
             prefill = prefill_of.get(best_blocks)
             if prefill is None:
                 prefill = prefill_of[best_blocks] = cost.prefill_seconds(n, best_blocks * bt)
             ttft = max(option.queue_s, transfer) + prefill
             if ttft >= option.ttft_s * keep:
                 return None
-            return PrefillOption(node=option.node, local_blocks=option.local_blocks,
-                                 queue_s=option.queue_s, reuse_blocks=best_blocks,
-                                 transfer_s=transfer, prefill_s=prefill, ttft_s=ttft,
-                                 source=best_source)
+            return PrefillOption(
+                node=option.node,
+                local_blocks=option.local_blocks,
+                queue_s=option.queue_s,
+                reuse_blocks=best_blocks,
+                transfer_s=transfer,
+                prefill_s=prefill,
+                ttft_s=ttft,
+                source=best_source,
+            )
 
-        chosen = self.policy.pick_prefill(PrefillContext(
-            request=request, options=options, best_blocks=best_blocks, best_source=best_source,
-            fetch=fetch))
+        chosen = self.policy.pick_prefill(
+            PrefillContext(
+                request=request,
+                options=options,
+                best_blocks=best_blocks,
+                best_source=best_source,
+                fetch=fetch,
+            )
+        )
 
         context = n + request.output_tokens
         step = cost.decode_step_seconds
         tbts = []
         for node in decode_nodes:
             load = node.load
-            tbts.append(step(max(node.decode_requests, load.running_decode_requests) + 1,
-                             max(node.decode_tokens, load.running_decode_tokens) + context))
+            tbts.append(
+                step(
+                    max(node.decode_requests, load.running_decode_requests) + 1,
+                    max(node.decode_tokens, load.running_decode_tokens) + context,
+                )
+            )
         i = self.policy.pick_decode(tbts)
         node = decode_nodes[i]
-        decode = DecodeOption(node=node, tbt_s=tbts[i], tokens=max(
-            node.decode_tokens, node.load.running_decode_tokens) + context, requests=max(
-            node.decode_requests, node.load.running_decode_requests) + 1)
+        decode = DecodeOption(
+            node=node,
+            tbt_s=tbts[i],
+            tokens=max(node.decode_tokens, node.load.running_decode_tokens) + context,
+            requests=max(node.decode_requests, node.load.running_decode_requests) + 1,
+        )
 
         if request.ttft_slo_s and chosen.ttft_s > request.ttft_slo_s:
-            raise SLORejected("TTFT", request.ttft_slo_s, chosen.ttft_s,
-                              f"node {chosen.node.node_id}: queue {chosen.queue_s * 1e3:.1f} ms, "
-                              f"transfer {chosen.transfer_s * 1e3:.1f} ms, prefill "
-                              f"{chosen.prefill_s * 1e3:.1f} ms of {n - chosen.reuse_blocks * bt}"
-                              f" uncached tokens")
+            raise SLORejected(
+                "TTFT",
+                request.ttft_slo_s,
+                chosen.ttft_s,
+                f"node {chosen.node.node_id}: queue {chosen.queue_s * 1e3:.1f} ms, "
+                f"transfer {chosen.transfer_s * 1e3:.1f} ms, prefill "
+                f"{chosen.prefill_s * 1e3:.1f} ms of {n - chosen.reuse_blocks * bt}"
+                f" uncached tokens",
+            )
         if request.tbt_slo_s and decode.tbt_s > request.tbt_slo_s:
-            raise SLORejected("TBT", request.tbt_slo_s, decode.tbt_s,
-                              f"node {decode.node.node_id}: {decode.requests} requests, "
-                              f"{decode.tokens} tokens of context")
+            raise SLORejected(
+                "TBT",
+                request.tbt_slo_s,
+                decode.tbt_s,
+                f"node {decode.node.node_id}: {decode.requests} requests, "
+                f"{decode.tokens} tokens of context",
+            )
         return self._admit(request, chosen, decode, best_blocks, block_bytes, now)
 
-    def _admit(self, request: Request, chosen: PrefillOption, decode: DecodeOption,
-               best_blocks: int, block_bytes: int, now: float) -> Decision:
+    def _admit(
+        self,
+        request: Request,
+        chosen: PrefillOption,
+        decode: DecodeOption,
+        best_blocks: int,
+        block_bytes: int,
+        now: float,
+    ) -> Decision:
         node = chosen.node
         start = max(now + chosen.transfer_s, node.prefill_busy_until, now)
         node.prefill_busy_until = start + chosen.prefill_s
@@ -383,27 +439,47 @@ class Scheduler:
         decode.node.decode_requests += 1
         decode.node.decode_tokens += context
         self._pending[request.request_id] = _Pending(
-            prefill_node=node.node_id, prefill_generation=node.generation,
-            decode_node=decode.node.node_id, decode_generation=decode.node.generation,
+            prefill_node=node.node_id,
+            prefill_generation=node.generation,
+            decode_node=decode.node.node_id,
+            decode_generation=decode.node.generation,
             prompt_tokens=request.prompt_tokens,
             reuse_tokens=chosen.reuse_blocks * request.block_tokens,
-            prefill_s=chosen.prefill_s, context_tokens=context,
-            deadline=node.prefill_busy_until + self.config.stale_after_s)
+            prefill_s=chosen.prefill_s,
+            context_tokens=context,
+            deadline=node.prefill_busy_until + self.config.stale_after_s,
+        )
 
         transfer = None
         if chosen.source is not None and chosen.reuse_blocks > chosen.local_blocks:
-            keys = tuple(request.keys[chosen.local_blocks:chosen.reuse_blocks])
-            transfer = TransferPlan(request_id=request.request_id, namespace=request.namespace,
-                                    src=chosen.source.descriptor, dst=node.descriptor, keys=keys,
-                                    first_block=chosen.local_blocks,
-                                    nbytes=len(keys) * block_bytes, est_seconds=chosen.transfer_s)
-        return Decision(request_id=request.request_id, policy=self.policy.name,
-                        prefill=node.descriptor, decode=decode.node.descriptor,
-                        total_blocks=len(request.keys), local_blocks=chosen.local_blocks,
-                        best_blocks=best_blocks, reuse_blocks=chosen.reuse_blocks,
-                        transfer=transfer, est_queue_s=chosen.queue_s,
-                        est_transfer_s=chosen.transfer_s, est_prefill_s=chosen.prefill_s,
-                        est_ttft_s=chosen.ttft_s, est_tbt_s=decode.tbt_s, decided_at=now)
+            keys = tuple(request.keys[chosen.local_blocks : chosen.reuse_blocks])
+            transfer = TransferPlan(
+                request_id=request.request_id,
+                namespace=request.namespace,
+                src=chosen.source.descriptor,
+                dst=node.descriptor,
+                keys=keys,
+                first_block=chosen.local_blocks,
+                nbytes=len(keys) * block_bytes,
+                est_seconds=chosen.transfer_s,
+            )
+        return Decision(
+            request_id=request.request_id,
+            policy=self.policy.name,
+            prefill=node.descriptor,
+            decode=decode.node.descriptor,
+            total_blocks=len(request.keys),
+            local_blocks=chosen.local_blocks,
+            best_blocks=best_blocks,
+            reuse_blocks=chosen.reuse_blocks,
+            transfer=transfer,
+            est_queue_s=chosen.queue_s,
+            est_transfer_s=chosen.transfer_s,
+            est_prefill_s=chosen.prefill_s,
+            est_ttft_s=chosen.ttft_s,
+            est_tbt_s=decode.tbt_s,
+            decided_at=now,
+        )
 
     def queue_seconds(self, node: NodeState, now: float) -> float:
         """Prefill work ahead of a new request on ``node``: the ledger's view or the node's
@@ -414,8 +490,9 @@ class Scheduler:
 
     # ---- the ledger -----------------------------------------------------------------------
 
-    def prefill_done(self, request_id: str, now: float | None = None,
-                     measured_s: float | None = None) -> None:
+    def prefill_done(
+        self, request_id: str, now: float | None = None, measured_s: float | None = None
+    ) -> None:
         """The prefill of ``request_id`` finished: its node's queue is re-anchored at ``now``.
         ``measured_s`` (the prefill's real duration) is kept as a cost-model sample.
         Idempotent; NotFound for an unknown request."""
@@ -424,8 +501,9 @@ class Scheduler:
         if measured_s is not None:
             if not measured_s >= 0:
                 raise InvalidArgument(f"measured prefill seconds must be >= 0, got {measured_s}")
-            self._samples.append(PrefillSample(pending.prompt_tokens, pending.reuse_tokens,
-                                               measured_s))
+            self._samples.append(
+                PrefillSample(pending.prompt_tokens, pending.reuse_tokens, measured_s)
+            )
             self._new_samples += 1
             every = self.config.refit_every
             if every and self._new_samples >= every:
@@ -490,8 +568,13 @@ class Scheduler:
         try:
             if self.refit_cost_model(min_samples=max(self.config.refit_every, 3)):
                 m = self.cost_model
-                log.info("prefill cost model refitted to %d samples: quad=%.3g lin=%.3g "
-                         "const=%.3g", len(self._samples), m.quad, m.lin, m.const)  # type: ignore
+                log.info(
+                    "prefill cost model refitted to %d samples: quad=%.3g lin=%.3g const=%.3g",
+                    len(self._samples),
+                    m.quad,
+                    m.lin,
+                    m.const,
+                )  # type: ignore
         except InvalidArgument as e:
             self._new_samples = 0
             log.warning("prefill cost model not refitted: %s", e)
@@ -501,16 +584,19 @@ class Scheduler:
     def _get(self, request_id: str) -> _Pending:
         pending = self._pending.get(request_id)
         if pending is None:
-            raise NotFound(f"request {request_id!r} is not scheduled (never, or already "
-                           "completed / expired)")
+            raise NotFound(
+                f"request {request_id!r} is not scheduled (never, or already completed / expired)"
+            )
         return pending
 
     def _validate(self, request: Request) -> None:
         if not request.request_id:
             raise InvalidArgument("request_id must be non-empty")
         if request.request_id in self._pending:
-            raise InvalidArgument(f"request {request.request_id!r} is already scheduled; "
-                                  "complete it first or use a new id")
+            raise InvalidArgument(
+                f"request {request.request_id!r} is already scheduled; "
+                "complete it first or use a new id"
+            )
         if request.block_tokens <= 0:
             raise InvalidArgument(f"block_tokens must be positive, got {request.block_tokens}")
         if request.prompt_tokens <= 0:
@@ -518,7 +604,8 @@ class Scheduler:
         if request.prompt_tokens < len(request.keys) * request.block_tokens:
             raise InvalidArgument(
                 f"prompt_tokens {request.prompt_tokens} < {len(request.keys)} blocks x "
-                f"{request.block_tokens} tokens: the prompt is longer than stated")
+                f"{request.block_tokens} tokens: the prompt is longer than stated"
+            )
         if request.output_tokens < 0:
             raise InvalidArgument(f"output_tokens must be >= 0, got {request.output_tokens}")
         for name in ("ttft_slo_s", "tbt_slo_s"):
@@ -537,8 +624,9 @@ class Scheduler:
         if not prefill or not decode:
             what = "prefill" if not prefill else "decode"
             scope = f" serving namespace {namespace!r}" if namespace else ""
-            raise NoNodeAvailable(f"no live {what} node{scope} is registered; start one or "
-                                  "wait for nodes to register")
+            raise NoNodeAvailable(
+                f"no live {what} node{scope} is registered; start one or wait for nodes to register"
+            )
         if len(self._candidates) > 64:
             self._candidates.clear()
         self._candidates[namespace] = (self.registry.version, prefill, decode)

@@ -5,6 +5,7 @@ Security: node membership RPCs (register, heartbeat, unregister) need the admin 
 (``kvstore.keys.scope_keys``), so a tenant's request only ever matches its own blocks; request
 ids are per tenant too.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,9 +48,14 @@ class _MetricCounters(FeedCounters):
 
 
 class ConductorServicer(pbg.ConductorServiceServicer):
-    def __init__(self, conductor: Conductor, auth: Auth, feed_options: FeedOptions,
-                 metrics: ConductorMetrics | None = None,
-                 heartbeat_interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        auth: Auth,
+        feed_options: FeedOptions,
+        metrics: ConductorMetrics | None = None,
+        heartbeat_interval_s: float | None = None,
+    ) -> None:
         self.conductor = conductor
         self.auth = auth
         self.metrics = metrics or ConductorMetrics(conductor)
@@ -59,8 +65,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
         self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
         self._stop = threading.Event()
-        self._upkeep = threading.Thread(target=self._maintain, name="conductor-upkeep",
-                                        daemon=True)
+        self._upkeep = threading.Thread(target=self._maintain, name="conductor-upkeep", daemon=True)
         self._upkeep.start()
 
     def close(self) -> None:
@@ -76,29 +81,44 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     def _admin(self, context) -> None:
         if self._tenant(context) != "":
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "node membership needs the cluster's admin token, not a tenant token")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "node membership needs the cluster's admin token, not a tenant token",
+            )
 
     @observed
     def RegisterNode(self, request, context):
         self._admin(context)
         desc = descriptor_from_pb(request.node)
         if not desc.address:
-            raise InvalidArgument("node.address is required: the conductor reads the node's "
-                                  "Events stream there to index its blocks")
+            raise InvalidArgument(
+                "node.address is required: the conductor reads the node's "
+                "Events stream there to index its blocks"
+            )
         previous = self.conductor.registry.find(desc.node_id)
         if previous is not None and previous.descriptor.address != desc.address:
             # Two live processes sharing one id would take turns replacing each other.
-            log.warning("node id %s re-registered from %s while registered from %s: is the id "
-                        "used twice?", desc.node_id, desc.address, previous.descriptor.address)
+            log.warning(
+                "node id %s re-registered from %s while registered from %s: is the id used twice?",
+                desc.node_id,
+                desc.address,
+                previous.descriptor.address,
+            )
         state = self.conductor.register(desc, load_from_pb(request.load))
         self.feeds.start(desc.node_id, state.generation, desc.address)
-        log.info("node %s registered (generation %d, role %s, address %s, namespaces %s)",
-                 desc.node_id, state.generation, desc.role.value, desc.address,
-                 ", ".join(sorted(desc.namespaces)) or "-")
-        return pb.RegisterNodeReply(generation=state.generation,
-                                    lease_s=self.conductor.registry.lease_s,
-                                    heartbeat_interval_s=self.heartbeat_interval_s)
+        log.info(
+            "node %s registered (generation %d, role %s, address %s, namespaces %s)",
+            desc.node_id,
+            state.generation,
+            desc.role.value,
+            desc.address,
+            ", ".join(sorted(desc.namespaces)) or "-",
+        )
+        return pb.RegisterNodeReply(
+            generation=state.generation,
+            lease_s=self.conductor.registry.lease_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
 
     @observed
     def Heartbeat(self, request, context):
@@ -126,15 +146,19 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     def ScheduleBatch(self, request, context):
         tenant = self._tenant(context)
         if len(request.requests) > MAX_BATCH:
-            raise InvalidArgument(f"{len(request.requests)} requests in one batch; the limit is "
-                                  f"{MAX_BATCH}")
+            raise InvalidArgument(
+                f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
+            )
         outcomes = []
         for item in request.requests:
             try:
                 outcomes.append(pb.ScheduleOutcome(reply=self._schedule(item, tenant)))
             except (KVStoreError, ValueError) as e:
-                code = status_for(e) if isinstance(e, KVStoreError) else \
-                    grpc.StatusCode.INVALID_ARGUMENT
+                code = (
+                    status_for(e)
+                    if isinstance(e, KVStoreError)
+                    else grpc.StatusCode.INVALID_ARGUMENT
+                )
                 outcomes.append(pb.ScheduleOutcome(code=code.value[0], message=str(e)))
         return pb.ScheduleBatchReply(outcomes=outcomes)
 
@@ -146,19 +170,30 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         keys, prompt = self._keys(sel, layout, tenant)
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
-                raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} is less than the "
-                                      f"{prompt} tokens the blocks hold")
+                raise InvalidArgument(
+                    f"prompt_tokens {request.prompt_tokens} is less than the "
+                    f"{prompt} tokens the blocks hold"
+                )
             prompt = request.prompt_tokens
         if prompt == 0:
-            raise InvalidArgument("the request has no prompt: give token ids, keys or "
-                                  "prompt_tokens")
+            raise InvalidArgument(
+                "the request has no prompt: give token ids, keys or prompt_tokens"
+            )
         rid = request.request_id or uuid.uuid4().hex
         try:
-            decision = self.conductor.schedule(Request(
-                request_id=_scoped_id(tenant, rid), keys=keys, prompt_tokens=prompt,
-                block_tokens=layout.block_tokens, output_tokens=request.output_tokens,
-                namespace=sel.namespace, ttft_slo_s=request.ttft_slo_s or None,
-                tbt_slo_s=request.tbt_slo_s or None, block_bytes=layout.page_bytes))
+            decision = self.conductor.schedule(
+                Request(
+                    request_id=_scoped_id(tenant, rid),
+                    keys=keys,
+                    prompt_tokens=prompt,
+                    block_tokens=layout.block_tokens,
+                    output_tokens=request.output_tokens,
+                    namespace=sel.namespace,
+                    ttft_slo_s=request.ttft_slo_s or None,
+                    tbt_slo_s=request.tbt_slo_s or None,
+                    block_bytes=layout.page_bytes,
+                )
+            )
         except SLORejected as e:
             self.metrics.rejections.labels(e.slo.lower()).inc()
             raise
@@ -170,7 +205,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         counter = self._decisions.get(label)
         if counter is None:
             counter = self._decisions[label] = m.decisions.labels(
-                decision.policy, "yes" if label[1] else "no")
+                decision.policy, "yes" if label[1] else "no"
+            )
         counter.inc()  # type: ignore[attr-defined]
         m.prompt_blocks.inc(decision.total_blocks)
         m.reused_blocks.inc(decision.reuse_blocks)
@@ -202,14 +238,26 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         with c.lock:
             keys, pending = len(c.index), c.scheduler.pending()
         return pb.ListNodesReply(
-            policy=c.scheduler.policy.name, indexed_keys=keys, pending_requests=pending,
-            nodes=[pb.NodeStatus(node=descriptor_to_pb(v.descriptor), generation=v.generation,
-                                 load=load_to_pb(v.load), lease_remaining_s=v.lease_remaining_s,
-                                 indexed_blocks=v.indexed_blocks, last_seq=v.last_seq,
-                                 resyncing=v.resyncing, queue_s=v.queue_s,
-                                 prefill_pending=v.prefill_pending,
-                                 decode_requests=v.decode_requests,
-                                 decode_tokens=v.decode_tokens) for v in views])
+            policy=c.scheduler.policy.name,
+            indexed_keys=keys,
+            pending_requests=pending,
+            nodes=[
+                pb.NodeStatus(
+                    node=descriptor_to_pb(v.descriptor),
+                    generation=v.generation,
+                    load=load_to_pb(v.load),
+                    lease_remaining_s=v.lease_remaining_s,
+                    indexed_blocks=v.indexed_blocks,
+                    last_seq=v.last_seq,
+                    resyncing=v.resyncing,
+                    queue_s=v.queue_s,
+                    prefill_pending=v.prefill_pending,
+                    decode_requests=v.decode_requests,
+                    decode_tokens=v.decode_tokens,
+                )
+                for v in views
+            ],
+        )
 
     @observed
     def Locate(self, request, context):
@@ -217,16 +265,22 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         layout = self._layout(request.namespace)
         keys, _ = self._keys(request, layout, tenant)
         found = self.conductor.locate(keys)
-        return pb.LocateReply(total_blocks=len(keys), nodes=[
-            pb.NodePrefix(node_id=node, blocks=len(tiers), tiers=[int(t) + 1 for t in tiers])
-            for node, tiers in sorted(found.items(), key=lambda kv: (-len(kv[1]), kv[0]))])
+        return pb.LocateReply(
+            total_blocks=len(keys),
+            nodes=[
+                pb.NodePrefix(node_id=node, blocks=len(tiers), tiers=[int(t) + 1 for t in tiers])
+                for node, tiers in sorted(found.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+            ],
+        )
 
     # ---- helpers --------------------------------------------------------------------------
 
     def _layout(self, namespace: str) -> KVLayout:
         if not namespace:
-            raise InvalidArgument("blocks.namespace is required (the model layout fingerprint, "
-                                  "e.g. 'llama|L32|H8|D128|bfloat16|B256')")
+            raise InvalidArgument(
+                "blocks.namespace is required (the model layout fingerprint, "
+                "e.g. 'llama|L32|H8|D128|bfloat16|B256')"
+            )
         version, layouts = self._layouts
         registry = self.conductor.registry
         if version != registry.version:
@@ -236,16 +290,24 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             self._layouts = (version, layouts)
         layout = layouts.get(namespace)
         if layout is None:
-            raise NoNodeAvailable(f"no registered node serves namespace {namespace!r}; "
-                                  f"served: {', '.join(sorted(layouts)) or 'none'}")
+            raise NoNodeAvailable(
+                f"no registered node serves namespace {namespace!r}; "
+                f"served: {', '.join(sorted(layouts)) or 'none'}"
+            )
         return layout
 
     @staticmethod
     def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
         """The request's keys as stored for ``tenant`` and the tokens they stand for."""
-        raw, prompt = select_keys(sel.namespace, sel.salt, layout.block_tokens,
-                                  MAX_BLOCKS_PER_REQUEST, sel.keys, sel.token_ids,
-                                  sel.token_bytes)
+        raw, prompt = select_keys(
+            sel.namespace,
+            sel.salt,
+            layout.block_tokens,
+            MAX_BLOCKS_PER_REQUEST,
+            sel.keys,
+            sel.token_ids,
+            sel.token_bytes,
+        )
         return scope_keys(raw, tenant), prompt
 
     def _maintain(self) -> None:
@@ -260,11 +322,12 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             for node_id, generation in report.expired_nodes:
                 self.metrics.expirations.inc()
                 self.feeds.stop(node_id, generation)
-                log.warning("node %s: lease lapsed; dropped from scheduling and the index",
-                            node_id)
+                log.warning("node %s: lease lapsed; dropped from scheduling and the index", node_id)
             if report.stale_requests:
-                log.warning("%d scheduled requests were never completed; dropped from the "
-                            "ledger", len(report.stale_requests))
+                log.warning(
+                    "%d scheduled requests were never completed; dropped from the ledger",
+                    len(report.stale_requests),
+                )
 
 
 def _scoped_id(tenant: str, request_id: str) -> str:

@@ -10,6 +10,7 @@ inspection (``--transfer-hook record``).
 messenger) never delays a ``Schedule`` reply. Its queue is bounded: when it is full a plan is
 dropped, logged and counted (the request still runs; its prefill recomputes what did not move).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,13 @@ class RecordingTransferHook(TransferHook):
             self._plans.append(plan)
             self.submitted += 1
             self._cond.notify_all()
-        log.debug("transfer plan for %s: %d blocks %s -> %s", plan.request_id, len(plan.keys),
-                  plan.src.node_id, plan.dst.node_id)
+        log.debug(
+            "transfer plan for %s: %d blocks %s -> %s",
+            plan.request_id,
+            len(plan.keys),
+            plan.src.node_id,
+            plan.dst.node_id,
+        )
 
     def plans(self) -> list[TransferPlan]:
         with self._lock:
@@ -76,9 +82,13 @@ class TransferDispatcher:
             return True
         except queue.Full:
             self.dropped += 1
-            log.warning("transfer queue full: dropped the plan for request %s (%d blocks %s -> "
-                        "%s)", plan.request_id, len(plan.keys), plan.src.node_id,
-                        plan.dst.node_id)
+            log.warning(
+                "transfer queue full: dropped the plan for request %s (%d blocks %s -> %s)",
+                plan.request_id,
+                len(plan.keys),
+                plan.src.node_id,
+                plan.dst.node_id,
+            )
             return False
 
     def _run(self) -> None:
@@ -91,14 +101,19 @@ class TransferDispatcher:
                 self.submitted += 1
             except Exception:  # a failed transfer must not kill the dispatcher: log and count
                 self.failed += 1
-                log.exception("transfer hook failed for request %s (%s -> %s)", plan.request_id,
-                              plan.src.node_id, plan.dst.node_id)
+                log.exception(
+                    "transfer hook failed for request %s (%s -> %s)",
+                    plan.request_id,
+                    plan.src.node_id,
+                    plan.dst.node_id,
+                )
 
     def close(self, timeout: float = 5.0) -> None:
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
-            log.warning("transfer queue still full at shutdown: %d plans not submitted",
-                        self._queue.qsize())
+            log.warning(
+                "transfer queue still full at shutdown: %d plans not submitted", self._queue.qsize()
+            )
             return
         self._thread.join(timeout)

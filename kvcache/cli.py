@@ -3,6 +3,7 @@
 Only the chosen command's module is imported, so ``kvcache node`` does not pay for torch or
 matplotlib. Each module exposes ``configure(parser)`` and ``run(args) -> int``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     module.configure(parser)
     args = parser.parse_args(rest)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return int(module.run(args) or 0)
 
 

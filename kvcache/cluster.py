@@ -6,6 +6,7 @@ process's ready line, writes the cluster's state (addresses, pids, logs) to
 ``<state_dir>/cluster.json`` and prints the addresses. In the foreground it stops everything on
 Ctrl-C / SIGTERM; with ``--detach`` it returns and ``kvcache down`` stops the cluster later.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,15 +93,27 @@ def load_config(path: str | None) -> ClusterConfig:
     for n in data["node"]:
         if "id" not in n or "role" not in n:
             raise SystemExit(f"every [[node]] needs id and role, got {n}")
-        nodes.append(NodeSpec(id=n["id"], role=n["role"], layout=n.get("layout",
-                              defaults["layout"]), dram=str(n.get("dram", defaults["dram"])),
-                              ssd=str(n.get("ssd", defaults.get("ssd", "0")))))
+        nodes.append(
+            NodeSpec(
+                id=n["id"],
+                role=n["role"],
+                layout=n.get("layout", defaults["layout"]),
+                dram=str(n.get("dram", defaults["dram"])),
+                ssd=str(n.get("ssd", defaults.get("ssd", "0"))),
+            )
+        )
     if len({n.id for n in nodes}) != len(nodes):
         raise SystemExit("node ids must be unique")
     c = data["cluster"]
-    return ClusterConfig(host=c["host"], state_dir=c["state_dir"], token=c.get("token") or None,
-                         transport=c.get("transport", "tcp"), policy=data["conductor"]["policy"],
-                         nodes=nodes, conductor_args=list(data["conductor"].get("args", [])))
+    return ClusterConfig(
+        host=c["host"],
+        state_dir=c["state_dir"],
+        token=c.get("token") or None,
+        transport=c.get("transport", "tcp"),
+        policy=data["conductor"]["policy"],
+        nodes=nodes,
+        conductor_args=list(data["conductor"].get("args", [])),
+    )
 
 
 def free_port(host: str) -> int:
@@ -123,36 +136,89 @@ class Cluster:
         os.makedirs(logs, exist_ok=True)
         auth = ["--token", cfg.token] if cfg.token else []
         try:
-            conductor = self._start(["conductor", "--listen", f"{cfg.host}:0",
-                                     "--policy", cfg.policy, *auth, *cfg.conductor_args], logs)
-            state = {"conductor": {"address": conductor.address, "pid": conductor.pid,
-                                   "log": conductor.log_path},
-                     "nodes": [], "token": cfg.token, "state_dir": cfg.state_dir}
+            conductor = self._start(
+                [
+                    "conductor",
+                    "--listen",
+                    f"{cfg.host}:0",
+                    "--policy",
+                    cfg.policy,
+                    *auth,
+                    *cfg.conductor_args,
+                ],
+                logs,
+            )
+            state = {
+                "conductor": {
+                    "address": conductor.address,
+                    "pid": conductor.pid,
+                    "log": conductor.log_path,
+                },
+                "nodes": [],
+                "token": cfg.token,
+                "state_dir": cfg.state_dir,
+            }
             for spec in cfg.nodes:
                 node_addr = f"{cfg.host}:{free_port(cfg.host)}"
                 messenger_addr = f"{cfg.host}:{free_port(cfg.host)}"
-                node_args = ["node", "--listen", node_addr, "--node-id", spec.id, "--role",
-                             spec.role, "--dram", spec.dram, "--layout", spec.layout,
-                             "--conductor", conductor.address, "--messenger", messenger_addr,
-                             *auth]
+                node_args = [
+                    "node",
+                    "--listen",
+                    node_addr,
+                    "--node-id",
+                    spec.id,
+                    "--role",
+                    spec.role,
+                    "--dram",
+                    spec.dram,
+                    "--layout",
+                    spec.layout,
+                    "--conductor",
+                    conductor.address,
+                    "--messenger",
+                    messenger_addr,
+                    *auth,
+                ]
                 if cfg.token:
                     node_args += ["--conductor-token", cfg.token]
                 if spec.ssd not in ("0", ""):
-                    node_args += ["--ssd", spec.ssd, "--ssd-dir",
-                                  os.path.join(cfg.state_dir, "ssd", spec.id)]
+                    node_args += [
+                        "--ssd",
+                        spec.ssd,
+                        "--ssd-dir",
+                        os.path.join(cfg.state_dir, "ssd", spec.id),
+                    ]
                 node = self._start(node_args, logs)
                 # NOTE: a metrics port per messenger: `kvcache bench live` reads the bytes each
                 # one received (exact totals, whoever submitted the transfer).
-                messenger = self._start(["messenger", "--node", node.address, "--listen",
-                                         messenger_addr, "--transport", cfg.transport,
-                                         "--metrics-port", "0", *auth], logs)
-                state["nodes"].append({
-                    "id": spec.id, "role": spec.role, "address": node.address,
-                    "messenger": messenger.address, "shm": node.info.get("shm", {}),
-                    "pids": [node.pid, messenger.pid],
-                    "logs": [node.log_path, messenger.log_path],
-                    "data_address": messenger.info.get("data_address"),
-                    "messenger_metrics_port": messenger.info.get("metrics_port")})
+                messenger = self._start(
+                    [
+                        "messenger",
+                        "--node",
+                        node.address,
+                        "--listen",
+                        messenger_addr,
+                        "--transport",
+                        cfg.transport,
+                        "--metrics-port",
+                        "0",
+                        *auth,
+                    ],
+                    logs,
+                )
+                state["nodes"].append(
+                    {
+                        "id": spec.id,
+                        "role": spec.role,
+                        "address": node.address,
+                        "messenger": messenger.address,
+                        "shm": node.info.get("shm", {}),
+                        "pids": [node.pid, messenger.pid],
+                        "logs": [node.log_path, messenger.log_path],
+                        "data_address": messenger.info.get("data_address"),
+                        "messenger_metrics_port": messenger.info.get("metrics_port"),
+                    }
+                )
         except BaseException:
             self.stop()
             raise
@@ -181,8 +247,9 @@ class Cluster:
                 try:
                     sp.proc.wait(max(deadline - time.monotonic(), 0.0))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s (pid %d) did not stop in %gs: killed", sp.role, sp.pid,
-                                timeout_s)
+                    log.warning(
+                        "%s (pid %d) did not stop in %gs: killed", sp.role, sp.pid, timeout_s
+                    )
                     sp.kill()
                 codes.append(sp.proc.returncode)
         self.procs.clear()
@@ -198,10 +265,14 @@ def print_state(state: dict, path: str) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cluster TOML (default: the embedded one below)\n")
-    parser.add_argument("--detach", action="store_true",
-                        help="return once the cluster is up; stop it with 'kvcache down'")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the embedded default config and exit")
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="return once the cluster is up; stop it with 'kvcache down'",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the embedded default config and exit"
+    )
     parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -223,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
             sp.proc.stdout = None
         return 0
     codes: list[int] = []
-    wait_for_signal(lambda: codes.extend(cluster.stop()),
-                    on_ready=lambda: print("cluster up; Ctrl-C stops it", flush=True))
+    wait_for_signal(
+        lambda: codes.extend(cluster.stop()),
+        on_ready=lambda: print("cluster up; Ctrl-C stops it", flush=True),
+    )
     os.remove(state_file)
     return 0 if all(c == 0 for c in codes) else 1
 

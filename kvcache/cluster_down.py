@@ -5,6 +5,7 @@ process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked)
 that does not exit in time, then a check that
 no shared-memory segment of the cluster is left behind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from kvstore.shm import SharedSlab, pid_alive
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", default="out/cluster",
-                        help="the cluster's state_dir (holds cluster.json)")
+    parser.add_argument(
+        "--state-dir", default="out/cluster", help="the cluster's state_dir (holds cluster.json)"
+    )
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds to wait per process")
 
 
@@ -70,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 leftovers.append(name)
                 SharedSlab.remove(name)
     os.remove(path)
-    print(f"cluster stopped ({len(state.get('pids', []))} processes"
-          f"{'' if clean else ', some needed SIGKILL'})")
+    print(
+        f"cluster stopped ({len(state.get('pids', []))} processes"
+        f"{'' if clean else ', some needed SIGKILL'})"
+    )
     if leftovers:
         print(f"removed leftover shared memory: {', '.join(leftovers)}")
     return 0 if clean and not leftovers else 1

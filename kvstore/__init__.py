@@ -3,22 +3,44 @@
 The library alone: no gRPC, no process code. Names resolve lazily (PEP 562), so
 ``import kvstore.keys`` loads the key code, not the store, lmdb or torch.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 _WHERE = {
-    "errors": ["CapacityExhausted", "FailedPrecondition", "InvalidArgument", "KVStoreError",
-               "NotFound", "StorageError"],
+    "errors": [
+        "CapacityExhausted",
+        "FailedPrecondition",
+        "InvalidArgument",
+        "KVStoreError",
+        "NotFound",
+        "StorageError",
+    ],
     "events": ["BlockEvent", "EventKind"],
-    "keys": ["BlockKey", "block_keys", "check_keys", "keys_from_block_ids", "root_key",
-             "scope_keys", "tokens_as_array"],
+    "keys": [
+        "BlockKey",
+        "block_keys",
+        "check_keys",
+        "keys_from_block_ids",
+        "root_key",
+        "scope_keys",
+        "tokens_as_array",
+    ],
     "layout": ["KVLayout"],
     "policy": ["POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy"],
     "shm": ["SharedSlab"],
-    "store": ["CommitResult", "LookupResult", "ReadLease", "StoreConfig", "StoreStats",
-              "TieredStore", "TierStats", "WriteLease"],
+    "store": [
+        "CommitResult",
+        "LookupResult",
+        "ReadLease",
+        "StoreConfig",
+        "StoreStats",
+        "TieredStore",
+        "TierStats",
+        "WriteLease",
+    ],
     "tiers": ["Tier"],
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}

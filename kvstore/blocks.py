@@ -6,6 +6,7 @@ parts are mixins over it (``leases.LeaseBook``, ``movement.TierMovement``) and `
 combines them, so all of them work on this one state under the one store lock. Imports run one way:
 ``store`` -> ``leases`` / ``movement`` -> ``blocks`` -> ``records``, ``pools``, ``policy``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,16 +28,16 @@ class Block:
     tier: Tier
     slot: int
     pins: int = 0
-    doomed: bool = False      # out of the index while pinned: its page is freed on the last unpin
+    doomed: bool = False  # out of the index while pinned: its page is freed on the last unpin
 
 
 @dataclass(slots=True)
 class TierState:
     tier: Tier
     pool: PagePool
-    policy: EvictionPolicy    # the committed, unpinned slots: the only eviction candidates
+    policy: EvictionPolicy  # the committed, unpinned slots: the only eviction candidates
     free: list[int]
-    keys: list[BlockKey | None]   # per slot: the committed block's key, None when free or leased
+    keys: list[BlockKey | None]  # per slot: the committed block's key, None when free or leased
     leased: int = 0
     pinned: int = 0
     hits: int = 0

@@ -1,4 +1,5 @@
 """Stored / evicted events with sequence numbers, drained by one consumer (the node server)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -11,7 +12,7 @@ from .tiers import Tier
 
 
 class EventKind(IntEnum):
-    STORED = 1   # the node now holds the key in ``tier`` (also sent when a block changes tier)
+    STORED = 1  # the node now holds the key in ``tier`` (also sent when a block changes tier)
     EVICTED = 2  # the node no longer holds the key (``tier`` is where it was last)
 
 

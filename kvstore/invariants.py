@@ -18,6 +18,7 @@ Checked:
   read are whole pages and bytes written whole layers;
 - leases: every live lease has a deadline entry, so it can expire.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -42,8 +43,13 @@ def check_store(store: LeaseBook) -> None:
     blocks = _check_blocks(store, problems)
     leased = _check_write_leases(store, problems)
     for tier, ts in sorted(store._tiers.items()):
-        _check_tier(store, ts, [b for b in blocks.values() if b[1].tier is tier],
-                    leased.get(tier, []), problems)
+        _check_tier(
+            store,
+            ts,
+            [b for b in blocks.values() if b[1].tier is tier],
+            leased.get(tier, []),
+            problems,
+        )
     _check_deadlines(store, problems)
     _check_counters(store, problems)
     if problems:
@@ -60,7 +66,7 @@ def _k(key: bytes | None) -> str:
 def _check_blocks(store: LeaseBook, problems: list[str]) -> dict[int, tuple[BlockKey, Block]]:
     """Every live block (indexed, or pinned by a read lease), by identity; checks each one."""
     blocks: dict[int, tuple[BlockKey, Block]] = {}
-    holders: Counter[int] = Counter()   # id(block) -> read leases pinning it
+    holders: Counter[int] = Counter()  # id(block) -> read leases pinning it
     for key, b in store._index.items():
         blocks[id(b)] = (key, b)
         if b.doomed:
@@ -76,16 +82,19 @@ def _check_blocks(store: LeaseBook, problems: list[str]) -> dict[int, tuple[Bloc
             if known[0] != key:
                 problems.append(f"read lease {lease_id} holds block {_k(known[0])} as {_k(key)}")
             if store._index.get(key) is not b and not b.doomed:
-                problems.append(f"read lease {lease_id} pins block {_k(key)}, which is neither "
-                                "in the index nor doomed (its page can never be freed)")
+                problems.append(
+                    f"read lease {lease_id} pins block {_k(key)}, which is neither "
+                    "in the index nor doomed (its page can never be freed)"
+                )
     occupants: dict[tuple[Tier, int], tuple[BlockKey, Block]] = {}
     for key, b in blocks.values():
         held = holders[id(b)]
         if b.pins < 0:
             problems.append(f"block {_k(key)} has negative pins ({b.pins})")
         if b.pins != held:
-            problems.append(f"block {_k(key)} has pins={b.pins} but {held} live read leases "
-                            "hold it")
+            problems.append(
+                f"block {_k(key)} has pins={b.pins} but {held} live read leases hold it"
+            )
         if b.doomed and b.pins <= 0:
             problems.append(f"doomed block {_k(key)} is unpinned but its page was not freed")
         ts = store._tiers.get(b.tier)
@@ -93,12 +102,15 @@ def _check_blocks(store: LeaseBook, problems: list[str]) -> dict[int, tuple[Bloc
             problems.append(f"block {_k(key)} is at {b.tier.name} slot {b.slot}: no such slot")
             continue
         if ts.keys[b.slot] != key:
-            problems.append(f"block {_k(key)} is at {b.tier.name} slot {b.slot}, which holds "
-                            f"{_k(ts.keys[b.slot])}")
+            problems.append(
+                f"block {_k(key)} is at {b.tier.name} slot {b.slot}, which holds "
+                f"{_k(ts.keys[b.slot])}"
+            )
         other = occupants.setdefault((b.tier, b.slot), (key, b))
         if other[1] is not b:
-            problems.append(f"{b.tier.name} slot {b.slot} is held by two blocks: "
-                            f"{_k(other[0])} and {_k(key)}")
+            problems.append(
+                f"{b.tier.name} slot {b.slot} is held by two blocks: {_k(other[0])} and {_k(key)}"
+            )
     return blocks
 
 
@@ -108,8 +120,10 @@ def _check_write_leases(store: LeaseBook, problems: list[str]) -> dict[Tier, lis
     for lease_id, w in store._write_leases.items():
         lease = w.lease
         if lease.lease_id != lease_id or len(lease.slots) != len(lease.keys):
-            problems.append(f"write lease {lease_id} is malformed: id {lease.lease_id}, "
-                            f"{len(lease.keys)} keys, {len(lease.slots)} slots")
+            problems.append(
+                f"write lease {lease_id} is malformed: id {lease.lease_id}, "
+                f"{len(lease.keys)} keys, {len(lease.slots)} slots"
+            )
         if lease.tier not in store._tiers:
             problems.append(f"write lease {lease_id} is on the absent {lease.tier.name} tier")
             continue
@@ -120,8 +134,13 @@ def _check_write_leases(store: LeaseBook, problems: list[str]) -> dict[Tier, lis
     return leased
 
 
-def _check_tier(store: LeaseBook, ts: TierState, blocks: list[tuple[BlockKey, Block]],
-                leased: list[int], problems: list[str]) -> None:
+def _check_tier(
+    store: LeaseBook,
+    ts: TierState,
+    blocks: list[tuple[BlockKey, Block]],
+    leased: list[int],
+    problems: list[str],
+) -> None:
     name, cap = ts.tier.name, len(ts.keys)
     # Page ownership: free / leased / committed, exactly one each.
     owners: dict[int, list[str]] = {}
@@ -134,19 +153,23 @@ def _check_tier(store: LeaseBook, ts: TierState, blocks: list[tuple[BlockKey, Bl
     for s in range(cap):
         got = owners.pop(s, [])
         if len(got) != 1:
-            problems.append(f"{name} slot {s} is owned by {got or 'nobody'}; expected exactly "
-                            "one of free, leased, committed")
+            problems.append(
+                f"{name} slot {s} is owned by {got or 'nobody'}; expected exactly "
+                "one of free, leased, committed"
+            )
     if owners:
-        problems.append(f"{name} free/leased lists name slots outside [0, {cap}): "
-                        f"{sorted(owners)}")
+        problems.append(f"{name} free/leased lists name slots outside [0, {cap}): {sorted(owners)}")
     if ts.leased != len(leased):
-        problems.append(f"{name} counts {ts.leased} leased pages; live write leases hold "
-                        f"{len(leased)}")
+        problems.append(
+            f"{name} counts {ts.leased} leased pages; live write leases hold {len(leased)}"
+        )
     committed = [s for s, key in enumerate(ts.keys) if key is not None]
     used = cap - len(ts.free) - ts.leased
     if used != len(committed):
-        problems.append(f"{name} reports {used} used pages (capacity - free - leased); "
-                        f"{len(committed)} are committed")
+        problems.append(
+            f"{name} reports {used} used pages (capacity - free - leased); "
+            f"{len(committed)} are committed"
+        )
     # Every committed page belongs to a live block (else it can never be freed).
     held = {b.slot for _, b in blocks}
     orphans = [s for s in committed if s not in held]
@@ -159,12 +182,15 @@ def _check_tier(store: LeaseBook, ts: TierState, blocks: list[tuple[BlockKey, Bl
     evictable = {b.slot for _, b in blocks if b.pins == 0 and not b.doomed}
     wrong = [s for s in range(cap) if (s in ts.policy) != (s in evictable)]
     if wrong or len(ts.policy) != len(evictable):
-        problems.append(f"{name} {ts.policy.name} policy holds {len(ts.policy)} slots, expected "
-                        f"the {len(evictable)} evictable ones; wrong membership: {wrong}")
+        problems.append(
+            f"{name} {ts.policy.name} policy holds {len(ts.policy)} slots, expected "
+            f"the {len(evictable)} evictable ones; wrong membership: {wrong}"
+        )
     order = getattr(ts.policy, "order", None)
     if callable(order) and sorted(order()) != sorted(evictable):
-        problems.append(f"{name} {ts.policy.name} policy lists {sorted(order())}; expected "
-                        f"{sorted(evictable)}")
+        problems.append(
+            f"{name} {ts.policy.name} policy lists {sorted(order())}; expected {sorted(evictable)}"
+        )
     _check_pool(store, ts, problems)
 
 
@@ -173,8 +199,10 @@ def _check_pool(store: LeaseBook, ts: TierState, problems: list[str]) -> None:
     name, cap, pool = ts.tier.name, len(ts.keys), ts.pool
     page_bytes = store.layout.page_bytes
     if pool.num_pages != cap or pool.page_bytes != page_bytes:
-        problems.append(f"{name} pool has {pool.num_pages} pages of {pool.page_bytes} bytes; the "
-                        f"tier has {cap} pages of {page_bytes}")
+        problems.append(
+            f"{name} pool has {pool.num_pages} pages of {pool.page_bytes} bytes; the "
+            f"tier has {cap} pages of {page_bytes}"
+        )
     if isinstance(pool, SharedDramPool) and pool.slab.size != cap * page_bytes:
         problems.append(f"{name} slab is {pool.slab.size} bytes, not {cap} x {page_bytes}")
     if isinstance(pool, SsdPool):
@@ -184,8 +212,10 @@ def _check_pool(store: LeaseBook, ts: TierState, problems: list[str]) -> None:
         if on_disk != indexed:
             missing = sorted(_k(k) for k in indexed - on_disk)
             extra = sorted(_k(k) for k in on_disk - indexed)
-            problems.append(f"{name} lmdb does not hold one page per key of its committed SSD "
-                            f"blocks: missing {missing}, not committed {extra}")
+            problems.append(
+                f"{name} lmdb does not hold one page per key of its committed SSD "
+                f"blocks: missing {missing}, not committed {extra}"
+            )
 
 
 def _check_deadlines(store: LeaseBook, problems: list[str]) -> None:
@@ -194,8 +224,9 @@ def _check_deadlines(store: LeaseBook, problems: list[str]) -> None:
     states += [(i, r.deadline) for i, r in store._read_leases.items()]
     for lease_id, deadline in states:
         if (deadline, lease_id) not in queued:
-            problems.append(f"lease {lease_id} has no deadline entry for {deadline}: it would "
-                            "never expire")
+            problems.append(
+                f"lease {lease_id} has no deadline entry for {deadline}: it would never expire"
+            )
 
 
 def _check_counters(store: LeaseBook, problems: list[str]) -> None:
@@ -210,5 +241,6 @@ def _check_counters(store: LeaseBook, problems: list[str]) -> None:
     if n.bytes_read % layout.page_bytes:
         problems.append(f"bytes_read {n.bytes_read} is not whole pages of {layout.page_bytes}")
     if n.bytes_written % layout.layer_bytes:
-        problems.append(f"bytes_written {n.bytes_written} is not whole layers of "
-                        f"{layout.layer_bytes}")
+        problems.append(
+            f"bytes_written {n.bytes_written} is not whole layers of {layout.layer_bytes}"
+        )

@@ -5,6 +5,7 @@
 equal prefixes. Deterministic across processes and machines (never Python's ``hash``).
 Token ids are hashed as little-endian uint32.
 """
+
 from __future__ import annotations
 
 from typing import Any, NewType, Sequence, cast
@@ -48,8 +49,9 @@ def tokens_as_array(tokens: Any) -> npt.NDArray[np.uint32]:
     return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
 
 
-def block_keys(tokens: Any, block_tokens: int, root: bytes,
-               parent: bytes | None = None) -> list[BlockKey]:
+def block_keys(
+    tokens: Any, block_tokens: int, root: bytes, parent: bytes | None = None
+) -> list[BlockKey]:
     """Keys of every full block of ``tokens``; a trailing partial block is not keyed.
 
     ``parent`` continues an existing chain (default: ``root``). Cost: one hash call per block over
@@ -67,20 +69,21 @@ def block_keys(tokens: Any, block_tokens: int, root: bytes,
     hasher = xxhash.xxh3_128
     for off in range(0, n_blocks * step, step):
         h = hasher(prev)
-        h.update(data[off:off + step])
+        h.update(data[off : off + step])
         prev = h.digest()
         append(prev)
     return cast(list[BlockKey], keys)  # NOTE: no per-key BlockKey() call on this hot loop
 
 
 def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]:
-    """Chained keys for a trace's per-block ids (Mooncake traces give one id per 512-token block)."""
+    """Chained keys for a trace's per-block ids (Mooncake traces give one id per 512-token
+    block)."""
     arr = np.asarray(block_ids, dtype="<i8")
     data = arr.tobytes()
     prev = root
     keys: list[bytes] = []
     for off in range(0, len(data), 8):
-        prev = xxhash.xxh3_128_digest(prev + data[off:off + 8])
+        prev = xxhash.xxh3_128_digest(prev + data[off : off + 8])
         keys.append(prev)
     return cast(list[BlockKey], keys)
 
@@ -95,7 +98,8 @@ def check_keys(keys: Sequence[bytes]) -> list[BlockKey]:
         if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
             raise InvalidArgument(
                 f"key #{i} must be {KEY_BYTES} bytes, got "
-                f"{type(k).__name__} of length {len(k) if hasattr(k, '__len__') else '?'}")
+                f"{type(k).__name__} of length {len(k) if hasattr(k, '__len__') else '?'}"
+            )
         out.append(BlockKey(bytes(k)))
     return out
 
@@ -114,9 +118,15 @@ def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
     return [BlockKey(digest(prefix + k)) for k in keys]
 
 
-def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks: int,
-                keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
-                token_bytes: bytes = b"") -> tuple[list[BlockKey], int]:
+def select_keys(
+    namespace: str,
+    salt: bytes | str,
+    block_tokens: int,
+    max_blocks: int,
+    keys: Sequence[bytes] = (),
+    token_ids: Sequence[int] = (),
+    token_bytes: bytes = b"",
+) -> tuple[list[BlockKey], int]:
     """Resolve a request's blocks, named by keys or by token ids (a list, or packed little-endian
     uint32 bytes), into their keys and the number of prompt tokens they stand for. The one
     resolution every server uses (node and conductor); at most ``max_blocks`` blocks."""
@@ -124,8 +134,10 @@ def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks
         raise InvalidArgument("give one of keys, token_ids or token_bytes, not both")
     if token_bytes:
         if len(token_bytes) % 4:
-            raise InvalidArgument("token_bytes must hold little-endian uint32 token ids "
-                                  f"(a multiple of 4 bytes), got {len(token_bytes)} bytes")
+            raise InvalidArgument(
+                "token_bytes must hold little-endian uint32 token ids "
+                f"(a multiple of 4 bytes), got {len(token_bytes)} bytes"
+            )
         token_ids = np.frombuffer(token_bytes, dtype=_TOKEN_DTYPE)  # type: ignore[assignment]
     if len(token_ids):
         if len(token_ids) > max_blocks * block_tokens:
@@ -134,6 +146,9 @@ def select_keys(namespace: str, salt: bytes | str, block_tokens: int, max_blocks
     if len(keys) > max_blocks:
         raise InvalidArgument(f"{len(keys)} keys in one request; the limit is {max_blocks}")
     # Fast path: protobuf already gives bytes; only the length can be wrong.
-    raw = (cast(list[BlockKey], list(keys)) if all(map(KEY_BYTES.__eq__, map(len, keys)))
-           else check_keys(keys))
+    raw = (
+        cast(list[BlockKey], list(keys))
+        if all(map(KEY_BYTES.__eq__, map(len, keys)))
+        else check_keys(keys)
+    )
     return raw, len(raw) * block_tokens

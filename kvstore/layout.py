@@ -4,6 +4,7 @@ A page holds one token block for all layers, layer-major:
 ``[layers][k|v][block_tokens][kv_heads][head_dim]``, so one layer's slice (K then V) is contiguous
 and layer-wise store/load touches one range per layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,12 @@ import numpy as np
 from .errors import InvalidArgument
 
 _DTYPES = {
-    "float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
     "int8": 1,
 }
 
@@ -38,7 +44,8 @@ class KVLayout:
                 raise InvalidArgument(f"layout.{name} must be a positive integer, got {value!r}")
         if self.dtype not in _DTYPES:
             raise InvalidArgument(
-                f"layout.dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+                f"layout.dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+            )
 
     @property
     def itemsize(self) -> int:
@@ -77,9 +84,17 @@ class KVLayout:
     @property
     def namespace(self) -> str:
         """The fingerprint that names this layout's key space."""
-        return (f"{self.model}|L{self.num_layers}|H{self.kv_heads}|D{self.head_dim}"
-                f"|{self.dtype}|B{self.block_tokens}")
+        return (
+            f"{self.model}|L{self.num_layers}|H{self.kv_heads}|D{self.head_dim}"
+            f"|{self.dtype}|B{self.block_tokens}"
+        )
 
     def to_dict(self) -> dict[str, str | int]:
-        return {"model": self.model, "num_layers": self.num_layers, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "dtype": self.dtype, "block_tokens": self.block_tokens}
+        return {
+            "model": self.model,
+            "num_layers": self.num_layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "block_tokens": self.block_tokens,
+        }

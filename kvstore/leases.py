@@ -4,6 +4,7 @@ A write lease owns the free pages it was given until commit, abort or expiry; a 
 pin on each block it found. Deadlines sit in one heap, swept lazily (``_expire_locked``) at the
 start of every operation that depends on a lease being alive.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -23,7 +24,7 @@ class WriteLease:
     lease_id: int
     tier: Tier
     keys: list[BlockKey]
-    slots: list[int]          # page slot to write for each key; -1: already stored, skip it
+    slots: list[int]  # page slot to write for each key; -1: already stored, skip it
     expires_at: float
 
     @property
@@ -35,7 +36,7 @@ class WriteLease:
 class ReadLease:
     lease_id: int
     keys: list[BlockKey]
-    slots: list[int]          # page slot of each key; -1: not stored
+    slots: list[int]  # page slot of each key; -1: not stored
     tiers: list[Tier | None]
     expires_at: float
 
@@ -47,12 +48,12 @@ class ReadLease:
 @dataclass(slots=True)
 class WriteLeaseState:
     lease: WriteLease
-    deadline: float           # ``lease.expires_at`` until ``extend`` moves it
+    deadline: float  # ``lease.expires_at`` until ``extend`` moves it
 
 
 @dataclass(slots=True)
 class ReadLeaseState:
-    blocks: list[tuple[BlockKey, Block]]   # what this lease pinned (found ones only)
+    blocks: list[tuple[BlockKey, Block]]  # what this lease pinned (found ones only)
     deadline: float
 
 
@@ -74,8 +75,9 @@ class LeaseBook(BlockStore):
             raise InvalidArgument(f"lease ttl must be positive seconds, got {ttl_s!r}")
         return float(ttl_s)
 
-    def _add_write_lease(self, tier: Tier, keys: list[BlockKey], slots: list[int],
-                         ttl_s: float) -> WriteLease:
+    def _add_write_lease(
+        self, tier: Tier, keys: list[BlockKey], slots: list[int], ttl_s: float
+    ) -> WriteLease:
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ttl_s
         lease = WriteLease(lease_id, tier, keys, slots, deadline)
@@ -83,8 +85,14 @@ class LeaseBook(BlockStore):
         heapq.heappush(self._deadlines, (deadline, lease_id))
         return lease
 
-    def _add_read_lease(self, keys: list[BlockKey], pinned: list[tuple[BlockKey, Block]],
-                        slots: list[int], tiers: list[Tier | None], ttl_s: float) -> ReadLease:
+    def _add_read_lease(
+        self,
+        keys: list[BlockKey],
+        pinned: list[tuple[BlockKey, Block]],
+        slots: list[int],
+        tiers: list[Tier | None],
+        ttl_s: float,
+    ) -> ReadLease:
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ttl_s
         self._read_leases[lease_id] = ReadLeaseState(pinned, deadline)
@@ -92,8 +100,9 @@ class LeaseBook(BlockStore):
         return ReadLease(lease_id, keys, slots, tiers, deadline)
 
     def _extend_lease(self, lease_id: int, ttl_s: float) -> float:
-        state: ReadLeaseState | WriteLeaseState | None = (
-            self._read_leases.get(lease_id) or self._write_leases.get(lease_id))
+        state: ReadLeaseState | WriteLeaseState | None = self._read_leases.get(
+            lease_id
+        ) or self._write_leases.get(lease_id)
         if state is None:
             raise NotFound(f"lease {lease_id} does not exist (expired or released)")
         state.deadline = self._clock() + ttl_s
@@ -106,15 +115,18 @@ class LeaseBook(BlockStore):
         self._expire_locked()
         state = self._write_leases.get(lease_id)
         if state is None:
-            raise FailedPrecondition(f"write lease {lease_id} does not exist (never allocated, "
-                                     "committed, aborted or expired)")
+            raise FailedPrecondition(
+                f"write lease {lease_id} does not exist (never allocated, "
+                "committed, aborted or expired)"
+            )
         return state
 
     def _leased_slot(self, lease_id: int, index: int) -> tuple[WriteLease, int]:
         lease = self._write_lease(lease_id).lease
         if not 0 <= index < len(lease.keys):
-            raise InvalidArgument(f"page index {index} out of range for a lease of "
-                                  f"{len(lease.keys)} keys")
+            raise InvalidArgument(
+                f"page index {index} out of range for a lease of {len(lease.keys)} keys"
+            )
         slot = lease.slots[index]
         if slot < 0:
             raise FailedPrecondition(f"key #{index} is already stored; there is nothing to write")

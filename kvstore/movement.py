@@ -4,6 +4,7 @@ last), and relocating pinned blocks between tiers (promotion on hit, moving GPU 
 Tiers are exclusive: a block that moves leaves its old page free, and its key's ``STORED`` event
 names the new tier.
 """
+
 from __future__ import annotations
 
 from .blocks import Block, BlockStore, TierState
@@ -28,7 +29,8 @@ class TierMovement(BlockStore):
                 raise CapacityExhausted(
                     f"{ts.tier.name} tier is full: need {n} pages, {len(ts.free)} free and "
                     f"{len(ts.policy)} evictable; the other {held} are pinned by readers or "
-                    "leased to writers. Release leases or add capacity")
+                    "leased to writers. Release leases or add capacity"
+                )
             victims: list[int] = []
             for _ in range(need):
                 slot = ts.policy.pop_victim()
@@ -66,9 +68,9 @@ class TierMovement(BlockStore):
                     self._events.append(EventKind.STORED, key, dst.tier)
                 moved = victims[:room]
                 self._n.demotions += room
-        dropped = victims[len(moved):]
+        dropped = victims[len(moved) :]
         if dropped:
-            dkeys = keys[len(moved):]
+            dkeys = keys[len(moved) :]
             ts.pool.drop_pages(dropped, dkeys)
             for key in dkeys:
                 del self._index[key]

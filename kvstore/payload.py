@@ -1,4 +1,5 @@
 """Turning caller payloads (bytes, numpy, torch) into flat uint8 views, and copying bytes."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -19,8 +20,9 @@ def _is_torch(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def as_uint8(data: Any, expected_bytes: int, dtype_name: str | None = None,
-             what: str = "payload") -> ByteView:
+def as_uint8(
+    data: Any, expected_bytes: int, dtype_name: str | None = None, what: str = "payload"
+) -> ByteView:
     """A flat uint8 view of ``data`` (numpy array, or torch tensor on its own device).
 
     ``dtype_name``: the layout dtype; typed arrays must match it (raw uint8 / bytes are accepted).
@@ -28,14 +30,19 @@ def as_uint8(data: Any, expected_bytes: int, dtype_name: str | None = None,
     if _is_torch(data):
         name = str(data.dtype).removeprefix("torch.")
         if dtype_name and name not in ("uint8", dtype_name):
-            raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
+            raise InvalidArgument(
+                f"{what} dtype {name} does not match the layout dtype {dtype_name}"
+            )
         import torch
+
         tensor = data.detach().contiguous().reshape(-1).view(torch.uint8)
         flat: ByteView = tensor.numpy() if tensor.device.type == "cpu" else tensor
     elif isinstance(data, np.ndarray):
         name = data.dtype.name
         if dtype_name and name != "uint8" and not _np_matches(data.dtype, dtype_name):
-            raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
+            raise InvalidArgument(
+                f"{what} dtype {name} does not match the layout dtype {dtype_name}"
+            )
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     else:
         try:
@@ -61,6 +68,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
     """Copy flat uint8 ``src`` into flat uint8 ``dst``; each may be numpy or torch (any device)."""
     if _is_torch(dst) or _is_torch(src):
         import torch
+
         if not _is_torch(dst):
             dst = torch.from_numpy(dst)
         if not _is_torch(src):

@@ -5,6 +5,7 @@ is pinned and inserts it back on unpin, so ``pop_victim`` never sees a pinned bl
 Links live in preallocated ``array`` buffers (intrusive doubly linked lists with sentinels, as in
 vLLM's ``FreeKVCacheBlockQueue``): no Python objects are allocated per operation.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -235,5 +236,6 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         cls = POLICIES[name.lower()]
     except KeyError:
         raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None
     return cls(capacity)

@@ -6,6 +6,7 @@ slot; the SSD pool (``ssd.py``) addresses them by key and uses the slot only for
 ``MetadataPool`` holds no bytes at all: the hit-rate benchmark replays traces through the real index
 and policies with it.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -26,8 +27,9 @@ class PagePool(ABC):
     def page_view(self, slot: int) -> ByteView | None:
         """A writable flat uint8 view of the page (numpy or torch), or None if not addressable."""
 
-    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
-                    datas: Sequence[ByteView]) -> None:
+    def write_pages(
+        self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence[ByteView]
+    ) -> None:
         for slot, data in zip(slots, datas):
             copy_bytes(self.page_view(slot), data)
 
@@ -48,11 +50,13 @@ class SharedDramPool(PagePool):
 
     tier = Tier.DRAM
 
-    def __init__(self, num_pages: int, page_bytes: int, shm_name: str | None = None,
-                 reserve: bool = False) -> None:
+    def __init__(
+        self, num_pages: int, page_bytes: int, shm_name: str | None = None, reserve: bool = False
+    ) -> None:
         self.num_pages, self.page_bytes = num_pages, page_bytes
-        self.slab = SharedSlab.create(shm_name or unique_shm_name(), num_pages * page_bytes,
-                                      reserve=reserve)
+        self.slab = SharedSlab.create(
+            shm_name or unique_shm_name(), num_pages * page_bytes, reserve=reserve
+        )
         self.shm_name = self.slab.name
         self._pages = self.slab.array.reshape(num_pages, page_bytes)
 
@@ -69,12 +73,14 @@ class SharedDramPool(PagePool):
 class TorchSlabPool(PagePool):
     """Pages in one preallocated torch tensor: the GPU tier on ``cuda``, testable on ``cpu``."""
 
-    def __init__(self, num_pages: int, page_bytes: int, device: str = "cuda",
-                 tier: Tier = Tier.GPU) -> None:
+    def __init__(
+        self, num_pages: int, page_bytes: int, device: str = "cuda", tier: Tier = Tier.GPU
+    ) -> None:
         import torch
 
         if device.startswith("cuda") and not torch.cuda.is_available():
             from .errors import StorageError
+
             raise StorageError("the GPU tier needs a CUDA device; set gpu_pages=0 on this machine")
         self.tier = tier
         self.num_pages, self.page_bytes = num_pages, page_bytes
@@ -99,8 +105,9 @@ class MetadataPool(PagePool):
     def page_view(self, slot: int) -> None:
         return None
 
-    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
-                    datas: Sequence[ByteView]) -> None:
+    def write_pages(
+        self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence[ByteView]
+    ) -> None:
         pass
 
     def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:

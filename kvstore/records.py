@@ -4,6 +4,7 @@ Plain dataclasses with no behaviour, in a module of their own so that every part
 (``blocks``, ``leases``, ``movement``, ``store``) can import them without importing each other.
 ``kvstore.store`` re-exports them; callers keep importing them from there.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,14 +41,14 @@ class StoreConfig:
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    hits: int                 # length of the cached prefix, in blocks
-    tiers: list[Tier]         # tier of each hit block
+    hits: int  # length of the cached prefix, in blocks
+    tiers: list[Tier]  # tier of each hit block
 
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
-    stored: int               # newly published blocks
-    duplicates: int           # blocks another writer published first (our pages were freed)
+    stored: int  # newly published blocks
+    duplicates: int  # blocks another writer published first (our pages were freed)
 
 
 @dataclass(frozen=True, kw_only=True)

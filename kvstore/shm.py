@@ -4,6 +4,7 @@ We use ``_posixshmem`` + ``mmap`` directly instead of ``multiprocessing.shared_m
 latter registers attached segments with the resource tracker, which unlinks them when *any*
 attaching process exits (fixed only in Python 3.13 with ``track=False``).
 """
+
 from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, no stubs
@@ -32,8 +33,9 @@ def _unlink(name: str) -> None:
 class SharedSlab:
     """A read-write mapping of ``/dev/shm/<name>``. The creator owns it and unlinks it."""
 
-    def __init__(self, name: str, size: int | None = None, create: bool = False,
-                 reserve: bool = False) -> None:
+    def __init__(
+        self, name: str, size: int | None = None, create: bool = False, reserve: bool = False
+    ) -> None:
         if not name or "/" in name:
             raise StorageError(f"invalid shared memory name {name!r}: use letters, digits, '-'")
         self.name = name
@@ -58,7 +60,8 @@ class SharedSlab:
                     except OSError as e:
                         raise StorageError(
                             f"cannot reserve {size} bytes of shared memory for {name!r}: {e}; "
-                            "lower --dram or enlarge /dev/shm") from None
+                            "lower --dram or enlarge /dev/shm"
+                        ) from None
             else:
                 size = os.fstat(fd).st_size
             self.size = size

@@ -5,6 +5,7 @@ from its source view (no concatenation copy) and both are committed in one trans
 ``buffers=True`` (a view into lmdb's map, no copy) and verify the checksum before copying out; a
 corrupt page is deleted and reported as a miss, never returned.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,19 +34,29 @@ class SsdPool(PagePool):
         map_size = num_pages * (page_bytes + _PAGE_OVERHEAD) + (64 << 20)
         try:
             os.makedirs(path, exist_ok=True)
-            self.env = lmdb.open(path, map_size=map_size, max_dbs=2, subdir=True,
-                                 readahead=False, metasync=False, sync=False, lock=True)
+            self.env = lmdb.open(
+                path,
+                map_size=map_size,
+                max_dbs=2,
+                subdir=True,
+                readahead=False,
+                metasync=False,
+                sync=False,
+                lock=True,
+            )
             self._pages = self.env.open_db(b"pages")
             self._sums = self.env.open_db(b"sums")
         except (OSError, lmdb.Error) as e:
-            raise StorageError(f"cannot open the SSD tier at {path!r}: {e}; "
-                               "give --ssd-dir a writable directory") from None
+            raise StorageError(
+                f"cannot open the SSD tier at {path!r}: {e}; give --ssd-dir a writable directory"
+            ) from None
 
     def page_view(self, slot: int) -> None:
         return None
 
-    def write_pages(self, slots: Sequence[int], keys: Sequence[bytes],
-                    datas: Sequence[ByteView]) -> None:
+    def write_pages(
+        self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence[ByteView]
+    ) -> None:
         with self.env.begin(write=True) as txn:
             for key, data in zip(keys, datas):
                 if not isinstance(data, np.ndarray):  # a torch tensor (GPU tier demotes via host)
@@ -60,8 +71,11 @@ class SsdPool(PagePool):
             if value is None:
                 return False
             checksum = txn.get(key, db=self._sums)
-            ok = (len(value) == self.page_bytes and checksum is not None
-                  and xxhash.xxh3_64_digest(value) == bytes(checksum))
+            ok = (
+                len(value) == self.page_bytes
+                and checksum is not None
+                and xxhash.xxh3_64_digest(value) == bytes(checksum)
+            )
             if ok:
                 copy_bytes(out, np.frombuffer(value, dtype=np.uint8))
         if not ok:

@@ -19,6 +19,7 @@ The store is split by job, over one shared state:
 - ``invariants``: the consistency check;
 - this module: ``TieredStore``, the public API over them. Every public name stays importable here.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,16 @@ from .ssd import SsdPool
 from .tiers import Tier
 
 __all__ = [
-    "DEFAULT_LEASE_TTL_S", "CommitResult", "InvariantViolation", "LookupResult", "ReadLease",
-    "StoreConfig", "StoreStats", "TierStats", "TieredStore", "WriteLease",
+    "DEFAULT_LEASE_TTL_S",
+    "CommitResult",
+    "InvariantViolation",
+    "LookupResult",
+    "ReadLease",
+    "StoreConfig",
+    "StoreStats",
+    "TierStats",
+    "TieredStore",
+    "WriteLease",
 ]
 
 
@@ -73,16 +82,21 @@ class TieredStore(LeaseBook, TierMovement):
 
     def _open_tiers(self) -> None:
         cfg, page = self.config, self.layout.page_bytes
-        specs = [(Tier.GPU, cfg.gpu_pages, cfg.gpu_policy), (Tier.DRAM, cfg.dram_pages,
-                 cfg.dram_policy), (Tier.SSD, cfg.ssd_pages, cfg.ssd_policy)]
+        specs = [
+            (Tier.GPU, cfg.gpu_pages, cfg.gpu_policy),
+            (Tier.DRAM, cfg.dram_pages, cfg.dram_policy),
+            (Tier.SSD, cfg.ssd_pages, cfg.ssd_policy),
+        ]
         for tier, pages, _ in specs:
             if pages < 0:
                 raise InvalidArgument(f"{tier.name.lower()}_pages must be >= 0, got {pages}")
         if not any(p for _, p, _ in specs):
             raise InvalidArgument("a store needs at least one tier with pages > 0")
         if not cfg.metadata_only and cfg.dram_pages <= 0:
-            raise InvalidArgument("a store with data needs a DRAM tier (dram_pages > 0): it is "
-                                  "where writers and shared-memory readers see pages")
+            raise InvalidArgument(
+                "a store with data needs a DRAM tier (dram_pages > 0): it is "
+                "where writers and shared-memory readers see pages"
+            )
         if cfg.write_tier not in [t for t, p, _ in specs if p]:
             raise InvalidArgument(f"write_tier {cfg.write_tier.name} has no pages")
         for tier, pages, policy in specs:
@@ -90,8 +104,9 @@ class TieredStore(LeaseBook, TierMovement):
                 continue
             evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
-            self._tiers[tier] = TierState(tier, pool, evict, list(range(pages - 1, -1, -1)),
-                                          [None] * pages)
+            self._tiers[tier] = TierState(
+                tier, pool, evict, list(range(pages - 1, -1, -1)), [None] * pages
+            )
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
         cfg = self.config
@@ -100,8 +115,7 @@ class TieredStore(LeaseBook, TierMovement):
         if tier is Tier.GPU:
             return TorchSlabPool(pages, page_bytes, device=cfg.gpu_device)
         if tier is Tier.DRAM:
-            return SharedDramPool(pages, page_bytes, shm_name=cfg.shm_name,
-                                  reserve=cfg.reserve_shm)
+            return SharedDramPool(pages, page_bytes, shm_name=cfg.shm_name, reserve=cfg.reserve_shm)
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")
         sub = xxhash.xxh64_hexdigest(self.namespace.encode())
@@ -113,7 +127,7 @@ class TieredStore(LeaseBook, TierMovement):
         if ts is None or not isinstance(ts.pool, SsdPool):
             return
         keys = ts.pool.stored_keys()
-        keep, extra = keys[: len(ts.free)], keys[len(ts.free):]
+        keep, extra = keys[: len(ts.free)], keys[len(ts.free) :]
         if extra:
             ts.pool.drop_pages([-1] * len(extra), extra)
         for key in keep:
@@ -168,8 +182,9 @@ class TieredStore(LeaseBook, TierMovement):
 
     # ---- two-phase writes --------------------------------------------------------------
 
-    def allocate(self, keys: Sequence[bytes], ttl_s: float | None = None,
-                 tier: Tier | str | None = None) -> WriteLease:
+    def allocate(
+        self, keys: Sequence[bytes], ttl_s: float | None = None, tier: Tier | str | None = None
+    ) -> WriteLease:
         """Lease pages for the keys not yet stored. Evicts (demoting) as needed; raises
         ``CapacityExhausted`` when the pages cannot be freed because the rest are pinned."""
         checked = check_keys(keys)
@@ -201,7 +216,7 @@ class TieredStore(LeaseBook, TierMovement):
                 src = as_uint8(data, size, self.layout.dtype, f"layer {layer}")
             view = pool.page_view(slot)
             if view is not None:
-                copy_bytes(view[offset:offset + size], src)
+                copy_bytes(view[offset : offset + size], src)
             self._n.bytes_written += size
 
     def write_pages(self, lease_id: int, pages: Sequence[Any]) -> None:
@@ -213,8 +228,7 @@ class TieredStore(LeaseBook, TierMovement):
             for i in lease.to_write:
                 self.write(lease_id, i, pages[i])
 
-    def page_view(self, lease: WriteLease | ReadLease, index: int,
-                  layer: int | None = None) -> Any:
+    def page_view(self, lease: WriteLease | ReadLease, index: int, layer: int | None = None) -> Any:
         """Zero-copy view of a leased or pinned page (or one layer of it), valid while the lease
         is. Writers fill it in place; readers must not write to it."""
         slot = lease.slots[index]
@@ -226,7 +240,7 @@ class TieredStore(LeaseBook, TierMovement):
         if view is None or layer is None:
             return view
         offset = self.layout.layer_offset(layer)
-        return view[offset:offset + self.layout.layer_bytes]
+        return view[offset : offset + self.layout.layer_bytes]
 
     def commit(self, lease_id: int) -> CommitResult:
         """Publish a lease's pages. Keys another writer published first keep the first copy."""
@@ -236,7 +250,8 @@ class TieredStore(LeaseBook, TierMovement):
             if state is None:
                 raise FailedPrecondition(
                     f"commit of write lease {lease_id}: no such lease (never allocated, already "
-                    "committed or aborted, or expired); allocate again")
+                    "committed or aborted, or expired); allocate again"
+                )
             lease = state.lease
             ts = self._tiers[lease.tier]
             stored = dup = 0
@@ -271,8 +286,9 @@ class TieredStore(LeaseBook, TierMovement):
 
     # ---- pinned reads ------------------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[bytes], ttl_s: float | None = None,
-                into: Tier | None | str = "default") -> ReadLease:
+    def acquire(
+        self, keys: Sequence[bytes], ttl_s: float | None = None, into: Tier | None | str = "default"
+    ) -> ReadLease:
         """Pin the stored keys (missing ones get slot -1) under a lease.
 
         ``into``: a tier to move pinned blocks into first (DRAM for shared-memory readers: an SSD
@@ -334,8 +350,10 @@ class TieredStore(LeaseBook, TierMovement):
         key, slot, tier = lease.keys[index], lease.slots[index], lease.tiers[index]
         size = out.numel() if hasattr(out, "numel") else getattr(out, "size", None)
         if size != self.layout.page_bytes or getattr(out, "ndim", 1) != 1:
-            raise InvalidArgument(f"copy_out needs a flat buffer of {self.layout.page_bytes} "
-                                  f"bytes, got {getattr(out, 'shape', type(out).__name__)}")
+            raise InvalidArgument(
+                f"copy_out needs a flat buffer of {self.layout.page_bytes} "
+                f"bytes, got {getattr(out, 'shape', type(out).__name__)}"
+            )
         if slot < 0:
             raise NotFound(f"key #{index} of lease {lease.lease_id} is not stored")
         with self._lock:
@@ -406,19 +424,34 @@ class TieredStore(LeaseBook, TierMovement):
 
     def stats(self) -> StoreStats:
         with self._lock:
-            tiers = [TierStats(tier=t, capacity_pages=len(ts.keys),
-                               used_pages=len(ts.keys) - len(ts.free) - ts.leased,
-                               leased_pages=ts.leased, pinned_blocks=ts.pinned, hits=ts.hits,
-                               evictions=ts.evictions)
-                     for t, ts in sorted(self._tiers.items())]
+            tiers = [
+                TierStats(
+                    tier=t,
+                    capacity_pages=len(ts.keys),
+                    used_pages=len(ts.keys) - len(ts.free) - ts.leased,
+                    leased_pages=ts.leased,
+                    pinned_blocks=ts.pinned,
+                    hits=ts.hits,
+                    evictions=ts.evictions,
+                )
+                for t, ts in sorted(self._tiers.items())
+            ]
             n = self._n
-            return StoreStats(tiers=tiers, blocks=len(self._index), misses=n.misses,
-                              demotions=n.demotions, promotions=n.promotions,
-                              corrupt_pages=n.corrupt_pages, bytes_written=n.bytes_written,
-                              bytes_read=n.bytes_read, write_leases=len(self._write_leases),
-                              read_leases=len(self._read_leases), expired_leases=n.expired_leases,
-                              last_event_seq=self._events.last_seq,
-                              dropped_events=self._events.dropped)
+            return StoreStats(
+                tiers=tiers,
+                blocks=len(self._index),
+                misses=n.misses,
+                demotions=n.demotions,
+                promotions=n.promotions,
+                corrupt_pages=n.corrupt_pages,
+                bytes_written=n.bytes_written,
+                bytes_read=n.bytes_read,
+                write_leases=len(self._write_leases),
+                read_leases=len(self._read_leases),
+                expired_leases=n.expired_leases,
+                last_event_seq=self._events.last_seq,
+                dropped_events=self._events.dropped,
+            )
 
     def check_invariants(self) -> None:
         """Raise ``InvariantViolation`` (an ``AssertionError``) listing every broken invariant

@@ -1,4 +1,5 @@
 """Storage tiers, fastest first."""
+
 from enum import IntEnum
 
 

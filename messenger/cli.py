@@ -6,6 +6,7 @@ It maps the node's DRAM pool by its shared-memory name (so it must run on the no
 pages to peers on the data port, and pulls the blocks it is asked for (``SubmitTransfer``) from
 other messengers into the node.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,25 +36,50 @@ log = logging.getLogger("kvcache.messenger")
 def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
     parser.add_argument("--node", required=True, help="this host's node server (host:port)")
-    parser.add_argument("--node-token", default=None,
-                        help="the cluster's admin token, for the node, peer messengers and the "
-                             "data port (default: --token)")
-    parser.add_argument("--data-listen", default=None,
-                        help="host:port of the data port peers pull from (default: --listen's "
-                             "host, any free port)")
-    parser.add_argument("--transport", choices=MODES, default="auto",
-                        help="tcp, rdma (fails without RDMA) or auto (RDMA when a port is "
-                             "ACTIVE, else TCP); RDMA falls back to TCP per peer")
+    parser.add_argument(
+        "--node-token",
+        default=None,
+        help="the cluster's admin token, for the node, peer messengers and the "
+        "data port (default: --token)",
+    )
+    parser.add_argument(
+        "--data-listen",
+        default=None,
+        help="host:port of the data port peers pull from (default: --listen's host, any free port)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=MODES,
+        default="auto",
+        help="tcp, rdma (fails without RDMA) or auto (RDMA when a port is "
+        "ACTIVE, else TCP); RDMA falls back to TCP per peer",
+    )
     parser.add_argument("--lanes", type=int, default=2, help="TCP connections per fetch")
     parser.add_argument("--workers", type=int, default=4, help="transfer jobs run at once")
-    parser.add_argument("--pin-ttl", type=float, default=30.0,
-                        help="lease (s) of pins taken on the node while serving a peer")
-    parser.add_argument("--write-ttl", type=float, default=120.0,
-                        help="lease (s) of pages allocated on the node while they arrive")
-    parser.add_argument("--io-timeout", type=float, default=30.0,
-                        help="a peer that stalls this long (s) fails its entries")
-    parser.add_argument("--node-wait", type=float, default=30.0,
-                        help="wait this long (s) for the node server at start")
+    parser.add_argument(
+        "--pin-ttl",
+        type=float,
+        default=30.0,
+        help="lease (s) of pins taken on the node while serving a peer",
+    )
+    parser.add_argument(
+        "--write-ttl",
+        type=float,
+        default=120.0,
+        help="lease (s) of pages allocated on the node while they arrive",
+    )
+    parser.add_argument(
+        "--io-timeout",
+        type=float,
+        default=30.0,
+        help="a peer that stalls this long (s) fails its entries",
+    )
+    parser.add_argument(
+        "--node-wait",
+        type=float,
+        default=30.0,
+        help="wait this long (s) for the node server at start",
+    )
     # Test-only fault injection: corrupt every N-th page sent, after checksumming.
     parser.add_argument("--fault-corrupt-every", type=int, default=0, help=argparse.SUPPRESS)
     # Test-only: after N pages sent, stall the stream for S seconds (once).
@@ -72,7 +98,7 @@ def _connect_node(args) -> KVStoreClient:
             if e.code.name != "UNAVAILABLE" or time.monotonic() > deadline:
                 client.close()
                 raise SystemExit(f"kvcache messenger: cannot use node {args.node}: {e}") from None
-            time.sleep(0.2)   # the node is still starting: retry until --node-wait
+            time.sleep(0.2)  # the node is still starting: retry until --node-wait
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,16 +116,24 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: the data port carries page bytes, not gRPC; with a token it demands the same admin
     # token (HELLO) that the messengers use with each other and with the nodes.
     cluster_token = args.node_token or args.token
-    data = DataServer(source, host=data_host, port=data_port, io_timeout_s=args.io_timeout,
-                      token=cluster_token,
-                      faults=SenderFaults(corrupt_every=args.fault_corrupt_every,
-                                          stall_after=args.fault_stall_after,
-                                          stall_s=args.fault_stall_s))
+    data = DataServer(
+        source,
+        host=data_host,
+        port=data_port,
+        io_timeout_s=args.io_timeout,
+        token=cluster_token,
+        faults=SenderFaults(
+            corrupt_every=args.fault_corrupt_every,
+            stall_after=args.fault_stall_after,
+            stall_s=args.fault_stall_s,
+        ),
+    )
     try:
         choice = choose_transport(
             args.transport,
             TcpConfig(lanes=args.lanes, io_timeout_s=args.io_timeout, token=cluster_token),
-            RdmaConfig(io_timeout_s=args.io_timeout, token=cluster_token))
+            RdmaConfig(io_timeout_s=args.io_timeout, token=cluster_token),
+        )
     except RuntimeError as e:
         raise SystemExit(f"kvcache messenger: {e}") from None
     rdma_source = None
@@ -107,27 +141,46 @@ def run(args: argparse.Namespace) -> int:
         rdma_source = RdmaSource(choice.backend, source)
         rdma_source.install(data)
     data.start()
+
     def lookup_data_address(messenger: str) -> str:
         with make_channel(messenger, cluster_token) as channel:
-            return pbg.MessengerServiceStub(channel).GetInfo(pb.MessengerInfoRequest(),
-                                                             timeout=10).data_address
+            return (
+                pbg.MessengerServiceStub(channel)
+                .GetInfo(pb.MessengerInfoRequest(), timeout=10)
+                .data_address
+            )
 
     metrics = MessengerMetrics(data)
-    mover = Mover(node, choice.transport, DataAddressResolver(lookup_data_address),
-                  MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
-                  on_entry=metrics.on_entry, on_job=metrics.on_job)
-    info = pb.MessengerInfo(node=args.node, data_address=data.address,
-                            transport=choice.description, lanes=args.lanes,
-                            namespaces=node.namespaces())
+    mover = Mover(
+        node,
+        choice.transport,
+        DataAddressResolver(lookup_data_address),
+        MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
+        on_entry=metrics.on_entry,
+        on_job=metrics.on_job,
+    )
+    info = pb.MessengerInfo(
+        node=args.node,
+        data_address=data.address,
+        transport=choice.description,
+        lanes=args.lanes,
+        namespaces=node.namespaces(),
+    )
 
     def add(server: grpc.Server) -> list[str]:
-        pbg.add_MessengerServiceServicer_to_server(MessengerServicer(mover, info, auth, metrics),
-                                                   server)
+        pbg.add_MessengerServiceServicer_to_server(
+            MessengerServicer(mover, info, auth, metrics), server
+        )
         return [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
-        log.info("messenger for node %s on %s, data port %s, transport %s", args.node, address,
-                 data.address, choice.description)
+        log.info(
+            "messenger for node %s on %s, data port %s, transport %s",
+            args.node,
+            address,
+            data.address,
+            choice.description,
+        )
         return {"data_address": data.address, "transport": choice.description}
 
     def close() -> None:
@@ -141,6 +194,16 @@ def run(args: argparse.Namespace) -> int:
         node.close()
         client.close()
 
-    return serve(Service(role="messenger", listen=args.listen, auth=auth, tls=tls, add=add,
-                         metrics_port=args.metrics_port, registry=metrics.registry,
-                         on_serving=on_serving, close=close))
+    return serve(
+        Service(
+            role="messenger",
+            listen=args.listen,
+            auth=auth,
+            tls=tls,
+            add=add,
+            metrics_port=args.metrics_port,
+            registry=metrics.registry,
+            on_serving=on_serving,
+            close=close,
+        )
+    )

@@ -8,6 +8,7 @@ A connection that sends anything but this protocol (bad magic, unknown kind, ove
 inconsistent bodies, a frame cut short) is dropped with a warning; the process and every other
 connection carry on.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # Pages and bytes per sendmsg call: few syscalls, a bounded iovec count, and pages sent soon
 # after their checksum pass read them (still in cache).
 _SEND_BATCH_PAGES = 32
-_SEND_BATCH_BYTES = 4 << 20   # small enough that a page is still in cache from its checksum
+_SEND_BATCH_BYTES = 4 << 20  # small enough that a page is still in cache from its checksum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +83,9 @@ class PeerConnection:
 
     def read_body(self, header: Header, limit: int = MAX_CONTROL_BYTES) -> bytes:
         if header.length > limit:
-            raise ProtocolError(f"{header.kind.name} body of {header.length} bytes exceeds the "
-                                f"limit of {limit}")
+            raise ProtocolError(
+                f"{header.kind.name} body of {header.length} bytes exceeds the limit of {limit}"
+            )
         body = bytearray(header.length)
         recv_exact(self.sock, memoryview(body))
         if checksum(body) != header.checksum:
@@ -100,17 +102,25 @@ Handler = Callable[[PeerConnection, Header], None]
 class DataServer:
     """Serves pages from a ``PageSource`` on ``host:port`` (port 0: pick a free one)."""
 
-    def __init__(self, source: PageSource, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 30.0, faults: SenderFaults | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        source: PageSource,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        io_timeout_s: float = 30.0,
+        faults: SenderFaults | None = None,
+        token: str | None = None,
+    ) -> None:
         """``token``: when set, a connection must open with a HELLO carrying it."""
         self.source = source
         self._token = token.encode() if token else None
         self.io_timeout_s = io_timeout_s
         self.faults = faults or SenderFaults()
         self.stats = DataServerStats()
-        self._handlers: dict[Kind, Handler] = {Kind.FETCH: self._serve_fetch,
-                                               Kind.HELLO: self._hello}
+        self._handlers: dict[Kind, Handler] = {
+            Kind.FETCH: self._serve_fetch,
+            Kind.HELLO: self._hello,
+        }
         self._lock = threading.Lock()
         self._conns: dict[int, PeerConnection] = {}
         self._ids = itertools.count(1)
@@ -121,8 +131,9 @@ class DataServer:
         self._listener = socket.create_server((host, port), backlog=128)
         self.host = host
         self.port = self._listener.getsockname()[1]
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name=f"data-accept-{self.port}")
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"data-accept-{self.port}"
+        )
 
     @property
     def address(self) -> str:
@@ -166,8 +177,9 @@ class DataServer:
             with self._lock:
                 self._conns[conn.conn_id] = conn
                 self.stats.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"data-conn-{conn.conn_id}").start()
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name=f"data-conn-{conn.conn_id}"
+            ).start()
 
     def _serve(self, conn: PeerConnection) -> None:
         sock = conn.sock
@@ -179,13 +191,19 @@ class DataServer:
                 if not self._wait_header(sock, buf):
                     return
                 header = unpack_header(buf)
-                if self._token is not None and not conn.state.get("authenticated") \
-                        and header.kind is not Kind.HELLO:
-                    self._send_error(conn, Status.UNAUTHENTICATED,
-                                     "this data port needs a token: open with HELLO (the "
-                                     "cluster's admin token)")
-                    raise ProtocolError(f"{header.kind.name} without HELLO on a token-protected "
-                                        "data port")
+                if (
+                    self._token is not None
+                    and not conn.state.get("authenticated")
+                    and header.kind is not Kind.HELLO
+                ):
+                    self._send_error(
+                        conn,
+                        Status.UNAUTHENTICATED,
+                        "this data port needs a token: open with HELLO (the cluster's admin token)",
+                    )
+                    raise ProtocolError(
+                        f"{header.kind.name} without HELLO on a token-protected data port"
+                    )
                 handler = self._handlers.get(header.kind)
                 if handler is None:
                     raise ProtocolError(f"unexpected {header.kind.name} frame from a client")
@@ -252,9 +270,12 @@ class DataServer:
         except LookupError as e:
             return self._send_error(conn, Status.INVALID, str(e))
         if mine != page_bytes:
-            return self._send_error(conn, Status.INVALID,
-                                    f"page size mismatch for {namespace!r}: source pages are "
-                                    f"{mine} bytes, the request expects {page_bytes}")
+            return self._send_error(
+                conn,
+                Status.INVALID,
+                f"page size mismatch for {namespace!r}: source pages are "
+                f"{mine} bytes, the request expects {page_bytes}",
+            )
         try:
             pinned = self.source.pin(namespace, keys)
         except LookupError as e:
@@ -272,8 +293,9 @@ class DataServer:
         corrupt_every = self.faults.corrupt_every
         for key, view in zip(keys, views):
             if self.faults.stall_after:
-                batch, batch_bytes, sent_bytes = self._maybe_stall(conn, batch, batch_bytes,
-                                                                   sent_bytes)
+                batch, batch_bytes, sent_bytes = self._maybe_stall(
+                    conn, batch, batch_bytes, sent_bytes
+                )
             if view is None:
                 batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
                 missing += 1
@@ -281,8 +303,9 @@ class DataServer:
             csum = checksum(view)
             if corrupt_every:
                 view = self._maybe_corrupt(view, corrupt_every)
-            batch.append(pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes,
-                                     checksum_=csum))
+            batch.append(
+                pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes, checksum_=csum)
+            )
             batch.append(view)
             batch_bytes += view.nbytes
             pages += 1
@@ -298,15 +321,16 @@ class DataServer:
             self.stats.missing_pages += missing
         conn.send(batch)
 
-    def _maybe_stall(self, conn: PeerConnection, batch: list, batch_bytes: int,
-                     sent_bytes: int) -> tuple[list, int, int]:
+    def _maybe_stall(
+        self, conn: PeerConnection, batch: list, batch_bytes: int, sent_bytes: int
+    ) -> tuple[list, int, int]:
         with self._lock:
             self._pages_streamed += 1
             stall = not self._stalled and self._pages_streamed > self.faults.stall_after
             self._stalled |= stall
         if not stall:
             return batch, batch_bytes, sent_bytes
-        conn.send(batch)   # what came before the stall point reaches the peer first
+        conn.send(batch)  # what came before the stall point reaches the peer first
         log.warning("fault injection: stalling the data stream for %.1f s", self.faults.stall_s)
         self._stopped.wait(self.faults.stall_s)
         return [], 0, sent_bytes + batch_bytes
@@ -324,5 +348,6 @@ class DataServer:
 
     def _send_error(self, conn: PeerConnection, status: Status, message: str) -> None:
         body = message.encode()[:MAX_CONTROL_BYTES]
-        conn.send([pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)),
-                   body])
+        conn.send(
+            [pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)), body]
+        )

@@ -9,6 +9,7 @@ Header: ``magic kind status flags count key length checksum reserved`` (little-e
 ``checksum`` is xxh3-64 of the payload. A header with a wrong magic or an unknown kind means the
 peer is not speaking this protocol: the connection is dropped.
 """
+
 from __future__ import annotations
 
 import enum
@@ -39,24 +40,24 @@ checksum = xxhash.xxh3_64_intdigest
 
 
 class Kind(enum.IntEnum):
-    FETCH = 1          # dest -> src: body = page_bytes, namespace, keys; count = number of keys
-    PAGE = 2           # src -> dest: one key's page (status OK) or its absence
-    END = 3            # src -> dest: the response to one FETCH is complete
-    ERROR = 4          # src -> dest: the request failed as a whole; payload = utf-8 message
-    RDMA_CONNECT = 5   # dest -> src: JSON QP info; reply RDMA_ACCEPT with the source's QP info
+    FETCH = 1  # dest -> src: body = page_bytes, namespace, keys; count = number of keys
+    PAGE = 2  # src -> dest: one key's page (status OK) or its absence
+    END = 3  # src -> dest: the response to one FETCH is complete
+    ERROR = 4  # src -> dest: the request failed as a whole; payload = utf-8 message
+    RDMA_CONNECT = 5  # dest -> src: JSON QP info; reply RDMA_ACCEPT with the source's QP info
     RDMA_ACCEPT = 6
-    RDMA_PIN = 7       # dest -> src: like FETCH; reply RDMA_PINNED (lease, offsets, checksums)
+    RDMA_PIN = 7  # dest -> src: like FETCH; reply RDMA_PINNED (lease, offsets, checksums)
     RDMA_PINNED = 8
-    RDMA_RELEASE = 9   # dest -> src: count = 0, key[:8] = lease id; reply END
-    HELLO = 10         # dest -> src, first on a connection when the source wants a token:
-                       # payload = the token (utf-8); reply END, or ERROR and a hang-up
+    RDMA_RELEASE = 9  # dest -> src: count = 0, key[:8] = lease id; reply END
+    HELLO = 10  # dest -> src, first on a connection when the source wants a token:
+    # payload = the token (utf-8); reply END, or ERROR and a hang-up
 
 
 class Status(enum.IntEnum):
     OK = 0
     NOT_FOUND = 1
-    UNAVAILABLE = 2    # the source cannot pin pages right now (node down, ...)
-    INVALID = 3        # the request is malformed or names an unknown namespace / page size
+    UNAVAILABLE = 2  # the source cannot pin pages right now (node down, ...)
+    INVALID = 3  # the request is malformed or names an unknown namespace / page size
     INTERNAL = 4
     UNAUTHENTICATED = 5
 
@@ -79,20 +80,26 @@ class Header:
     checksum: int
 
     def pack(self) -> bytes:
-        return pack_header(self.kind, self.status, self.count, self.key, self.length,
-                           self.checksum)
+        return pack_header(self.kind, self.status, self.count, self.key, self.length, self.checksum)
 
 
-def pack_header(kind: Kind, status: Status = Status.OK, count: int = 0, key: bytes = ZERO_KEY,
-                length: int = 0, checksum_: int = 0) -> bytes:
+def pack_header(
+    kind: Kind,
+    status: Status = Status.OK,
+    count: int = 0,
+    key: bytes = ZERO_KEY,
+    length: int = 0,
+    checksum_: int = 0,
+) -> bytes:
     return HEADER.pack(MAGIC, kind, status, 0, count, key, length, checksum_, 0)
 
 
 def unpack_header(buf) -> Header:
     magic, kind, status, _flags, count, key, length, csum, _ = HEADER.unpack(buf)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r}: the peer does not speak the messenger "
-                            "protocol")
+        raise ProtocolError(
+            f"bad magic {bytes(magic)!r}: the peer does not speak the messenger protocol"
+        )
     try:
         kind_ = Kind(kind)
         status_ = Status(status)
@@ -117,13 +124,15 @@ def unpack_keys_body(body: bytes, count: int) -> tuple[str, int, list[bytes]]:
     page_bytes, ns_len = _BODY_HEAD.unpack_from(body)
     start = _BODY_HEAD.size + ns_len
     if ns_len > MAX_NAMESPACE_BYTES or len(body) != start + count * KEY_BYTES:
-        raise ProtocolError(f"request body of {len(body)} bytes does not hold a namespace of "
-                            f"{ns_len} bytes and {count} keys")
+        raise ProtocolError(
+            f"request body of {len(body)} bytes does not hold a namespace of "
+            f"{ns_len} bytes and {count} keys"
+        )
     try:
-        namespace = body[_BODY_HEAD.size:start].decode()
+        namespace = body[_BODY_HEAD.size : start].decode()
     except UnicodeDecodeError:
         raise ProtocolError("namespace is not utf-8") from None
-    keys = [body[i:i + KEY_BYTES] for i in range(start, len(body), KEY_BYTES)]
+    keys = [body[i : i + KEY_BYTES] for i in range(start, len(body), KEY_BYTES)]
     return namespace, page_bytes, keys
 
 
@@ -138,14 +147,16 @@ class Pinned:
     region_addr: int
     region_length: int
     rkey: int
-    offsets: np.ndarray      # int64 per key; -1: the source does not hold it
-    checksums: np.ndarray    # uint64 xxh3-64 per key (0 where absent)
+    offsets: np.ndarray  # int64 per key; -1: the source does not hold it
+    checksums: np.ndarray  # uint64 xxh3-64 per key (0 where absent)
 
 
 def pack_pinned(p: Pinned) -> bytes:
-    return (_PINNED_HEAD.pack(p.lease_id, p.region_addr, p.region_length, p.rkey, 0)
-            + np.asarray(p.offsets, dtype="<i8").tobytes()
-            + np.asarray(p.checksums, dtype="<u8").tobytes())
+    return (
+        _PINNED_HEAD.pack(p.lease_id, p.region_addr, p.region_length, p.rkey, 0)
+        + np.asarray(p.offsets, dtype="<i8").tobytes()
+        + np.asarray(p.checksums, dtype="<u8").tobytes()
+    )
 
 
 def unpack_pinned(body: bytes, count: int) -> Pinned:
@@ -182,6 +193,7 @@ def unpack_json(body: bytes) -> dict:
 
 # ---- socket helpers ----------------------------------------------------------------------------
 
+
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     """Kernel-level send/receive timeouts (SO_RCVTIMEO / SO_SNDTIMEO).
 
@@ -202,9 +214,12 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
         try:
             got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL)
         except (BlockingIOError, InterruptedError) as e:
-            if isinstance(e, BlockingIOError) and (deadline is None or
-                                                   time.monotonic() >= deadline):
-                raise TimeoutError(f"no data from the peer for too long ({pos}/{n} bytes)") from None
+            if isinstance(e, BlockingIOError) and (
+                deadline is None or time.monotonic() >= deadline
+            ):
+                raise TimeoutError(
+                    f"no data from the peer for too long ({pos}/{n} bytes)"
+                ) from None
             continue
         if got == 0:
             raise PeerClosed(f"peer closed the connection ({pos}/{n} bytes of a frame)")
@@ -240,5 +255,7 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
 
 def is_disconnect(exc: BaseException) -> bool:
     return isinstance(exc, (PeerClosed, ConnectionError, TimeoutError)) or (
-        isinstance(exc, OSError) and exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF,
-                                                   errno.ENOTCONN, errno.ETIMEDOUT))
+        isinstance(exc, OSError)
+        and exc.errno
+        in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN, errno.ETIMEDOUT)
+    )

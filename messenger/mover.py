@@ -11,6 +11,7 @@ Per job (one source, up to ``job_bytes`` of pages):
 
 A key being fetched is fetched once: later submissions (any batch) join the entry in flight.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,16 +45,16 @@ _RPC_OUTCOME = {
 
 @dataclass(frozen=True, kw_only=True)
 class MoverConfig:
-    workers: int = 4                 # jobs running at once
-    job_bytes: int = 256 << 20       # pages per job = job_bytes // page_bytes (>= 1)
-    write_ttl_s: float = 120.0       # write lease while pages arrive
-    keep_batches: int = 4096         # finished batches kept for TransferStatus
+    workers: int = 4  # jobs running at once
+    job_bytes: int = 256 << 20  # pages per job = job_bytes // page_bytes (>= 1)
+    write_ttl_s: float = 120.0  # write lease while pages arrive
+    keep_batches: int = 4096  # finished batches kept for TransferStatus
 
 
 @dataclass(frozen=True, slots=True)
 class EntryRequest:
     key: bytes
-    source: str          # the source messenger's gRPC address
+    source: str  # the source messenger's gRPC address
     source_data: str = ""
 
 
@@ -63,9 +64,9 @@ class _Entry:
     key: bytes
     source: str
     source_data: str
-    result: EntryResult | None = None   # None while pending
+    result: EntryResult | None = None  # None while pending
     already_present: bool = False
-    refs: int = 0                       # batches still waiting for it
+    refs: int = 0  # batches still waiting for it
     cancelled: bool = False
 
 
@@ -75,7 +76,7 @@ class Batch:
     namespace: str
     entries: list[_Entry]
     created: float
-    overrides: dict[int, EntryResult] = field(default_factory=dict)   # cancelled positions
+    overrides: dict[int, EntryResult] = field(default_factory=dict)  # cancelled positions
     finished_at: float | None = None
 
     def result_of(self, i: int) -> EntryResult | None:
@@ -85,7 +86,7 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class EntrySnapshot:
     key: bytes
-    result: EntryResult | None        # None: pending
+    result: EntryResult | None  # None: pending
     already_present: bool
 
 
@@ -129,10 +130,15 @@ class DataAddressResolver:
 
 
 class Mover:
-    def __init__(self, node: NodeAccess, transport: Transport, resolver: DataAddressResolver,
-                 config: MoverConfig | None = None,
-                 on_entry: Callable[[str, EntryResult, int], None] | None = None,
-                 on_job: Callable[[float, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        node: NodeAccess,
+        transport: Transport,
+        resolver: DataAddressResolver,
+        config: MoverConfig | None = None,
+        on_entry: Callable[[str, EntryResult, int], None] | None = None,
+        on_job: Callable[[float, int], None] | None = None,
+    ) -> None:
         self.node = node
         self.transport = transport
         self.resolver = resolver
@@ -144,8 +150,7 @@ class Mover:
         self._inflight: dict[tuple[str, bytes], _Entry] = {}
         self._batches: dict[str, Batch] = {}
         self._bytes: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=self.config.workers,
-                                        thread_name_prefix="mover")
+        self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mover")
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._closed = False
@@ -162,8 +167,9 @@ class Mover:
         if not requests:
             raise InvalidArgument("a transfer batch needs at least one entry")
         if len(requests) > MAX_BATCH_ENTRIES:
-            raise InvalidArgument(f"{len(requests)} entries in one batch; the limit is "
-                                  f"{MAX_BATCH_ENTRIES}: split it")
+            raise InvalidArgument(
+                f"{len(requests)} entries in one batch; the limit is {MAX_BATCH_ENTRIES}: split it"
+            )
         try:
             info = self.node.info(namespace)
             self.node.region(namespace)
@@ -172,8 +178,9 @@ class Mover:
         keys = check_keys([r.key for r in requests])
         for i, r in enumerate(requests):
             if not r.source or ":" not in r.source:
-                raise InvalidArgument(f"entry #{i}: source must be the source messenger's "
-                                      f"host:port, got {r.source!r}")
+                raise InvalidArgument(
+                    f"entry #{i}: source must be the source messenger's host:port, got {r.source!r}"
+                )
         new: dict[tuple[str, str], list[_Entry]] = {}
         joined = 0
         with self._lock:
@@ -197,12 +204,17 @@ class Mover:
         per_job = max(1, self.config.job_bytes // info.page_bytes)
         for (source, source_data), group in new.items():
             for s in range(0, len(group), per_job):
-                self._pool.submit(self._run_job, namespace, info.page_bytes, source, source_data,
-                                  group[s:s + per_job])
+                self._pool.submit(
+                    self._run_job,
+                    namespace,
+                    info.page_bytes,
+                    source,
+                    source_data,
+                    group[s : s + per_job],
+                )
         return batch_id, joined
 
-    def status(self, batch_id: str, wait: bool = False, timeout_s: float = 30.0
-               ) -> BatchSnapshot:
+    def status(self, batch_id: str, wait: bool = False, timeout_s: float = 30.0) -> BatchSnapshot:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             batch = self._batch_locked(batch_id)
@@ -222,7 +234,7 @@ class Mover:
                     batch.overrides[i] = cancelled
                     entry.refs -= 1
                     if entry.refs <= 0:
-                        entry.cancelled = True   # no other batch wants it: stop fetching it
+                        entry.cancelled = True  # no other batch wants it: stop fetching it
             self._note_finished_locked(batch)
             self._changed.notify_all()
             return self._snapshot_locked(batch)
@@ -234,13 +246,15 @@ class Mover:
                 entry.cancelled = True
         self._pool.shutdown(wait=True)
 
-    # ---- bookkeeping (caller holds the lock) ----------------------------------------------------------
+    # ---- bookkeeping (caller holds the lock) -----------------------------------------------------
 
     def _batch_locked(self, batch_id: str) -> Batch:
         batch = self._batches.get(batch_id)
         if batch is None:
-            raise NotFound(f"no transfer batch {batch_id!r} (never submitted, or finished long "
-                           "ago and forgotten)")
+            raise NotFound(
+                f"no transfer batch {batch_id!r} (never submitted, or finished long "
+                "ago and forgotten)"
+            )
         return batch
 
     @staticmethod
@@ -252,11 +266,18 @@ class Mover:
             batch.finished_at = time.monotonic()
 
     def _snapshot_locked(self, batch: Batch) -> BatchSnapshot:
-        entries = [EntrySnapshot(e.key, batch.result_of(i), e.already_present)
-                   for i, e in enumerate(batch.entries)]
+        entries = [
+            EntrySnapshot(e.key, batch.result_of(i), e.already_present)
+            for i, e in enumerate(batch.entries)
+        ]
         end = batch.finished_at or time.monotonic()
-        return BatchSnapshot(batch.batch_id, entries, batch.finished_at is not None,
-                             self._bytes.get(batch.batch_id, 0), end - batch.created)
+        return BatchSnapshot(
+            batch.batch_id,
+            entries,
+            batch.finished_at is not None,
+            self._bytes.get(batch.batch_id, 0),
+            end - batch.created,
+        )
 
     def _trim_locked(self) -> None:
         excess = len(self._batches) - self.config.keep_batches
@@ -266,8 +287,13 @@ class Mover:
             del self._batches[bid]
             self._bytes.pop(bid, None)
 
-    def _resolve(self, entries: list[_Entry], results: dict[int, EntryResult],
-                 page_bytes: int, present: set[int] = frozenset()) -> None:
+    def _resolve(
+        self,
+        entries: list[_Entry],
+        results: dict[int, EntryResult],
+        page_bytes: int,
+        present: set[int] = frozenset(),
+    ) -> None:
         """Publish final results (index in ``entries`` -> result) and wake waiters."""
         with self._lock:
             for i, result in results.items():
@@ -281,30 +307,42 @@ class Mover:
                     continue
                 if moved:
                     self._bytes[batch.batch_id] += page_bytes * sum(
-                        1 for e in batch.entries if id(e) in moved)
+                        1 for e in batch.entries if id(e) in moved
+                    )
                 self._note_finished_locked(batch)
             self._changed.notify_all()
         for i, result in results.items():
-            self._on_entry(entries[i].namespace, result,
-                           page_bytes if result.ok and i not in present else 0)
+            self._on_entry(
+                entries[i].namespace, result, page_bytes if result.ok and i not in present else 0
+            )
 
-    # ---- a job ---------------------------------------------------------------------------------------
+    # ---- a job -----------------------------------------------------------------------------------
 
-    def _run_job(self, namespace: str, page_bytes: int, source: str, source_data: str,
-                 entries: list[_Entry]) -> None:
+    def _run_job(
+        self, namespace: str, page_bytes: int, source: str, source_data: str, entries: list[_Entry]
+    ) -> None:
         t0 = time.monotonic()
         try:
             self._job(namespace, page_bytes, source, source_data, entries)
             self._on_job(time.monotonic() - t0, len(entries))
         except Exception as e:  # noqa: BLE001 - a job must resolve its entries whatever happens
             log.exception("transfer job from %s failed", source)
-            self._resolve(entries, {i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}")
-                                    for i, en in enumerate(entries) if en.result is None},
-                          page_bytes)
+            self._resolve(
+                entries,
+                {
+                    i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}")
+                    for i, en in enumerate(entries)
+                    if en.result is None
+                },
+                page_bytes,
+            )
 
     def _job(self, namespace, page_bytes, source, source_data, entries: list[_Entry]) -> None:
-        cancelled = {i: EntryResult(Outcome.CANCELLED, "the batch was cancelled")
-                     for i, e in enumerate(entries) if e.cancelled}
+        cancelled = {
+            i: EntryResult(Outcome.CANCELLED, "the batch was cancelled")
+            for i, e in enumerate(entries)
+            if e.cancelled
+        }
         if cancelled:
             self._resolve(entries, cancelled, page_bytes)
             entries = [e for e in entries if not e.cancelled]
@@ -314,31 +352,33 @@ class Mover:
             data_address = source_data or self.resolver.resolve(source)
         except Exception as e:  # noqa: BLE001 - any lookup failure fails these entries
             reason = f"cannot reach source messenger {source}: {e}"
-            self._resolve(entries, {i: EntryResult(Outcome.UNAVAILABLE, reason)
-                                    for i in range(len(entries))}, page_bytes)
+            self._resolve(
+                entries,
+                {i: EntryResult(Outcome.UNAVAILABLE, reason) for i in range(len(entries))},
+                page_bytes,
+            )
             return
         keys = [e.key for e in entries]
         try:
-            lease = self.node.client.allocate(namespace, keys=keys,
-                                              ttl_s=self.config.write_ttl_s)
+            lease = self.node.client.allocate(namespace, keys=keys, ttl_s=self.config.write_ttl_s)
         except KVCacheRpcError as e:
             outcome = _RPC_OUTCOME.get(e.code, Outcome.UNAVAILABLE)
             reason = f"destination node cannot allocate {len(keys)} pages: {e.details}"
-            self._resolve(entries, {i: EntryResult(outcome, reason) for i in range(len(keys))},
-                          page_bytes)
+            self._resolve(
+                entries, {i: EntryResult(outcome, reason) for i in range(len(keys))}, page_bytes
+            )
             return
         present = {i for i, off in enumerate(lease.offsets) if off < 0}
         todo = [i for i in range(len(keys)) if i not in present]
         results: dict[int, EntryResult] = {i: EntryResult(Outcome.OK) for i in present}
         if todo:
             views = [self.node.page(namespace, lease.offsets[i], page_bytes) for i in todo]
-            fetched = self.transport.fetch(data_address, namespace, [keys[i] for i in todo],
-                                           views)
+            fetched = self.transport.fetch(data_address, namespace, [keys[i] for i in todo], views)
             if any(r.outcome is Outcome.UNAVAILABLE for r in fetched) and not source_data:
-                self.resolver.forget(source)   # the peer may have restarted on another port
+                self.resolver.forget(source)  # the peer may have restarted on another port
             for i, r in zip(todo, fetched):
                 results[i] = r
-            for i in todo:    # a cancel that came in meanwhile wins: do not publish it
+            for i in todo:  # a cancel that came in meanwhile wins: do not publish it
                 if entries[i].cancelled and results[i].ok:
                     results[i] = EntryResult(Outcome.CANCELLED, "the batch was cancelled")
             results.update(self._publish(lease, todo, results, namespace, page_bytes))
@@ -346,8 +386,14 @@ class Mover:
             self._abort(lease)
         self._resolve(entries, results, page_bytes, present)
 
-    def _publish(self, lease: WriteLease, todo: list[int], results: dict[int, EntryResult],
-                 namespace: str, page_bytes: int) -> dict[int, EntryResult]:
+    def _publish(
+        self,
+        lease: WriteLease,
+        todo: list[int],
+        results: dict[int, EntryResult],
+        namespace: str,
+        page_bytes: int,
+    ) -> dict[int, EntryResult]:
         """Commit the verified pages of ``lease``; returns results that changed."""
         good = [i for i in todo if results[i].ok]
         client = self.node.client
@@ -362,19 +408,22 @@ class Mover:
             return {}
         # Some pages failed: publish only the verified ones, through a lease of their own.
         try:
-            second = client.allocate(namespace, keys=[lease.keys[i] for i in good],
-                                     ttl_s=self.config.write_ttl_s)
+            second = client.allocate(
+                namespace, keys=[lease.keys[i] for i in good], ttl_s=self.config.write_ttl_s
+            )
         except KVCacheRpcError as e:
             self._abort(lease)
             outcome = _RPC_OUTCOME.get(e.code, Outcome.UNAVAILABLE)
-            return {i: EntryResult(outcome, f"cannot republish the verified pages: {e.details}")
-                    for i in good}
+            return {
+                i: EntryResult(outcome, f"cannot republish the verified pages: {e.details}")
+                for i in good
+            }
         region = self.node.region(namespace)
         for j, i in enumerate(good):
             dst = second.offsets[j]
-            if dst >= 0:   # -1: another writer stored it meanwhile
+            if dst >= 0:  # -1: another writer stored it meanwhile
                 src = lease.offsets[i]
-                np.copyto(region[dst:dst + page_bytes], region[src:src + page_bytes])
+                np.copyto(region[dst : dst + page_bytes], region[src : src + page_bytes])
         self._abort(lease)
         try:
             client.commit(second)

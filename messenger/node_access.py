@@ -5,6 +5,7 @@ Calls go through the node client library with the admin token (tenant ""), so ke
 stored. Page bytes never pass through the node server: the node hands out offsets in its shared
 memory slab and the messenger reads/writes the pages there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,13 +51,17 @@ class NodeAccess:
             return slab.array
         info = self.info(namespace)
         if not info.shm_name:
-            raise LookupError(f"namespace {namespace!r} has no shared-memory DRAM pool on the "
-                              "node; the messenger needs one (give the node --dram)")
+            raise LookupError(
+                f"namespace {namespace!r} has no shared-memory DRAM pool on the "
+                "node; the messenger needs one (give the node --dram)"
+            )
         try:
             slab = SharedSlab.attach(info.shm_name)
         except StorageError as e:
-            raise LookupError(f"cannot map the node's pool {info.shm_name!r}: {e}; the "
-                              "messenger must run on the node's host") from None
+            raise LookupError(
+                f"cannot map the node's pool {info.shm_name!r}: {e}; the "
+                "messenger must run on the node's host"
+            ) from None
         with self._lock:
             mine = self._slabs.setdefault(namespace, slab)
         if mine is not slab:
@@ -64,7 +69,7 @@ class NodeAccess:
         return mine.array
 
     def page(self, namespace: str, offset: int, page_bytes: int) -> memoryview:
-        return memoryview(self.region(namespace)[offset:offset + page_bytes])
+        return memoryview(self.region(namespace)[offset : offset + page_bytes])
 
     def close(self) -> None:
         with self._lock:
@@ -88,7 +93,7 @@ class NodePageSource(PageSource):
         return self.node.region(namespace)
 
     def pin(self, namespace: str, keys: list[bytes]) -> PinnedPages:
-        region = self.node.region(namespace)   # LookupError for unknown namespaces
+        region = self.node.region(namespace)  # LookupError for unknown namespaces
         client = self.node.client
         try:
             lease = client.acquire(namespace, keys=keys, ttl_s=self.pin_ttl_s)
@@ -98,7 +103,7 @@ class NodePageSource(PageSource):
             raise ConnectionError(f"node Acquire failed: {e}") from None
         pb = lease.page_bytes
         mv = memoryview(region)
-        views = [mv[off:off + pb] if off >= 0 else None for off in lease.offsets]
+        views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
 
         def release() -> None:
             try:

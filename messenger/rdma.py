@@ -17,6 +17,7 @@ Failures are per entry. A failed completion fails its chain's entries and every 
 QP is in the error state), and the peer's RDMA session is dropped; ``FallbackTransport`` then
 retries those entries over TCP and keeps that peer on TCP.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -71,9 +72,13 @@ from .verbs import (
 
 log = logging.getLogger(__name__)
 
-_STATUS_OUTCOME = {Status.NOT_FOUND: Outcome.NOT_FOUND, Status.UNAVAILABLE: Outcome.UNAVAILABLE,
-                   Status.INVALID: Outcome.INVALID, Status.INTERNAL: Outcome.INTERNAL,
-                   Status.UNAUTHENTICATED: Outcome.UNAVAILABLE}
+_STATUS_OUTCOME = {
+    Status.NOT_FOUND: Outcome.NOT_FOUND,
+    Status.UNAVAILABLE: Outcome.UNAVAILABLE,
+    Status.INVALID: Outcome.INVALID,
+    Status.INTERNAL: Outcome.INTERNAL,
+    Status.UNAUTHENTICATED: Outcome.UNAVAILABLE,
+}
 
 
 def buffer_address(buf) -> int:
@@ -85,6 +90,7 @@ def buffer_address(buf) -> int:
 
 # ---- planning (pure) ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One READ covering pages that are contiguous on both sides."""
@@ -92,11 +98,12 @@ class Segment:
     remote_addr: int
     local_addr: int
     length: int
-    entries: tuple[int, ...]      # entry indices, in address order
+    entries: tuple[int, ...]  # entry indices, in address order
 
 
-def plan_segments(entries: Sequence[tuple[int, int, int]], page_bytes: int,
-                  max_bytes: int) -> list[Segment]:
+def plan_segments(
+    entries: Sequence[tuple[int, int, int]], page_bytes: int, max_bytes: int
+) -> list[Segment]:
     """``entries``: (index, remote_addr, local_addr) per page. Sorted by remote address, and
     merged where the next page follows on both sides, up to ``max_bytes`` per segment."""
     out: list[Segment] = []
@@ -104,7 +111,12 @@ def plan_segments(entries: Sequence[tuple[int, int, int]], page_bytes: int,
     r0 = l0 = 0
     length = 0
     for idx, raddr, laddr in sorted(entries, key=lambda e: e[1]):
-        if run and raddr == r0 + length and laddr == l0 + length and length + page_bytes <= max_bytes:
+        if (
+            run
+            and raddr == r0 + length
+            and laddr == l0 + length
+            and length + page_bytes <= max_bytes
+        ):
             run.append(idx)
             length += page_bytes
             continue
@@ -117,10 +129,11 @@ def plan_segments(entries: Sequence[tuple[int, int, int]], page_bytes: int,
 
 
 def chain_segments(segments: Sequence[Segment], chain: int) -> list[list[Segment]]:
-    return [list(segments[i:i + chain]) for i in range(0, len(segments), chain)]
+    return [list(segments[i : i + chain]) for i in range(0, len(segments), chain)]
 
 
 # ---- source side -------------------------------------------------------------------------------
+
 
 class RdmaSource:
     """Adds the RDMA control requests to a ``DataServer``: QP setup, pin, release.
@@ -150,8 +163,9 @@ class RdmaSource:
             mr = self._mrs.get(namespace)
             if mr is None:
                 region = self.source.region(namespace)
-                mr = self.backend.register(buffer_address(region), region.nbytes,
-                                           Access.LOCAL_WRITE | Access.REMOTE_READ)
+                mr = self.backend.register(
+                    buffer_address(region), region.nbytes, Access.LOCAL_WRITE | Access.REMOTE_READ
+                )
                 self._mrs[namespace] = mr
             return mr
 
@@ -171,8 +185,7 @@ class RdmaSource:
             return _send_error(conn, Status.UNAVAILABLE, f"source cannot set up an RC QP: {e}")
         conn.state["qp"] = qp
         body = pack_json({"qp": qp.info.to_dict()})
-        conn.send([pack_header(Kind.RDMA_ACCEPT, length=len(body), checksum_=checksum(body)),
-                   body])
+        conn.send([pack_header(Kind.RDMA_ACCEPT, length=len(body), checksum_=checksum(body)), body])
 
     def _pin(self, conn: PeerConnection, header: Header) -> None:
         if header.count > MAX_KEYS_PER_REQUEST:
@@ -183,9 +196,12 @@ class RdmaSource:
         try:
             mine = self.source.page_bytes(namespace)
             if mine != page_bytes:
-                return _send_error(conn, Status.INVALID,
-                                   f"page size mismatch for {namespace!r}: source pages are "
-                                   f"{mine} bytes, the request expects {page_bytes}")
+                return _send_error(
+                    conn,
+                    Status.INVALID,
+                    f"page size mismatch for {namespace!r}: source pages are "
+                    f"{mine} bytes, the request expects {page_bytes}",
+                )
             mr = self.region_mr(namespace)
             pinned = self.source.pin(namespace, keys)
         except LookupError as e:
@@ -198,18 +214,34 @@ class RdmaSource:
         conn.state.setdefault("leases", {})[lease_id] = pinned
         if len(conn.state["leases"]) == 1:
             conn.on_close.append(lambda: _release_all(conn))
-        sums = np.array([checksum(v) if v is not None else 0 for v in pinned.views],
-                        dtype=np.uint64)
-        body = pack_pinned(Pinned(lease_id, mr.addr, mr.length, mr.rkey,
-                                  np.asarray(pinned.offsets, dtype=np.int64), sums))
-        conn.send([pack_header(Kind.RDMA_PINNED, count=len(keys), length=len(body),
-                               checksum_=checksum(body)), body])
+        sums = np.array(
+            [checksum(v) if v is not None else 0 for v in pinned.views], dtype=np.uint64
+        )
+        body = pack_pinned(
+            Pinned(
+                lease_id,
+                mr.addr,
+                mr.length,
+                mr.rkey,
+                np.asarray(pinned.offsets, dtype=np.int64),
+                sums,
+            )
+        )
+        conn.send(
+            [
+                pack_header(
+                    Kind.RDMA_PINNED, count=len(keys), length=len(body), checksum_=checksum(body)
+                ),
+                body,
+            ]
+        )
 
     def _release(self, conn: PeerConnection, header: Header) -> None:
         if header.length:
             raise ProtocolError("RDMA_RELEASE carries no body")
-        pinned: PinnedPages | None = conn.state.get("leases", {}).pop(lease_of_key(header.key),
-                                                                       None)
+        pinned: PinnedPages | None = conn.state.get("leases", {}).pop(
+            lease_of_key(header.key), None
+        )
         if pinned is not None:
             pinned.release()
         conn.send([pack_header(Kind.END)])
@@ -229,14 +261,15 @@ def _send_error(conn: PeerConnection, status: Status, message: str) -> None:
 
 # ---- destination side ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True)
 class RdmaConfig:
-    chain: int = 16                  # WRs per posted chain (only the last one signaled)
+    chain: int = 16  # WRs per posted chain (only the last one signaled)
     chains_in_flight: int = 4
-    max_wr_bytes: int = 64 << 20     # a merged READ never exceeds this
+    max_wr_bytes: int = 64 << 20  # a merged READ never exceeds this
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    token: str | None = None         # HELLO on the control connection (token-protected port)
+    token: str | None = None  # HELLO on the control connection (token-protected port)
 
     def __post_init__(self) -> None:
         if self.chain < 1 or self.chains_in_flight < 1 or self.max_wr_bytes < 1:
@@ -264,10 +297,16 @@ class _Session:
         finally:
             self.qp.close()
 
-    def request(self, kind: Kind, body: bytes = b"", count: int = 0,
-                key: bytes | None = None) -> tuple[Header, bytes]:
-        head = pack_header(kind, count=count, length=len(body), checksum_=checksum(body),
-                           **({"key": key} if key is not None else {}))
+    def request(
+        self, kind: Kind, body: bytes = b"", count: int = 0, key: bytes | None = None
+    ) -> tuple[Header, bytes]:
+        head = pack_header(
+            kind,
+            count=count,
+            length=len(body),
+            checksum_=checksum(body),
+            **({"key": key} if key is not None else {}),
+        )
         send_buffers(self.sock, [head, body] if body else [head])
         h = recv_header(self.sock, self.header)
         if h.length > MAX_CONTROL_BYTES + 16 * MAX_KEYS_PER_REQUEST + 64:
@@ -287,18 +326,20 @@ class RdmaTransport(Transport):
         self.backend = backend
         self.config = config or RdmaConfig()
         if self.config.chain * self.config.chains_in_flight > backend.max_send_wr:
-            raise ValueError(f"chain x chains_in_flight exceeds the send queue "
-                             f"({backend.max_send_wr} WRs)")
+            raise ValueError(
+                f"chain x chains_in_flight exceeds the send queue ({backend.max_send_wr} WRs)"
+            )
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
-        self._local: list[MemoryRegion] = []      # sorted by address
+        self._local: list[MemoryRegion] = []  # sorted by address
         self._wr_ids = itertools.count(1)
 
     # ---- local memory ----------------------------------------------------------------------
 
     def register_local(self, region: np.ndarray) -> None:
-        mr = self.backend.register(buffer_address(region), region.nbytes,
-                                   Access.LOCAL_WRITE | Access.REMOTE_READ)
+        mr = self.backend.register(
+            buffer_address(region), region.nbytes, Access.LOCAL_WRITE | Access.REMOTE_READ
+        )
         with self._lock:
             self._local.append(mr)
             self._local.sort(key=lambda m: m.addr)
@@ -371,8 +412,9 @@ class RdmaTransport(Transport):
 
     # ---- fetch -------------------------------------------------------------------------------
 
-    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
-              views: Sequence[memoryview]) -> list[EntryResult]:
+    def fetch(
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> list[EntryResult]:
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
@@ -384,8 +426,9 @@ class RdmaTransport(Transport):
         for i, addr in enumerate(local):
             mr = self._local_mr(addr, page_bytes)
             if mr is None:
-                results[i] = EntryResult(Outcome.UNAVAILABLE,
-                                         "destination page is not in RDMA-registered memory")
+                results[i] = EntryResult(
+                    Outcome.UNAVAILABLE, "destination page is not in RDMA-registered memory"
+                )
             lkeys.append(mr.lkey if mr else 0)
         todo = [i for i in range(n) if results[i] is None]
         try:
@@ -395,9 +438,10 @@ class RdmaTransport(Transport):
         with session.lock:
             try:
                 for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
-                    group = todo[s:s + MAX_KEYS_PER_REQUEST]
-                    self._fetch_group(session, namespace, page_bytes, group, keys, views, local,
-                                      lkeys, results)
+                    group = todo[s : s + MAX_KEYS_PER_REQUEST]
+                    self._fetch_group(
+                        session, namespace, page_bytes, group, keys, views, local, lkeys, results
+                    )
                     if session.broken:
                         break
             except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
@@ -419,8 +463,9 @@ class RdmaTransport(Transport):
                 results[i] = EntryResult(outcome, reason)
         return results
 
-    def _fetch_group(self, session: _Session, namespace, page_bytes, group, keys, views, local,
-                     lkeys, results) -> None:
+    def _fetch_group(
+        self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
+    ) -> None:
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
         h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
         if h.kind is Kind.ERROR:
@@ -453,34 +498,45 @@ class RdmaTransport(Transport):
                 if checksum(views[i]) == sums[i]:
                     results[i] = OK
                 else:
-                    results[i] = EntryResult(Outcome.DATA_LOSS,
-                                             "checksum mismatch: page corrupted in transit")
+                    results[i] = EntryResult(
+                        Outcome.DATA_LOSS, "checksum mismatch: page corrupted in transit"
+                    )
         except BaseException:
-            session.broken = True   # closing the control connection releases the source's pins
+            session.broken = True  # closing the control connection releases the source's pins
             raise
         h, _ = session.request(Kind.RDMA_RELEASE, key=lease_key(pinned.lease_id))
         if h.kind is not Kind.END:
             raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
 
-    def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys,
-              results) -> None:
+    def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
         """Post the segments as chained READs and wait for them; failed chains fail entries."""
         cfg = self.config
         chains = chain_segments(segments, cfg.chain)
-        in_flight: dict[int, list[Segment]] = {}    # signaled wr_id -> its chain
-        owner_of: dict[int, int] = {}                # any wr_id -> its chain's signaled wr_id
+        in_flight: dict[int, list[Segment]] = {}  # signaled wr_id -> its chain
+        owner_of: dict[int, int] = {}  # any wr_id -> its chain's signaled wr_id
         next_chain = 0
         deadline = time.monotonic() + cfg.io_timeout_s
         idle_polls = 0
         while next_chain < len(chains) or in_flight:
-            while next_chain < len(chains) and len(in_flight) < cfg.chains_in_flight \
-                    and not session.broken:
+            while (
+                next_chain < len(chains)
+                and len(in_flight) < cfg.chains_in_flight
+                and not session.broken
+            ):
                 chain = chains[next_chain]
                 next_chain += 1
-                wrs = [ReadWr(wr_id=next(self._wr_ids), local_addr=seg.local_addr,
-                              lkey=lkeys[seg.entries[0]], remote_addr=seg.remote_addr,
-                              rkey=rkey, length=seg.length, signaled=k == len(chain) - 1)
-                       for k, seg in enumerate(chain)]
+                wrs = [
+                    ReadWr(
+                        wr_id=next(self._wr_ids),
+                        local_addr=seg.local_addr,
+                        lkey=lkeys[seg.entries[0]],
+                        remote_addr=seg.remote_addr,
+                        rkey=rkey,
+                        length=seg.length,
+                        signaled=k == len(chain) - 1,
+                    )
+                    for k, seg in enumerate(chain)
+                ]
                 session.qp.post_reads(wrs)
                 in_flight[wrs[-1].wr_id] = chain
                 for wr in wrs:
@@ -548,8 +604,9 @@ class FallbackTransport(Transport):
         self.primary.register_local(region)
         self.fallback.register_local(region)
 
-    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
-              views: Sequence[memoryview]) -> list[EntryResult]:
+    def fetch(
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> list[EntryResult]:
         with self._lock:
             demoted = peer in self._tcp_only
         if demoted:
@@ -563,10 +620,16 @@ class FallbackTransport(Transport):
             first = peer not in self._tcp_only
             self._tcp_only[peer] = reason
         if first:
-            log.warning("%s to peer %s failed (%s); using %s for this peer from now on",
-                        self.primary.name, peer, reason, self.fallback.name)
-        again = self.fallback.fetch(peer, namespace, [keys[i] for i in retry],
-                                    [views[i] for i in retry])
+            log.warning(
+                "%s to peer %s failed (%s); using %s for this peer from now on",
+                self.primary.name,
+                peer,
+                reason,
+                self.fallback.name,
+            )
+        again = self.fallback.fetch(
+            peer, namespace, [keys[i] for i in retry], [views[i] for i in retry]
+        )
         for i, r in zip(retry, again):
             results[i] = r
         return results

@@ -4,6 +4,7 @@
 ``rdma`` insists (a clear error when it cannot work). Either RDMA mode falls back to TCP per peer
 (``FallbackTransport``): a peer without RDMA, or whose READs fail, is served over TCP.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ MODES = ("tcp", "rdma", "auto")
 @dataclass
 class TransportChoice:
     transport: Transport
-    backend: VerbsBackend | None    # also serves the source side (RdmaSource) when set
+    backend: VerbsBackend | None  # also serves the source side (RdmaSource) when set
     description: str
 
 
@@ -38,8 +39,12 @@ def open_rdma_backend() -> tuple[VerbsBackend | None, str]:
         return None, str(e)
 
 
-def choose_transport(mode: str, tcp: TcpConfig | None = None, rdma: RdmaConfig | None = None,
-                     backend: VerbsBackend | None = None) -> TransportChoice:
+def choose_transport(
+    mode: str,
+    tcp: TcpConfig | None = None,
+    rdma: RdmaConfig | None = None,
+    backend: VerbsBackend | None = None,
+) -> TransportChoice:
     """``backend``: a verbs backend to use instead of probing (tests pass the fake one)."""
     if mode not in MODES:
         raise ValueError(f"unknown transport {mode!r}; choose one of {', '.join(MODES)}")
@@ -53,8 +58,9 @@ def choose_transport(mode: str, tcp: TcpConfig | None = None, rdma: RdmaConfig |
     if backend is None:
         if mode == "rdma":
             tcp_transport.close()
-            raise RuntimeError(f"--transport rdma: RDMA is unavailable: {reason}; use "
-                               "--transport tcp or auto")
+            raise RuntimeError(
+                f"--transport rdma: RDMA is unavailable: {reason}; use --transport tcp or auto"
+            )
         log.info("transport: tcp (auto: RDMA unavailable: %s)", reason)
         return TransportChoice(tcp_transport, None, f"tcp (RDMA unavailable: {reason})")
     transport = FallbackTransport(RdmaTransport(backend, rdma), tcp_transport)

@@ -1,4 +1,5 @@
 """``MessengerService`` over gRPC: a thin servicer over ``Mover``; protobuf <-> domain here only."""
+
 from __future__ import annotations
 
 import grpc
@@ -34,19 +35,35 @@ MAX_WAIT_S = 600.0
 class MessengerMetrics:
     def __init__(self, data_server: DataServer) -> None:
         self.registry = CollectorRegistry()
-        self.entries = Counter("kvcache_messenger_transfer_entries",
-                               "Transfer entries finished on this (destination) messenger",
-                               ["outcome"], registry=self.registry)
-        self.bytes = Counter("kvcache_messenger_received_bytes",
-                             "Page bytes received and committed", registry=self.registry)
-        self.latency = Histogram("kvcache_messenger_rpc_seconds", "Messenger RPC latency",
-                                 ["method"], registry=self.registry)
-        self.errors = Counter("kvcache_messenger_rpc_errors", "Messenger RPCs failed, by code",
-                              ["method", "code"], registry=self.registry)
-        self.job_seconds = Histogram("kvcache_messenger_job_seconds",
-                                     "Time of one transfer job (allocate, fetch, commit)",
-                                     buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
-                                     registry=self.registry)
+        self.entries = Counter(
+            "kvcache_messenger_transfer_entries",
+            "Transfer entries finished on this (destination) messenger",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.bytes = Counter(
+            "kvcache_messenger_received_bytes",
+            "Page bytes received and committed",
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvcache_messenger_rpc_seconds",
+            "Messenger RPC latency",
+            ["method"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvcache_messenger_rpc_errors",
+            "Messenger RPCs failed, by code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.job_seconds = Histogram(
+            "kvcache_messenger_job_seconds",
+            "Time of one transfer job (allocate, fetch, commit)",
+            buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=self.registry,
+        )
         self.registry.register(_DataServerCollector(data_server))
 
     def on_job(self, seconds: float, pages: int) -> None:
@@ -64,12 +81,15 @@ class _DataServerCollector(Collector):
 
     def collect(self):
         s = self._server.stats
-        sent = CounterMetricFamily("kvcache_messenger_sent", "Pages and bytes served to peers",
-                                   labels=["unit"])
+        sent = CounterMetricFamily(
+            "kvcache_messenger_sent", "Pages and bytes served to peers", labels=["unit"]
+        )
         sent.add_metric(["pages"], s.pages_sent)
         sent.add_metric(["bytes"], s.bytes_sent)
-        dropped = CounterMetricFamily("kvcache_messenger_dropped_connections",
-                                      "Data-port connections dropped for protocol violations")
+        dropped = CounterMetricFamily(
+            "kvcache_messenger_dropped_connections",
+            "Data-port connections dropped for protocol violations",
+        )
         dropped.add_metric([], s.dropped_connections)
         yield from (sent, dropped)
 
@@ -80,20 +100,38 @@ def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
         if e.result is None:
             entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_PENDING))
         elif e.result.ok:
-            entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_DONE,
-                                          already_present=e.already_present))
+            entries.append(
+                pb.EntryStatus(key=e.key, state=pb.ENTRY_DONE, already_present=e.already_present)
+            )
         else:
-            entries.append(pb.EntryStatus(key=e.key, state=pb.ENTRY_FAILED,
-                                          code=CODE_OF[e.result.outcome], reason=e.result.reason))
-    return pb.TransferStatusReply(batch_id=snap.batch_id, entries=entries,
-                                  pending=snap.count("pending"), done=snap.count("done"),
-                                  failed=snap.count("failed"), finished=snap.finished,
-                                  bytes_moved=snap.bytes_moved, elapsed_s=snap.elapsed_s)
+            entries.append(
+                pb.EntryStatus(
+                    key=e.key,
+                    state=pb.ENTRY_FAILED,
+                    code=CODE_OF[e.result.outcome],
+                    reason=e.result.reason,
+                )
+            )
+    return pb.TransferStatusReply(
+        batch_id=snap.batch_id,
+        entries=entries,
+        pending=snap.count("pending"),
+        done=snap.count("done"),
+        failed=snap.count("failed"),
+        finished=snap.finished,
+        bytes_moved=snap.bytes_moved,
+        elapsed_s=snap.elapsed_s,
+    )
 
 
 class MessengerServicer(pbg.MessengerServiceServicer):
-    def __init__(self, mover: Mover, info: pb.MessengerInfo, auth: Auth | None = None,
-                 metrics: MessengerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        mover: Mover,
+        info: pb.MessengerInfo,
+        auth: Auth | None = None,
+        metrics: MessengerMetrics | None = None,
+    ) -> None:
         self.mover = mover
         self.info = info
         self.auth = auth or Auth()
@@ -103,8 +141,10 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         # NOTE: keys here are stored keys (already tenant-scoped): only the cluster's admin
         # (the conductor, operators) may move them; a tenant token could name others' blocks.
         if self.auth.tenant(context) != "":
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{what} needs the admin token (--token), not a tenant token")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what} needs the admin token (--token), not a tenant token",
+            )
 
     @observed
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
@@ -113,17 +153,16 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             raise InvalidArgument(
                 f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
                 "the messenger writes into the node's shared DRAM pool (TIER_DRAM); the node's "
-                "eviction policy moves blocks between tiers")
+                "eviction policy moves blocks between tiers"
+            )
         if not request.namespace:
             raise InvalidArgument("namespace is required")
         entries = [EntryRequest(e.key, e.source, e.source_data) for e in request.entries]
         batch_id, joined = self.mover.submit(request.namespace, entries)
-        return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries),
-                                      deduplicated=joined)
+        return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
 
     @observed
-    def TransferStatus(self, request: pb.TransferStatusRequest, context
-                       ) -> pb.TransferStatusReply:
+    def TransferStatus(self, request: pb.TransferStatusRequest, context) -> pb.TransferStatusReply:
         timeout = request.timeout_s or DEFAULT_WAIT_S
         if not 0 < timeout <= MAX_WAIT_S:
             raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")

@@ -5,6 +5,7 @@
 with its data address once listening and runs until its stdin closes, so the parent controls its
 life without signals.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def fill_pattern(pages: np.ndarray, seed: int = 0, first_index: int = 0) -> None
     base = np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
     pages[:] = base
     words = pages.view(np.uint64)
-    words[:, ::512] = (np.arange(first_index, first_index + n, dtype=np.uint64)[:, None]
-                       + (np.uint64(seed) << np.uint64(32)))
+    words[:, ::512] = np.arange(first_index, first_index + n, dtype=np.uint64)[:, None] + (
+        np.uint64(seed) << np.uint64(32)
+    )
 
 
 def expected_page(index: int, page_bytes: int, seed: int = 0) -> np.ndarray:
@@ -64,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         keys = pattern_keys(args.pages, args.seed)
         slots = {k: i for i, k in enumerate(keys) if i not in missing}
         source = SlabPageSource(NAMESPACE, slab.array, args.page_bytes, slots)
-        server = DataServer(source, host=args.host, io_timeout_s=args.io_timeout,
-                            faults=SenderFaults(corrupt_every=args.corrupt_every)).start()
-        print("READY " + json.dumps({"address": server.address, "shm_name": slab.name}),
-              flush=True)
+        server = DataServer(
+            source,
+            host=args.host,
+            io_timeout_s=args.io_timeout,
+            faults=SenderFaults(corrupt_every=args.corrupt_every),
+        ).start()
+        print("READY " + json.dumps({"address": server.address, "shm_name": slab.name}), flush=True)
         sys.stdin.read()
         server.stop()
         print("STATS " + json.dumps(vars(server.stats)), flush=True)

@@ -10,6 +10,7 @@ against the sender's xxh3-64 checksum; nothing is copied in Python.
 Failures are per entry: a missing key, a checksum mismatch, an error reply, or a cut connection
 marks the affected entries and never raises to the caller.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,7 @@ class Unauthenticated(ConnectionError):
 def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
     """Open a connection to a token-protected data port."""
     body = token.encode()
-    send_buffers(sock, [pack_header(Kind.HELLO, length=len(body), checksum_=checksum(body)),
-                        body])
+    send_buffers(sock, [pack_header(Kind.HELLO, length=len(body), checksum_=checksum(body)), body])
     h = recv_header(sock, hbuf)
     if h.kind is Kind.ERROR:
         if h.length > MAX_CONTROL_BYTES:
@@ -94,13 +94,13 @@ def destination_views(keys: Sequence[bytes], views: Sequence) -> list[memoryview
 
 @dataclass(frozen=True, kw_only=True)
 class TcpConfig:
-    lanes: int = 2                 # connections per fetch (per peer)
+    lanes: int = 2  # connections per fetch (per peer)
     request_bytes: int = 32 << 20  # pages per request = request_bytes // page_bytes (>= 1)
-    window: int = 2                # requests in flight per lane
-    io_timeout_s: float = 30.0     # a stalled peer fails the lane after this long
+    window: int = 2  # requests in flight per lane
+    io_timeout_s: float = 30.0  # a stalled peer fails the lane after this long
     connect_timeout_s: float = 5.0
     max_idle_per_peer: int = 16
-    token: str | None = None       # sent in a HELLO on every new connection
+    token: str | None = None  # sent in a HELLO on every new connection
 
     def __post_init__(self) -> None:
         if self.lanes < 1 or self.window < 1 or self.request_bytes < 1:
@@ -141,13 +141,15 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Lane]] = {}
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.config.lanes * 4),
-                                        thread_name_prefix="tcp-lane")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, self.config.lanes * 4), thread_name_prefix="tcp-lane"
+        )
 
     # ---- public ------------------------------------------------------------------------------
 
-    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
-              views: Sequence[memoryview]) -> list[EntryResult]:
+    def fetch(
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> list[EntryResult]:
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
@@ -157,13 +159,19 @@ class TcpTransport(Transport):
         lanes = min(self.config.lanes, n)
         bounds = [n * i // lanes for i in range(lanes + 1)]
         runs = [range(bounds[i], bounds[i + 1]) for i in range(lanes)]
-        futures = [self._pool.submit(self._fetch_lane, peer, namespace, page_bytes, run, keys,
-                                     views, results) for run in runs[1:]]
+        futures = [
+            self._pool.submit(
+                self._fetch_lane, peer, namespace, page_bytes, run, keys, views, results
+            )
+            for run in runs[1:]
+        ]
         self._fetch_lane(peer, namespace, page_bytes, runs[0], keys, views, results)
         for f in futures:
             f.result()
-        return [r if r is not None else EntryResult(Outcome.INTERNAL, "entry left unresolved")
-                for r in results]
+        return [
+            r if r is not None else EntryResult(Outcome.INTERNAL, "entry left unresolved")
+            for r in results
+        ]
 
     def close(self) -> None:
         with self._lock:
@@ -176,24 +184,38 @@ class TcpTransport(Transport):
 
     # ---- lanes ---------------------------------------------------------------------------------
 
-    def _fetch_lane(self, peer, namespace, page_bytes, run: range, keys, views, results,
-                    allow_reuse: bool = True) -> None:
+    def _fetch_lane(
+        self,
+        peer,
+        namespace,
+        page_bytes,
+        run: range,
+        keys,
+        views,
+        results,
+        allow_reuse: bool = True,
+    ) -> None:
         try:
             lane, reused = self._take(peer, allow_reuse)
         except (OSError, ProtocolError) as e:
             self._fail(results, run, Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
             return
-        progress = [0]   # responses fully received on this lane
+        progress = [0]  # responses fully received on this lane
         try:
             self._run_requests(lane, namespace, page_bytes, run, keys, views, results, progress)
         except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
             lane.close()
-            if reused and progress[0] == 0 and is_disconnect(e) and all(
-                    results[i] is None for i in run):
+            if (
+                reused
+                and progress[0] == 0
+                and is_disconnect(e)
+                and all(results[i] is None for i in run)
+            ):
                 # A pooled connection the peer had closed meanwhile: retry once on a fresh one.
                 log.warning("stale pooled connection to %s (%s); reconnecting", peer, e)
-                self._fetch_lane(peer, namespace, page_bytes, run, keys, views, results,
-                                 allow_reuse=False)
+                self._fetch_lane(
+                    peer, namespace, page_bytes, run, keys, views, results, allow_reuse=False
+                )
                 return
             with self._lock:
                 self.stats.lane_failures += 1
@@ -210,11 +232,14 @@ class TcpTransport(Transport):
             return
         self._give_back(peer, lane)
 
-    def _run_requests(self, lane: _Lane, namespace, page_bytes, run: range, keys, views,
-                      results, progress) -> None:
+    def _run_requests(
+        self, lane: _Lane, namespace, page_bytes, run: range, keys, views, results, progress
+    ) -> None:
         per_request = max(1, min(MAX_KEYS_PER_REQUEST, self.config.request_bytes // page_bytes))
-        groups = [range(s, min(s + per_request, run.stop))
-                  for s in range(run.start, run.stop, per_request)]
+        groups = [
+            range(s, min(s + per_request, run.stop))
+            for s in range(run.start, run.stop, per_request)
+        ]
         window = self.config.window
         for g in groups[:window]:
             self._send_request(lane, namespace, page_bytes, g, keys)
@@ -227,11 +252,19 @@ class TcpTransport(Transport):
     @staticmethod
     def _send_request(lane: _Lane, namespace, page_bytes, group: range, keys) -> None:
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
-        send_buffers(lane.sock, [pack_header(Kind.FETCH, count=len(group), length=len(body),
-                                             checksum_=checksum(body)), body])
+        send_buffers(
+            lane.sock,
+            [
+                pack_header(
+                    Kind.FETCH, count=len(group), length=len(body), checksum_=checksum(body)
+                ),
+                body,
+            ],
+        )
 
-    def _receive_response(self, lane: _Lane, page_bytes, group: range, keys, views,
-                          results) -> None:
+    def _receive_response(
+        self, lane: _Lane, page_bytes, group: range, keys, views, results
+    ) -> None:
         sock, hbuf = lane.sock, lane.header
         pages = bad = 0
         for i in group:
@@ -243,22 +276,28 @@ class TcpTransport(Transport):
                     results[j] = EntryResult(outcome, reason)
                 return
             if h.kind is not Kind.PAGE or h.key != keys[i]:
-                raise ProtocolError(f"expected the page of key #{i}, got {h.kind.name} for "
-                                    f"key {h.key.hex()}")
+                raise ProtocolError(
+                    f"expected the page of key #{i}, got {h.kind.name} for key {h.key.hex()}"
+                )
             if h.status is not Status.OK:
                 if h.length:
                     raise ProtocolError("a non-OK PAGE frame carries no payload")
                 outcome = _STATUS_OUTCOME.get(h.status, Outcome.INTERNAL)
-                results[i] = EntryResult(outcome, "source does not hold the key"
-                                         if outcome is Outcome.NOT_FOUND else h.status.name)
+                results[i] = EntryResult(
+                    outcome,
+                    "source does not hold the key"
+                    if outcome is Outcome.NOT_FOUND
+                    else h.status.name,
+                )
                 continue
             if h.length != page_bytes:
                 raise ProtocolError(f"page of {h.length} bytes, expected {page_bytes}")
             view = views[i]
             recv_exact(sock, view)
             if checksum(view) != h.checksum:
-                results[i] = EntryResult(Outcome.DATA_LOSS,
-                                         "checksum mismatch: page corrupted in transit")
+                results[i] = EntryResult(
+                    Outcome.DATA_LOSS, "checksum mismatch: page corrupted in transit"
+                )
                 bad += 1
             else:
                 results[i] = OK

@@ -11,6 +11,7 @@ Both ends are abstract here:
 TCP (``tcp.py``) and RDMA (``rdma.py``) implement the same interface; the messenger does not care
 which one moved the bytes.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,11 +26,11 @@ class Outcome(enum.Enum):
     """Per-entry result of a transfer; the names map to gRPC status codes in the service."""
 
     OK = "ok"
-    NOT_FOUND = "not_found"            # the source does not hold the key
-    DATA_LOSS = "data_loss"            # checksum mismatch: the bytes were corrupted in flight
-    UNAVAILABLE = "unavailable"        # connection failed or cut, source could not pin
-    INVALID = "invalid"                # namespace / page size mismatch, bad request
-    RESOURCE_EXHAUSTED = "resource_exhausted"   # destination has no room
+    NOT_FOUND = "not_found"  # the source does not hold the key
+    DATA_LOSS = "data_loss"  # checksum mismatch: the bytes were corrupted in flight
+    UNAVAILABLE = "unavailable"  # connection failed or cut, source could not pin
+    INVALID = "invalid"  # namespace / page size mismatch, bad request
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # destination has no room
     CANCELLED = "cancelled"
     INTERNAL = "internal"
 
@@ -53,8 +54,9 @@ class Transport(ABC):
     name: str
 
     @abstractmethod
-    def fetch(self, peer: str, namespace: str, keys: Sequence[bytes],
-              views: Sequence[memoryview]) -> list[EntryResult]:
+    def fetch(
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> list[EntryResult]:
         """Fill ``views[i]`` with the page of ``keys[i]`` held by ``peer`` (its data address,
         ``host:port``). Every view has the namespace's page size. Never raises for per-entry or
         connection failures: they come back as results."""
@@ -72,7 +74,7 @@ class PinnedPages:
     """A batch of pages pinned on the source. ``views[i]`` is None when ``keys[i]`` is absent."""
 
     views: list[memoryview | None]
-    offsets: list[int]                 # byte offset of each page in the namespace's region; -1
+    offsets: list[int]  # byte offset of each page in the namespace's region; -1
     release: Callable[[], None]
 
 
@@ -100,14 +102,19 @@ class SlabPageSource(PageSource):
     exercised with nothing but a numpy array or a ``SharedSlab``.
     """
 
-    def __init__(self, namespace: str, region: np.ndarray, page_bytes: int,
-                 slots: dict[bytes, int] | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        region: np.ndarray,
+        page_bytes: int,
+        slots: dict[bytes, int] | None = None,
+    ) -> None:
         assert region.dtype == np.uint8 and region.ndim == 1
         self.namespace = namespace
         self._region = region
         self._page_bytes = page_bytes
         self.slots: dict[bytes, int] = dict(slots or {})
-        self.pins = 0          # outstanding pinned batches, for tests
+        self.pins = 0  # outstanding pinned batches, for tests
 
     def page_bytes(self, namespace: str) -> int:
         self._check(namespace)
@@ -129,7 +136,7 @@ class SlabPageSource(PageSource):
                 views.append(None)
                 offsets.append(-1)
             else:
-                views.append(mv[slot * pb:(slot + 1) * pb])
+                views.append(mv[slot * pb : (slot + 1) * pb])
                 offsets.append(slot * pb)
         self.pins += 1
 

@@ -7,6 +7,7 @@ channel, work-request planning, chaining, completion handling, failures, fallbac
 ``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions; checks keys, bounds and
 access flags; injects completion errors) for tests on machines without RDMA.
 """
+
 from __future__ import annotations
 
 import enum
@@ -57,8 +58,8 @@ class QpInfo:
     qpn: int
     psn: int
     lid: int
-    gid: str          # "" when the port has no GID (IB with LID routing)
-    mtu: int          # ibv_mtu enum value (1: 256 ... 5: 4096)
+    gid: str  # "" when the port has no GID (IB with LID routing)
+    mtu: int  # ibv_mtu enum value (1: 256 ... 5: 4096)
     port: int = 1
 
     def to_dict(self) -> dict:
@@ -67,8 +68,14 @@ class QpInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "QpInfo":
         try:
-            return cls(qpn=int(d["qpn"]), psn=int(d["psn"]) & 0xFFFFFF, lid=int(d["lid"]),
-                       gid=str(d.get("gid", "")), mtu=int(d["mtu"]), port=int(d.get("port", 1)))
+            return cls(
+                qpn=int(d["qpn"]),
+                psn=int(d["psn"]) & 0xFFFFFF,
+                lid=int(d["lid"]),
+                gid=str(d.get("gid", "")),
+                mtu=int(d["mtu"]),
+                port=int(d.get("port", 1)),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad QP info {d!r}: {e}") from None
 

@@ -12,6 +12,7 @@ Test hooks: ``fail_reads(n, status)`` fails the next ``n`` READs; ``corrupt_read
 byte in what the next ``n`` READs deliver; ``poll_delay`` makes each
 completion visible only after that many empty polls (exercises non-blocking polling).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,7 +47,7 @@ class FakeFabric:
         self._keys = itertools.count(0x1000)
         self._qpns = itertools.count(0x100)
         self._lids = itertools.count(1)
-        self.mrs: dict[int, _Mr] = {}         # rkey (== lkey here) -> region
+        self.mrs: dict[int, _Mr] = {}  # rkey (== lkey here) -> region
         self.qps: dict[int, "FakeQueuePair"] = {}
         self._failures: deque[int] = deque()
         self._corruptions = 0
@@ -82,14 +83,15 @@ class FakeQueuePair(QueuePair):
     def __init__(self, backend: "FakeVerbsBackend") -> None:
         self.backend = backend
         fabric = backend.fabric
-        self._info = QpInfo(qpn=fabric.next_qpn(), psn=0x1234, lid=backend.lid,
-                            gid=f"fe80::{backend.lid:x}", mtu=5)
+        self._info = QpInfo(
+            qpn=fabric.next_qpn(), psn=0x1234, lid=backend.lid, gid=f"fe80::{backend.lid:x}", mtu=5
+        )
         self.state = "INIT"
         self.remote: QpInfo | None = None
         # (polls left before visible, WRs this completion retires from the send queue, wc)
         self._cq: deque[list] = deque()
-        self._outstanding = 0     # WRs occupying the send queue (retired when polled)
-        self._unretired = 0       # WRs posted since the last completion was generated
+        self._outstanding = 0  # WRs occupying the send queue (retired when polled)
+        self._unretired = 0  # WRs posted since the last completion was generated
         with fabric.lock:
             fabric.qps[self._info.qpn] = self
 
@@ -112,8 +114,10 @@ class FakeQueuePair(QueuePair):
         if self.state not in ("RTS", "ERR"):
             raise VerbsError(f"post_send on a QP in state {self.state}")
         if self._outstanding + len(wrs) > self.backend.max_send_wr:
-            raise VerbsError(f"send queue full: {self._outstanding} outstanding + {len(wrs)} "
-                             f"> max_send_wr {self.backend.max_send_wr}")
+            raise VerbsError(
+                f"send queue full: {self._outstanding} outstanding + {len(wrs)} "
+                f"> max_send_wr {self.backend.max_send_wr}"
+            )
         fabric = self.backend.fabric
         with fabric.lock:
             fabric.chains_posted += 1
@@ -126,8 +130,9 @@ class FakeQueuePair(QueuePair):
                 if status != WcStatus.SUCCESS:
                     self.state = "ERR"
                 if wr.signaled or status != WcStatus.SUCCESS:
-                    self._cq.append([fabric.poll_delay, self._unretired,
-                                     Completion(wr.wr_id, int(status))])
+                    self._cq.append(
+                        [fabric.poll_delay, self._unretired, Completion(wr.wr_id, int(status))]
+                    )
                     self._unretired = 0
 
     def _execute(self, wr: ReadWr) -> WcStatus:
@@ -137,15 +142,22 @@ class FakeQueuePair(QueuePair):
         if injected is not None:
             return WcStatus(injected)
         local = fabric.mrs.get(wr.lkey)
-        if (local is None or local.owner is not self.backend
-                or not local.mr.access & Access.LOCAL_WRITE
-                or not local.mr.contains(wr.local_addr, wr.length)):
+        if (
+            local is None
+            or local.owner is not self.backend
+            or not local.mr.access & Access.LOCAL_WRITE
+            or not local.mr.contains(wr.local_addr, wr.length)
+        ):
             return WcStatus.LOC_PROT_ERR
         remote = fabric.mrs.get(wr.rkey)
         peer = fabric.qps.get(self.remote.qpn) if self.remote else None
-        if (remote is None or peer is None or remote.owner is not peer.backend
-                or not remote.mr.access & Access.REMOTE_READ
-                or not remote.mr.contains(wr.remote_addr, wr.length)):
+        if (
+            remote is None
+            or peer is None
+            or remote.owner is not peer.backend
+            or not remote.mr.access & Access.REMOTE_READ
+            or not remote.mr.contains(wr.remote_addr, wr.length)
+        ):
             return WcStatus.REM_ACCESS_ERR
         ctypes.memmove(wr.local_addr, wr.remote_addr, wr.length)
         fabric.bytes_read += wr.length

@@ -7,6 +7,7 @@ pyverbs. Debian ships it as ``python3-pyverbs`` for the system Python; a venv bu
 NOTE: this module is the only code that needs hardware to run; it is kept to straight verbs calls
 so that everything else is tested with ``verbs_fake``.
 """
+
 from __future__ import annotations
 
 import random
@@ -25,11 +26,10 @@ from pyverbs.wr import SGE, SendWR
 
 from .verbs import Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError
 
-PORT_ACTIVE = 4   # IBV_PORT_ACTIVE
+PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 
 
-def find_active_port(device: str | None = None, port: int | None = None
-                     ) -> tuple[str, int]:
+def find_active_port(device: str | None = None, port: int | None = None) -> tuple[str, int]:
     """The first device/port in the ACTIVE state. Raises ``VerbsError`` when there is none
     (including when ``get_device_list`` itself fails: no RDMA subsystem in the kernel)."""
     try:
@@ -57,12 +57,18 @@ class PyverbsQueuePair(QueuePair):
         depth = backend.max_send_wr
         self.cq = CQ(backend.ctx, depth * 2)
         cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        self.qp = QP(backend.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
-                                            cap=cap))
-        self._info = QpInfo(qpn=self.qp.qp_num, psn=random.getrandbits(24),
-                            lid=backend.port_attr.lid, gid=backend.gid, mtu=backend.mtu,
-                            port=backend.port)
-        self._keep: list = []   # WR/SGE objects must outlive the post
+        self.qp = QP(
+            backend.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        )
+        self._info = QpInfo(
+            qpn=self.qp.qp_num,
+            psn=random.getrandbits(24),
+            lid=backend.port_attr.lid,
+            gid=backend.gid,
+            mtu=backend.mtu,
+            port=backend.port,
+        )
+        self._keep: list = []  # WR/SGE objects must outlive the post
 
     @property
     def info(self) -> QpInfo:
@@ -104,8 +110,14 @@ class PyverbsQueuePair(QueuePair):
             sge = SGE(wr.local_addr, wr.length, wr.lkey)
             flags = e.IBV_SEND_SIGNALED if wr.signaled else 0
             kwargs = {"next_wr": nxt} if nxt is not None else {}
-            swr = SendWR(wr_id=wr.wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
-                         send_flags=flags, **kwargs)
+            swr = SendWR(
+                wr_id=wr.wr_id,
+                opcode=e.IBV_WR_RDMA_READ,
+                num_sge=1,
+                sg=[sge],
+                send_flags=flags,
+                **kwargs,
+            )
             swr.set_wr_rdma(wr.rkey, wr.remote_addr)
             keep += [sge, swr]
             nxt = swr
@@ -117,10 +129,10 @@ class PyverbsQueuePair(QueuePair):
 
     def poll(self, max_entries: int) -> list[Completion]:
         try:
-            n, wcs = self.cq.poll(num_entries=max_entries)   # ibv_poll_cq: returns at once
+            n, wcs = self.cq.poll(num_entries=max_entries)  # ibv_poll_cq: returns at once
         except PyverbsError as ex:
             raise VerbsError(f"ibv_poll_cq failed: {ex}") from None
-        return [Completion(wc.wr_id, wc.status) for wc in wcs[:max(n, 0)]]
+        return [Completion(wc.wr_id, wc.status) for wc in wcs[: max(n, 0)]]
 
     def close(self) -> None:
         self.qp.close()
@@ -130,8 +142,13 @@ class PyverbsQueuePair(QueuePair):
 class PyverbsBackend(VerbsBackend):
     name = "pyverbs"
 
-    def __init__(self, device: str | None = None, port: int | None = None, gid_index: int = 0,
-                 max_send_wr: int = 256) -> None:
+    def __init__(
+        self,
+        device: str | None = None,
+        port: int | None = None,
+        gid_index: int = 0,
+        max_send_wr: int = 256,
+    ) -> None:
         name, self.port = find_active_port(device, port)
         self.device = name
         self.max_send_wr = max_send_wr
@@ -143,8 +160,9 @@ class PyverbsBackend(VerbsBackend):
             self.port_attr = self.ctx.query_port(self.port)
             self.mtu = int(self.port_attr.active_mtu)
             gid = self.ctx.query_gid(port_num=self.port, index=gid_index)
-            self.gid = "" if str(gid) in ("", "0000:0000:0000:0000:0000:0000:0000:0000") \
-                else str(gid)
+            self.gid = (
+                "" if str(gid) in ("", "0000:0000:0000:0000:0000:0000:0000:0000") else str(gid)
+            )
         except PyverbsError as ex:
             raise VerbsError(f"cannot open RDMA device {name}: {ex}") from None
         self._mrs: dict[int, MR] = {}
@@ -156,8 +174,9 @@ class PyverbsBackend(VerbsBackend):
             raise VerbsError(f"ibv_reg_mr of {length} bytes failed: {ex}") from None
         with self._lock:
             self._mrs[mr.rkey] = mr
-        return MemoryRegion(addr=addr, length=length, lkey=mr.lkey, rkey=mr.rkey,
-                            access=int(access))
+        return MemoryRegion(
+            addr=addr, length=length, lkey=mr.lkey, rkey=mr.rkey, access=int(access)
+        )
 
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:

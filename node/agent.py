@@ -9,6 +9,7 @@ conductor is retried with backoff and reported once per outage, not once per att
 The block events themselves do not go through the agent: the conductor subscribes to the node's
 ``Events`` stream at the registered address.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,17 @@ log = logging.getLogger(__name__)
 
 
 class NodeAgent:
-    def __init__(self, conductor: str, token: str | None, descriptor: NodeDescriptor,
-                 load: Callable[[], NodeLoad], tls_ca_file: str | None = None,
-                 rpc_timeout_s: float = 3.0, retry_s: float = 0.5,
-                 max_retry_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        conductor: str,
+        token: str | None,
+        descriptor: NodeDescriptor,
+        load: Callable[[], NodeLoad],
+        tls_ca_file: str | None = None,
+        rpc_timeout_s: float = 3.0,
+        retry_s: float = 0.5,
+        max_retry_s: float = 5.0,
+    ) -> None:
         self.conductor = conductor
         self.descriptor = descriptor
         self._load = load
@@ -46,8 +54,9 @@ class NodeAgent:
         self.generation = 0
         self.interval_s = 1.0
         self.registrations = 0
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"agent-{descriptor.node_id}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"agent-{descriptor.node_id}"
+        )
 
     def start(self) -> "NodeAgent":
         self._thread.start()
@@ -63,9 +72,12 @@ class NodeAgent:
         self._thread.join(self._timeout + 1)
         if unregister and self.generation:
             try:
-                self._stub.UnregisterNode(pb.UnregisterNodeRequest(
-                    node_id=self.descriptor.node_id, generation=self.generation),
-                    timeout=self._timeout)
+                self._stub.UnregisterNode(
+                    pb.UnregisterNodeRequest(
+                        node_id=self.descriptor.node_id, generation=self.generation
+                    ),
+                    timeout=self._timeout,
+                )
             except grpc.RpcError as e:
                 log.info("unregister from conductor %s failed: %s", self.conductor, e.code().name)
         self._channel.close()
@@ -87,13 +99,18 @@ class NodeAgent:
                 wait = self.interval_s
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("conductor %s forgot node %s (%s); registering again",
-                                self.conductor, self.descriptor.node_id, e.details())
+                    log.warning(
+                        "conductor %s forgot node %s (%s); registering again",
+                        self.conductor,
+                        self.descriptor.node_id,
+                        e.details(),
+                    )
                     self.registered.clear()
                     continue
                 if not failing:
-                    log.warning("conductor %s: %s %s; retrying", self.conductor, e.code().name,
-                                e.details())
+                    log.warning(
+                        "conductor %s: %s %s; retrying", self.conductor, e.code().name, e.details()
+                    )
                 failing = True
                 wait, backoff = backoff, min(backoff * 2, self._max_retry_s)
             self._stop.wait(wait)
@@ -107,15 +124,21 @@ class NodeAgent:
 
     def _register(self) -> None:
         load = self._current_load() or NodeLoad()
-        reply = self._stub.RegisterNode(pb.RegisterNodeRequest(
-            node=descriptor_to_pb(self.descriptor), load=load_to_pb(load)),
-            timeout=self._timeout)
+        reply = self._stub.RegisterNode(
+            pb.RegisterNodeRequest(node=descriptor_to_pb(self.descriptor), load=load_to_pb(load)),
+            timeout=self._timeout,
+        )
         self.generation = reply.generation
         self.interval_s = max(reply.heartbeat_interval_s, 0.05)
         self.registrations += 1
         self.registered.set()
-        log.info("registered node %s with conductor %s (generation %d, heartbeat %.2fs)",
-                 self.descriptor.node_id, self.conductor, reply.generation, self.interval_s)
+        log.info(
+            "registered node %s with conductor %s (generation %d, heartbeat %.2fs)",
+            self.descriptor.node_id,
+            self.conductor,
+            reply.generation,
+            self.interval_s,
+        )
 
     def _heartbeat(self) -> None:
         load = self._current_load()
@@ -127,11 +150,17 @@ class NodeAgent:
 
 # ---- the node server's side ---------------------------------------------------------------------
 
+
 def node_load(node: Node) -> NodeLoad:
     """A node's pools as a NodeLoad (one TierUsage per namespace and tier). Engine-side load
     (queued prefill, running decode) is unknown to the node server: 0."""
-    return NodeLoad(tiers=tuple(usage_of(t, node.stores[ns].layout.page_bytes)
-                                for ns, stats in node.usage().items() for t in stats))
+    return NodeLoad(
+        tiers=tuple(
+            usage_of(t, node.stores[ns].layout.page_bytes)
+            for ns, stats in node.usage().items()
+            for t in stats
+        )
+    )
 
 
 def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
@@ -139,8 +168,14 @@ def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
     its NodeService)."""
     assert cfg.conductor, "start_node_agent needs cfg.conductor"
     load = node_load(node)
-    descriptor = NodeDescriptor(node_id=node.node_id, role=Role.parse(cfg.role or "both"), address=address,
-                                messenger_address=cfg.messenger or "",
-                                layouts=tuple(cfg.layouts), capacity=load.tiers)
-    return NodeAgent(cfg.conductor, cfg.conductor_token, descriptor,
-                     lambda: node_load(node)).start()
+    descriptor = NodeDescriptor(
+        node_id=node.node_id,
+        role=Role.parse(cfg.role or "both"),
+        address=address,
+        messenger_address=cfg.messenger or "",
+        layouts=tuple(cfg.layouts),
+        capacity=load.tiers,
+    )
+    return NodeAgent(
+        cfg.conductor, cfg.conductor_token, descriptor, lambda: node_load(node)
+    ).start()

@@ -2,6 +2,7 @@
 
 Precedence: built-in defaults < ``--config FILE.toml`` < flags given on the command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
     parser.add_argument("--config", help="TOML file with the same keys as these flags")
     parser.add_argument("--node-id", help="name of this node in the cluster (default: host-based)")
-    parser.add_argument("--layout", action="append", metavar="SPEC",
-                        help="a served model layout, repeatable: model=NAME,num_layers=L,"
-                             "kv_heads=H,head_dim=D[,dtype=float16][,block_tokens=256] "
-                             "(default: the 1 MiB-page demo layout)")
+    parser.add_argument(
+        "--layout",
+        action="append",
+        metavar="SPEC",
+        help="a served model layout, repeatable: model=NAME,num_layers=L,"
+        "kv_heads=H,head_dim=D[,dtype=float16][,block_tokens=256] "
+        "(default: the 1 MiB-page demo layout)",
+    )
     parser.add_argument("--dram", help="DRAM pool size in shared memory, e.g. 4GiB (default 1GiB)")
     parser.add_argument("--gpu", help="GPU tier size (needs CUDA), e.g. 8GiB (default 0)")
     parser.add_argument("--ssd", help="SSD tier size, e.g. 20GiB (default 0: no SSD tier)")
@@ -39,12 +44,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-policy", choices=["lru", "lfu"])
     parser.add_argument("--ssd-policy", choices=["lru", "lfu"])
     parser.add_argument("--gpu-policy", choices=["lru", "lfu"])
-    parser.add_argument("--no-promote", dest="promote_on_hit", action="store_const", const=False,
-                        help="do not promote SSD hits to DRAM on copy-out reads")
-    parser.add_argument("--reserve-shm", action="store_const", const=True,
-                        help="reserve all shared memory at start (fail early if /dev/shm is small)")
-    parser.add_argument("--lease-ttl", dest="lease_ttl_s", type=float,
-                        help="default lease time of pins and write leases, seconds (default 30)")
+    parser.add_argument(
+        "--no-promote",
+        dest="promote_on_hit",
+        action="store_const",
+        const=False,
+        help="do not promote SSD hits to DRAM on copy-out reads",
+    )
+    parser.add_argument(
+        "--reserve-shm",
+        action="store_const",
+        const=True,
+        help="reserve all shared memory at start (fail early if /dev/shm is small)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        dest="lease_ttl_s",
+        type=float,
+        help="default lease time of pins and write leases, seconds (default 30)",
+    )
     parser.add_argument("--conductor", help="conductor address to register with (optional)")
     parser.add_argument("--conductor-token", help="bearer token for the conductor")
     parser.add_argument("--role", choices=["prefill", "decode", "both"])
@@ -55,14 +73,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> NodeConfig:
     values: dict = load_toml(args.config) if args.config else {}
     flags = {
-        "listen": args.listen, "node_id": args.node_id, "ssd_dir": args.ssd_dir,
-        "dram_policy": args.dram_policy, "ssd_policy": args.ssd_policy,
-        "gpu_policy": args.gpu_policy, "promote_on_hit": args.promote_on_hit,
-        "reserve_shm": args.reserve_shm, "lease_ttl_s": args.lease_ttl_s, "token": args.token,
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "metrics_port": args.metrics_port,
-        "conductor": args.conductor, "conductor_token": args.conductor_token, "role": args.role,
-        "messenger": args.messenger, "advertise": args.advertise,
-        "dram": args.dram, "gpu": args.gpu, "ssd": args.ssd,
+        "listen": args.listen,
+        "node_id": args.node_id,
+        "ssd_dir": args.ssd_dir,
+        "dram_policy": args.dram_policy,
+        "ssd_policy": args.ssd_policy,
+        "gpu_policy": args.gpu_policy,
+        "promote_on_hit": args.promote_on_hit,
+        "reserve_shm": args.reserve_shm,
+        "lease_ttl_s": args.lease_ttl_s,
+        "token": args.token,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "metrics_port": args.metrics_port,
+        "conductor": args.conductor,
+        "conductor_token": args.conductor_token,
+        "role": args.role,
+        "messenger": args.messenger,
+        "advertise": args.advertise,
+        "dram": args.dram,
+        "gpu": args.gpu,
+        "ssd": args.ssd,
     }
     if args.tenant_token:
         flags["tenant_tokens"] = args.tenant_token
@@ -104,16 +135,32 @@ def run(args: argparse.Namespace) -> int:
         nonlocal agent
         if cfg.conductor:  # register with the conductor and keep the lease alive
             agent = start_node_agent(cfg, node, cfg.advertise or address)
-        log.info("node %s serving %s on %s (tls=%s, auth=%s)", node.node_id,
-                 ", ".join(node.stores), address, bool(tls), auth.enabled)
-        return {"node_id": node.node_id,
-                "shm": {ns: s.shm_name for ns, s in node.stores.items()}}
+        log.info(
+            "node %s serving %s on %s (tls=%s, auth=%s)",
+            node.node_id,
+            ", ".join(node.stores),
+            address,
+            bool(tls),
+            auth.enabled,
+        )
+        return {"node_id": node.node_id, "shm": {ns: s.shm_name for ns, s in node.stores.items()}}
 
     def on_stopping() -> None:
         servicer.stopping = True
         if agent is not None:
             agent.stop()
 
-    return serve(Service(role="node", listen=cfg.listen, auth=auth, tls=tls, add=add,
-                         metrics_port=cfg.metrics_port, registry=metrics.registry,
-                         on_serving=on_serving, on_stopping=on_stopping, close=node.close))
+    return serve(
+        Service(
+            role="node",
+            listen=cfg.listen,
+            auth=auth,
+            tls=tls,
+            add=add,
+            metrics_port=cfg.metrics_port,
+            registry=metrics.registry,
+            on_serving=on_serving,
+            on_stopping=on_stopping,
+            close=node.close,
+        )
+    )

@@ -1,4 +1,5 @@
 """Node server configuration: CLI flags or a TOML file with the same keys."""
+
 from __future__ import annotations
 
 import re
@@ -8,13 +9,27 @@ from dataclasses import dataclass, field, fields
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 # The demo layout: 1 MiB pages (4 layers x K|V x 256 tokens x 4 heads x 64 dims x fp16).
-DEFAULT_LAYOUT = KVLayout(model="demo", num_layers=4, kv_heads=4, head_dim=64, dtype="float16",
-                          block_tokens=256)
+DEFAULT_LAYOUT = KVLayout(
+    model="demo", num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=256
+)
 
 
 def parse_size(text: str | int) -> int:
@@ -61,7 +76,7 @@ class NodeConfig:
     listen: str = "127.0.0.1:0"
     node_id: str = ""
     layouts: list[KVLayout] = field(default_factory=lambda: [DEFAULT_LAYOUT])
-    dram: int = 1 << 30              # bytes, split evenly between layouts
+    dram: int = 1 << 30  # bytes, split evenly between layouts
     gpu: int = 0
     ssd: int = 0
     ssd_dir: str | None = None
@@ -82,7 +97,7 @@ class NodeConfig:
     conductor_token: str | None = None
     role: str = "both"
     messenger: str = ""
-    advertise: str | None = None     # address others use to reach this node (default: listen)
+    advertise: str | None = None  # address others use to reach this node (default: listen)
 
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
         """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""

@@ -4,6 +4,7 @@ Stores call ``notify`` when they log events; a pump thread drains them into a bo
 subscribers (the conductor, via the Events RPC) read from a cursor. A subscriber that falls behind
 the ring's start gets ``None`` (a gap) and must resynchronise from ``snapshot``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,8 +62,9 @@ class EventHub:
             if added:
                 self._cond.notify_all()
 
-    def read_after(self, after_seq: int, max_events: int = 4096,
-                   timeout_s: float | None = None) -> list[NodeEvent] | None:
+    def read_after(
+        self, after_seq: int, max_events: int = 4096, timeout_s: float | None = None
+    ) -> list[NodeEvent] | None:
         """Events with seq > after_seq (waiting up to ``timeout_s`` for some), or None when some
         of them are no longer in the ring (the caller must resync)."""
         with self._cond:

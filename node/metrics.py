@@ -1,5 +1,6 @@
 """Prometheus metrics of a node: RPC latency/errors, streamed bytes, and the stores' counters
 (collected from ``TieredStore.stats()`` at scrape time, so the hot path pays nothing)."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -18,17 +19,26 @@ class _StoreCollector(Collector):
         self._stores = stores
 
     def collect(self) -> Iterable:
-        hits = CounterMetricFamily("kvcache_store_hits", "Lookup hits", labels=["namespace", "tier"])
-        misses = CounterMetricFamily("kvcache_store_misses", "Lookup misses (blocks)",
-                                     labels=["namespace"])
-        evictions = CounterMetricFamily("kvcache_store_evictions", "Blocks evicted from a tier",
-                                        labels=["namespace", "tier"])
-        moves = CounterMetricFamily("kvcache_store_tier_moves", "Blocks moved between tiers",
-                                    labels=["namespace", "direction"])
-        corrupt = CounterMetricFamily("kvcache_store_corrupt_pages", "Pages failing checksums",
-                                      labels=["namespace"])
-        pages = GaugeMetricFamily("kvcache_store_pages", "Pages per tier by state",
-                                  labels=["namespace", "tier", "state"])
+        hits = CounterMetricFamily(
+            "kvcache_store_hits", "Lookup hits", labels=["namespace", "tier"]
+        )
+        misses = CounterMetricFamily(
+            "kvcache_store_misses", "Lookup misses (blocks)", labels=["namespace"]
+        )
+        evictions = CounterMetricFamily(
+            "kvcache_store_evictions", "Blocks evicted from a tier", labels=["namespace", "tier"]
+        )
+        moves = CounterMetricFamily(
+            "kvcache_store_tier_moves",
+            "Blocks moved between tiers",
+            labels=["namespace", "direction"],
+        )
+        corrupt = CounterMetricFamily(
+            "kvcache_store_corrupt_pages", "Pages failing checksums", labels=["namespace"]
+        )
+        pages = GaugeMetricFamily(
+            "kvcache_store_pages", "Pages per tier by state", labels=["namespace", "tier", "state"]
+        )
         for ns, store in self._stores().items():
             s = store.stats()
             misses.add_metric([ns], s.misses)
@@ -39,8 +49,12 @@ class _StoreCollector(Collector):
                 tier = t.tier.name.lower()
                 hits.add_metric([ns, tier], t.hits)
                 evictions.add_metric([ns, tier], t.evictions)
-                for state, value in (("used", t.used_pages), ("leased", t.leased_pages),
-                                     ("free", t.free_pages), ("pinned", t.pinned_blocks)):
+                for state, value in (
+                    ("used", t.used_pages),
+                    ("leased", t.leased_pages),
+                    ("free", t.free_pages),
+                    ("pinned", t.pinned_blocks),
+                ):
                     pages.add_metric([ns, tier, state], value)
         yield from (hits, misses, evictions, moves, corrupt, pages)
 
@@ -48,12 +62,26 @@ class _StoreCollector(Collector):
 class NodeMetrics:
     def __init__(self, stores: Callable[[], dict[str, TieredStore]]) -> None:
         self.registry = CollectorRegistry()
-        self.latency = Histogram("kvcache_node_rpc_seconds", "Node RPC latency", ["method"],
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.errors = Counter("kvcache_node_rpc_errors", "Node RPCs failed, by status code",
-                              ["method", "code"], registry=self.registry)
-        self.stream_bytes = Counter("kvcache_node_stream_bytes", "Page bytes over streamed RPCs",
-                                    ["direction"], registry=self.registry)
-        self.lookup_blocks = Counter("kvcache_node_lookup_blocks", "Blocks looked up", ["result"],
-                                     registry=self.registry)
+        self.latency = Histogram(
+            "kvcache_node_rpc_seconds",
+            "Node RPC latency",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvcache_node_rpc_errors",
+            "Node RPCs failed, by status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.stream_bytes = Counter(
+            "kvcache_node_stream_bytes",
+            "Page bytes over streamed RPCs",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.lookup_blocks = Counter(
+            "kvcache_node_lookup_blocks", "Blocks looked up", ["result"], registry=self.registry
+        )
         self.registry.register(_StoreCollector(stores))

@@ -3,6 +3,7 @@
 The gRPC servicer (``service.py``) is a thin layer over this object; everything here is plain
 Python and testable in-process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,14 +30,14 @@ class Selection:
     """A request's blocks resolved against a store: keys as stored (tenant-scoped)."""
 
     store: TieredStore
-    keys: list[BlockKey]   # as stored: scoped to the tenant
-    raw: list[BlockKey]    # as the client names them (what replies echo back)
+    keys: list[BlockKey]  # as stored: scoped to the tenant
+    raw: list[BlockKey]  # as the client names them (what replies echo back)
 
 
 class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.node_id = config.node_id or f"{socket.gethostname()}-{id(self) & 0xffff:04x}"
+        self.node_id = config.node_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:04x}"
         self.hub = EventHub()
         self.stores: dict[str, TieredStore] = {}
         self._owners: dict[tuple[str, int], tuple[str, float]] = {}
@@ -44,8 +45,11 @@ class Node:
         self._stop = threading.Event()
         orphans = sweep_orphans()
         if orphans:
-            log.warning("removed %d shared-memory slabs left by dead processes: %s",
-                        len(orphans), ", ".join(orphans))
+            log.warning(
+                "removed %d shared-memory slabs left by dead processes: %s",
+                len(orphans),
+                ", ".join(orphans),
+            )
         seen = set()
         try:
             for layout in config.layouts:
@@ -55,14 +59,25 @@ class Node:
                 gpu, dram, ssd = config.pages(layout)
                 if dram <= 0:
                     raise InvalidArgument(
-                        f"--dram {config.dram} bytes is less than one {layout.page_bytes}-byte page "
-                        f"per layout for {layout.namespace}; give the node more DRAM")
-                self.stores[layout.namespace] = TieredStore(layout, StoreConfig(
-                    gpu_pages=gpu, dram_pages=dram, ssd_pages=ssd, ssd_dir=config.ssd_dir,
-                    gpu_policy=config.gpu_policy, dram_policy=config.dram_policy,
-                    ssd_policy=config.ssd_policy, promote_on_hit=config.promote_on_hit,
-                    reserve_shm=config.reserve_shm, lease_ttl_s=config.lease_ttl_s,
-                    on_event=self.hub.notify))
+                        f"--dram {config.dram} bytes is less than one {layout.page_bytes}-byte "
+                        f"page per layout for {layout.namespace}; give the node more DRAM"
+                    )
+                self.stores[layout.namespace] = TieredStore(
+                    layout,
+                    StoreConfig(
+                        gpu_pages=gpu,
+                        dram_pages=dram,
+                        ssd_pages=ssd,
+                        ssd_dir=config.ssd_dir,
+                        gpu_policy=config.gpu_policy,
+                        dram_policy=config.dram_policy,
+                        ssd_policy=config.ssd_policy,
+                        promote_on_hit=config.promote_on_hit,
+                        reserve_shm=config.reserve_shm,
+                        lease_ttl_s=config.lease_ttl_s,
+                        on_event=self.hub.notify,
+                    ),
+                )
         except BaseException:
             self.close()
             raise
@@ -76,17 +91,32 @@ class Node:
         store = self.stores.get(namespace)
         if store is None:
             served = ", ".join(sorted(self.stores)) or "none"
-            raise InvalidArgument(f"namespace {namespace!r} is not served by this node (it serves:"
-                                  f" {served}); the model layout must match the node's")
+            raise InvalidArgument(
+                f"namespace {namespace!r} is not served by this node (it serves:"
+                f" {served}); the model layout must match the node's"
+            )
         return store
 
-    def select(self, namespace: str, tenant: str, salt: bytes = b"",
-               keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
-               token_bytes: bytes = b"") -> Selection:
+    def select(
+        self,
+        namespace: str,
+        tenant: str,
+        salt: bytes = b"",
+        keys: Sequence[bytes] = (),
+        token_ids: Sequence[int] = (),
+        token_bytes: bytes = b"",
+    ) -> Selection:
         """Resolve keys or token ids into the keys as stored for ``tenant``."""
         store = self.store(namespace)
-        raw, _ = select_keys(namespace, salt, store.layout.block_tokens,
-                             self.config.max_keys_per_request, keys, token_ids, token_bytes)
+        raw, _ = select_keys(
+            namespace,
+            salt,
+            store.layout.block_tokens,
+            self.config.max_keys_per_request,
+            keys,
+            token_ids,
+            token_bytes,
+        )
         return Selection(store, scope_keys(raw, tenant), raw)
 
     # ---- lease ownership: a tenant may only touch its own leases ---------------------------

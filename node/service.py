@@ -1,4 +1,5 @@
 """NodeService: a thin gRPC layer over ``Node``; protobuf <-> domain conversion lives here."""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,9 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     def _select(self, sel: cpb.BlockSelector, context) -> tuple[Selection, str]:
         tenant = self.auth.tenant(context)
-        return self.node.select(sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids,
-                                sel.token_bytes), tenant
+        return self.node.select(
+            sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids, sel.token_bytes
+        ), tenant
 
     @staticmethod
     def _ttl(ttl_s: float) -> float | None:
@@ -56,8 +58,9 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     def _offsets(self, store: TieredStore, lease: ReadLease) -> list[int]:
         pb_ = store.layout.page_bytes
-        return [s * pb_ if s >= 0 and t is Tier.DRAM else -1
-                for s, t in zip(lease.slots, lease.tiers)]
+        return [
+            s * pb_ if s >= 0 and t is Tier.DRAM else -1 for s, t in zip(lease.slots, lease.tiers)
+        ]
 
     # ---- unary ----------------------------------------------------------------------------------
 
@@ -69,11 +72,21 @@ class NodeServicer(pbg.NodeServiceServicer):
         namespaces = []
         for ns, store in self.node.stores.items():
             page = store.layout.page_bytes
-            namespaces.append(pb.NamespaceInfo(
-                namespace=ns, layout=layout_to_pb(store.layout), shm_name=store.shm_name or "",
-                page_bytes=page, tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers]))
-        return pb.NodeInfo(node_id=self.node.node_id, namespaces=namespaces,
-                           hostname=socket.gethostname(), pid=os.getpid())
+            namespaces.append(
+                pb.NamespaceInfo(
+                    namespace=ns,
+                    layout=layout_to_pb(store.layout),
+                    shm_name=store.shm_name or "",
+                    page_bytes=page,
+                    tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers],
+                )
+            )
+        return pb.NodeInfo(
+            node_id=self.node.node_id,
+            namespaces=namespaces,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+        )
 
     @observed
     def Lookup(self, request, context):
@@ -81,8 +94,11 @@ class NodeServicer(pbg.NodeServiceServicer):
         res = sel.store.lookup(sel.keys)
         self.metrics.lookup_blocks.labels("hit").inc(res.hits)
         self.metrics.lookup_blocks.labels("miss").inc(len(sel.keys) - res.hits)
-        return pb.LookupReply(hit_blocks=res.hits, tiers=[tier_to_pb(t) for t in res.tiers],
-                              total_blocks=len(sel.keys))
+        return pb.LookupReply(
+            hit_blocks=res.hits,
+            tiers=[tier_to_pb(t) for t in res.tiers],
+            total_blocks=len(sel.keys),
+        )
 
     @observed
     def Allocate(self, request, context):
@@ -91,15 +107,20 @@ class NodeServicer(pbg.NodeServiceServicer):
         lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
         page = store.layout.page_bytes
-        return pb.AllocateReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
-                                page_bytes=page, offsets=[s * page if s >= 0 else -1
-                                                          for s in lease.slots],
-                                ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw)
+        return pb.AllocateReply(
+            lease_id=lease.lease_id,
+            shm_name=store.shm_name or "",
+            page_bytes=page,
+            offsets=[s * page if s >= 0 else -1 for s in lease.slots],
+            ttl_s=lease.expires_at - time.monotonic(),
+            keys=sel.raw,
+        )
 
     def _end_lease(self, request, context, end):
         """Commit / abort / release a lease the caller's tenant owns; ``end(store, lease_id)``."""
-        store = self.node.check_owner(request.namespace, request.lease_id,
-                                      self.auth.tenant(context))
+        store = self.node.check_owner(
+            request.namespace, request.lease_id, self.auth.tenant(context)
+        )
         result = end(store, request.lease_id)
         self.node.disown(request.namespace, request.lease_id)
         return result
@@ -123,11 +144,15 @@ class NodeServicer(pbg.NodeServiceServicer):
         n = len(keys)
         lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
-        return pb.AcquireReply(lease_id=lease.lease_id, shm_name=store.shm_name or "",
-                               page_bytes=store.layout.page_bytes,
-                               offsets=self._offsets(store, lease),
-                               tiers=[tier_to_pb(t) for t in lease.tiers],
-                               ttl_s=lease.expires_at - time.monotonic(), keys=sel.raw[:n])
+        return pb.AcquireReply(
+            lease_id=lease.lease_id,
+            shm_name=store.shm_name or "",
+            page_bytes=store.layout.page_bytes,
+            offsets=self._offsets(store, lease),
+            tiers=[tier_to_pb(t) for t in lease.tiers],
+            ttl_s=lease.expires_at - time.monotonic(),
+            keys=sel.raw[:n],
+        )
 
     @observed
     def Release(self, request, context):
@@ -153,14 +178,24 @@ class NodeServicer(pbg.NodeServiceServicer):
         for ns, store in self.node.stores.items():
             s = store.stats()
             page = store.layout.page_bytes
-            out.append(pb.NamespaceStats(
-                namespace=ns, tiers=[usage_to_pb(usage_of(t, page)) for t in s.tiers], blocks=s.blocks,
-                hits={t.tier.name.lower(): t.hits for t in s.tiers}, misses=s.misses,
-                evictions={t.tier.name.lower(): t.evictions for t in s.tiers},
-                demotions=s.demotions, promotions=s.promotions, corrupt_pages=s.corrupt_pages,
-                bytes_written=s.bytes_written, bytes_read=s.bytes_read,
-                write_leases=s.write_leases, read_leases=s.read_leases,
-                expired_leases=s.expired_leases))
+            out.append(
+                pb.NamespaceStats(
+                    namespace=ns,
+                    tiers=[usage_to_pb(usage_of(t, page)) for t in s.tiers],
+                    blocks=s.blocks,
+                    hits={t.tier.name.lower(): t.hits for t in s.tiers},
+                    misses=s.misses,
+                    evictions={t.tier.name.lower(): t.evictions for t in s.tiers},
+                    demotions=s.demotions,
+                    promotions=s.promotions,
+                    corrupt_pages=s.corrupt_pages,
+                    bytes_written=s.bytes_written,
+                    bytes_read=s.bytes_read,
+                    write_leases=s.write_leases,
+                    read_leases=s.read_leases,
+                    expired_leases=s.expired_leases,
+                )
+            )
         return pb.StatsReply(namespaces=out)
 
     # ---- streamed page bytes ----------------------------------------------------------------
@@ -183,8 +218,10 @@ class NodeServicer(pbg.NodeServiceServicer):
                     raise InvalidArgument("a Put stream carries one header, then only data")
                 data = memoryview(chunk.data)
                 if pos + len(data) > total:
-                    raise InvalidArgument(f"Put stream carries more than the {total} bytes "
-                                          f"of {len(sel.keys)} pages of {page} bytes")
+                    raise InvalidArgument(
+                        f"Put stream carries more than the {total} bytes "
+                        f"of {len(sel.keys)} pages of {page} bytes"
+                    )
                 if time.monotonic() > renew_at:  # keep our pages ours while a slow client sends
                     store.extend(lease.lease_id)
                     renew_at = time.monotonic() + ttl / 3
@@ -193,13 +230,15 @@ class NodeServicer(pbg.NodeServiceServicer):
                     i, within = divmod(pos, page)
                     take = min(page - within, len(data) - off)
                     if views[i] is not None:
-                        views[i][within:within + take] = np.frombuffer(data[off:off + take],
-                                                                       dtype=np.uint8)
+                        views[i][within : within + take] = np.frombuffer(
+                            data[off : off + take], dtype=np.uint8
+                        )
                     pos += take
                     off += take
             if pos != total:
-                raise InvalidArgument(f"Put stream ended after {pos} bytes; {len(sel.keys)} pages "
-                                      f"need {total}")
+                raise InvalidArgument(
+                    f"Put stream ended after {pos} bytes; {len(sel.keys)} pages need {total}"
+                )
             self.metrics.stream_bytes.labels("put").inc(pos)
             res = store.commit(lease.lease_id)
         except BaseException:
@@ -227,10 +266,12 @@ class NodeServicer(pbg.NodeServiceServicer):
                 if slot < 0:
                     continue
                 if not store.copy_out(lease, i, buf):
-                    context.abort(grpc.StatusCode.DATA_LOSS,
-                                  f"page #{i} failed its checksum and was dropped; retry the Get")
+                    context.abort(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"page #{i} failed its checksum and was dropped; retry the Get",
+                    )
                 for off in range(0, page, chunk):
-                    yield pb.GetChunk(data=buf[off:off + chunk].tobytes())
+                    yield pb.GetChunk(data=buf[off : off + chunk].tobytes())
                 self.metrics.stream_bytes.labels("get").inc(page)
         finally:
             try:
@@ -238,32 +279,45 @@ class NodeServicer(pbg.NodeServiceServicer):
             except KVStoreError:
                 pass  # expired while a slow client read: pins are gone already
 
-    # ---- events ------------------------------------------------------------------------------------
+    # ---- events ----------------------------------------------------------------------------------
 
     @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
         if self.auth.tenant(context) != "":
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "the event feed is for the cluster's admin token only")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the event feed is for the cluster's admin token only",
+            )
         hub = self.node.hub
         cursor, need_snapshot = request.after_seq, request.resync
         while context.is_active() and not self.stopping:
             if need_snapshot:
                 seq, items = hub.snapshot()
                 for start in range(0, max(len(items), 1), EVENT_BATCH):
-                    part = items[start:start + EVENT_BATCH]
+                    part = items[start : start + EVENT_BATCH]
                     yield pb.EventBatch(
-                        events=[cpb.BlockEvent(seq=seq, kind=cpb.EVENT_STORED, key=k,
-                                               tier=tier_to_pb(t)) for k, t in part],
-                        snapshot=True, snapshot_seq=seq,
-                        snapshot_done=start + EVENT_BATCH >= len(items))
+                        events=[
+                            cpb.BlockEvent(
+                                seq=seq, kind=cpb.EVENT_STORED, key=k, tier=tier_to_pb(t)
+                            )
+                            for k, t in part
+                        ],
+                        snapshot=True,
+                        snapshot_seq=seq,
+                        snapshot_done=start + EVENT_BATCH >= len(items),
+                    )
                 cursor, need_snapshot = seq, False
             events = hub.read_after(cursor, EVENT_BATCH, timeout_s=0.5)
             if events is None:
                 need_snapshot = True
                 continue
             if events:
-                yield pb.EventBatch(events=[
-                    cpb.BlockEvent(seq=e.seq, kind=_EVENT_KIND[e.kind], key=e.key,
-                                   tier=tier_to_pb(e.tier)) for e in events])
+                yield pb.EventBatch(
+                    events=[
+                        cpb.BlockEvent(
+                            seq=e.seq, kind=_EVENT_KIND[e.kind], key=e.key, tier=tier_to_pb(e.tier)
+                        )
+                        for e in events
+                    ]
+                )
                 cursor = events[-1].seq

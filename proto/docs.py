@@ -4,6 +4,7 @@ Each service becomes a table of its RPCs (with the comments written above them i
 followed by the full proto source for the messages. ``tests/test_proto_generated.py`` fails when
 docs/api.md is stale.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,8 +13,10 @@ import sys
 from proto.generate import ROOT, proto_files
 
 DOC = ROOT / "docs" / "api.md"
-_RPC = re.compile(r"rpc\s+(\w+)\s*\(\s*(stream\s+)?([\w.]+)\s*\)\s*returns\s*\(\s*(stream\s+)?"
-                  r"([\w.]+)\s*\)")
+_RPC = re.compile(
+    r"rpc\s+(\w+)\s*\(\s*(stream\s+)?([\w.]+)\s*\)\s*returns\s*\(\s*(stream\s+)?"
+    r"([\w.]+)\s*\)"
+)
 
 
 def _services(text: str) -> list[tuple[str, list[tuple[str, str, str, str]]]]:
@@ -46,8 +49,9 @@ A block is `block_tokens` consecutive prompt tokens; only full blocks have keys.
 Python client, the torch client, the vLLM connector, the conductor) names a block by the same
 16-byte key, so a prefix stored through one is found through all of them:
 
-- **namespace**: the layout fingerprint `{model}|L{num_layers}|H{kv_heads}|D{head_dim}|{dtype}|B{block_tokens}`
-  (e.g. `llama3-8b|L32|H8|D128|bfloat16|B256`), UTF-8.
+- **namespace**: the layout fingerprint
+  `{model}|L{num_layers}|H{kv_heads}|D{head_dim}|{dtype}|B{block_tokens}`, UTF-8
+  (e.g. `llama3-8b|L32|H8|D128|bfloat16|B256`).
 - **root** = `xxh3_128(b"kvcache/root/v1\\x00" + u32le(len(namespace)) + namespace + salt)`,
   where `salt` is the request's cache salt as bytes (empty by default) and `u32le` a 4-byte
   little-endian length.
@@ -64,17 +68,25 @@ admin token (tenant "") sees keys unscoped. Selectors may carry token ids instea
 
 
 def render() -> str:
-    out = ["# gRPC API reference", "",
-           "Generated from `proto/*.proto` by `python -m proto.docs` (`make proto`); do not edit.",
-           "All services are in package `kvcache.v1`, serve gRPC health checking and reflection,",
-           "and accept `authorization: Bearer <token>` metadata when started with `--token`.", ""]
+    out = [
+        "# gRPC API reference",
+        "",
+        "Generated from `proto/*.proto` by `python -m proto.docs` (`make proto`); do not edit.",
+        "All services are in package `kvcache.v1`, serve gRPC health checking and reflection,",
+        "and accept `authorization: Bearer <token>` metadata when started with `--token`.",
+        "",
+    ]
     sources = []
     for path in proto_files():
         text = path.read_text()
         sources.append((path.name, text))
         for name, rpcs in _services(text):
-            out += [f"## {name} (`{path.name}`)", "", "| RPC | request | reply | what it does |",
-                    "|---|---|---|---|"]
+            out += [
+                f"## {name} (`{path.name}`)",
+                "",
+                "| RPC | request | reply | what it does |",
+                "|---|---|---|---|",
+            ]
             out += [f"| `{r}` | `{q}` | `{p}` | {c} |" for r, q, p, c in rpcs]
             out.append("")
     out += KEYS.splitlines() + [""]

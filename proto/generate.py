@@ -3,6 +3,7 @@
 The generated ``*_pb2.py`` / ``*_pb2_grpc.py`` files are committed so that a fresh clone needs no
 code generation; ``tests/test_proto_generated.py`` fails when they are stale.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ def generate(out_dir: pathlib.Path = ROOT) -> None:
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *files]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *files,
+    ]
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}")

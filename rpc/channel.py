@@ -1,4 +1,5 @@
 """The client side of every kvcache gRPC link: token metadata, TLS, message-size limits."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
@@ -15,10 +16,12 @@ CHANNEL_OPTIONS = [
 _Continuation = Callable[[grpc.ClientCallDetails, Any], Any]
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]
-                        grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
-                        grpc.StreamUnaryClientInterceptor,  # type: ignore[type-arg]
-                        grpc.StreamStreamClientInterceptor):  # type: ignore[type-arg]
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[type-arg]
+):
     """Adds the bearer token to every call's metadata."""
 
     def __init__(self, token: str) -> None:
@@ -29,38 +32,63 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-a
         md.append(self._md)
         if hasattr(details, "_replace"):
             return details._replace(metadata=md)  # type: ignore[no-any-return]
-        return _CallDetails(details.method, details.timeout, md, details.credentials,
-                            details.wait_for_ready, details.compression)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            md,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
 
-    def intercept_unary_unary(self, continuation: _Continuation,
-                              details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: _Continuation, details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation: _Continuation,
-                               details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_stream(
+        self, continuation: _Continuation, details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation: _Continuation,
-                               details: grpc.ClientCallDetails,
-                               request_iterator: Iterator[Any]) -> Any:
+    def intercept_stream_unary(
+        self,
+        continuation: _Continuation,
+        details: grpc.ClientCallDetails,
+        request_iterator: Iterator[Any],
+    ) -> Any:
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation: _Continuation,
-                                details: grpc.ClientCallDetails,
-                                request_iterator: Iterator[Any]) -> Any:
+    def intercept_stream_stream(
+        self,
+        continuation: _Continuation,
+        details: grpc.ClientCallDetails,
+        request_iterator: Iterator[Any],
+    ) -> Any:
         return continuation(self._details(details), request_iterator)
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
-                 wait_for_ready: bool | None, compression: Any) -> None:
+    def __init__(
+        self,
+        method: str,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
-                                                                   compression)
+        self.credentials, self.wait_for_ready, self.compression = (
+            credentials,
+            wait_for_ready,
+            compression,
+        )
 
 
-def make_channel(address: str, token: str | None = None, tls_ca_file: str | None = None
-                 ) -> grpc.Channel:
+def make_channel(
+    address: str, token: str | None = None, tls_ca_file: str | None = None
+) -> grpc.Channel:
     if tls_ca_file:
         with open(tls_ca_file, "rb") as f:
             creds = grpc.ssl_channel_credentials(root_certificates=f.read())

@@ -1,6 +1,7 @@
 """What a node tells the conductor about itself: its descriptor (id, role, addresses, layouts,
 capacity) when it registers, and its load with every heartbeat. Shared by the node's agent, the
 conductor and the wire conversions (``rpc.wire``)."""
+
 from __future__ import annotations
 
 import enum
@@ -26,8 +27,9 @@ class Role(enum.Enum):
         try:
             return cls(value.lower())
         except ValueError:
-            raise InvalidArgument(f"unknown node role {value!r}; use prefill, decode or both") \
-                from None
+            raise InvalidArgument(
+                f"unknown node role {value!r}; use prefill, decode or both"
+            ) from None
 
     @property
     def prefills(self) -> bool:
@@ -64,8 +66,8 @@ class NodeDescriptor:
 
     node_id: str
     role: Role = Role.BOTH
-    address: str = ""             # its NodeService (gRPC); "" for simulated nodes
-    messenger_address: str = ""   # its MessengerService (gRPC); "" when none
+    address: str = ""  # its NodeService (gRPC); "" for simulated nodes
+    messenger_address: str = ""  # its MessengerService (gRPC); "" when none
     layouts: tuple[KVLayout, ...] = ()
     capacity: tuple[TierUsage, ...] = ()
 
@@ -73,7 +75,8 @@ class NodeDescriptor:
         if not isinstance(self.node_id, str) or not _NODE_ID.match(self.node_id):
             raise InvalidArgument(
                 f"node id {self.node_id!r} must be 1-128 characters of letters, digits and "
-                "._:@- starting with a letter or digit")
+                "._:@- starting with a letter or digit"
+            )
         object.__setattr__(self, "role", Role.parse(self.role))
 
     @property

@@ -4,6 +4,7 @@ Every server prints one JSON line ``{"event": "ready", ...}`` on stdout once it 
 (``rpc.server.announce_ready``); ``start_service`` waits for that line with a deadline instead of
 sleeping, and reports the process's stderr if it dies first. Used by tests and ``kvcache up``.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,14 +68,25 @@ class ServiceProcess:
             return ""
 
 
-def start_service(args: list[str], timeout_s: float = 60.0, env: dict[str, str] | None = None,
-                  log_dir: str | None = None, new_session: bool = False) -> ServiceProcess:
+def start_service(
+    args: list[str],
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+    new_session: bool = False,
+) -> ServiceProcess:
     """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], stdout=subprocess.PIPE,
-                            stderr=log_file, text=True, bufsize=1,
-                            env={**os.environ, **(env or {})}, start_new_session=new_session)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcache.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        bufsize=1,
+        env={**os.environ, **(env or {})},
+        start_new_session=new_session,
+    )
     log_file.close()
     assert proc.stdout is not None  # stdout=PIPE
     stdout = proc.stdout
@@ -107,8 +119,10 @@ def start_service(args: list[str], timeout_s: float = 60.0, env: dict[str, str] 
     if info is None:
         with open(log_path, errors="replace") as f:
             tail = f.read()[-3000:]
-        raise RuntimeError(f"kvcache {' '.join(args)} exited with code {proc.returncode} before "
-                           f"it was ready:\n{tail}")
+        raise RuntimeError(
+            f"kvcache {' '.join(args)} exited with code {proc.returncode} before "
+            f"it was ready:\n{tail}"
+        )
     sp = ServiceProcess(args[0], proc, info, log_path)
     # NOTE: keep reading stdout so a chatty process never blocks on a full pipe.
     sp._drain = threading.Thread(target=lambda: [None for _ in stdout], daemon=True)

@@ -1,6 +1,7 @@
 """The server side of every kvcache gRPC service, written once: ``serve`` runs a service until
 SIGTERM / SIGINT with auth, TLS, health checking, reflection, a Prometheus endpoint and the one
 JSON ready line launchers and tests wait for."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ class Auth:
             return ""
         for key, value in metadata or ():
             if key == "authorization" and value.startswith("Bearer "):
-                return self.tokens.get(value[len("Bearer "):])
+                return self.tokens.get(value[len("Bearer ") :])
         return None
 
     def tenant(self, context: grpc.ServicerContext) -> str:
@@ -70,8 +71,10 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._auth = auth
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
+            )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
@@ -99,10 +102,12 @@ class TlsConfig:
 
 
 def make_server(auth: Auth, max_workers: int = 32) -> grpc.Server:
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                  thread_name_prefix="grpc"),
-                       interceptors=[_AuthInterceptor(auth)], options=CHANNEL_OPTIONS,
-                       maximum_concurrent_rpcs=max_workers * 8)
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[_AuthInterceptor(auth)],
+        options=CHANNEL_OPTIONS,
+        maximum_concurrent_rpcs=max_workers * 8,
+    )
 
 
 def bind(server: grpc.Server, address: str, tls: TlsConfig | None = None) -> int:
@@ -120,14 +125,18 @@ def bind(server: grpc.Server, address: str, tls: TlsConfig | None = None) -> int
     return port
 
 
-def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str]
-                              ) -> health.HealthServicer:
+def add_health_and_reflection(
+    server: grpc.Server, service_names: Sequence[str]
+) -> health.HealthServicer:
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in [*service_names, ""]:
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME]
+    names = [
+        *service_names,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    ]
     reflection.enable_server_reflection(names, server)
     return servicer
 
@@ -138,16 +147,29 @@ def host_of(address: str) -> str:
 
 def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.0.0.1:0") -> None:
     """The options every kvcache server takes."""
-    parser.add_argument("--listen", default=default_listen,
-                        help="host:port to serve gRPC on (port 0: pick a free one)")
-    parser.add_argument("--token", default=None,
-                        help="require 'authorization: Bearer TOKEN' (admin, tenant '')")
-    parser.add_argument("--tenant-token", action="append", default=[], metavar="TOKEN=TENANT",
-                        help="another accepted token and the tenant it maps to (repeatable)")
+    parser.add_argument(
+        "--listen",
+        default=default_listen,
+        help="host:port to serve gRPC on (port 0: pick a free one)",
+    )
+    parser.add_argument(
+        "--token", default=None, help="require 'authorization: Bearer TOKEN' (admin, tenant '')"
+    )
+    parser.add_argument(
+        "--tenant-token",
+        action="append",
+        default=[],
+        metavar="TOKEN=TENANT",
+        help="another accepted token and the tenant it maps to (repeatable)",
+    )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics over HTTP on this port (0: any free port)",
+    )
 
 
 def tls_from_args(args: Any) -> TlsConfig | None:
@@ -176,8 +198,7 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
     """Installed so that SIGTERM / SIGINT reach the wakeup fd instead of their default action."""
 
 
-def wait_for_signal(stop: Callable[[], None],
-                    on_ready: Callable[[], None] | None = None) -> None:
+def wait_for_signal(stop: Callable[[], None], on_ready: Callable[[], None] | None = None) -> None:
     """Block until SIGTERM or SIGINT, then call ``stop`` once. ``on_ready`` runs once the
     handlers are installed (e.g. to tell the user Ctrl-C now stops cleanly)."""
     # NOTE: the signal arrives through a wakeup fd, written by Python's C-level handler in
@@ -210,19 +231,19 @@ def wait_for_signal(stop: Callable[[], None],
 class Service:
     """What ``serve`` runs: one process's gRPC services and its life-cycle hooks."""
 
-    role: str                                         # "node", "conductor", "messenger"
+    role: str  # "node", "conductor", "messenger"
     listen: str
     auth: Auth
     tls: TlsConfig | None
-    add: Callable[[grpc.Server], Sequence[str]]       # adds servicers, returns service names
+    add: Callable[[grpc.Server], Sequence[str]]  # adds servicers, returns service names
     metrics_port: int | None = None
-    registry: Any = None                              # prometheus CollectorRegistry
+    registry: Any = None  # prometheus CollectorRegistry
     workers: int = 32
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
-    on_stopping: Callable[[], None] = lambda: None    # before the server drains
-    close: Callable[[], None] = lambda: None          # after it stopped, or when bind failed
+    on_stopping: Callable[[], None] = lambda: None  # before the server drains
+    close: Callable[[], None] = lambda: None  # after it stopped, or when bind failed
 
 
 def serve(service: Service) -> int:
@@ -234,14 +255,16 @@ def serve(service: Service) -> int:
         port = bind(server, service.listen, service.tls)
     except (OSError, RuntimeError) as e:
         service.close()
-        raise SystemExit(f"kvcache {service.role}: cannot listen on {service.listen}: {e}"
-                         ) from None
+        raise SystemExit(
+            f"kvcache {service.role}: cannot listen on {service.listen}: {e}"
+        ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
     metrics_port = start_metrics(service.metrics_port, registry=service.registry)
     fields = service.on_serving(address, metrics_port)
-    announce_ready(service.role, address=address, pid=os.getpid(), metrics_port=metrics_port,
-                   **fields)
+    announce_ready(
+        service.role, address=address, pid=os.getpid(), metrics_port=metrics_port, **fields
+    )
 
     def stop() -> None:
         health_servicer.enter_graceful_shutdown()

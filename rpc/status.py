@@ -5,6 +5,7 @@ Servers: ``observed`` / ``observed_stream`` wrap servicer methods, turning ``KVS
 each RPC. Clients: ``call`` turns a ``grpc.RpcError`` into ``KVCacheRpcError``, the one typed
 exception every client in ``clients/`` raises.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,9 @@ class KVCacheRpcError(Exception):
     """A failed call: ``code`` is the grpc.StatusCode, ``details`` the server's message."""
 
     def __init__(self, code: grpc.StatusCode, details: str, method: str = "") -> None:
-        super().__init__(f"{method}: {code.name}: {details}" if method else
-                         f"{code.name}: {details}")
+        super().__init__(
+            f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}"
+        )
         self.code = code
         self.details = details
         self.method = method

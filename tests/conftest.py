@@ -1,4 +1,5 @@
 """Shared fixtures: real kvcache processes on loopback ports, cleaned up after each test."""
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def start_node(start_kvcache, tmp_path):
     """A node server with the 8 KiB test layout; extra flags pass through."""
 
     def start(*extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT) -> ServiceProcess:
-        return start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout",
-                             layout, *extra)
+        return start_kvcache(
+            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout, *extra
+        )
 
     return start
 

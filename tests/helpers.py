@@ -1,5 +1,6 @@
 """Helpers shared by the tests: polling a real condition with a deadline, and reading the status
 of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``)."""
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,12 @@ from rpc.status import KVCacheRpcError
 T = TypeVar("T")
 
 
-def wait_until(probe: Callable[[], T], timeout_s: float = 15.0, what: str = "condition",
-               interval_s: float = 0.01) -> T:
+def wait_until(
+    probe: Callable[[], T],
+    timeout_s: float = 15.0,
+    what: str = "condition",
+    interval_s: float = 0.01,
+) -> T:
     """Poll ``probe`` (a real condition: another process, thread or RPC) until it returns a
     truthy value, which is returned; AssertionError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

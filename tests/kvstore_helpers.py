@@ -1,4 +1,5 @@
 """Factories shared by the kvstore tests: a tiny layout, stores, deterministic pages, a clock."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,9 @@ from kvstore import KVLayout, StoreConfig, TieredStore
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # 2 layers x (K|V) x 4 tokens x 2 heads x 4 dims x fp16: 128-byte layers, 256-byte pages.
-LAYOUT = KVLayout(model="test-model", num_layers=2, kv_heads=2, head_dim=4, dtype="float16",
-                  block_tokens=4)
+LAYOUT = KVLayout(
+    model="test-model", num_layers=2, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4
+)
 
 
 class FakeClock:
@@ -30,8 +32,7 @@ class FakeClock:
         self.now += seconds
 
 
-def make_store(tmp_path: Path | None = None, layout: KVLayout = LAYOUT,
-               **config) -> TieredStore:
+def make_store(tmp_path: Path | None = None, layout: KVLayout = LAYOUT, **config) -> TieredStore:
     """A store over ``layout``; an SSD tier (``ssd_pages``) lives under ``tmp_path``."""
     if config.get("ssd_pages") and "ssd_dir" not in config and not config.get("metadata_only"):
         assert tmp_path is not None, "an SSD tier needs tmp_path"
@@ -64,14 +65,22 @@ def tiers_of(store: TieredStore) -> dict[bytes, str]:
     return {k: t.name for k, t in entries}
 
 
-def run_python(code: str, *args: str, env: dict | None = None,
-               timeout: float = 60) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, env: dict | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that imports this checkout; fail loudly on error."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=full_env, cwd=REPO_ROOT, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr}"
     return proc

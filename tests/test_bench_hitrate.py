@@ -1,4 +1,5 @@
 """``kvcache bench hitrate``: replays through the real kvstore with hand-computed hit rates."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ BT = 4  # tokens per block in these hand-made traces
 def make_trace(prompts: list[list[int]], input_lengths: list[int] | None = None) -> Trace:
     """One request per prompt (a list of block ids), 1 ms apart; full blocks unless told."""
     lengths = input_lengths or [BT * len(p) for p in prompts]
-    reqs = [TraceRequest(float(i), n, 1, tuple(p))
-            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    reqs = [
+        TraceRequest(float(i), n, 1, tuple(p)) for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
     return Trace(requests=reqs, block_tokens=BT, source="test")
 
 
@@ -95,8 +97,10 @@ def test_local_pools_and_routing():
     # Session hash sends every repeat to the same pool.
     assert hit_blocks(trace, routing="session-hash", **base) == 6
     # The capacity is split: 2 pools of 1 block each cannot hold a 2-block prompt's tail.
-    assert hit_blocks(trace, capacity_tokens=2 * BT, policy="lru", pools=2,
-                      routing="session-hash") == 3
+    assert (
+        hit_blocks(trace, capacity_tokens=2 * BT, policy="lru", pools=2, routing="session-hash")
+        == 3
+    )
 
 
 def test_bad_setups_are_refused():
@@ -106,8 +110,11 @@ def test_bad_setups_are_refused():
     with pytest.raises(ValueError, match="unknown eviction policy"):
         replay(trace, trace.block_keys(), CacheSetup(capacity_tokens=8, policy="mru"))
     with pytest.raises(ValueError, match="unknown routing"):
-        replay(trace, trace.block_keys(),
-               CacheSetup(capacity_tokens=8, policy="lru", pools=2, routing="nearest"))
+        replay(
+            trace,
+            trace.block_keys(),
+            CacheSetup(capacity_tokens=8, policy="lru", pools=2, routing="nearest"),
+        )
 
 
 def test_empty_trace_replays_to_zero_rates():
@@ -119,8 +126,9 @@ def test_empty_trace_replays_to_zero_rates():
 def test_parallel_workers_match_sequential():
     trace = make_trace(FAVOURS_LFU + FAVOURS_LRU)
     keys = trace.block_keys()
-    setups = [CacheSetup(capacity_tokens=c * BT, policy=p) for p in ("lru", "lfu")
-              for c in (1, 2, 3)]
+    setups = [
+        CacheSetup(capacity_tokens=c * BT, policy=p) for p in ("lru", "lfu") for c in (1, 2, 3)
+    ]
     seq = run_setups(trace, keys, setups, jobs=1)
     par = run_setups(trace, keys, setups, jobs=2)
     assert [r.setup for r in par] == setups
@@ -128,29 +136,53 @@ def test_parallel_workers_match_sequential():
 
 
 def _kvcache(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache.cli", "bench", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _write_trace(path, prompts: list[list[int]]) -> str:
     with open(path, "w") as f:
         for i, p in enumerate(prompts):
-            f.write(json.dumps({"timestamp": i, "input_length": BT * len(p), "output_length": 1,
-                                "hash_ids": p}) + "\n")
+            f.write(
+                json.dumps(
+                    {"timestamp": i, "input_length": BT * len(p), "output_length": 1, "hash_ids": p}
+                )
+                + "\n"
+            )
     return str(path)
 
 
 def test_cli_smoke(tmp_path):
     trace = _write_trace(tmp_path / "t.jsonl", FAVOURS_LFU)
     out = tmp_path / "res" / "hitrate.json"
-    proc = _kvcache("hitrate", "--trace", trace, "--trace-block-tokens", str(BT),
-                    "--capacities", "8,12", "--policies", "lru,lfu", "--jobs", "2",
-                    "--out", str(out), cwd=str(tmp_path))
+    proc = _kvcache(
+        "hitrate",
+        "--trace",
+        trace,
+        "--trace-block-tokens",
+        str(BT),
+        "--capacities",
+        "8,12",
+        "--policies",
+        "lru,lfu",
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "block hit" in proc.stdout and "lfu" in proc.stdout
     doc = json.loads(out.read_text())
-    got = {(r["setup"]["policy"], r["setup"]["capacity_tokens"]): r["hit_blocks"]
-           for r in doc["results"]}
+    got = {
+        (r["setup"]["policy"], r["setup"]["capacity_tokens"]): r["hit_blocks"]
+        for r in doc["results"]
+    }
     assert got == {("lru", 8): 2, ("lfu", 8): 3, ("lru", 12): 4, ("lfu", 12): 4}
     assert doc["theoretical_max"]["hit_blocks"] == 4
     assert doc["trace"]["requests"] == 7
@@ -160,10 +192,13 @@ def test_cli_smoke(tmp_path):
 
 def test_cli_reports_bad_and_empty_traces(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n'
-                   '{"timestamp": 1, "input_length": 4\n')
-    proc = _kvcache("hitrate", "--trace", str(bad), "--trace-block-tokens", str(BT),
-                    cwd=str(tmp_path))
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 4\n'
+    )
+    proc = _kvcache(
+        "hitrate", "--trace", str(bad), "--trace-block-tokens", str(BT), cwd=str(tmp_path)
+    )
     assert proc.returncode == 2
     assert f"{bad}:2: not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -178,11 +213,24 @@ def test_cli_reports_bad_and_empty_traces(tmp_path):
 
 def test_cli_out_of_order_trace_warns(tmp_path):
     path = tmp_path / "t.jsonl"
-    lines = [{"timestamp": t, "input_length": BT, "output_length": 1, "hash_ids": [i]}
-             for i, t in enumerate([5, 1, 3])]
+    lines = [
+        {"timestamp": t, "input_length": BT, "output_length": 1, "hash_ids": [i]}
+        for i, t in enumerate([5, 1, 3])
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    proc = _kvcache("hitrate", "--trace", str(path), "--trace-block-tokens", str(BT),
-                    "--capacities", "8", "--policies", "lru", "--no-progress", cwd=str(tmp_path))
+    proc = _kvcache(
+        "hitrate",
+        "--trace",
+        str(path),
+        "--trace-block-tokens",
+        str(BT),
+        "--capacities",
+        "8",
+        "--policies",
+        "lru",
+        "--no-progress",
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "out of timestamp order" in proc.stderr
     assert "(2 reordered)" in proc.stdout
@@ -190,8 +238,19 @@ def test_cli_out_of_order_trace_warns(tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_cli_is_seeded(tmp_path):
-    args = ["hitrate", "--synthetic", "--synthetic-requests", "300", "--capacities", "200k,2M",
-            "--policies", "lru", "--no-progress", "--seed", "3"]
+    args = [
+        "hitrate",
+        "--synthetic",
+        "--synthetic-requests",
+        "300",
+        "--capacities",
+        "200k,2M",
+        "--policies",
+        "lru",
+        "--no-progress",
+        "--seed",
+        "3",
+    ]
     a = _kvcache(*args, "--out", str(tmp_path / "a.json"), cwd=str(tmp_path))
     b = _kvcache(*args, "--out", str(tmp_path / "b.json"), cwd=str(tmp_path))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr

@@ -1,4 +1,5 @@
 """``kvcache bench schedule``: the real conductor scheduler on small seeded traces."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,12 @@ from bench.schedule import ClusterSim, ClusterSpec, offered_load, simulate
 from bench.trace import Trace, TraceRequest
 
 BT = 512
-DOC = list(range(1000, 1016))           # a 16-block shared document (8,192 tokens)
+DOC = list(range(1000, 1016))  # a 16-block shared document (8,192 tokens)
 
 
 def make_trace(items: list[tuple[float, list[int]]], output_tokens: int = 10) -> Trace:
     """(arrival seconds, block ids) per request; prompts are whole blocks."""
-    reqs = [TraceRequest(t * 1000.0, BT * len(ids), output_tokens, tuple(ids))
-            for t, ids in items]
+    reqs = [TraceRequest(t * 1000.0, BT * len(ids), output_tokens, tuple(ids)) for t, ids in items]
     return Trace(requests=reqs, block_tokens=BT, source="test")
 
 
@@ -77,8 +77,10 @@ def test_ttft_slo_rejections_are_counted():
     # prefills; the other 4 would queue behind it and are rejected. A later request is admitted.
     spec = ClusterSpec(prefill_nodes=1, decode_nodes=1, decode_capacity_tokens=0)
     one = spec.cost_model().prefill_seconds(16 * BT, 0)
-    trace = make_trace([(0.0, [10 * i + b for b in range(16)]) for i in range(1, 6)]
-                       + [(100.0, list(range(500, 516)))])
+    trace = make_trace(
+        [(0.0, [10 * i + b for b in range(16)]) for i in range(1, 6)]
+        + [(100.0, list(range(500, 516)))]
+    )
     r = run_policy(trace, "load", prefill_nodes=1, ttft_slo_s=1.5 * one)
     assert (r.admitted, r.rejected_ttft, r.rejected_tbt) == (2, 4, 0)
     assert r.ttft_avg_s == pytest.approx(one)
@@ -94,8 +96,9 @@ def test_tbt_slo_rejections_are_counted():
 
 def test_parallel_policies_match_sequential():
     trace = make_trace([(2.0 * i, DOC[: 4 + i % 5] + [i]) for i in range(30)])
-    spec = ClusterSpec(prefill_nodes=3, decode_nodes=2, capacity_tokens=20 * BT,
-                       decode_capacity_tokens=10 * BT)
+    spec = ClusterSpec(
+        prefill_nodes=3, decode_nodes=2, capacity_tokens=20 * BT, decode_capacity_tokens=10 * BT
+    )
     policies = ["random", "load", "local-cache", "global-cache"]
     seq = simulate(trace, trace.block_keys(), spec, policies, jobs=1)
     par = simulate(trace, trace.block_keys(), spec, policies, jobs=2)
@@ -116,8 +119,13 @@ def test_offered_load_and_bad_specs():
 
 
 def _kvcache(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache.cli", "bench", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_smoke(tmp_path):
@@ -125,18 +133,44 @@ def test_cli_smoke(tmp_path):
     with open(path, "w") as f:
         for i in range(12):
             ids = DOC[:8] + [i]
-            f.write(json.dumps({"timestamp": 500 * i, "input_length": BT * len(ids) - 100,
-                                "output_length": 20, "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": 500 * i,
+                        "input_length": BT * len(ids) - 100,
+                        "output_length": 20,
+                        "hash_ids": ids,
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "r" / "schedule.json"
-    proc = _kvcache("schedule", "--trace", str(path), "--prefill-nodes", "3",
-                    "--decode-nodes", "2", "--capacity", "20k", "--out", str(out),
-                    "--jobs", "2", cwd=str(tmp_path))
+    proc = _kvcache(
+        "schedule",
+        "--trace",
+        str(path),
+        "--prefill-nodes",
+        "3",
+        "--decode-nodes",
+        "2",
+        "--capacity",
+        "20k",
+        "--out",
+        str(out),
+        "--jobs",
+        "2",
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "global-cache" in proc.stdout and "paper" in proc.stdout
     assert "MFU 0.30" in proc.stdout
     doc = json.loads(out.read_text())
-    assert [r["policy"] for r in doc["results"]] == ["random", "load", "local-cache",
-                                                      "global-cache"]
+    assert [r["policy"] for r in doc["results"]] == [
+        "random",
+        "load",
+        "local-cache",
+        "global-cache",
+    ]
     assert all(r["detail"]["admitted"] == 12 for r in doc["results"])
     assert doc["paper_comparable"] is False
     assert doc["paper_fig5_avg_ttft_s"]["global-cache"] == 3.07
@@ -145,10 +179,11 @@ def test_cli_smoke(tmp_path):
 
 def test_cli_rejects_bad_options(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1,
-                                "hash_ids": [1]}) + "\n")
-    proc = _kvcache("schedule", "--trace", str(path), "--policies", "fastest",
-                    cwd=str(tmp_path))
+    path.write_text(
+        json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]})
+        + "\n"
+    )
+    proc = _kvcache("schedule", "--trace", str(path), "--policies", "fastest", cwd=str(tmp_path))
     assert proc.returncode == 2 and "unknown ['fastest']" in proc.stderr
     proc = _kvcache("schedule", "--trace", str(path), "--capacity", "100", cwd=str(tmp_path))
     assert proc.returncode == 2 and "less than one 512-token block" in proc.stderr

@@ -1,4 +1,5 @@
 """Trace reading (errors with line numbers, empty, out of order) and synthetic generation."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ def _write(path, lines: list[str]) -> str:
 
 
 def _req(ts, input_length, ids, out=10) -> str:
-    return json.dumps({"timestamp": ts, "input_length": input_length, "output_length": out,
-                       "hash_ids": ids})
+    return json.dumps(
+        {"timestamp": ts, "input_length": input_length, "output_length": out, "hash_ids": ids}
+    )
 
 
 def test_reads_requests_and_skips_blank_lines(tmp_path):
@@ -31,19 +33,24 @@ def test_reads_requests_and_skips_blank_lines(tmp_path):
     assert trace.reordered == 0
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"input_length": 4, "output_length": 1, "hash_ids": [1]}), "'timestamp'"),
-    (_req(-1, 4, [1]), "'timestamp' must be a non-negative"),
-    (json.dumps({"timestamp": 0, "output_length": 1, "hash_ids": [1]}), "missing field "
-                                                                          "'input_length'"),
-    (_req(0, "4", [1]), "'input_length' must be an integer"),
-    (_req(0, 4, [1], out=-3), "'output_length' must be >= 0"),
-    (_req(0, 4, "1"), "'hash_ids' must be a list of integers"),
-    (_req(0, 4, [1, 2.5]), "'hash_ids' must be a list of integers"),
-    (_req(0, 9, [1, 2]), "needs 3; is --trace-block-tokens right?"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({"input_length": 4, "output_length": 1, "hash_ids": [1]}), "'timestamp'"),
+        (_req(-1, 4, [1]), "'timestamp' must be a non-negative"),
+        (
+            json.dumps({"timestamp": 0, "output_length": 1, "hash_ids": [1]}),
+            "missing field 'input_length'",
+        ),
+        (_req(0, "4", [1]), "'input_length' must be an integer"),
+        (_req(0, 4, [1], out=-3), "'output_length' must be >= 0"),
+        (_req(0, 4, "1"), "'hash_ids' must be a list of integers"),
+        (_req(0, 4, [1, 2.5]), "'hash_ids' must be a list of integers"),
+        (_req(0, 9, [1, 2]), "needs 3; is --trace-block-tokens right?"),
+    ],
+)
 def test_parse_errors_name_the_line(tmp_path, bad, message):
     path = _write(tmp_path / "t.jsonl", [_req(0, 4, [1]), "", bad, _req(9, 4, [1])])
     with pytest.raises(TraceError) as err:
@@ -64,8 +71,9 @@ def test_empty_trace(tmp_path):
 
 
 def test_out_of_order_timestamps_are_sorted_with_a_warning(tmp_path, caplog):
-    path = _write(tmp_path / "t.jsonl", [_req(10, 4, [1]), _req(3, 4, [2]), _req(7, 4, [3]),
-                                          _req(12, 4, [4])])
+    path = _write(
+        tmp_path / "t.jsonl", [_req(10, 4, [1]), _req(3, 4, [2]), _req(7, 4, [3]), _req(12, 4, [4])]
+    )
     with caplog.at_level(logging.WARNING, logger="bench.trace"):
         trace = load_trace(path, block_tokens=4)
     assert [r.timestamp_ms for r in trace.requests] == [3, 7, 10, 12]
@@ -84,8 +92,10 @@ def test_synthetic_trace_is_seeded_and_well_formed(tmp_path):
     spec = SyntheticSpec(requests=300, block_tokens=64, documents=50, seed=7)
     a, b = synthetic_trace(spec), synthetic_trace(spec)
     assert a.requests == b.requests
-    assert synthetic_trace(SyntheticSpec(requests=300, block_tokens=64, documents=50,
-                                         seed=8)).requests != a.requests
+    assert (
+        synthetic_trace(SyntheticSpec(requests=300, block_tokens=64, documents=50, seed=8)).requests
+        != a.requests
+    )
     assert len(a) == 300
     ts = [r.timestamp_ms for r in a.requests]
     assert ts == sorted(ts)
@@ -102,8 +112,15 @@ def test_synthetic_trace_is_seeded_and_well_formed(tmp_path):
 def test_synthetic_trace_shares_prefixes():
     """System prompts are shared by everyone; documents and earlier turns make longer prefixes
     seen before (the system prompts here span at most 2 blocks)."""
-    spec = SyntheticSpec(requests=400, block_tokens=64, system_prompts=2,
-                         system_prompt_tokens=(64, 128), documents=20, mean_turns=4, seed=1)
+    spec = SyntheticSpec(
+        requests=400,
+        block_tokens=64,
+        system_prompts=2,
+        system_prompt_tokens=(64, 128),
+        documents=20,
+        mean_turns=4,
+        seed=1,
+    )
     trace = synthetic_trace(spec)
     assert len({r.hash_ids[0] for r in trace.requests}) <= 2
     seen: set[tuple[int, ...]] = set()

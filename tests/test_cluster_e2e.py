@@ -1,6 +1,7 @@
 """The demo path end to end, as a user runs it: ``kvcache up --detach``, ``kvcache bench live``,
 ``kvcache down`` (real processes, shared memory, messengers' TCP), and ``kvcache up`` in the
 foreground stopped by Ctrl-C. Each cluster gets its own state_dir under tmp_path (config file)."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,17 @@ import pytest
 
 from bench.trace import DEFAULT_TRACE
 
-PAGE_BYTES = 256 << 10     # the embedded demo layout: 4 layers x K|V x 512 x 1 x 32 x fp16
+PAGE_BYTES = 256 << 10  # the embedded demo layout: 4 layers x K|V x 512 x 1 x 32 x fp16
 BLOCK = 512
 
 
 def kvcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_config(tmp_path, dram: str = "256MiB") -> tuple[str, str]:
@@ -36,7 +41,7 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:   # a zombie child of ours counts as gone
+    try:  # a zombie child of ours counts as gone
         return os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:
         return True
@@ -54,16 +59,16 @@ def assert_nothing_left(state: dict) -> None:
 # Sessions whose later turns repeat earlier prompts (hash ids name prefixes, 512-token blocks):
 # (hash_ids, input_length). Expected full-block prefix hits are computed from the ids below.
 SESSIONS = [
-    ([1, 2, 3, 4], 4 * BLOCK),                   # new
-    ([10, 11, 12], 3 * BLOCK - 100),             # new; partial last block (not cached)
-    ([1, 2, 3, 4, 5, 6], 6 * BLOCK),             # repeats the first prompt: 4 hits
-    ([30], 300),                                 # shorter than one block: nothing to cache
-    ([1, 2, 7], 3 * BLOCK),                      # shares 2 blocks with the first
+    ([1, 2, 3, 4], 4 * BLOCK),  # new
+    ([10, 11, 12], 3 * BLOCK - 100),  # new; partial last block (not cached)
+    ([1, 2, 3, 4, 5, 6], 6 * BLOCK),  # repeats the first prompt: 4 hits
+    ([30], 300),  # shorter than one block: nothing to cache
+    ([1, 2, 7], 3 * BLOCK),  # shares 2 blocks with the first
     ([20, 21, 22, 23, 24, 25, 26, 27], 8 * BLOCK),
-    ([10, 11, 12, 13], 4 * BLOCK),               # the second's 2 full blocks (its 3rd was partial)
-    ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], 10 * BLOCK - 1),   # 8 hits
-    ([40, 41], 2 * BLOCK),                       # new
-    ([1, 2, 3, 4, 5, 6, 8], 7 * BLOCK),          # 6 hits
+    ([10, 11, 12, 13], 4 * BLOCK),  # the second's 2 full blocks (its 3rd was partial)
+    ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], 10 * BLOCK - 1),  # 8 hits
+    ([40, 41], 2 * BLOCK),  # new
+    ([1, 2, 3, 4, 5, 6, 8], 7 * BLOCK),  # 6 hits
 ]
 
 
@@ -72,7 +77,7 @@ def expected_hits() -> list[int]:
     seen: set[tuple[int, ...]] = set()
     out = []
     for ids, length in SESSIONS:
-        full = [tuple(ids[:i + 1]) for i in range(length // BLOCK)]
+        full = [tuple(ids[: i + 1]) for i in range(length // BLOCK)]
         n = 0
         while n < len(full) and full[n] in seen:
             n += 1
@@ -84,13 +89,23 @@ def expected_hits() -> list[int]:
 def write_trace(path) -> None:
     with open(path, "w") as f:
         for i, (ids, length) in enumerate(SESSIONS):
-            f.write(json.dumps({"timestamp": i * 2000, "input_length": length,
-                                "output_length": 32, "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": i * 2000,
+                        "input_length": length,
+                        "output_length": 32,
+                        "hash_ids": ids,
+                    }
+                )
+                + "\n"
+            )
 
 
 def run_live(cluster_json: str, out_dir, *extra: str) -> dict:
-    r = kvcache("bench", "live", "--cluster", cluster_json, "--out", str(out_dir),
-                "--no-progress", *extra)
+    r = kvcache(
+        "bench", "live", "--cluster", cluster_json, "--out", str(out_dir), "--no-progress", *extra
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert os.path.getsize(out_dir / "live.png") > 0
     with open(out_dir / "live.json") as f:
@@ -109,20 +124,29 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
         trace = tmp_path / "sessions.jsonl"
         write_trace(trace)
         # One engine, arrivals 200 ms apart: each request finds every earlier one's blocks.
-        result = run_live(cluster_json, tmp_path / "synthetic", "--trace", str(trace),
-                          "--speedup", "10", "--concurrency", "1")
+        result = run_live(
+            cluster_json,
+            tmp_path / "synthetic",
+            "--trace",
+            str(trace),
+            "--speedup",
+            "10",
+            "--concurrency",
+            "1",
+        )
         summary, requests = result["summary"], result["requests"]
         assert summary["requests"] == summary["scheduled"] == summary["ok"] == len(SESSIONS)
         assert summary["failed"] == summary["rejected"] == 0 and summary["errors"] == {}
         want = expected_hits()
         assert [r["reused_blocks"] for r in requests] == want
         assert [r["total_blocks"] for r in requests] == [n // BLOCK for _, n in SESSIONS]
-        assert summary["hit_rate"] == pytest.approx(sum(want) / sum(n // BLOCK
-                                                                   for _, n in SESSIONS))
+        assert summary["hit_rate"] == pytest.approx(
+            sum(want) / sum(n // BLOCK for _, n in SESSIONS)
+        )
         assert summary["hit_vs_ideal"] == pytest.approx(1.0)
         # Every page loaded at prefill or held / pulled at decode was checked byte for byte.
         assert summary["verify_failures"] == 0
-        distinct = len({tuple(ids[:i + 1]) for ids, n in SESSIONS for i in range(n // BLOCK)})
+        distinct = len({tuple(ids[: i + 1]) for ids, n in SESSIONS for i in range(n // BLOCK)})
         assert summary["verified_pages"] == sum(want) + sum(n // BLOCK for _, n in SESSIONS)
         # The decode node pulled each distinct block once (the messengers' own byte counters).
         assert summary["bytes_source"] == "messenger counters"
@@ -131,8 +155,16 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
 
         # The real trace, time-compressed, several engines at once.
         if os.path.exists(DEFAULT_TRACE):
-            real = run_live(cluster_json, tmp_path / "real", "--requests", "40",
-                            "--speedup", "20", "--concurrency", "3")["summary"]
+            real = run_live(
+                cluster_json,
+                tmp_path / "real",
+                "--requests",
+                "40",
+                "--speedup",
+                "20",
+                "--concurrency",
+                "3",
+            )["summary"]
             assert real["scheduled"] == 40 and real["failed"] == 0
             assert real["verify_failures"] == 0 and real["verified_pages"] > 0
             assert real["decode_bytes"] > 0 and real["written_bytes"] > 0
@@ -155,8 +187,9 @@ def test_bench_live_rejects_bad_options(tmp_path):
     r = kvcache("bench", "live", "--cluster", str(tmp_path / "nope.json"), "--concurrency", "0")
     assert r.returncode == 2 and "--concurrency must be at least 1" in r.stderr
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
-                   "not json\n")
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n'
+    )
     r = kvcache("bench", "live", "--trace", str(bad))
     assert r.returncode == 2 and f"{bad}:2" in r.stderr
 
@@ -165,9 +198,12 @@ def test_bench_live_rejects_bad_options(tmp_path):
 def test_up_in_the_foreground_stops_on_ctrl_c(tmp_path):
     config, state_dir = write_config(tmp_path, dram="64MiB")
     # Its own process group, like a shell job: Ctrl-C sends SIGINT to the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "up", "--config", config],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcache.cli", "up", "--config", config],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         seen = b""

@@ -2,6 +2,7 @@
 
 Timings are not checked (they belong to the benchmark's output), only that each figure is
 produced, finite, and comes with its target or reference; the index counts are exact."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,45 @@ import pytest
 @pytest.mark.slow
 def test_conductor_benchmark_writes_every_figure(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "kvcache.cli", "bench", "conductor", "--blocks", "4096",
-         "--chain-blocks", "16", "--prefill", "3", "--decode", "2", "--requests", "200",
-         "--grpc-requests", "64", "--threads", "2", "--batch", "8", "--no-progress",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "kvcache.cli",
+            "bench",
+            "conductor",
+            "--blocks",
+            "4096",
+            "--chain-blocks",
+            "16",
+            "--prefill",
+            "3",
+            "--decode",
+            "2",
+            "--requests",
+            "200",
+            "--grpc-requests",
+            "64",
+            "--threads",
+            "2",
+            "--batch",
+            "8",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads((tmp_path / "conductor.json").read_text())
     assert doc["workload"]["blocks"] == 4096 and doc["workload"]["nodes"] == 5
-    assert [r["policy"] for r in doc["in_process"]] == ["random", "load", "local-cache",
-                                                         "global-cache"]
+    assert [r["policy"] for r in doc["in_process"]] == [
+        "random",
+        "load",
+        "local-cache",
+        "global-cache",
+    ]
     for row in doc["in_process"]:
         assert row["requests"] == 200 and row["target_ms"] == 2.0
         for key in ("p50_ms", "p99_ms", "p99_vs_target", "walk_p50_ms", "decisions_per_s"):
@@ -31,14 +62,33 @@ def test_conductor_benchmark_writes_every_figure(tmp_path):
     g = doc["grpc"]
     assert g["indexed_keys"] == 4096 and g["held_pairs"] == doc["workload"]["held_pairs"]
     assert g["decisions"] == 64 and g["target_per_s"] == 2000.0
-    for key in ("decisions_per_s", "batched_decisions_per_s", "empty_rpc_per_s",
-                "rate_vs_empty_rpc", "rss_full_mb", "rss_vs_target"):
+    for key in (
+        "decisions_per_s",
+        "batched_decisions_per_s",
+        "empty_rpc_per_s",
+        "rate_vs_empty_rpc",
+        "rss_full_mb",
+        "rss_vs_target",
+    ):
         assert math.isfinite(g[key]) and g[key] > 0, key
     assert "decisions/s" in out.stdout and "empty RPC" in out.stdout and "p99/2ms" in out.stdout
 
 
 def test_conductor_benchmark_rejects_bad_options(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "kvcache.cli", "bench", "conductor", "--policies", "fastest",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "kvcache.cli",
+            "bench",
+            "conductor",
+            "--policies",
+            "fastest",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "unknown policies ['fastest']" in out.stderr

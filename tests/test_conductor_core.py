@@ -2,6 +2,7 @@
 
 Scenarios are built with real kvstore stores (metadata only) whose events feed the index, the
 same way node servers' event streams do."""
+
 from __future__ import annotations
 
 import os
@@ -46,6 +47,7 @@ LAYOUT = KVLayout(model="m", num_layers=2, kv_heads=1, head_dim=4, block_tokens=
 
 # ---- factories ----------------------------------------------------------------------------------
 
+
 def chain(n: int, start: int = 0, ns: str = LAYOUT.namespace) -> list[bytes]:
     return keys_from_block_ids(list(range(start, start + n)), root_key(ns))
 
@@ -62,13 +64,19 @@ def store_keys(store: TieredStore, keys) -> None:
 class Cluster:
     """Registry + index + scheduler with real (metadata-only) stores behind each node."""
 
-    def __init__(self, prefill: int = 2, decode: int = 1, policy: str = "global-cache",
-                 **config) -> None:
+    def __init__(
+        self, prefill: int = 2, decode: int = 1, policy: str = "global-cache", **config
+    ) -> None:
         self.now = 0.0
         self.index = GlobalIndex()
         self.registry = Registry(self.index)
-        self.sched = Scheduler(self.registry, policy=policy, config=SchedulerConfig(**config),
-                               clock=lambda: self.now, seed=7)
+        self.sched = Scheduler(
+            self.registry,
+            policy=policy,
+            config=SchedulerConfig(**config),
+            clock=lambda: self.now,
+            seed=7,
+        )
         self.stores: dict[str, TieredStore] = {}
         for i in range(prefill):
             self.add(f"p{i}", Role.PREFILL)
@@ -76,8 +84,9 @@ class Cluster:
             self.add(f"d{i}", Role.DECODE)
 
     def add(self, node_id: str, role: Role) -> None:
-        self.registry.register(NodeDescriptor(node_id=node_id, role=role, layouts=(LAYOUT,)),
-                               self.now)
+        self.registry.register(
+            NodeDescriptor(node_id=node_id, role=role, layouts=(LAYOUT,)), self.now
+        )
         self.stores[node_id] = make_store()
 
     def put(self, node_id: str, keys) -> None:
@@ -85,14 +94,21 @@ class Cluster:
         self.index.apply_events(node_id, self.stores[node_id].take_events())
 
     def request(self, rid: str, keys, extra_tokens: int = 100, **kw) -> Request:
-        return Request(request_id=rid, keys=keys, prompt_tokens=len(keys) * BT + extra_tokens,
-                       block_tokens=BT, namespace=LAYOUT.namespace, **kw)
+        return Request(
+            request_id=rid,
+            keys=keys,
+            prompt_tokens=len(keys) * BT + extra_tokens,
+            block_tokens=BT,
+            namespace=LAYOUT.namespace,
+            **kw,
+        )
 
     def schedule(self, rid: str, keys, **kw):
         return self.sched.schedule(self.request(rid, keys, **kw))
 
 
 # ---- cost model ---------------------------------------------------------------------------------
+
 
 def test_flops_formula_and_table1_defaults():
     m = FlopsCostModel()
@@ -107,7 +123,8 @@ def test_flops_formula_and_table1_defaults():
     assert m.prefill_seconds(n, 2 * n) == 0.0
     nic = 800e9 / 8 * m.hardware.nic_efficiency
     assert m.transfer_seconds(m.kv_bytes(1000)) == pytest.approx(
-        m.hardware.transfer_latency_s + 1000 * 327_680 / nic)
+        m.hardware.transfer_latency_s + 1000 * 327_680 / nic
+    )
     assert m.transfer_seconds(0) == 0.0
     # Decode reads the weights once per step plus every request's KV cache.
     assert m.decode_step_seconds(2, 1000) > m.decode_step_seconds(1, 0) > 0
@@ -120,16 +137,21 @@ def test_flops_formula_and_table1_defaults():
 
 def test_fit_recovers_coefficients_from_measurements():
     truth = FittedCostModel(quad=3e-9, lin=2e-5, const=0.004)
-    samples = [PrefillSample(n, p, truth.prefill_seconds(n, p))
-               for n in (512, 2048, 4096, 8192, 16384) for p in (0, n // 4, n // 2)]
+    samples = [
+        PrefillSample(n, p, truth.prefill_seconds(n, p))
+        for n in (512, 2048, 4096, 8192, 16384)
+        for p in (0, n // 4, n // 2)
+    ]
     fit = fit_prefill(samples)
     assert fit.quad == pytest.approx(3e-9, rel=1e-6)
     assert fit.lin == pytest.approx(2e-5, rel=1e-6)
     assert fit.const == pytest.approx(0.004, rel=1e-6)
     # The analytic model is the special case const = 0: fitting its own output gives it back.
     flops = FlopsCostModel(model=ModelSpec(layers=32, hidden=4096), hardware=HardwareSpec(mfu=0.4))
-    fit = fit_prefill([(n, p, flops.prefill_seconds(n, p))
-                       for n in (1000, 3000, 7000, 12000) for p in (0, 500)], base=flops)
+    fit = fit_prefill(
+        [(n, p, flops.prefill_seconds(n, p)) for n in (1000, 3000, 7000, 12000) for p in (0, 500)],
+        base=flops,
+    )
     assert (fit.quad, fit.lin) == pytest.approx(flops.coefficients()[:2], rel=1e-6)
     assert fit.const == pytest.approx(0.0, abs=1e-9)
     assert fit.kv_bytes(10) == flops.kv_bytes(10)
@@ -146,6 +168,7 @@ def test_fit_rejects_too_few_or_degenerate_samples():
 
 # ---- global index -------------------------------------------------------------------------------
 
+
 def ev(seq, kind, key, tier=Tier.DRAM):
     return BlockEvent(seq, kind, key, tier)
 
@@ -157,8 +180,14 @@ def test_index_prefix_lengths_follow_stored_and_evicted_events():
     keys = chain(6)
     idx.apply_events("a", [ev(i + 1, EventKind.STORED, k) for i, k in enumerate(keys[:5])])
     # b holds blocks 0, 1 and 3: its usable prefix stops at the hole.
-    idx.apply_events("b", [ev(1, EventKind.STORED, keys[0]), ev(2, EventKind.STORED, keys[1]),
-                           ev(3, EventKind.STORED, keys[3], Tier.SSD)])
+    idx.apply_events(
+        "b",
+        [
+            ev(1, EventKind.STORED, keys[0]),
+            ev(2, EventKind.STORED, keys[1]),
+            ev(3, EventKind.STORED, keys[3], Tier.SSD),
+        ],
+    )
     assert idx.prefix_lengths(keys) == {"a": 5, "b": 2}
     assert idx.holders(keys[3]) == {"a": Tier.DRAM, "b": Tier.SSD}
     idx.apply_events("a", [ev(6, EventKind.EVICTED, keys[2])])
@@ -175,15 +204,23 @@ def test_index_gap_raises_after_applying_what_came_before():
     idx.add_node("a")
     keys = chain(4)
     with pytest.raises(SequenceGap) as e:
-        idx.apply_events("a", [ev(1, EventKind.STORED, keys[0]), ev(2, EventKind.STORED, keys[1]),
-                               ev(4, EventKind.STORED, keys[3])])
+        idx.apply_events(
+            "a",
+            [
+                ev(1, EventKind.STORED, keys[0]),
+                ev(2, EventKind.STORED, keys[1]),
+                ev(4, EventKind.STORED, keys[3]),
+            ],
+        )
     assert (e.value.expected, e.value.got) == (3, 4)
     assert "resync" in str(e.value)
     assert idx.last_seq("a") == 2
     assert idx.prefix_lengths(keys) == {"a": 2}
     # Replays of applied events (a reconnect) are skipped, not double counted.
-    assert idx.apply_events("a", [ev(2, EventKind.STORED, keys[1]),
-                                  ev(3, EventKind.STORED, keys[2])]) == 1
+    assert (
+        idx.apply_events("a", [ev(2, EventKind.STORED, keys[1]), ev(3, EventKind.STORED, keys[2])])
+        == 1
+    )
     assert idx.blocks("a") == 3
 
 
@@ -195,7 +232,7 @@ def test_index_resync_swaps_in_the_snapshot_atomically():
     idx.begin_resync("a")
     idx.load_snapshot("a", [(k, int(Tier.DRAM) + 1) for k in new])
     assert idx.is_resyncing("a")
-    assert idx.prefix_lengths(old) == {"a": 4}      # queries still see the old entries
+    assert idx.prefix_lengths(old) == {"a": 4}  # queries still see the old entries
     assert idx.prefix_lengths(new) == {}
     with pytest.raises(Exception, match="resyncing"):
         idx.apply_events("a", [ev(5, EventKind.STORED, new[0])])
@@ -240,6 +277,7 @@ def test_index_rejects_malformed_events():
 
 # ---- registry -----------------------------------------------------------------------------------
 
+
 def test_registry_leases_heartbeats_and_reregistration():
     idx = GlobalIndex()
     reg = Registry(idx, lease_s=5.0)
@@ -264,6 +302,7 @@ def test_registry_leases_heartbeats_and_reregistration():
 
 # ---- scheduling scenarios -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy", ["local-cache", "global-cache"])
 def test_longest_prefix_wins_when_idle(policy):
     c = Cluster(prefill=3, policy=policy)
@@ -274,7 +313,8 @@ def test_longest_prefix_wins_when_idle(policy):
     assert (d.prefill_node, d.local_blocks, d.reuse_blocks, d.best_blocks) == ("p2", 12, 12, 12)
     assert d.transfer is None and d.decode_node == "d0"
     assert d.est_prefill_s == pytest.approx(
-        c.sched.cost_model.prefill_seconds(16 * BT + 100, 12 * BT))
+        c.sched.cost_model.prefill_seconds(16 * BT + 100, 12 * BT)
+    )
 
 
 def test_loaded_holder_loses_to_idle_node_that_fetches():
@@ -416,8 +456,11 @@ def test_bad_requests_and_missing_nodes():
     with pytest.raises(InvalidArgument, match="already scheduled"):
         c.schedule("dup", keys)
     with pytest.raises(NoNodeAvailable, match="no live prefill node serving namespace 'other'"):
-        c.sched.schedule(Request(request_id="x", keys=keys, prompt_tokens=4 * BT,
-                                 block_tokens=BT, namespace="other"))
+        c.sched.schedule(
+            Request(
+                request_id="x", keys=keys, prompt_tokens=4 * BT, block_tokens=BT, namespace="other"
+            )
+        )
     c.registry.drop("d0")
     with pytest.raises(NoNodeAvailable, match="decode"):
         c.schedule("y", keys)
@@ -431,6 +474,7 @@ def test_both_role_nodes_prefill_and_decode():
 
 
 # ---- the thread-safe facade ---------------------------------------------------------------------
+
 
 class _ProtoEvent:
     """The attribute shape of a proto BlockEvent (tier already 1..3)."""
@@ -481,8 +525,9 @@ def test_conductor_is_safe_under_concurrent_feeds_and_schedules():
         try:
             for i in range(50):
                 rid = f"t{t}-{i}"
-                c.schedule(Request(request_id=rid, keys=keys, prompt_tokens=64 * BT,
-                                   block_tokens=BT))
+                c.schedule(
+                    Request(request_id=rid, keys=keys, prompt_tokens=64 * BT, block_tokens=BT)
+                )
                 c.complete(rid)
         except BaseException as e:
             errors.append(e)
@@ -504,8 +549,9 @@ def test_many_nodes_share_one_packed_int_per_key():
     keys = [os.urandom(16) for _ in range(10)]
     for n in range(40):
         idx.add_node(f"n{n}")
-        idx.apply_events(f"n{n}", [ev(i + 1, EventKind.STORED, k)
-                                   for i, k in enumerate(keys[: n % 10 + 1])])
+        idx.apply_events(
+            f"n{n}", [ev(i + 1, EventKind.STORED, k) for i, k in enumerate(keys[: n % 10 + 1])]
+        )
     lengths = idx.prefix_lengths(keys)
     assert lengths == {f"n{n}": n % 10 + 1 for n in range(40)}
     assert len(idx) == 10

@@ -1,6 +1,7 @@
 """The conductor as users see it: a real `kvcache conductor` process, real `kvcache node` processes
 registering with it (their agents heartbeat; the conductor reads their Events streams), the client
 library writing blocks, and raw gRPC for the bad inputs."""
+
 from __future__ import annotations
 
 import re
@@ -47,29 +48,43 @@ def node_ids(cc: ConductorClient) -> set[str]:
 def start_conductor(start_kvcache):
     def start(*extra: str):
         return start_kvcache("conductor", "--listen", "127.0.0.1:0", *extra)
+
     return start
 
 
 @pytest.fixture
 def start_member(start_node):
     """A node server that registers with a conductor."""
+
     def start(conductor, node_id: str, role: str, *extra: str, dram: str = "1MiB"):
-        return start_node("--conductor", conductor.address, "--node-id", node_id, "--role", role,
-                          *extra, dram=dram)
+        return start_node(
+            "--conductor",
+            conductor.address,
+            "--node-id",
+            node_id,
+            "--role",
+            role,
+            *extra,
+            dram=dram,
+        )
+
     return start
 
 
 # ---- the conductor alone ------------------------------------------------------------------------
 
+
 def test_health_reflection_and_bad_requests(start_conductor):
     c = start_conductor()
     channel = make_channel(c.address)
     health = health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service="kvcache.v1.ConductorService"), timeout=5)
+        health_pb2.HealthCheckRequest(service="kvcache.v1.ConductorService"), timeout=5
+    )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        list_services="")])))
+    reply = next(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
     assert "kvcache.v1.ConductorService" in {s.name for s in reply.list_services_response.service}
 
     stub = pbg.ConductorServiceStub(channel)
@@ -80,19 +95,42 @@ def test_health_reflection_and_bad_requests(start_conductor):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "namespace is required" in msg
         code, msg = rpc_error(lambda: cc.complete("never-scheduled"))
         assert code == grpc.StatusCode.NOT_FOUND and "never-scheduled" in msg
-    code, msg = rpc_error(lambda: stub.RegisterNode(pb.RegisterNodeRequest(
-        node=pb.NodeDescriptor(node_id="n1")), timeout=5))
+    code, msg = rpc_error(
+        lambda: stub.RegisterNode(
+            pb.RegisterNodeRequest(node=pb.NodeDescriptor(node_id="n1")), timeout=5
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "address is required" in msg
-    code, msg = rpc_error(lambda: stub.RegisterNode(pb.RegisterNodeRequest(
-        node=pb.NodeDescriptor(node_id="bad id!", address="127.0.0.1:1")), timeout=5))
+    code, msg = rpc_error(
+        lambda: stub.RegisterNode(
+            pb.RegisterNodeRequest(
+                node=pb.NodeDescriptor(node_id="bad id!", address="127.0.0.1:1")
+            ),
+            timeout=5,
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "node id" in msg
-    code, msg = rpc_error(lambda: stub.RegisterNode(pb.RegisterNodeRequest(
-        node=pb.NodeDescriptor(node_id="n1", address="127.0.0.1:1", role=9)), timeout=5))
+    code, msg = rpc_error(
+        lambda: stub.RegisterNode(
+            pb.RegisterNodeRequest(
+                node=pb.NodeDescriptor(node_id="n1", address="127.0.0.1:1", role=9)
+            ),
+            timeout=5,
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "role" in msg
-    code, msg = rpc_error(lambda: stub.RegisterNode(pb.RegisterNodeRequest(
-        node=pb.NodeDescriptor(node_id="n1", address="127.0.0.1:1",
-                               layouts=[cpb.Layout(model="m", num_layers=0, kv_heads=1,
-                                                   head_dim=1)])), timeout=5))
+    code, msg = rpc_error(
+        lambda: stub.RegisterNode(
+            pb.RegisterNodeRequest(
+                node=pb.NodeDescriptor(
+                    node_id="n1",
+                    address="127.0.0.1:1",
+                    layouts=[cpb.Layout(model="m", num_layers=0, kv_heads=1, head_dim=1)],
+                )
+            ),
+            timeout=5,
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_layers" in msg
     code, msg = rpc_error(lambda: stub.Heartbeat(pb.HeartbeatRequest(node_id="ghost"), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND and "register again" in msg
@@ -106,16 +144,23 @@ def test_auth_token_and_tenant_permissions(start_conductor):
     assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in msg
     tenant = pbg.ConductorServiceStub(make_channel(c.address, "t1"))
     assert tenant.ListNodes(pb.ListNodesRequest(), timeout=5).policy == "global-cache"
-    code, msg = rpc_error(lambda: tenant.RegisterNode(pb.RegisterNodeRequest(
-        node=pb.NodeDescriptor(node_id="n1", address="127.0.0.1:1")), timeout=5))
+    code, msg = rpc_error(
+        lambda: tenant.RegisterNode(
+            pb.RegisterNodeRequest(node=pb.NodeDescriptor(node_id="n1", address="127.0.0.1:1")),
+            timeout=5,
+        )
+    )
     assert code == grpc.StatusCode.PERMISSION_DENIED and "admin token" in msg
     # Health stays open for probes without a token.
     health = health_pb2_grpc.HealthStub(make_channel(c.address))
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 # ---- a cluster of real nodes --------------------------------------------------------------------
+
 
 def scrape(service, series: str) -> float:
     """One series of a service's Prometheus endpoint (0 when not exported yet)."""
@@ -131,8 +176,11 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
     n0 = start_member(c, "n0", "prefill")
     n1 = start_member(c, "n1", "prefill")
     start_member(c, "d0", "decode")
-    with ConductorClient(c.address) as cc, KVStoreClient(n0.address) as k0, \
-            KVStoreClient(n1.address) as k1:
+    with (
+        ConductorClient(c.address) as cc,
+        KVStoreClient(n0.address) as k0,
+        KVStoreClient(n1.address) as k1,
+    ):
         wait_until(lambda: node_ids(cc) == {"n0", "n1", "d0"}, what="three registrations")
         listed = {n.node.node_id: n for n in cc.list_nodes().nodes}
         assert listed["n0"].node.role == pb.NODE_ROLE_PREFILL
@@ -144,9 +192,11 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         # Puts on the nodes reach the conductor's index through their event streams.
         prompt = tokens(12)
         assert k0.put(NS, pages(12), tokens=prompt).stored == 12
-        assert k1.put(NS, pages(3), tokens=prompt[:3 * BT]).stored == 3
-        wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n0": 12, "n1": 3},
-                   what="index to show both prefixes")
+        assert k1.put(NS, pages(3), tokens=prompt[: 3 * BT]).stored == 3
+        wait_until(
+            lambda: cc.locate(NS, tokens=prompt) == {"n0": 12, "n1": 3},
+            what="index to show both prefixes",
+        )
 
         # Longest prefix wins when every node is idle.
         r = cc.schedule(NS, tokens=prompt, output_tokens=16, request_id="idle")
@@ -156,7 +206,7 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
 
         # Load n0 with a request it half holds; then a loaded holder loses to an idle fetcher.
         other = tokens(64, start=100_000)
-        assert k0.put(NS, pages(32), tokens=other[:32 * BT]).stored == 32
+        assert k0.put(NS, pages(32), tokens=other[: 32 * BT]).stored == 32
         wait_until(lambda: cc.locate(NS, tokens=other).get("n0") == 32, what="32 more on n0")
         busy = cc.schedule(NS, tokens=other, request_id="busy")
         assert busy.prefill_node == "n0" and busy.est_prefill_s > 0
@@ -182,27 +232,40 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         assert code == grpc.StatusCode.NOT_FOUND
 
         # A batch gets one outcome per request: placed, rejected, or malformed.
-        outcomes = cc.schedule_batch([
-            pb.ScheduleRequest(request_id="b1", blocks=selector(NS, tokens=prompt)),
-            pb.ScheduleRequest(request_id="b2", blocks=selector(NS, tokens=prompt),
-                               prompt_tokens=12 * BT + 5, ttft_slo_s=1e-9),
-            pb.ScheduleRequest(request_id="b3", blocks=selector(NS, keys=[b"short"])),
-            pb.ScheduleRequest(request_id="b4", blocks=selector("nobody|serves|this", keys=[])),
-        ])
+        outcomes = cc.schedule_batch(
+            [
+                pb.ScheduleRequest(request_id="b1", blocks=selector(NS, tokens=prompt)),
+                pb.ScheduleRequest(
+                    request_id="b2",
+                    blocks=selector(NS, tokens=prompt),
+                    prompt_tokens=12 * BT + 5,
+                    ttft_slo_s=1e-9,
+                ),
+                pb.ScheduleRequest(request_id="b3", blocks=selector(NS, keys=[b"short"])),
+                pb.ScheduleRequest(request_id="b4", blocks=selector("nobody|serves|this", keys=[])),
+            ]
+        )
         assert [o.code for o in outcomes] == [
-            grpc.StatusCode.OK.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-            grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0]]
+            grpc.StatusCode.OK.value[0],
+            grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            grpc.StatusCode.FAILED_PRECONDITION.value[0],
+        ]
         assert outcomes[0].reply.request_id == "b1" and outcomes[0].reply.reuse_blocks == 12
         assert "TTFT SLO" in outcomes[1].message and "16 bytes" in outcomes[2].message
         cc.complete("b1")
-        code, msg = rpc_error(lambda: cc.schedule_batch(
-            [pb.ScheduleRequest(blocks=selector(NS, tokens=prompt))] * 1025))
+        code, msg = rpc_error(
+            lambda: cc.schedule_batch(
+                [pb.ScheduleRequest(blocks=selector(NS, tokens=prompt))] * 1025
+            )
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 1024" in msg
 
         # Removals and evictions reach the index too.
         assert k0.remove(NS, keys=block_keys(prompt, BT, root_key(NS))[8:]) == 4
-        wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n0": 8, "n1": 3},
-                   what="removals in the index")
+        wait_until(
+            lambda: cc.locate(NS, tokens=prompt) == {"n0": 8, "n1": 3}, what="removals in the index"
+        )
 
     # What happened is visible in the metrics.
     decisions = 'kvcache_conductor_schedule_decisions_total{policy="global-cache",transfer="%s"}'
@@ -221,7 +284,7 @@ def test_index_matches_the_node_after_evictions(start_conductor, start_member):
         wait_until(lambda: node_ids(cc) == {"n0"}, what="registration")
         a, b = tokens(100), tokens(100, start=1_000_000)
         k0.put(NS, pages(100), tokens=a)
-        k0.put(NS, pages(100), tokens=b)   # LRU evicts most of a
+        k0.put(NS, pages(100), tokens=b)  # LRU evicts most of a
         stored = sum(ns.blocks for ns in k0.stats().namespaces)
         assert stored == 128
 
@@ -230,18 +293,32 @@ def test_index_matches_the_node_after_evictions(start_conductor, start_member):
             seen = cc.locate(NS, tokens=a).get("n0", 0), cc.locate(NS, tokens=b).get("n0", 0)
             (status,) = cc.list_nodes().nodes
             return seen == (node_a, node_b) and status.indexed_blocks == stored
+
         wait_until(agrees, what="conductor index to match the node after evictions")
         assert cc.locate(NS, tokens=b) == {"n0": 100}
 
 
 def test_tenant_scoped_keys_match_only_the_tenants_blocks(start_conductor, start_member):
-    c = start_conductor("--token", "adm", "--tenant-token", "ta=alice", "--tenant-token",
-                        "tb=bob")
-    n0 = start_member(c, "n0", "both", "--token", "adm", "--tenant-token", "ta=alice",
-                      "--tenant-token", "tb=bob", "--conductor-token", "adm")
+    c = start_conductor("--token", "adm", "--tenant-token", "ta=alice", "--tenant-token", "tb=bob")
+    n0 = start_member(
+        c,
+        "n0",
+        "both",
+        "--token",
+        "adm",
+        "--tenant-token",
+        "ta=alice",
+        "--tenant-token",
+        "tb=bob",
+        "--conductor-token",
+        "adm",
+    )
     prompt = tokens(4)
-    with ConductorClient(c.address, "ta") as alice, ConductorClient(c.address, "tb") as bob, \
-            KVStoreClient(n0.address, "ta") as k_alice:
+    with (
+        ConductorClient(c.address, "ta") as alice,
+        ConductorClient(c.address, "tb") as bob,
+        KVStoreClient(n0.address, "ta") as k_alice,
+    ):
         wait_until(lambda: node_ids(alice) == {"n0"}, what="registration with auth")
         assert k_alice.put(NS, pages(4), tokens=prompt).stored == 4
         wait_until(lambda: alice.locate(NS, tokens=prompt) == {"n0": 4}, what="alice's blocks")
@@ -265,7 +342,7 @@ def test_lease_expiry_and_reregistration_after_conductor_restart(start_kvcache, 
     with KVStoreClient(n0.address) as k0:
         k0.put(NS, pages(5), tokens=prompt)
     with KVStoreClient(n1.address) as k1:
-        k1.put(NS, pages(2), tokens=prompt[:2 * BT])
+        k1.put(NS, pages(2), tokens=prompt[: 2 * BT])
     with ConductorClient(c.address) as cc:
         wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n0": 5, "n1": 2}, what="index")
         n0.kill()  # no unregister: only the lapsed lease tells
@@ -279,13 +356,17 @@ def test_lease_expiry_and_reregistration_after_conductor_restart(start_kvcache, 
     c2 = start_kvcache("conductor", "--listen", f"127.0.0.1:{port}", "--lease", "1")
     with ConductorClient(c2.address) as cc:
         wait_until(lambda: node_ids(cc) == {"n1"}, timeout_s=15, what="re-registration")
-        wait_until(lambda: cc.locate(NS, tokens=prompt) == {"n1": 2}, timeout_s=15,
-                   what="re-registration and snapshot rebuild")
+        wait_until(
+            lambda: cc.locate(NS, tokens=prompt) == {"n1": 2},
+            timeout_s=15,
+            what="re-registration and snapshot rebuild",
+        )
         (status,) = cc.list_nodes().nodes
         assert status.node.node_id == "n1" and status.indexed_blocks == 2
 
 
 # ---- gap detection and resync -------------------------------------------------------------------
+
 
 class _FaultyNode(npbg.NodeServiceServicer):
     """Fault injection on the event feed (a real node only loses events under overload, which a
@@ -305,24 +386,38 @@ class _FaultyNode(npbg.NodeServiceServicer):
             self.requests.append((request.after_seq, request.resync))
             first = len(self.requests) == 1
             self.cond.notify_all()
-        stored = lambda seq, key: cpb.BlockEvent(seq=seq, kind=cpb.EVENT_STORED, key=key,  # noqa
-                                                 tier=cpb.TIER_DRAM)
+
+        def stored(seq: int, key: bytes) -> cpb.BlockEvent:
+            return cpb.BlockEvent(seq=seq, kind=cpb.EVENT_STORED, key=key, tier=cpb.TIER_DRAM)
+
         if first:
-            yield npb.EventBatch(events=[stored(0, self.keys[0])], snapshot=True,
-                                 snapshot_done=True, snapshot_seq=0)
+            yield npb.EventBatch(
+                events=[stored(0, self.keys[0])], snapshot=True, snapshot_done=True, snapshot_seq=0
+            )
             yield npb.EventBatch(events=[stored(1, self.keys[1])])
             if self.fault == "gap":
                 yield npb.EventBatch(events=[stored(3, self.keys[3])])  # seq 2 never comes
             else:
-                yield npb.EventBatch(events=[cpb.BlockEvent(seq=2, kind=cpb.EVENT_STORED,
-                                                            key=self.keys[2])])
+                yield npb.EventBatch(
+                    events=[cpb.BlockEvent(seq=2, kind=cpb.EVENT_STORED, key=self.keys[2])]
+                )
         else:
-            yield npb.EventBatch(events=[stored(3, k) for k in self.keys[:2]], snapshot=True,
-                                 snapshot_seq=3)
-            yield npb.EventBatch(events=[stored(3, k) for k in self.keys[2:]], snapshot=True,
-                                 snapshot_done=True, snapshot_seq=3)
-            yield npb.EventBatch(events=[cpb.BlockEvent(seq=4, kind=cpb.EVENT_EVICTED,
-                                                        key=self.keys[3], tier=cpb.TIER_DRAM)])
+            yield npb.EventBatch(
+                events=[stored(3, k) for k in self.keys[:2]], snapshot=True, snapshot_seq=3
+            )
+            yield npb.EventBatch(
+                events=[stored(3, k) for k in self.keys[2:]],
+                snapshot=True,
+                snapshot_done=True,
+                snapshot_seq=3,
+            )
+            yield npb.EventBatch(
+                events=[
+                    cpb.BlockEvent(
+                        seq=4, kind=cpb.EVENT_EVICTED, key=self.keys[3], tier=cpb.TIER_DRAM
+                    )
+                ]
+            )
         done = threading.Event()
         context.add_callback(done.set)
         done.wait(30)
@@ -339,15 +434,24 @@ def test_feed_faults_trigger_a_resync_from_snapshot(start_conductor, fault):
     server.start()
     try:
         stub = pbg.ConductorServiceStub(make_channel(c.address))
-        layout = cpb.Layout(model="test", num_layers=2, kv_heads=2, head_dim=32, dtype="float16",
-                            block_tokens=BT)
-        reg = stub.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeDescriptor(
-            node_id="gappy", role=pb.NODE_ROLE_BOTH, address=f"127.0.0.1:{port}",
-            layouts=[layout])), timeout=5)
+        layout = cpb.Layout(
+            model="test", num_layers=2, kv_heads=2, head_dim=32, dtype="float16", block_tokens=BT
+        )
+        reg = stub.RegisterNode(
+            pb.RegisterNodeRequest(
+                node=pb.NodeDescriptor(
+                    node_id="gappy",
+                    role=pb.NODE_ROLE_BOTH,
+                    address=f"127.0.0.1:{port}",
+                    layouts=[layout],
+                )
+            ),
+            timeout=5,
+        )
         with node.cond:
             assert node.cond.wait_for(lambda: len(node.requests) >= 2, timeout=15)
-        assert node.requests[0] == (0, True)   # a new registration starts with a snapshot
-        assert node.requests[1][1] is True     # the fault made the conductor ask for one again
+        assert node.requests[0] == (0, True)  # a new registration starts with a snapshot
+        assert node.requests[1][1] is True  # the fault made the conductor ask for one again
         with ConductorClient(c.address) as cc:
             # After the resync: k0..k3 from the snapshot, then seq 4 evicted k3.
             wait_until(lambda: cc.locate(NS, keys=keys) == {"gappy": 3}, what="resynced index")
@@ -360,6 +464,7 @@ def test_feed_faults_trigger_a_resync_from_snapshot(start_conductor, fault):
 
 # ---- hot-block replication through the messengers -----------------------------------------------
 
+
 @pytest.mark.slow
 def test_plan_moves_blocks_to_the_chosen_node_through_its_messenger(tmp_path):
     """A local cluster (`kvcache up`'s launcher: conductor, nodes, messengers as processes): the
@@ -367,28 +472,46 @@ def test_plan_moves_blocks_to_the_chosen_node_through_its_messenger(tmp_path):
     holder; the destination's stored events then show it holding the prefix too."""
     from kvcache.cluster import Cluster, ClusterConfig, NodeSpec
 
-    nodes = [NodeSpec(id=i, role=r, layout=TEST_LAYOUT, dram="1MiB")
-             for i, r in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))]
-    cluster = Cluster(ClusterConfig(host="127.0.0.1", state_dir=str(tmp_path / "cluster"),
-                                    token=None, transport="tcp", policy="global-cache",
-                                    nodes=nodes, conductor_args=["--transfer-hook", "messenger"]))
+    nodes = [
+        NodeSpec(id=i, role=r, layout=TEST_LAYOUT, dram="1MiB")
+        for i, r in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    ]
+    cluster = Cluster(
+        ClusterConfig(
+            host="127.0.0.1",
+            state_dir=str(tmp_path / "cluster"),
+            token=None,
+            transport="tcp",
+            policy="global-cache",
+            nodes=nodes,
+            conductor_args=["--transfer-hook", "messenger"],
+        )
+    )
     state = cluster.start()
     try:
         addr = {n["id"]: n["address"] for n in state["nodes"]}
         prompt, other = tokens(12), tokens(64, start=500_000)
-        data = [np.random.default_rng(i).integers(0, 256, TEST_PAGE_BYTES, dtype=np.uint8)
-                for i in range(12)]
-        with ConductorClient(state["conductor"]["address"]) as cc, \
-                KVStoreClient(addr["p0"]) as k0, KVStoreClient(addr["p1"]) as k1:
+        data = [
+            np.random.default_rng(i).integers(0, 256, TEST_PAGE_BYTES, dtype=np.uint8)
+            for i in range(12)
+        ]
+        with (
+            ConductorClient(state["conductor"]["address"]) as cc,
+            KVStoreClient(addr["p0"]) as k0,
+            KVStoreClient(addr["p1"]) as k1,
+        ):
             wait_until(lambda: node_ids(cc) == {"p0", "p1", "d0"}, what="registrations")
             k0.put(NS, data, tokens=prompt)
-            k0.put(NS, pages(32), tokens=other[:32 * BT])
+            k0.put(NS, pages(32), tokens=other[: 32 * BT])
             wait_until(lambda: cc.locate(NS, tokens=other).get("p0") == 32, what="p0 indexed")
             assert cc.schedule(NS, tokens=other, request_id="busy").prefill_node == "p0"
             r = cc.schedule(NS, tokens=prompt, request_id="moved")
             assert r.prefill_node == "p1" and r.transfers[0].dst_messenger
-            wait_until(lambda: cc.locate(NS, tokens=prompt) == {"p0": 12, "p1": 12},
-                       timeout_s=30, what="p1 to hold the replicated prefix")
+            wait_until(
+                lambda: cc.locate(NS, tokens=prompt) == {"p0": 12, "p1": 12},
+                timeout_s=30,
+                what="p1 to hold the replicated prefix",
+            )
             copies = k1.get(NS, tokens=prompt)
             assert all(np.array_equal(a, b) for a, b in zip(copies, data))
     finally:

@@ -2,6 +2,7 @@
 
 Timings are not checked here (they belong to the benchmark's own output), only that each figure
 is produced, finite and carries its reference."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,41 @@ import bench.store
 def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.store.configure(parser)
-    args = parser.parse_args(["--page-kib", "128", "--pages", "8", "--batch", "4",
-                              "--ssd-pages", "8", "--ssd-dir", str(tmp_path), "--tokens", "4096",
-                              "--lookup-blocks", "16", "--index-blocks", "2000", "--repeats", "1",
-                              "--out", str(tmp_path / "out")])
+    args = parser.parse_args(
+        [
+            "--page-kib",
+            "128",
+            "--pages",
+            "8",
+            "--batch",
+            "4",
+            "--ssd-pages",
+            "8",
+            "--ssd-dir",
+            str(tmp_path),
+            "--tokens",
+            "4096",
+            "--lookup-blocks",
+            "16",
+            "--index-blocks",
+            "2000",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert bench.store.run(args) == 0
     doc = json.loads((tmp_path / "out" / "store.json").read_text())
     groups = {f["group"] for f in doc["figures"]}
-    assert groups == {"DRAM tier", "SSD tier", "hashing", "lookup", "eviction policy",
-                      "index memory"}
+    assert groups == {
+        "DRAM tier",
+        "SSD tier",
+        "hashing",
+        "lookup",
+        "eviction policy",
+        "index memory",
+    }
     for fig in doc["figures"]:
         assert math.isfinite(fig["value"]) and fig["value"] > 0, fig
         if fig["group"] != "index memory":
@@ -34,4 +61,5 @@ def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "put: allocate+copy+commit" in table and "store.json" in table
     assert list(tmp_path.iterdir()) != [] and not any(
-        p.name.startswith("kvcache-bench-ssd-") for p in tmp_path.iterdir())  # lmdb cleaned up
+        p.name.startswith("kvcache-bench-ssd-") for p in tmp_path.iterdir()
+    )  # lmdb cleaned up

@@ -1,4 +1,5 @@
 """Bad input and faults: each gets a clear error or a miss, never a crash, hang or bad bytes."""
+
 from __future__ import annotations
 
 import os
@@ -27,32 +28,35 @@ JOIN_TIMEOUT_S = 20
 
 # ---- payloads ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def store():
     with make_store(dram_pages=4) as s:
         yield s
 
 
-@pytest.mark.parametrize("payload,match", [
-    (np.zeros(LAYOUT.page_bytes // 2 - 1, np.float16), "expected 256"),
-    (np.zeros(LAYOUT.page_bytes // 2 + 1, np.float16), "expected 256"),
-    (b"x" * (LAYOUT.page_bytes - 1), "expected 256"),
-    (np.zeros(LAYOUT.page_bytes // 4, np.float32), "float32 does not match"),
-    (torch.zeros(LAYOUT.page_bytes // 4, dtype=torch.float32), "float32 does not match"),
-    (torch.zeros(LAYOUT.page_bytes // 2, dtype=torch.bfloat16), "bfloat16 does not match"),
-    (np.zeros(LAYOUT.page_bytes // 8, np.int64), "int64 does not match"),
-    ("not bytes", "must be bytes"),
-    (12345, "must be bytes"),
-    (None, "must be bytes"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        (np.zeros(LAYOUT.page_bytes // 2 - 1, np.float16), "expected 256"),
+        (np.zeros(LAYOUT.page_bytes // 2 + 1, np.float16), "expected 256"),
+        (b"x" * (LAYOUT.page_bytes - 1), "expected 256"),
+        (np.zeros(LAYOUT.page_bytes // 4, np.float32), "float32 does not match"),
+        (torch.zeros(LAYOUT.page_bytes // 4, dtype=torch.float32), "float32 does not match"),
+        (torch.zeros(LAYOUT.page_bytes // 2, dtype=torch.bfloat16), "bfloat16 does not match"),
+        (np.zeros(LAYOUT.page_bytes // 8, np.int64), "int64 does not match"),
+        ("not bytes", "must be bytes"),
+        (12345, "must be bytes"),
+        (None, "must be bytes"),
+    ],
+)
 def test_bad_payloads_are_rejected_and_the_page_stays_unpublished(store, payload, match):
     lease = store.allocate([key(1)])
     with pytest.raises(InvalidArgument, match=match):
         store.write(lease.lease_id, 0, payload)
     with pytest.raises(InvalidArgument):
-        store.write(lease.lease_id, 0, np.zeros(LAYOUT.layer_bytes // 2 + 1, np.float16),
-                    layer=0)
-    store.write(lease.lease_id, 0, page(1))        # the lease is still good
+        store.write(lease.lease_id, 0, np.zeros(LAYOUT.layer_bytes // 2 + 1, np.float16), layer=0)
+    store.write(lease.lease_id, 0, page(1))  # the lease is still good
     store.commit(lease.lease_id)
     assert store.read([key(1)])[0].tobytes() == page(1).tobytes()
 
@@ -65,6 +69,7 @@ def test_matching_typed_payloads_in_any_shape_are_accepted(store):
 
 
 # ---- unknown keys and leases -------------------------------------------------------------------
+
 
 def test_unknown_keys_and_leases(store):
     store.put([key(1)], [page(1)])
@@ -99,6 +104,7 @@ def test_bad_lease_ttl(store, ttl):
 
 # ---- capacity ------------------------------------------------------------------------------
 
+
 def run_with_timeout(fn):
     """Run ``fn`` in a thread; return what it raised (or None). Fails if it does not finish."""
     outcome: dict[str, BaseException | None] = {"error": None}
@@ -120,7 +126,7 @@ def test_capacity_exhausted_with_everything_pinned_fails_at_once(tmp_path):
     with make_store(tmp_path, dram_pages=2, ssd_pages=2) as store:
         for i in (1, 2, 3, 4):
             store.put([key(i)], [page(i)])
-        lease = store.acquire(keys(1, 2, 3, 4), into=None)   # every page of both tiers
+        lease = store.acquire(keys(1, 2, 3, 4), into=None)  # every page of both tiers
         err = run_with_timeout(lambda: store.put([key(5)], [page(5)]))
         assert isinstance(err, CapacityExhausted)
         assert "DRAM tier is full" in str(err) and "pinned" in str(err)
@@ -141,16 +147,19 @@ def test_a_full_slower_tier_drops_instead_of_demoting_pinned_blocks(tmp_path):
     # DRAM victims cannot go down when every SSD page is pinned: they are dropped (evicted).
     with make_store(tmp_path, dram_pages=1, ssd_pages=1) as store:
         store.put([key(1)], [page(1)])
-        store.put([key(2)], [page(2)])                    # 1 -> SSD
-        lease = store.acquire([key(1)], into=None)        # pin the only SSD page
+        store.put([key(2)], [page(2)])  # 1 -> SSD
+        lease = store.acquire([key(1)], into=None)  # pin the only SSD page
         store.take_events()
         store.put([key(3)], [page(3)])
         assert [(e.kind, e.key) for e in store.take_events()] == [
-            (EventKind.EVICTED, key(2)), (EventKind.STORED, key(3))]
+            (EventKind.EVICTED, key(2)),
+            (EventKind.STORED, key(3)),
+        ]
         store.release(lease.lease_id)
 
 
 # ---- the SSD tier ----------------------------------------------------------------------------
+
 
 def test_unusable_ssd_directory_is_a_storage_error_and_leaks_nothing(tmp_path):
     blocker = tmp_path / "a-file"
@@ -158,7 +167,7 @@ def test_unusable_ssd_directory_is_a_storage_error_and_leaks_nothing(tmp_path):
     name = unique_shm_name("kvtest")
     with pytest.raises(StorageError, match="ssd-dir"):
         make_store(dram_pages=2, ssd_pages=2, ssd_dir=str(blocker / "ssd"), shm_name=name)
-    assert not os.path.exists(f"/dev/shm/{name}")   # the DRAM slab was unlinked on the way out
+    assert not os.path.exists(f"/dev/shm/{name}")  # the DRAM slab was unlinked on the way out
     with pytest.raises(StorageError):
         make_store(dram_pages=2, ssd_pages=2, ssd_dir=str(blocker))
 
@@ -226,6 +235,7 @@ def test_a_page_corrupted_while_down_is_dropped_after_restart(tmp_path):
 
 # ---- leases ---------------------------------------------------------------------------------
 
+
 def test_an_expired_write_lease_returns_its_pages():
     clock = FakeClock()
     with make_store(dram_pages=2, clock=clock, lease_ttl_s=10) as store:
@@ -236,11 +246,11 @@ def test_an_expired_write_lease_returns_its_pages():
             store.allocate([key(3)])
         clock.advance(9.5)
         assert store.expire_leases() == 0
-        clock.advance(0.5)                              # the deadline itself
+        clock.advance(0.5)  # the deadline itself
         with pytest.raises(FailedPrecondition):
-            store.write(lease.lease_id, 1, page(2))     # too late to write ...
+            store.write(lease.lease_id, 1, page(2))  # too late to write ...
         with pytest.raises(FailedPrecondition, match="expired"):
-            store.commit(lease.lease_id)                # ... or to publish
+            store.commit(lease.lease_id)  # ... or to publish
         stats = store.stats()
         assert stats.tiers[0].leased_pages == 0 and stats.expired_leases == 1
         assert stats.write_leases == 0 and stats.blocks == 0
@@ -272,7 +282,7 @@ def test_an_expired_read_lease_unpins_its_blocks():
         with pytest.raises(FailedPrecondition, match="expired"):
             store.copy_out(lease, 0, out)
         assert store.stats().tiers[0].pinned_blocks == 0
-        store.put([key(3)], [page(3)])                   # now 1 can be evicted
+        store.put([key(3)], [page(3)])  # now 1 can be evicted
         assert store.contains(keys(1, 2, 3)) == [False, True, True]
         with pytest.raises(NotFound):
             store.release(lease.lease_id)
@@ -322,17 +332,19 @@ def race_readers_and_writers(store) -> None:
         for _ in range(ROUNDS):
             lease = store.allocate([k])
             if lease.slots[0] >= 0:
-                for layer in range(LAYOUT.num_layers):   # layer by layer: tearing is possible
+                for layer in range(LAYOUT.num_layers):  # layer by layer: tearing is possible
                     flat = src.view(np.uint8)
                     off = LAYOUT.layer_offset(layer)
-                    store.write(lease.lease_id, 0, flat[off:off + LAYOUT.layer_bytes], layer=layer)
+                    store.write(
+                        lease.lease_id, 0, flat[off : off + LAYOUT.layer_bytes], layer=layer
+                    )
             store.commit(lease.lease_id)
             store.remove([k])
 
     def reader(use_view: bool) -> None:
         start.wait()
         for _ in range(ROUNDS * 2):
-            if use_view:   # zero-copy: pinned page copied outside the store's lock
+            if use_view:  # zero-copy: pinned page copied outside the store's lock
                 lease = store.acquire([k])
                 got = store.page_view(lease, 0).tobytes() if lease.slots[0] >= 0 else None
                 store.release(lease.lease_id)
@@ -380,7 +392,7 @@ def test_many_writers_on_one_key_from_threads_publish_exactly_once(store):
 
     def writer(w: int) -> None:
         lease = store.allocate([key(7)])
-        start.wait()                                   # every allocate before any commit
+        start.wait()  # every allocate before any commit
         if lease.slots[0] >= 0:
             store.write(lease.lease_id, 0, page(100 + w))
         res = store.commit(lease.lease_id)

@@ -1,4 +1,5 @@
 """The GPU tier's torch slab: on "cpu" everywhere, on CUDA where there is one."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,9 @@ from kvstore_helpers import LAYOUT, key, keys, make_store, page, tiers_of
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
-                                                                        needs_cuda])])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+)
 def test_torch_slab_pool_pages(device):
     pool = TorchSlabPool(3, LAYOUT.page_bytes, device=device)
     assert pool.tier is Tier.GPU and pool.has_data
@@ -39,18 +41,31 @@ def test_cuda_tier_without_cuda_is_a_clear_error():
         make_store(gpu_pages=1, dram_pages=1)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
-                                                                        needs_cuda])])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+)
 def test_store_gpu_tier_write_demote_and_read(tmp_path, device):
-    cfg = dict(gpu_pages=2, gpu_device=device, dram_pages=2, ssd_pages=2, write_tier=Tier.GPU,
-               promote_on_hit=False)
+    cfg = dict(
+        gpu_pages=2,
+        gpu_device=device,
+        dram_pages=2,
+        ssd_pages=2,
+        write_tier=Tier.GPU,
+        promote_on_hit=False,
+    )
     with make_store(tmp_path, **cfg) as store:
         # a device tensor payload goes straight into the device slab
         store.put([key(0)], [torch.from_numpy(page(0).copy()).to(device)])
         for i in range(1, 6):
             store.put([key(i)], [page(i)])
-        assert tiers_of(store) == {key(0): "SSD", key(1): "SSD", key(2): "DRAM",
-                                   key(3): "DRAM", key(4): "GPU", key(5): "GPU"}
+        assert tiers_of(store) == {
+            key(0): "SSD",
+            key(1): "SSD",
+            key(2): "DRAM",
+            key(3): "DRAM",
+            key(4): "GPU",
+            key(5): "GPU",
+        }
         # every page, including the device payload that travelled GPU -> DRAM -> SSD, is intact
         got = store.read(keys(0, 1, 2, 3, 4, 5))
         assert [p.tobytes() for p in got] == [page(i).tobytes() for i in range(6)]

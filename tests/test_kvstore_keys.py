@@ -1,4 +1,5 @@
 """Block keys: the chained xxh3-128 of DESIGN.md, deterministic, isolated by namespace and salt."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,7 @@ def test_first_keys_follow_the_documented_formula():
     raw = toks.astype("<u4").tobytes()
     step = BT * 4
     k0 = xxhash.xxh3_128_digest(root + raw[:step])
-    k1 = xxhash.xxh3_128_digest(k0 + raw[step:2 * step])
+    k1 = xxhash.xxh3_128_digest(k0 + raw[step : 2 * step])
     assert k[:2] == [k0, k1]
     assert all(len(x) == 16 for x in k)
     assert len(set(k)) == 3
@@ -49,11 +50,13 @@ def test_keys_are_identical_in_another_process():
         "from kvstore import block_keys, root_key\n"
         "toks = json.loads(sys.argv[1])\n"
         "ks = block_keys(np.array(toks), int(sys.argv[2]), root_key(sys.argv[3], 'tenant-a'))\n"
-        "print(json.dumps([k.hex() for k in ks]))\n")
+        "print(json.dumps([k.hex() for k in ks]))\n"
+    )
     # A different PYTHONHASHSEED proves no builtin hash() sneaks into the keys.
     for seed in ("1", "12345"):
-        proc = run_python(code, json.dumps(toks.tolist()), str(BT), LAYOUT.namespace,
-                          env={"PYTHONHASHSEED": seed})
+        proc = run_python(
+            code, json.dumps(toks.tolist()), str(BT), LAYOUT.namespace, env={"PYTHONHASHSEED": seed}
+        )
         assert json.loads(proc.stdout) == expected
 
 
@@ -66,9 +69,17 @@ def test_salt_isolates_key_spaces():
     assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
 
 
-@pytest.mark.parametrize("field,value", [("model", "other-model"), ("num_layers", 3),
-                                         ("kv_heads", 4), ("head_dim", 8),
-                                         ("dtype", "bfloat16"), ("block_tokens", 8)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "other-model"),
+        ("num_layers", 3),
+        ("kv_heads", 4),
+        ("head_dim", 8),
+        ("dtype", "bfloat16"),
+        ("block_tokens", 8),
+    ],
+)
 def test_namespace_isolates_layouts(field, value):
     other = dataclasses.replace(LAYOUT, **{field: value})
     assert other.namespace != LAYOUT.namespace
@@ -87,9 +98,15 @@ def test_list_numpy_and_torch_inputs_give_equal_keys():
     toks = tokens(5 * BT)
     root = root_key("ns")
     expected = block_keys(toks, BT, root)
-    inputs = [toks.tolist(), toks.astype(np.int32), toks.astype(np.uint32), toks.astype(">u4"),
-              torch.from_numpy(toks), torch.from_numpy(toks).to(torch.int32),
-              toks.reshape(5, BT)]
+    inputs = [
+        toks.tolist(),
+        toks.astype(np.int32),
+        toks.astype(np.uint32),
+        toks.astype(">u4"),
+        torch.from_numpy(toks),
+        torch.from_numpy(toks).to(torch.int32),
+        toks.reshape(5, BT),
+    ]
     for inp in inputs:
         assert block_keys(inp, BT, root) == expected, type(inp)
 
@@ -99,7 +116,7 @@ def test_partial_trailing_block_is_not_keyed():
     root = root_key("ns")
     full = block_keys(toks, BT, root)
     assert block_keys(toks[: 3 * BT - 1], BT, root) == full[:2]
-    assert block_keys(np.concatenate([toks, toks[:BT - 1]]), BT, root) == full
+    assert block_keys(np.concatenate([toks, toks[: BT - 1]]), BT, root) == full
     assert block_keys(toks[: BT - 1], BT, root) == []
     assert block_keys([], BT, root) == []
 
@@ -122,16 +139,26 @@ def test_parent_continues_a_chain():
     root = root_key("ns")
     whole = block_keys(toks, BT, root)
     head = block_keys(toks[: 2 * BT], BT, root)
-    tail = block_keys(toks[2 * BT:], BT, root, parent=head[-1])
+    tail = block_keys(toks[2 * BT :], BT, root, parent=head[-1])
     assert head + tail == whole
 
 
-@pytest.mark.parametrize("bad", [
-    [1, -1, 2], np.array([3, -5]), torch.tensor([-1, 2]),          # negative
-    [1.0, 2.0], np.array([1.5]), torch.tensor([1.0, 2.0]),          # float
-    [0, 2 ** 32], np.array([2 ** 40], dtype=np.int64), [2 ** 70],   # too large
-    np.array([True, False]), ["a", "b"],                            # not integers at all
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1, -1, 2],
+        np.array([3, -5]),
+        torch.tensor([-1, 2]),  # negative
+        [1.0, 2.0],
+        np.array([1.5]),
+        torch.tensor([1.0, 2.0]),  # float
+        [0, 2**32],
+        np.array([2**40], dtype=np.int64),
+        [2**70],  # too large
+        np.array([True, False]),
+        ["a", "b"],  # not integers at all
+    ],
+)
 def test_bad_token_ids_raise_invalid_argument(bad):
     with pytest.raises(InvalidArgument):
         block_keys(bad, 1, root_key("ns"))
@@ -174,10 +201,10 @@ def test_store_keys_for_uses_the_layout_namespace():
     try:
         toks = tokens(3 * LAYOUT.block_tokens + 1)
         assert store.keys_for(toks, "t") == block_keys(
-            toks, LAYOUT.block_tokens, root_key(LAYOUT.namespace, "t"))
+            toks, LAYOUT.block_tokens, root_key(LAYOUT.namespace, "t")
+        )
         other = KVLayout(model="other", num_layers=2, kv_heads=2, head_dim=4, block_tokens=4)
-        assert not set(store.keys_for(toks)) & set(
-            block_keys(toks, 4, root_key(other.namespace)))
+        assert not set(store.keys_for(toks)) & set(block_keys(toks, 4, root_key(other.namespace)))
     finally:
         store.close()
 
@@ -195,6 +222,6 @@ def test_keys_follow_the_algorithm_written_in_docs_api_md():
     parent = h(b"kvcache/root/v1\x00" + struct.pack("<I", len(ns.encode())) + ns.encode() + salt)
     expected = []
     for i in range(len(tokens) // bt):
-        parent = h(parent + struct.pack(f"<{bt}I", *tokens[i * bt:(i + 1) * bt]))
+        parent = h(parent + struct.pack(f"<{bt}I", *tokens[i * bt : (i + 1) * bt]))
         expected.append(parent)
     assert block_keys(tokens, bt, root_key(ns, salt)) == expected

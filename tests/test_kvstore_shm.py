@@ -1,4 +1,5 @@
 """The DRAM tier's shared memory, seen and written by a second process."""
+
 from __future__ import annotations
 
 import os
@@ -35,16 +36,18 @@ slab.close()
 
 def xxh64(data: np.ndarray) -> str:
     import xxhash
+
     return xxhash.xxh3_64_hexdigest(data.view(np.uint8))
 
 
 def test_another_process_reads_pages_the_store_wrote():
     with make_store(dram_pages=4) as store:
         store.put(keys(1, 2, 3), [page(1), page(2), page(3)])
-        lease = store.acquire(keys(3, 1))                  # pinned while the other side reads
+        lease = store.acquire(keys(3, 1))  # pinned while the other side reads
         for i, seed in enumerate((3, 1)):
-            proc = run_python(READ_PAGE, store.shm_name, str(LAYOUT.page_bytes),
-                              str(lease.slots[i]))
+            proc = run_python(
+                READ_PAGE, store.shm_name, str(LAYOUT.page_bytes), str(lease.slots[i])
+            )
             assert proc.stdout.strip() == xxh64(page(seed))
         store.release(lease.lease_id)
         # the reader's exit did not take the segment with it
@@ -56,9 +59,10 @@ def test_another_process_writes_a_leased_page_and_the_store_publishes_it():
     with make_store(dram_pages=4) as store:
         lease = store.allocate(keys(5, 6))
         for i, seed in enumerate((5, 6)):
-            run_python(WRITE_PAGE, store.shm_name, str(LAYOUT.page_bytes), str(lease.slots[i]),
-                       str(seed))
-        assert store.lookup(keys(5)).hits == 0             # written, not yet published
+            run_python(
+                WRITE_PAGE, store.shm_name, str(LAYOUT.page_bytes), str(lease.slots[i]), str(seed)
+            )
+        assert store.lookup(keys(5)).hits == 0  # written, not yet published
         store.commit(lease.lease_id)
         got = store.read(keys(5, 6))
         assert [g.tobytes() for g in got] == [page(5).tobytes(), page(6).tobytes()]
@@ -69,9 +73,9 @@ def test_the_slab_is_unlinked_when_the_store_closes():
     store = make_store(dram_pages=2, shm_name=name)
     assert store.shm_name == name and os.path.exists(f"/dev/shm/{name}")
     store.put([key(1)], [page(1)])
-    held = store.read([key(1)])[0]                        # a copy, unaffected by close
+    held = store.read([key(1)])[0]  # a copy, unaffected by close
     store.close()
-    store.close()                                          # idempotent
+    store.close()  # idempotent
     assert not os.path.exists(f"/dev/shm/{name}")
     assert held.tobytes() == page(1).tobytes()
     with pytest.raises(StorageError, match="does not exist"):
@@ -83,10 +87,10 @@ def test_close_with_a_live_page_view_still_unlinks():
     store = make_store(dram_pages=2, shm_name=name)
     store.put([key(1)], [page(1)])
     lease = store.acquire([key(1)])
-    view = store.page_view(lease, 0)                       # keeps the mapping alive
+    view = store.page_view(lease, 0)  # keeps the mapping alive
     store.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-    assert view.tobytes() == page(1).tobytes()             # still mapped, still safe to read
+    assert view.tobytes() == page(1).tobytes()  # still mapped, still safe to read
     del view
 
 
@@ -119,17 +123,20 @@ def test_a_taken_shm_name_is_a_clear_error():
 
 def test_a_store_never_closed_still_unlinks_its_slab_at_exit():
     name = unique_shm_name("kvtest")
-    code = ("import sys\n"
-            "from kvstore import KVLayout, StoreConfig, TieredStore\n"
-            "layout = KVLayout(model='m', num_layers=1, kv_heads=1, head_dim=8)\n"
-            "store = TieredStore(layout, StoreConfig(dram_pages=2, shm_name=sys.argv[1]))\n"
-            "import os; print(os.path.exists('/dev/shm/' + sys.argv[1]))\n")
+    code = (
+        "import sys\n"
+        "from kvstore import KVLayout, StoreConfig, TieredStore\n"
+        "layout = KVLayout(model='m', num_layers=1, kv_heads=1, head_dim=8)\n"
+        "store = TieredStore(layout, StoreConfig(dram_pages=2, shm_name=sys.argv[1]))\n"
+        "import os; print(os.path.exists('/dev/shm/' + sys.argv[1]))\n"
+    )
     assert run_python(code, name).stdout.strip() == "True"
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-@pytest.mark.parametrize("cfg", [dict(dram_policy="nope"), dict(ssd_pages=2, ssd_policy="nope"),
-                                 dict(ssd_pages=2)])
+@pytest.mark.parametrize(
+    "cfg", [dict(dram_policy="nope"), dict(ssd_pages=2, ssd_policy="nope"), dict(ssd_pages=2)]
+)
 def test_a_store_that_fails_to_open_leaves_no_slab(cfg):
     name = unique_shm_name("kvtest")
     with pytest.raises(InvalidArgument, match="policy|ssd_dir"):

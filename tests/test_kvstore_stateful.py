@@ -9,6 +9,7 @@ in lmdb, optionally a "GPU" tier on the CPU) and checks after every step:
   of each call are what the model predicts (hits, stored/duplicate counts, capacity errors, which
   leases expire), and bytes read back are the bytes written, for as long as the block is stored.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ from kvstore.store import InvariantViolation
 
 from kvstore_helpers import LAYOUT, FakeClock, key, make_store, page, page_bytes
 
-N_KEYS = 10          # more keys than pages in all tiers: eviction and demotion happen all the time
+N_KEYS = 10  # more keys than pages in all tiers: eviction and demotion happen all the time
 PAGE = LAYOUT.page_bytes
 LAYER = LAYOUT.layer_bytes
 KEY_IDS = st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=3, unique=True)
@@ -50,14 +51,14 @@ TTLS = st.sampled_from([1.0, 3.0, 10.0])
 class WriteModel:
     lease: WriteLease
     deadline: float
-    seeds: dict[int, int]             # key index -> seed of the page written there
+    seeds: dict[int, int]  # key index -> seed of the page written there
 
 
 @dataclass
 class ReadModel:
     lease: ReadLease
     deadline: float
-    seeds: dict[int, int | None]      # found key index -> seed of its bytes (None: unknown)
+    seeds: dict[int, int | None]  # found key index -> seed of its bytes (None: unknown)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -66,11 +67,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.tmp = tempfile.mkdtemp(prefix="kvstore-stateful-")
         self.clock = FakeClock()
         self._store: TieredStore | None = None
-        self.tiers: dict[bytes, Tier] = {}          # the index, as the events tell it
+        self.tiers: dict[bytes, Tier] = {}  # the index, as the events tell it
         self.content: dict[bytes, int | None] = {}  # seed of each key's bytes (None: unknown)
         self.writes: dict[int, WriteModel] = {}
         self.reads: dict[int, ReadModel] = {}
-        self.dead: list[int] = []                   # ids of leases that ended
+        self.dead: list[int] = []  # ids of leases that ended
         self.seq = 0
         self.seeds = 0
         self.bytes_written = self.bytes_read = self.expired = self.misses = 0
@@ -105,8 +106,13 @@ class StoreMachine(RuleBasedStateMachine):
         below): fine in use, where equal keys mean equal bytes, but this model writes different
         bytes per put, so it stays out of that case."""
         now = self.clock.now
-        doomed_on_ssd = {r.lease.keys[i] for r in self.reads.values() if r.deadline > now
-                         for i in r.seeds if r.lease.tiers[i] is Tier.SSD}
+        doomed_on_ssd = {
+            r.lease.keys[i]
+            for r in self.reads.values()
+            if r.deadline > now
+            for i in r.seeds
+            if r.lease.tiers[i] is Tier.SSD
+        }
         return any(k in doomed_on_ssd and k not in self.tiers for k in keys)
 
     def expiry_pending(self) -> bool:
@@ -141,14 +147,27 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ---- setup ----------------------------------------------------------------------------
 
-    @initialize(gpu=st.booleans(), dram=st.integers(2, 4), ssd=st.sampled_from([0, 2, 3]),
-                policy=st.sampled_from(["lru", "lfu"]), promote=st.booleans(),
-                prefill=st.integers(0, N_KEYS))
-    def open_store(self, gpu: bool, dram: int, ssd: int, policy: str, promote: bool,
-                   prefill: int) -> None:
-        cfg: dict[str, object] = dict(dram_pages=dram, ssd_pages=ssd, dram_policy=policy,
-                                      ssd_policy=policy, gpu_policy=policy,
-                                      promote_on_hit=promote, clock=self.clock, lease_ttl_s=5.0)
+    @initialize(
+        gpu=st.booleans(),
+        dram=st.integers(2, 4),
+        ssd=st.sampled_from([0, 2, 3]),
+        policy=st.sampled_from(["lru", "lfu"]),
+        promote=st.booleans(),
+        prefill=st.integers(0, N_KEYS),
+    )
+    def open_store(
+        self, gpu: bool, dram: int, ssd: int, policy: str, promote: bool, prefill: int
+    ) -> None:
+        cfg: dict[str, object] = dict(
+            dram_pages=dram,
+            ssd_pages=ssd,
+            dram_policy=policy,
+            ssd_policy=policy,
+            gpu_policy=policy,
+            promote_on_hit=promote,
+            clock=self.clock,
+            lease_ttl_s=5.0,
+        )
         if gpu:
             cfg.update(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU)
         self._store = make_store(Path(self.tmp), **cfg)
@@ -163,7 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             if self._store is not None:
                 shm = self._store.shm_name
-                self._store.close()       # unlinks the shared memory, syncs and closes lmdb
+                self._store.close()  # unlinks the shared memory, syncs and closes lmdb
                 assert shm is None or not os.path.exists(f"/dev/shm/{shm}"), "shm left behind"
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -248,7 +267,7 @@ class StoreMachine(RuleBasedStateMachine):
             for i, s in seeds.items():
                 raw = page(s).view(np.uint8)
                 for layer in range(LAYOUT.num_layers):
-                    self.store.write(lid, i, raw[layer * LAYER:(layer + 1) * LAYER], layer=layer)
+                    self.store.write(lid, i, raw[layer * LAYER : (layer + 1) * LAYER], layer=layer)
         self.bytes_written += len(seeds) * PAGE
         w.seeds.update(seeds)
 
@@ -272,7 +291,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.sync()
         for i, k in new:
             assert self.tiers[k] is w.lease.tier
-            self.content[k] = w.seeds.get(i)   # never written: whatever the page held
+            self.content[k] = w.seeds.get(i)  # never written: whatever the page held
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
@@ -285,8 +304,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ---- reads -------------------------------------------------------------------------------
 
-    @rule(ids=st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=4), ttl=TTLS,
-          into=st.sampled_from(["default", None, Tier.GPU, Tier.DRAM, Tier.SSD]))
+    @rule(
+        ids=st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=4),
+        ttl=TTLS,
+        into=st.sampled_from(["default", None, Tier.GPU, Tier.DRAM, Tier.SSD]),
+    )
     def acquire(self, ids: list[int], ttl: float, into: Tier | str | None) -> None:
         keys = [key(i) for i in ids]
         before = dict(self.content)
@@ -307,8 +329,9 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r.seeds for r in self.reads.values()))
     @rule(data=st.data(), zero_copy=st.booleans())
     def copy_out(self, data: st.DataObject, zero_copy: bool) -> None:
-        lid = data.draw(st.sampled_from(sorted(i for i, r in self.reads.items() if r.seeds)),
-                        label="read lease")
+        lid = data.draw(
+            st.sampled_from(sorted(i for i, r in self.reads.items() if r.seeds)), label="read lease"
+        )
         r = self.reads[lid]
         i = data.draw(st.sampled_from(sorted(r.seeds)), label="key index")
         if zero_copy and r.deadline > self.clock.now:
@@ -434,19 +457,24 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestTieredStoreStateful = StoreMachine.TestCase
 
 
 # ---- the bugs the machine found, and the checker itself -------------------------------------
+
 
 def test_acquire_into_an_absent_tier_leaves_no_pins(tmp_path: Path) -> None:
     with make_store(tmp_path, dram_pages=2) as store:
         store.put([key(1)], [page(1)])
         with pytest.raises(InvalidArgument, match="no SSD tier"):
             store.acquire([key(1)], into=Tier.SSD)
-        assert store.stats().tiers[0].pinned_blocks == 0   # was 1, forever: no lease to release
+        assert store.stats().tiers[0].pinned_blocks == 0  # was 1, forever: no lease to release
         store.check_invariants()
 
 
@@ -455,7 +483,7 @@ def test_acquire_into_ssd_moves_the_page_there(tmp_path: Path, gpu: bool) -> Non
     cfg: dict[str, object] = dict(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU) if gpu else {}
     with make_store(tmp_path, dram_pages=2, ssd_pages=2, **cfg) as store:
         store.put([key(1)], [page(1)])
-        lease = store.acquire([key(1)], into=Tier.SSD)      # was a TypeError (no SSD page view)
+        lease = store.acquire([key(1)], into=Tier.SSD)  # was a TypeError (no SSD page view)
         assert lease.tiers == [Tier.SSD]
         out = np.empty(PAGE, np.uint8)
         assert store.copy_out(lease, 0, out) and out.tobytes() == page_bytes(1)
@@ -467,15 +495,15 @@ def test_acquire_into_ssd_moves_the_page_there(tmp_path: Path, gpu: bool) -> Non
 def test_a_corrupt_read_of_a_removed_copy_keeps_the_indexed_one(tmp_path: Path) -> None:
     with make_store(tmp_path, dram_pages=2, ssd_pages=2, promote_on_hit=False) as store:
         for i in range(4):
-            store.put([key(i)], [page(i)])                # keys 0 and 1 are demoted to SSD
-        lease = store.acquire([key(0)])                   # pinned on the SSD
-        store.remove([key(0)])                            # out of the index, still readable
-        store.put([key(0)], [page(0)])                    # a new copy in DRAM
+            store.put([key(i)], [page(i)])  # keys 0 and 1 are demoted to SSD
+        lease = store.acquire([key(0)])  # pinned on the SSD
+        store.remove([key(0)])  # out of the index, still readable
+        store.put([key(0)], [page(0)])  # a new copy in DRAM
         pool = store.pool(Tier.SSD)
-        with pool.env.begin(write=True) as txn:           # the removed copy's page goes bad
+        with pool.env.begin(write=True) as txn:  # the removed copy's page goes bad
             txn.put(key(0), b"\0" * PAGE, db=pool._pages)
         assert not store.copy_out(lease, 0, np.empty(PAGE, np.uint8))
-        assert store.contains([key(0)]) == [True]         # was dropped with the bad copy
+        assert store.contains([key(0)]) == [True]  # was dropped with the bad copy
         store.release(lease.lease_id)
         store.check_invariants()
 
@@ -483,13 +511,13 @@ def test_a_corrupt_read_of_a_removed_copy_keeps_the_indexed_one(tmp_path: Path) 
 def test_a_removed_pinned_ssd_copy_does_not_take_a_restored_copys_page(tmp_path: Path) -> None:
     with make_store(tmp_path, dram_pages=2, ssd_pages=2, promote_on_hit=False) as store:
         for i in range(4):
-            store.put([key(i)], [page(i)])                # keys 0 and 1 are demoted to SSD
-        lease = store.acquire([key(0)])                   # pinned on the SSD
-        store.remove([key(0)])                            # doomed: freed on release
+            store.put([key(i)], [page(i)])  # keys 0 and 1 are demoted to SSD
+        lease = store.acquire([key(0)])  # pinned on the SSD
+        store.remove([key(0)])  # doomed: freed on release
         for i in (0, 1, 2):
-            store.put([key(i)], [page(i)])                # key 0 again, demoted to SSD
-        store.check_invariants()                          # two SSD slots share one record
-        store.release(lease.lease_id)                     # must keep key 0's record
+            store.put([key(i)], [page(i)])  # key 0 again, demoted to SSD
+        store.check_invariants()  # two SSD slots share one record
+        store.release(lease.lease_id)  # must keep key 0's record
         store.check_invariants()
         got = store.read([key(0)])[0]
         assert got is not None and got.tobytes() == page_bytes(0), "the live copy lost its page"
@@ -515,18 +543,20 @@ def _break_ssd(store: TieredStore) -> None:
     store.pool(Tier.SSD).drop_pages([0], [key(0)])
 
 
-@pytest.mark.parametrize("corrupt,match", [
-    (_break_pinned, "DRAM counts 3 pinned blocks; 2 blocks are pinned"),
-    (_break_free_list, "is owned by \\['free', 'committed'\\]"),
-    (_break_policy, "lru policy holds 1 slots, expected the 2 evictable ones"),
-    (_break_index, "hold keys no live block owns"),
-    (_break_ssd, "lmdb does not hold one page per key of its committed SSD blocks"),
-])
-def test_check_invariants_reports_broken_state(tmp_path: Path, corrupt: object,
-                                               match: str) -> None:
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        (_break_pinned, "DRAM counts 3 pinned blocks; 2 blocks are pinned"),
+        (_break_free_list, "is owned by \\['free', 'committed'\\]"),
+        (_break_policy, "lru policy holds 1 slots, expected the 2 evictable ones"),
+        (_break_index, "hold keys no live block owns"),
+        (_break_ssd, "lmdb does not hold one page per key of its committed SSD blocks"),
+    ],
+)
+def test_check_invariants_reports_broken_state(tmp_path: Path, corrupt: object, match: str) -> None:
     with make_store(tmp_path, dram_pages=4, ssd_pages=2) as store:
         for i in range(5):
-            store.put([key(i)], [page(i)])                # key 0 on SSD, 1-4 in DRAM
+            store.put([key(i)], [page(i)])  # key 0 on SSD, 1-4 in DRAM
         lease = store.acquire([key(2), key(3)], into=None)  # pinned: 2 evictable left (1, 4)
         store.check_invariants()
         assert callable(corrupt)

@@ -1,5 +1,6 @@
 """Tiers: demotion DRAM -> SSD, promotion on hit, exclusivity, events, snapshot, restart,
 metadata-only stores."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,7 +29,7 @@ def test_eviction_demotes_dram_to_ssd_with_the_bytes(tmp_path):
         stats = store.stats()
         assert stats.demotions == 1 and stats.blocks == 3
         assert [t.used_pages for t in stats.tiers] == [2, 1]
-        assert [t.evictions for t in stats.tiers] == [0, 0]   # demoted, not dropped
+        assert [t.evictions for t in stats.tiers] == [0, 0]  # demoted, not dropped
 
 
 def test_the_last_tier_drops_and_reports_evicted(tmp_path):
@@ -39,8 +40,10 @@ def test_the_last_tier_drops_and_reports_evicted(tmp_path):
         events = [(e.kind, int.from_bytes(e.key, "little"), e.tier) for e in store.take_events()]
         assert events == [
             (EventKind.STORED, 1, Tier.DRAM),
-            (EventKind.STORED, 1, Tier.SSD), (EventKind.STORED, 2, Tier.DRAM),
-            (EventKind.EVICTED, 1, Tier.SSD), (EventKind.STORED, 2, Tier.SSD),
+            (EventKind.STORED, 1, Tier.SSD),
+            (EventKind.STORED, 2, Tier.DRAM),
+            (EventKind.EVICTED, 1, Tier.SSD),
+            (EventKind.STORED, 2, Tier.SSD),
             (EventKind.STORED, 3, Tier.DRAM),
         ]
         assert ssd_keys(store) == {key(2)}
@@ -84,14 +87,17 @@ def test_ssd_hit_promotes_to_dram_only_when_asked(tmp_path, promote):
             assert ssd_keys(store) == {key(2)}
             assert stats.promotions == 1 and stats.demotions == 2
             assert [(e.kind, e.key, e.tier) for e in store.take_events()] == [
-                (EventKind.STORED, key(2), Tier.SSD), (EventKind.STORED, key(1), Tier.DRAM)]
+                (EventKind.STORED, key(2), Tier.SSD),
+                (EventKind.STORED, key(1), Tier.DRAM),
+            ]
         else:
             assert tiers_of(store)[key(1)] == "SSD" and ssd_keys(store) == {key(1)}
             assert stats.promotions == 0 and store.take_events() == []
         assert stats.bytes_read == LAYOUT.page_bytes
         # every block still reads back its own bytes, wherever it is now
         assert [as_bytes(p) for p in store.read(keys(1, 2, 3))] == [
-            as_bytes(page(i)) for i in (1, 2, 3)]
+            as_bytes(page(i)) for i in (1, 2, 3)
+        ]
 
 
 def test_acquire_can_leave_ssd_pages_in_place_and_copy_out(tmp_path):
@@ -115,11 +121,11 @@ def test_promotion_does_not_inherit_lfu_history_of_the_slot(tmp_path):
         store.put([key(2)], [page(2)])
         for _ in range(5):
             store.lookup([key(1)])
-        store.put([key(3)], [page(3)])          # 2 (count 1) goes to SSD
-        store.remove([key(1)])                   # frees the hot block's slot
-        store.read([key(2)])                     # 2 comes back into that slot
+        store.put([key(3)], [page(3)])  # 2 (count 1) goes to SSD
+        store.remove([key(1)])  # frees the hot block's slot
+        store.read([key(2)])  # 2 comes back into that slot
         store.lookup([key(3)])
-        store.lookup([key(3)])                   # 3 is now used more than 2
+        store.lookup([key(3)])  # 3 is now used more than 2
         store.put([key(4)], [page(4)])
         assert tiers_of(store) == {key(2): "SSD", key(3): "DRAM", key(4): "DRAM"}
 
@@ -132,10 +138,11 @@ def test_pages_on_ssd_survive_a_restart(tmp_path):
         on_ssd = {k for k, t in tiers_of(store).items() if t == "SSD"}
         assert on_ssd == set(keys(0, 1, 2))
     with make_store(tmp_path, **cfg) as store:
-        assert tiers_of(store) == {k: "SSD" for k in on_ssd}    # DRAM pages died with the process
+        assert tiers_of(store) == {k: "SSD" for k in on_ssd}  # DRAM pages died with the process
         assert [e.kind for e in store.take_events()] == [EventKind.STORED] * 3
         assert [as_bytes(p) for p in store.read(keys(0, 1, 2))] == [
-            as_bytes(page(i)) for i in (0, 1, 2)]
+            as_bytes(page(i)) for i in (0, 1, 2)
+        ]
         assert store.read(keys(3, 4)) == [None, None]
 
 
@@ -153,6 +160,7 @@ def test_restart_with_a_smaller_ssd_keeps_what_fits(tmp_path):
 
 def test_other_layouts_do_not_see_each_others_ssd_pages(tmp_path):
     import dataclasses
+
     with make_store(tmp_path, dram_pages=1, ssd_pages=2) as store:
         store.put([key(1)], [page(1)])
         store.put([key(2)], [page(2)])
@@ -162,15 +170,27 @@ def test_other_layouts_do_not_see_each_others_ssd_pages(tmp_path):
 
 
 def test_gpu_tier_on_cpu_demotes_into_dram(tmp_path):
-    cfg = dict(gpu_pages=2, gpu_device="cpu", dram_pages=2, ssd_pages=2, write_tier=Tier.GPU,
-               promote_on_hit=False)
+    cfg = dict(
+        gpu_pages=2,
+        gpu_device="cpu",
+        dram_pages=2,
+        ssd_pages=2,
+        write_tier=Tier.GPU,
+        promote_on_hit=False,
+    )
     with make_store(tmp_path, **cfg) as store:
         for i in range(5):
             store.put([key(i)], [page(i)])
-        assert tiers_of(store) == {key(0): "SSD", key(1): "DRAM", key(2): "DRAM",
-                                   key(3): "GPU", key(4): "GPU"}
+        assert tiers_of(store) == {
+            key(0): "SSD",
+            key(1): "DRAM",
+            key(2): "DRAM",
+            key(3): "GPU",
+            key(4): "GPU",
+        }
         assert [as_bytes(p) for p in store.read(keys(0, 1, 2, 3, 4))] == [
-            as_bytes(page(i)) for i in range(5)]
+            as_bytes(page(i)) for i in range(5)
+        ]
         # a shared-memory reader asks for DRAM: the GPU page moves down for it
         lease = store.acquire([key(4)], into=Tier.DRAM)
         assert lease.tiers == [Tier.DRAM]
@@ -186,8 +206,13 @@ def test_metadata_only_store_runs_the_real_index_without_bytes():
             lease = store.allocate([key(i)])
             assert store.page_view(lease, 0) is None
             assert store.commit(lease.lease_id).stored == 1
-        assert tiers_of(store) == {key(1): "SSD", key(2): "SSD", key(3): "DRAM",
-                                   key(4): "DRAM", key(5): "DRAM"}
+        assert tiers_of(store) == {
+            key(1): "SSD",
+            key(2): "SSD",
+            key(3): "DRAM",
+            key(4): "DRAM",
+            key(5): "DRAM",
+        }
         res = store.lookup(keys(3, 4, 5, 6))
         assert res.hits == 3
         stats = store.stats()
@@ -197,14 +222,17 @@ def test_metadata_only_store_runs_the_real_index_without_bytes():
         assert store.read([key(9)]) == [None]
 
 
-@pytest.mark.parametrize("cfg,match", [
-    (dict(), "at least one tier"),
-    (dict(ssd_pages=2), "DRAM tier"),
-    (dict(dram_pages=-1), "dram_pages"),
-    (dict(dram_pages=2, ssd_pages=2), "ssd_dir"),
-    (dict(dram_pages=2, write_tier=Tier.GPU), "write_tier"),
-    (dict(dram_pages=2, dram_policy="random"), "eviction policy"),
-])
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        (dict(), "at least one tier"),
+        (dict(ssd_pages=2), "DRAM tier"),
+        (dict(dram_pages=-1), "dram_pages"),
+        (dict(dram_pages=2, ssd_pages=2), "ssd_dir"),
+        (dict(dram_pages=2, write_tier=Tier.GPU), "write_tier"),
+        (dict(dram_pages=2, dram_policy="random"), "eviction policy"),
+    ],
+)
 def test_bad_configurations_are_rejected(cfg, match):
     with pytest.raises(InvalidArgument, match=match):
         TieredStore(LAYOUT, StoreConfig(**cfg))

@@ -1,4 +1,5 @@
 """Two-phase writes: allocate -> write (whole pages or per layer) -> commit or abort."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,7 @@ from kvstore_helpers import LAYOUT, key, keys, make_store, page
 def layer_of(p: np.ndarray, layer: int) -> np.ndarray:
     flat = p.view(np.uint8)
     off = LAYOUT.layer_offset(layer)
-    return flat[off:off + LAYOUT.layer_bytes].view(LAYOUT.numpy_dtype)
+    return flat[off : off + LAYOUT.layer_bytes].view(LAYOUT.numpy_dtype)
 
 
 @pytest.fixture
@@ -36,8 +37,7 @@ def test_layer_by_layer_write_is_invisible_until_commit(store):
         assert store.acquire(keys(1)).slots == [-1]
     assert store.take_events() == []
     assert store.commit(lease.lease_id).stored == 2
-    assert [p.tobytes() for p in store.read(keys(1, 2))] == [page(1).tobytes(),
-                                                             page(2).tobytes()]
+    assert [p.tobytes() for p in store.read(keys(1, 2))] == [page(1).tobytes(), page(2).tobytes()]
     assert [e.key for e in store.take_events()] == keys(1, 2)
     tier = store.stats().tiers[0]
     assert tier.leased_pages == 0 and tier.used_pages == 2
@@ -55,8 +55,10 @@ def test_writers_can_fill_the_page_view_in_place(store):
 
 def test_torch_and_bytes_payloads_are_accepted(store):
     p = page(3)
-    store.put(keys(1, 2, 3), [torch.from_numpy(p.copy()), p.tobytes(),
-                              torch.from_numpy(p.view(np.uint8).copy())])
+    store.put(
+        keys(1, 2, 3),
+        [torch.from_numpy(p.copy()), p.tobytes(), torch.from_numpy(p.view(np.uint8).copy())],
+    )
     assert all(x.tobytes() == p.tobytes() for x in store.read(keys(1, 2, 3)))
 
 
@@ -64,7 +66,7 @@ def test_abort_frees_the_pages_and_publishes_nothing(store):
     lease = store.allocate(keys(1, 2, 3, 4))
     store.write(lease.lease_id, 0, page(1))
     with pytest.raises(CapacityExhausted):
-        store.allocate([key(5)])              # every page is leased
+        store.allocate([key(5)])  # every page is leased
     store.abort(lease.lease_id)
     assert store.lookup(keys(1)).hits == 0 and store.take_events() == []
     assert store.stats().tiers[0].leased_pages == 0
@@ -90,7 +92,7 @@ def test_double_commit_fails_and_changes_nothing(store):
     with pytest.raises(FailedPrecondition, match="already"):
         store.commit(lease.lease_id)
     with pytest.raises(FailedPrecondition):
-        store.write(lease.lease_id, 0, page(2))   # no writes after publishing either
+        store.write(lease.lease_id, 0, page(2))  # no writes after publishing either
     assert len(events) == 1 and store.take_events() == []
     assert store.read([key(1)])[0].tobytes() == page(1).tobytes()
     assert store.stats().tiers[0].used_pages == 1
@@ -115,7 +117,8 @@ def test_already_stored_keys_get_no_page(store):
     store.write_pages(lease.lease_id, [page(1), None, page(3)])
     assert store.commit(lease.lease_id).stored == 2
     assert [p.tobytes() for p in store.read(keys(1, 2, 3))] == [
-        page(i).tobytes() for i in (1, 2, 3)]
+        page(i).tobytes() for i in (1, 2, 3)
+    ]
 
 
 def test_write_index_and_layer_out_of_range(store):

@@ -1,5 +1,6 @@
 """The transfer benchmark runs end to end in its quick mode and reports ratios (no timings are
 asserted: they belong to the benchmark's output, not to pass/fail)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,25 @@ from bench.transfer import main, parse_bytes
 @pytest.mark.slow
 def test_quick_transfer_benchmark_reports_ratios(tmp_path, capsys):
     out = tmp_path / "transfer.json"
-    assert main(["--total", "8M", "--sizes", "1M", "--runs", "1", "--lanes", "2",
-                 "--no-mooncake", "--e2e", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--total",
+                "8M",
+                "--sizes",
+                "1M",
+                "--runs",
+                "1",
+                "--lanes",
+                "2",
+                "--no-mooncake",
+                "--e2e",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "x raw socket" in printed and "Mooncake TE skipped" in printed
     data = json.loads(out.read_text())

@@ -4,6 +4,7 @@ The fake copies between in-memory regions only after the checks an HCA makes (rk
 access flags, QP state), so a wrong key, offset or flag in the transport fails these tests.
 Tests that need real verbs are marked ``rdma`` and skipped with the reason on machines without.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,15 +35,25 @@ PB = 16 << 10
 
 # ---- planning ---------------------------------------------------------------------------------
 
+
 def test_plan_merges_runs_contiguous_on_both_sides():
     # Remote pages 0..3 land in local pages 10..13 (contiguous), page 5 elsewhere, 4 goes to a
     # non-adjacent local slot, so it cannot extend the first run.
-    entries = [(0, 0, 10 * PB), (1, PB, 11 * PB), (2, 2 * PB, 12 * PB), (3, 3 * PB, 13 * PB),
-               (4, 4 * PB, 20 * PB), (5, 5 * PB, 21 * PB), (6, 9 * PB, 22 * PB)]
+    entries = [
+        (0, 0, 10 * PB),
+        (1, PB, 11 * PB),
+        (2, 2 * PB, 12 * PB),
+        (3, 3 * PB, 13 * PB),
+        (4, 4 * PB, 20 * PB),
+        (5, 5 * PB, 21 * PB),
+        (6, 9 * PB, 22 * PB),
+    ]
     got = plan_segments(list(reversed(entries)), PB, max_bytes=1 << 30)
-    assert got == [Segment(0, 10 * PB, 4 * PB, (0, 1, 2, 3)),
-                   Segment(4 * PB, 20 * PB, 2 * PB, (4, 5)),
-                   Segment(9 * PB, 22 * PB, PB, (6,))]
+    assert got == [
+        Segment(0, 10 * PB, 4 * PB, (0, 1, 2, 3)),
+        Segment(4 * PB, 20 * PB, 2 * PB, (4, 5)),
+        Segment(9 * PB, 22 * PB, PB, (6,)),
+    ]
 
 
 def test_plan_caps_segment_size():
@@ -52,7 +63,8 @@ def test_plan_caps_segment_size():
     assert all(s.length <= 3 * PB for s in got)
 
 
-# ---- the fake backend enforces what hardware enforces ----------------------------------------------
+# ---- the fake backend enforces what hardware enforces --------------------------------------------
+
 
 def _pair(fabric):
     a, b = FakeVerbsBackend(fabric), FakeVerbsBackend(fabric)
@@ -75,21 +87,24 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
     np.testing.assert_array_equal(dst[:PB], src[:PB])
 
     def status_of(wr):
-        q, peer = a.create_qp(), b.create_qp()   # a fresh QP from a to b for each case
+        q, peer = a.create_qp(), b.create_qp()  # a fresh QP from a to b for each case
         q.connect(peer.info)
         peer.connect(q.info)
         q.post_reads([wr])
         return q.poll(4)[0].status
 
     bad_rkey = ReadWr(2, dst.ctypes.data, writable.lkey, src.ctypes.data, 0xDEAD, PB, True)
-    out_of_bounds = ReadWr(3, dst.ctypes.data, writable.lkey, src.ctypes.data + 3 * PB + 1,
-                           readable.rkey, PB, True)
+    out_of_bounds = ReadWr(
+        3, dst.ctypes.data, writable.lkey, src.ctypes.data + 3 * PB + 1, readable.rkey, PB, True
+    )
     no_remote_read = b.register(src.ctypes.data, src.nbytes, Access.LOCAL_WRITE)
-    not_readable = ReadWr(4, dst.ctypes.data, writable.lkey, src.ctypes.data, no_remote_read.rkey,
-                          PB, True)
+    not_readable = ReadWr(
+        4, dst.ctypes.data, writable.lkey, src.ctypes.data, no_remote_read.rkey, PB, True
+    )
     read_only_local = a.register(dst.ctypes.data, dst.nbytes, Access.REMOTE_READ)
-    not_writable = ReadWr(5, dst.ctypes.data, read_only_local.lkey, src.ctypes.data,
-                          readable.rkey, PB, True)
+    not_writable = ReadWr(
+        5, dst.ctypes.data, read_only_local.lkey, src.ctypes.data, readable.rkey, PB, True
+    )
     assert status_of(bad_rkey) == WcStatus.REM_ACCESS_ERR
     assert status_of(out_of_bounds) == WcStatus.REM_ACCESS_ERR
     assert status_of(not_readable) == WcStatus.REM_ACCESS_ERR
@@ -99,16 +114,23 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
     qp.post_reads([bad_rkey, ok])
     assert [c.status for c in qp.poll(4)] == [WcStatus.REM_ACCESS_ERR, WcStatus.WR_FLUSH_ERR]
     with pytest.raises(VerbsError):
-        a.create_qp().post_reads([ok])   # never connected: not in RTS
+        a.create_qp().post_reads([ok])  # never connected: not in RTS
     with pytest.raises(VerbsError):
         a.create_qp().connect(QpInfo(qpn=1, psn=0, lid=99, gid="", mtu=5))
 
 
-# ---- transport against a source server -------------------------------------------------------------
+# ---- transport against a source server -----------------------------------------------------------
+
 
 class Setup:
-    def __init__(self, missing=(), with_rdma_source=True, config: RdmaConfig | None = None,
-                 max_send_wr: int = 64, token: str | None = None) -> None:
+    def __init__(
+        self,
+        missing=(),
+        with_rdma_source=True,
+        config: RdmaConfig | None = None,
+        max_send_wr: int = 64,
+        token: str | None = None,
+    ) -> None:
         self.fabric = FakeFabric()
         self.src_region = np.empty(PAGES * PB, dtype=np.uint8)
         fill_pattern(self.src_region.reshape(PAGES, PB))
@@ -121,8 +143,9 @@ class Setup:
             self.rdma_source = RdmaSource(self.src_backend, self.source)
             self.rdma_source.install(self.server)
         self.dst_backend = FakeVerbsBackend(self.fabric, max_send_wr)
-        self.rdma = RdmaTransport(self.dst_backend, config or RdmaConfig(chain=4,
-                                                                         chains_in_flight=2))
+        self.rdma = RdmaTransport(
+            self.dst_backend, config or RdmaConfig(chain=4, chains_in_flight=2)
+        )
         self.dst = np.zeros((PAGES, PB), dtype=np.uint8)
         self.rdma.register_local(self.dst.reshape(-1))
 
@@ -143,14 +166,14 @@ def setup():
 
 
 def test_rdma_fetch_moves_exact_bytes_with_merged_chained_reads(setup):
-    setup.fabric.poll_delay = 3   # completions show up late: polling must not block or give up
+    setup.fabric.poll_delay = 3  # completions show up late: polling must not block or give up
     res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views())
     assert all(r.ok for r in res), res[0]
     np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
     # Both sides contiguous: the whole batch is one READ, one chain, one signaled WR.
     assert setup.fabric.reads_posted == 1
     assert setup.fabric.signaled_posted == setup.fabric.chains_posted == 1
-    assert setup.source.pins == 0            # released after the fetch
+    assert setup.source.pins == 0  # released after the fetch
     assert setup.src_backend.registrations == 1
     # A second fetch reuses the session and the source's registration.
     setup.dst[:] = 0
@@ -160,7 +183,7 @@ def test_rdma_fetch_moves_exact_bytes_with_merged_chained_reads(setup):
 
 
 def test_scattered_destination_pages_use_many_chains_only_last_signaled(setup):
-    order = list(range(PAGES))[::-1]          # page i lands in slot PAGES-1-i: nothing merges
+    order = list(range(PAGES))[::-1]  # page i lands in slot PAGES-1-i: nothing merges
     res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views(order))
     assert all(r.ok for r in res)
     expected = setup.src_region.reshape(PAGES, PB)
@@ -216,7 +239,7 @@ def test_fallback_retries_failed_entries_over_tcp_and_keeps_the_peer_on_tcp(setu
         setup.dst[:] = 0
         res = transport.fetch(setup.server.address, NS, setup.keys, setup.views())
         assert all(r.ok for r in res)
-        assert setup.fabric.reads_posted == posted     # the second fetch did not use RDMA
+        assert setup.fabric.reads_posted == posted  # the second fetch did not use RDMA
         np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
     finally:
         transport.fallback.close()
@@ -238,8 +261,12 @@ def test_peer_without_rdma_falls_back_to_tcp():
 
 def test_unregistered_destination_memory_is_a_per_entry_failure(setup):
     stray = np.zeros((2, PB), dtype=np.uint8)
-    res = setup.rdma.fetch(setup.server.address, NS, setup.keys[:3],
-                           [memoryview(stray[0]), memoryview(setup.dst[1]), memoryview(stray[1])])
+    res = setup.rdma.fetch(
+        setup.server.address,
+        NS,
+        setup.keys[:3],
+        [memoryview(stray[0]), memoryview(setup.dst[1]), memoryview(stray[1])],
+    )
     assert [r.ok for r in res] == [False, True, False]
     assert "not in RDMA-registered memory" in res[0].reason
 
@@ -280,6 +307,7 @@ def test_closing_the_control_connection_releases_source_pins(setup):
     # A pin whose release never comes (the destination dies) is undone when the connection goes.
     session = setup.rdma._session(setup.server.address)
     from messenger.frames import Kind, pack_keys_body
+
     h, _ = session.request(Kind.RDMA_PIN, pack_keys_body(NS, PB, setup.keys[:4]), count=4)
     assert h.kind is Kind.RDMA_PINNED and setup.source.pins == 1
     setup.rdma.drop_session(setup.server.address)
@@ -287,6 +315,7 @@ def test_closing_the_control_connection_releases_source_pins(setup):
 
 
 # ---- selection -----------------------------------------------------------------------------------
+
 
 def test_auto_selects_tcp_here_and_says_why(caplog):
     backend, reason = open_rdma_backend()
@@ -331,6 +360,7 @@ def test_real_verbs_loopback_read():
     if reason:
         pytest.skip(f"needs pyverbs and an ACTIVE RDMA port: {reason}")
     from messenger.verbs_pyverbs import PyverbsBackend
+
     src_b, dst_b = PyverbsBackend(), PyverbsBackend()
     src = np.arange(PB, dtype=np.uint8)
     dst = np.zeros(PB, dtype=np.uint8)
@@ -356,6 +386,7 @@ def test_real_verbs_transport_end_to_end():
     if reason:
         pytest.skip(f"needs pyverbs and an ACTIVE RDMA port: {reason}")
     from messenger.verbs_pyverbs import PyverbsBackend
+
     src_region = np.empty(PAGES * PB, dtype=np.uint8)
     fill_pattern(src_region.reshape(PAGES, PB))
     keys = pattern_keys(PAGES)
@@ -406,7 +437,7 @@ def test_rdma_between_real_nodes_through_the_mover(start_node):
         snap = mover.status(batch_id, wait=True, timeout_s=30)
         assert snap.finished and snap.count("done") == 20, snap.entries[0]
         assert fabric.reads_posted >= 1 and fabric.bytes_read == 20 * TEST_PAGE_BYTES
-        assert not transport.tcp_only_peers()            # no fallback was needed
+        assert not transport.tcp_only_peers()  # no fallback was needed
         got = cb.get(NS_NODE, keys=keys)
         assert all(np.array_equal(g, p) for g, p in zip(got, pages))
         stats = ca.stats().namespaces[0]

@@ -3,6 +3,7 @@
 Node A holds the pages; messenger B is asked to pull them into node B. Everything is a separate
 ``kvcache`` process; the tests talk to them over gRPC and the data port as users and peers do.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,15 +41,31 @@ def make_pages(n: int, seed: int) -> np.ndarray:
 class Pair:
     """A node and its messenger."""
 
-    def __init__(self, procs: list, tmp: str, dram: str = "16MiB", messenger_args=(),
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        procs: list,
+        tmp: str,
+        dram: str = "16MiB",
+        messenger_args=(),
+        token: str | None = None,
+    ) -> None:
         auth = ("--token", token) if token else ()
-        self.node = start_service(["node", "--dram", dram, "--layout", TEST_LAYOUT, *auth],
-                                  log_dir=tmp)
+        self.node = start_service(
+            ["node", "--dram", dram, "--layout", TEST_LAYOUT, *auth], log_dir=tmp
+        )
         procs.append(self.node)
-        self.messenger = start_service(["messenger", "--node", self.node.address,
-                                        "--metrics-port", "0", *auth, *messenger_args],
-                                       log_dir=tmp)
+        self.messenger = start_service(
+            [
+                "messenger",
+                "--node",
+                self.node.address,
+                "--metrics-port",
+                "0",
+                *auth,
+                *messenger_args,
+            ],
+            log_dir=tmp,
+        )
         procs.append(self.messenger)
         self.client = KVStoreClient(self.node.address, token=token)
         self.mclient = MessengerClient(self.messenger.address, token=token)
@@ -131,7 +148,7 @@ def test_transfer_1000_pages_bytes_identical(shared_pair):
     assert [e.key for e in status.entries] == keys
     got = b.client.get(NS, keys=keys)
     assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, pages))
-    assert a.pinned() == 0                     # the source released its pins
+    assert a.pinned() == 0  # the source released its pins
     assert b.metric('kvcache_messenger_transfer_entries_total{outcome="ok"}') >= 1000
     assert b.metric("kvcache_messenger_received_bytes_total") >= 1000 * PB
     assert b.metric("kvcache_messenger_job_seconds_count") >= 1
@@ -146,8 +163,11 @@ def test_transfer_1000_pages_bytes_identical(shared_pair):
 def test_missing_key_fails_not_found_rest_complete(shared_pair):
     a, b = shared_pair
     keys, pages = make_keys(12, start=20_000), make_pages(12, seed=2)
-    a.client.put(NS, [p for i, p in enumerate(pages) if i != 5],
-                 keys=[k for i, k in enumerate(keys) if i != 5])
+    a.client.put(
+        NS,
+        [p for i, p in enumerate(pages) if i != 5],
+        keys=[k for i, k in enumerate(keys) if i != 5],
+    )
     status = transfer(b, a, keys)
     assert status.done == 11 and status.failed == 1
     bad = status.entries[5]
@@ -159,7 +179,7 @@ def test_missing_key_fails_not_found_rest_complete(shared_pair):
 
 @pytest.mark.slow
 def test_destination_out_of_capacity(cluster):
-    a, b = cluster(b_dram="64KiB")              # 8 pages
+    a, b = cluster(b_dram="64KiB")  # 8 pages
     keys, pages = make_keys(20), make_pages(20, seed=3)
     a.client.put(NS, list(pages), keys=keys)
     status = transfer(b, a, keys)
@@ -167,7 +187,7 @@ def test_destination_out_of_capacity(cluster):
     assert {e.code for e in status.entries} == {"RESOURCE_EXHAUSTED"}
     assert "allocate" in status.entries[0].reason
     assert not any(present(b.client, keys))
-    assert a.pages_sent() == 0                 # nothing was pulled for pages with no room
+    assert a.pages_sent() == 0  # nothing was pulled for pages with no room
 
 
 @pytest.mark.slow
@@ -193,7 +213,7 @@ def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(sh
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(b"\xde\xad\xbe\xef" * 64)
         try:
-            assert s.recv(100) == b""          # dropped, no reply
+            assert s.recv(100) == b""  # dropped, no reply
         except ConnectionResetError:
             pass
     assert a.messenger.alive()
@@ -209,9 +229,9 @@ def test_duplicate_submissions_are_fetched_once(cluster):
     keys, pages = make_keys(10), make_pages(10, seed=6)
     a.client.put(NS, list(pages), keys=keys)
     first = b.mclient.submit(NS, [(k, a.address) for k in keys + keys[:3]])
-    assert first.deduplicated == 3             # duplicates inside one batch
+    assert first.deduplicated == 3  # duplicates inside one batch
     second = b.mclient.submit(NS, [(k, a.address) for k in keys[4:]])
-    assert second.deduplicated == 6            # joined the first batch's fetches
+    assert second.deduplicated == 6  # joined the first batch's fetches
     s1 = b.mclient.status(first.batch_id, wait=True, timeout_s=60)
     s2 = b.mclient.status(second.batch_id, wait=True, timeout_s=60)
     assert s1.done == 13 and s2.done == 6
@@ -222,14 +242,24 @@ def test_duplicate_submissions_are_fetched_once(cluster):
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer(cluster):
-    a, b = cluster(a_args=("--fault-stall-after", "300", "--fault-stall-s", "60",
-                           "--pin-ttl", "1", "--lanes", "1"),
-                   b_args=("--lanes", "1"))
+    a, b = cluster(
+        a_args=(
+            "--fault-stall-after",
+            "300",
+            "--fault-stall-s",
+            "60",
+            "--pin-ttl",
+            "1",
+            "--lanes",
+            "1",
+        ),
+        b_args=("--lanes", "1"),
+    )
     keys, pages = make_keys(1000), make_pages(1000, seed=7)
     a.client.put(NS, list(pages), keys=keys)
     reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
     wait_until(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
-    assert a.pinned() > 0                      # the source holds pins mid-transfer
+    assert a.pinned() > 0  # the source holds pins mid-transfer
     a.messenger.kill()
     status = b.mclient.status(reply.batch_id, wait=True, timeout_s=60)
     assert status.finished and status.failed > 0
@@ -249,8 +279,10 @@ def test_source_killed_mid_transfer(cluster):
 
 @pytest.mark.slow
 def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
-    a, b = cluster(a_args=("--fault-stall-after", "1", "--fault-stall-s", "1.5", "--lanes", "1"),
-                   b_args=("--lanes", "1"))
+    a, b = cluster(
+        a_args=("--fault-stall-after", "1", "--fault-stall-s", "1.5", "--lanes", "1"),
+        b_args=("--lanes", "1"),
+    )
     keys, pages = make_keys(6), make_pages(6, seed=8)
     a.client.put(NS, list(pages), keys=keys)
     reply = b.mclient.submit(NS, [(k, a.address) for k in keys])
@@ -258,8 +290,11 @@ def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
     cancelled = b.mclient.cancel(reply.batch_id)
     assert cancelled.finished and {e.code for e in cancelled.entries} == {"CANCELLED"}
     # The job in flight finishes its fetch, then publishes nothing of the cancelled batch.
-    wait_until(lambda: b.metric('kvcache_messenger_transfer_entries_total{outcome="cancelled"}')
-             == 6, 30, "the in-flight job to wind up")
+    wait_until(
+        lambda: b.metric('kvcache_messenger_transfer_entries_total{outcome="cancelled"}') == 6,
+        30,
+        "the in-flight job to wind up",
+    )
     assert not any(present(b.client, keys))
     assert b.mclient.status(reply.batch_id).failed == 6
 
@@ -288,16 +323,23 @@ def test_bad_requests_get_clear_status_codes(shared_pair):
     entry = pb.TransferEntry(key=key, source=a.address)
     c, d = code(pb.SubmitTransferRequest(namespace="nope", entries=[entry]))
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "nope" in d
-    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[
-        pb.TransferEntry(key=b"short", source=a.address)]))
+    c, d = code(
+        pb.SubmitTransferRequest(
+            namespace=NS, entries=[pb.TransferEntry(key=b"short", source=a.address)]
+        )
+    )
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in d
     c, d = code(pb.SubmitTransferRequest(namespace=NS))
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "at least one" in d
-    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[
-        pb.TransferEntry(key=key, source="nowhere")]))
+    c, d = code(
+        pb.SubmitTransferRequest(
+            namespace=NS, entries=[pb.TransferEntry(key=key, source="nowhere")]
+        )
+    )
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "host:port" in d
-    c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[entry],
-                                         destination_tier=cpb.TIER_SSD))
+    c, d = code(
+        pb.SubmitTransferRequest(namespace=NS, entries=[entry], destination_tier=cpb.TIER_SSD)
+    )
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "TIER_DRAM" in d
     c, d = code(pb.TransferStatusRequest(batch_id="nope"), "TransferStatus")
     assert c == grpc.StatusCode.NOT_FOUND
@@ -314,8 +356,9 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
     dead = f"127.0.0.1:{s.getsockname()[1]}"
     s.close()
     with pytest.raises(RuntimeError, match="cannot use node"):
-        start_service(["messenger", "--node", dead, "--node-wait", "0.5"], log_dir=str(tmp_path),
-                      timeout_s=30)
+        start_service(
+            ["messenger", "--node", dead, "--node-wait", "0.5"], log_dir=str(tmp_path), timeout_s=30
+        )
 
 
 @pytest.mark.slow
@@ -329,15 +372,17 @@ def test_token_everywhere(cluster):
     with pytest.raises(KVCacheRpcError) as e:
         MessengerClient(b.address, timeout_s=5).info()
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(KVCacheRpcError) as e:      # a tenant may look, not move stored keys
+    with pytest.raises(KVCacheRpcError) as e:  # a tenant may look, not move stored keys
         MessengerClient(b.address, token="tt", timeout_s=5).submit(NS, [(keys[0], a.address)])
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     # The data port wants the token too: a peer without it gets nothing.
     from messenger.tcp import TcpConfig, TcpTransport
+
     t = TcpTransport(TcpConfig(lanes=1))
     try:
-        res = t.fetch(a.messenger.info["data_address"], NS, keys[:1],
-                      [memoryview(np.empty(PB, np.uint8))])
+        res = t.fetch(
+            a.messenger.info["data_address"], NS, keys[:1], [memoryview(np.empty(PB, np.uint8))]
+        )
     finally:
         t.close()
     assert not res[0].ok and "token" in res[0].reason
@@ -351,12 +396,16 @@ def test_conductor_transfer_hook_moves_a_plan(shared_pair):
     a, b = shared_pair
     keys, pages = make_keys(32, start=50_000), make_pages(32, seed=9)
     a.client.put(NS, list(pages), keys=keys)
-    plan = TransferPlan(request_id="req-1", namespace=NS,
-                        src=NodeDescriptor(node_id="a", address=a.node.address,
-                                           messenger_address=a.address),
-                        dst=NodeDescriptor(node_id="b", address=b.node.address,
-                                           messenger_address=b.address),
-                        keys=tuple(keys), first_block=0, nbytes=32 * PB, est_seconds=0.01)
+    plan = TransferPlan(
+        request_id="req-1",
+        namespace=NS,
+        src=NodeDescriptor(node_id="a", address=a.node.address, messenger_address=a.address),
+        dst=NodeDescriptor(node_id="b", address=b.node.address, messenger_address=b.address),
+        keys=tuple(keys),
+        first_block=0,
+        nbytes=32 * PB,
+        est_seconds=0.01,
+    )
     hook = make_transfer_hook()
     try:
         hook.submit(plan)
@@ -366,9 +415,16 @@ def test_conductor_transfer_hook_moves_a_plan(shared_pair):
         assert status.done == 32
         got = b.client.get(NS, keys=keys)
         assert all(np.array_equal(g, p) for g, p in zip(got, pages))
-        no_messenger = TransferPlan(request_id="req-2", namespace=NS, src=plan.src,
-                                    dst=NodeDescriptor(node_id="c"), keys=tuple(keys),
-                                    first_block=0, nbytes=0, est_seconds=0)
+        no_messenger = TransferPlan(
+            request_id="req-2",
+            namespace=NS,
+            src=plan.src,
+            dst=NodeDescriptor(node_id="c"),
+            keys=tuple(keys),
+            first_block=0,
+            nbytes=0,
+            est_seconds=0,
+        )
         with pytest.raises(ValueError, match="registered no messenger"):
             hook.submit(no_messenger)
     finally:

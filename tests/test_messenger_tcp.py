@@ -3,6 +3,7 @@
 The source is ``python -m messenger.slab_peer``: a DataServer over a shared-memory slab filled
 with a deterministic pattern; the destination receives into shared-memory page views.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,20 @@ PAGE_BYTES = 64 << 10
 class SlabPeer:
     def __init__(self, *extra: str, pages: int = PAGES, page_bytes: int = PAGE_BYTES) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "messenger.slab_peer", "--pages", str(pages),
-             "--page-bytes", str(page_bytes), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "messenger.slab_peer",
+                "--pages",
+                str(pages),
+                "--page-bytes",
+                str(page_bytes),
+                *extra,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()  # READY is the real readiness signal
         assert line.startswith("READY "), f"slab peer did not start: {line!r}"
         self.address = json.loads(line[6:])["address"]
@@ -166,13 +178,16 @@ def test_unreachable_peer_fails_every_entry_unavailable(dest):
     assert "cannot connect" in res[0].reason
 
 
-@pytest.mark.parametrize("garbage", [
-    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 64,             # wrong magic
-    pack_header(Kind.PAGE),                                        # a frame clients never send
-    pack_header(Kind.FETCH, count=1 << 20, length=16),             # too many keys
-    pack_header(Kind.FETCH, count=1, length=1 << 30),              # oversized body
-    pack_header(Kind.FETCH, count=2, length=4, checksum_=1) + b"abcd",  # bad body checksum
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 64,  # wrong magic
+        pack_header(Kind.PAGE),  # a frame clients never send
+        pack_header(Kind.FETCH, count=1 << 20, length=16),  # too many keys
+        pack_header(Kind.FETCH, count=1, length=1 << 30),  # oversized body
+        pack_header(Kind.FETCH, count=2, length=4, checksum_=1) + b"abcd",  # bad body checksum
+    ],
+)
 def test_garbage_on_the_data_port_drops_the_connection_and_server_survives(peer, dest, garbage):
     host, port = peer.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
@@ -216,12 +231,27 @@ class CuttingPeer:
                 return
             for i in range(self.full):
                 page = expected_page(i, page_bytes).tobytes()
-                conn.sendall(pack_header(Kind.PAGE, Status.OK, key=keys[i], length=page_bytes,
-                                         checksum_=checksum(page)) + page)
+                conn.sendall(
+                    pack_header(
+                        Kind.PAGE,
+                        Status.OK,
+                        key=keys[i],
+                        length=page_bytes,
+                        checksum_=checksum(page),
+                    )
+                    + page
+                )
             page = expected_page(self.full, page_bytes).tobytes()
-            conn.sendall(pack_header(Kind.PAGE, Status.OK, key=keys[self.full],
-                                     length=page_bytes, checksum_=checksum(page))
-                         + page[: page_bytes // 2])
+            conn.sendall(
+                pack_header(
+                    Kind.PAGE,
+                    Status.OK,
+                    key=keys[self.full],
+                    length=page_bytes,
+                    checksum_=checksum(page),
+                )
+                + page[: page_bytes // 2]
+            )
 
     def close(self) -> None:
         self.thread.join(timeout=10)
@@ -272,9 +302,11 @@ def test_token_protected_data_port(dest):
     keys = pattern_keys(4)
     from messenger.data_server import DataServer
     from messenger.transport import SlabPageSource
-    server = DataServer(SlabPageSource(NAMESPACE, region, PAGE_BYTES,
-                                       {k: i for i, k in enumerate(keys)}),
-                        token="s3cret").start()
+
+    server = DataServer(
+        SlabPageSource(NAMESPACE, region, PAGE_BYTES, {k: i for i, k in enumerate(keys)}),
+        token="s3cret",
+    ).start()
     try:
         for token, ok in ((None, False), ("wrong", False), ("s3cret", True)):
             t = TcpTransport(TcpConfig(lanes=1, token=token))

@@ -1,4 +1,5 @@
 """The node server as users see it: a real `kvcache node` process, the client library, raw gRPC."""
+
 from __future__ import annotations
 
 import subprocess
@@ -41,6 +42,7 @@ def stub(address: str, token: str | None = None) -> pbg.NodeServiceStub:
 
 
 # ---- round trips --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "streamed"])
 def test_round_trip_bytes_identical(start_node, use_shm):
@@ -88,7 +90,7 @@ def test_layer_wise_write_through_lease_views(start_node):
         page = c.get(NS, tokens=tokens(1))[0]
         for layer in range(layout.num_layers):
             off = layout.layer_offset(layer)
-            assert (page[off:off + layout.layer_bytes] == layer + 1).all()
+            assert (page[off : off + layout.layer_bytes] == layer + 1).all()
 
 
 def test_keys_and_tokens_name_the_same_blocks(start_node):
@@ -105,7 +107,8 @@ def test_keys_and_tokens_name_the_same_blocks(start_node):
         lease.release()
 
 
-# ---- concurrency ------------------------------------------------------------------------------------
+# ---- concurrency ---------------------------------------------------------------------------------
+
 
 def test_two_writers_same_key_one_wins_no_corruption(start_node):
     node = start_node()
@@ -136,14 +139,19 @@ def test_two_writers_same_key_one_wins_no_corruption(start_node):
     assert (got == a).all() or (got == b).all()
 
 
-# ---- leases and faults ------------------------------------------------------------------------------
+# ---- leases and faults ---------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_pins_of_a_killed_client_expire(start_node):
     node = start_node("--lease-ttl", "1.5", dram="32KiB")  # 4 pages
     with KVStoreClient(node.address) as c:
         c.put(NS, pages_for(4, 4), tokens=tokens(4))
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from clients import KVStoreClient
         import numpy as np
@@ -151,7 +159,11 @@ def test_pins_of_a_killed_client_expire(start_node):
         lease = c.acquire({NS!r}, tokens=np.arange({4 * TEST_BLOCK_TOKENS}))
         print(lease.hit_blocks, flush=True)
         time.sleep(600)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "4"
         with KVStoreClient(node.address) as c:
@@ -184,7 +196,8 @@ def test_write_lease_expires_and_its_pages_return(start_node):
         c.allocate(NS, tokens=tokens(2, start=500)).abort()
 
 
-# ---- bad input ------------------------------------------------------------------------------------------
+# ---- bad input -----------------------------------------------------------------------------------
+
 
 def test_bad_requests_get_clear_status_codes(start_node):
     node = start_node(dram="16KiB")
@@ -193,8 +206,9 @@ def test_bad_requests_get_clear_status_codes(start_node):
 
     code, msg = rpc_error(lambda: s.Lookup(sel(keys=[b"short"])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in msg
-    code, msg = rpc_error(lambda: s.Lookup(sel(namespace="llama|L1|H1|D1|float16|B16",
-                                             keys=[b"k" * 16])))
+    code, msg = rpc_error(
+        lambda: s.Lookup(sel(namespace="llama|L1|H1|D1|float16|B16", keys=[b"k" * 16]))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg
     code, msg = rpc_error(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not both" in msg
@@ -204,14 +218,19 @@ def test_bad_requests_get_clear_status_codes(start_node):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "allocate" in msg
     code, _ = rpc_error(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.NOT_FOUND
-    code, _ = rpc_error(lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16),
-                                                            ttl_s=-1)))
+    code, _ = rpc_error(
+        lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16), ttl_s=-1))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code, _ = rpc_error(lambda: s.Allocate(pb.AllocateRequest(
-        blocks=sel(token_ids=list(range(3 * TEST_BLOCK_TOKENS))))))
+    code, _ = rpc_error(
+        lambda: s.Allocate(
+            pb.AllocateRequest(blocks=sel(token_ids=list(range(3 * TEST_BLOCK_TOKENS))))
+        )
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # 3 pages into a 2-page pool
-    code, _ = rpc_error(lambda: next(s.Get(pb.GetRequest(blocks=sel(token_ids=[1] * 16),
-                                                       chunk_bytes=1 << 30))))
+    code, _ = rpc_error(
+        lambda: next(s.Get(pb.GetRequest(blocks=sel(token_ids=[1] * 16), chunk_bytes=1 << 30)))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
     def put(*chunks):
@@ -237,22 +256,28 @@ def test_bad_requests_get_clear_status_codes(start_node):
     assert node.alive()
 
 
-# ---- auth and tenants -------------------------------------------------------------------------------------
+# ---- auth and tenants ----------------------------------------------------------------------------
+
 
 def test_auth_and_tenant_isolation(start_node):
-    node = start_node("--token", "admin-secret", "--tenant-token", "tok-a=alice",
-                      "--tenant-token", "tok-b=bob")
+    node = start_node(
+        "--token", "admin-secret", "--tenant-token", "tok-a=alice", "--tenant-token", "tok-b=bob"
+    )
     sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
     for token in (None, "wrong"):
         code, msg = rpc_error(lambda token=token: stub(node.address, token).Lookup(sel))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in msg
     health = health_pb2_grpc.HealthStub(make_channel(node.address))  # health stays open
-    assert health.Check(health_pb2.HealthCheckRequest()).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest()).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
-    with KVStoreClient(node.address, token="tok-a") as alice, \
-            KVStoreClient(node.address, token="tok-b") as bob, \
-            KVStoreClient(node.address, token="admin-secret") as admin:
+    with (
+        KVStoreClient(node.address, token="tok-a") as alice,
+        KVStoreClient(node.address, token="tok-b") as bob,
+        KVStoreClient(node.address, token="admin-secret") as admin,
+    ):
         alice.put(NS, pages_for(2, 5), tokens=tokens(2))
         assert alice.lookup(NS, tokens=tokens(2)).hit_blocks == 2
         assert bob.lookup(NS, tokens=tokens(2)).hit_blocks == 0
@@ -271,7 +296,8 @@ def test_auth_and_tenant_isolation(start_node):
         assert first.snapshot and len(first.events) == 2
 
 
-# ---- events ---------------------------------------------------------------------------------------------
+# ---- events --------------------------------------------------------------------------------------
+
 
 def test_events_feed_sequence_and_resync(start_node):
     node = start_node(dram="32KiB")  # 4 pages: the 5th put evicts
@@ -300,7 +326,8 @@ def test_events_feed_sequence_and_resync(start_node):
         assert len(snap) == 4 and not set(evicted) & {e.key for e in snap}
 
 
-# ---- lifecycle ---------------------------------------------------------------------------------------------
+# ---- lifecycle -----------------------------------------------------------------------------------
+
 
 def test_restart_keeps_ssd_pages_and_sigterm_cleans_up(start_node, tmp_path):
     ssd = str(tmp_path / "ssd")
@@ -326,7 +353,8 @@ def test_restart_keeps_ssd_pages_and_sigterm_cleans_up(start_node, tmp_path):
 
 def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
     cfg = tmp_path / "node.toml"
-    cfg.write_text(textwrap.dedent("""
+    cfg.write_text(
+        textwrap.dedent("""
         dram = "64KiB"
         node-id = "toml-node"
         metrics-port = 0
@@ -337,7 +365,8 @@ def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
         head_dim = 32
         dtype = "float16"
         block_tokens = 16
-    """))
+    """)
+    )
     node = start_kvcache("node", "--config", str(cfg))
     assert node.info["node_id"] == "toml-node"
     channel = make_channel(node.address)
@@ -345,16 +374,20 @@ def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
     status = health.Check(health_pb2.HealthCheckRequest(service="kvcache.v1.NodeService")).status
     assert status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        list_services="")])))
+    reply = next(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
     names = {s.name for s in reply.list_services_response.service}
     assert "kvcache.v1.NodeService" in names
     with KVStoreClient(node.address) as c:
         assert c.namespace_info(NS).dram_pages == 8
         c.put(NS, pages_for(1, 9), tokens=tokens(1))
         c.lookup(NS, tokens=tokens(2))
-    body = urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics",
-                                  timeout=10).read().decode()
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
     assert f'kvcache_store_hits_total{{namespace="{NS}",tier="dram"}} 1.0' in body
     assert 'kvcache_node_rpc_seconds_count{method="Lookup"}' in body
 
@@ -364,8 +397,7 @@ def test_bad_configuration_fails_at_start_with_a_message(start_kvcache, tmp_path
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(RuntimeError, match="SSD tier"):
-        start_kvcache("node", "--dram", "1MiB", "--ssd", "1MiB", "--ssd-dir",
-                      str(blocker / "ssd"))
+        start_kvcache("node", "--dram", "1MiB", "--ssd", "1MiB", "--ssd-dir", str(blocker / "ssd"))
     with pytest.raises(RuntimeError, match="cannot parse size"):
         start_kvcache("node", "--dram", "lots")
     with pytest.raises(RuntimeError, match="less than one"):
@@ -382,9 +414,28 @@ def _self_signed_cert(tmp_path) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: cannot make a test certificate")
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 

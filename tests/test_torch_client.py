@@ -1,4 +1,5 @@
 """The torch layer-wise client against a real `kvcache node` process (no model: random K/V)."""
+
 from __future__ import annotations
 
 import threading
@@ -15,8 +16,9 @@ from kvstore.layout import KVLayout
 from torch_helpers import BLOCK_TOKENS, prompt, start_node_for
 
 BT = BLOCK_TOKENS
-LAYOUT = KVLayout(model="unit", num_layers=3, kv_heads=2, head_dim=8, dtype="float32",
-                  block_tokens=BT)
+LAYOUT = KVLayout(
+    model="unit", num_layers=3, kv_heads=2, head_dim=8, dtype="float32", block_tokens=BT
+)
 PATHS = pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "streamed"])
 
 
@@ -24,8 +26,10 @@ def hf_kv(seq: int, seed: int, layout: KVLayout = LAYOUT) -> list[tuple[torch.Te
     """Per layer (K, V) as [1, H, seq, D], distinct random values."""
     g = torch.Generator().manual_seed(seed)
     shape = (1, layout.kv_heads, seq, layout.head_dim)
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-            for _ in range(layout.num_layers)]
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(layout.num_layers)
+    ]
 
 
 @pytest.fixture
@@ -61,17 +65,17 @@ def test_hf_round_trip_stores_full_blocks_only(connect, use_shm):
         result = store.finish()
     assert (result.blocks, result.written, result.stored) == (5, 5, 5)
     assert kv.lookup(tokens) == 5 * BT  # the partial trailing block is not stored
-    assert kv.lookup(tokens[:3 * BT + 7]) == 3 * BT
+    assert kv.lookup(tokens[: 3 * BT + 7]) == 3 * BT
 
     with kv.load(req) as load:
         assert load.num_tokens == 5 * BT
         for l, k, v in load:
-            torch.testing.assert_close(k, layers[l][0][:, :, :5 * BT], rtol=0, atol=0)
-            torch.testing.assert_close(v, layers[l][1][:, :, :5 * BT], rtol=0, atol=0)
+            torch.testing.assert_close(k, layers[l][0][:, :, : 5 * BT], rtol=0, atol=0)
+            torch.testing.assert_close(v, layers[l][1][:, :, : 5 * BT], rtol=0, atol=0)
     with kv.load(req, num_tokens=2 * BT + 5) as part:  # a prefix that ends inside a block
         k, v = part.layer(2)
         assert k.shape == (1, LAYOUT.kv_heads, 2 * BT + 5, LAYOUT.head_dim)
-        torch.testing.assert_close(v, layers[2][1][:, :, :2 * BT + 5], rtol=0, atol=0)
+        torch.testing.assert_close(v, layers[2][1][:, :, : 2 * BT + 5], rtol=0, atol=0)
 
 
 def test_pages_follow_the_documented_layer_major_layout(connect):
@@ -99,8 +103,10 @@ def test_paged_layout_round_trip_through_block_tables(connect, use_shm):
     tokens = prompt(4 * BT, seed=5)
     g = torch.Generator().manual_seed(6)
     shape = (10, BT, LAYOUT.kv_heads, LAYOUT.head_dim)
-    src = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-           for _ in range(LAYOUT.num_layers)]
+    src = [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(LAYOUT.num_layers)
+    ]
     src_table = [7, 2, 9, 0]
     with kv.store(tokens, tensor_layout=PagedLayout(src_table)) as store:
         for l, (k, v) in enumerate(src):
@@ -125,15 +131,15 @@ def test_store_after_a_cached_prefix_writes_only_new_blocks(connect, use_shm):
     tokens = prompt(5 * BT, seed=7)
     layers = hf_kv(tokens.numel(), seed=8)
     req = kv.request(tokens)
-    with kv.store(kv.request(tokens[:2 * BT])) as store:
+    with kv.store(kv.request(tokens[: 2 * BT])) as store:
         for l, (k, v) in enumerate(layers):
-            store.put_layer(l, k[:, :, :2 * BT], v[:, :, :2 * BT])
+            store.put_layer(l, k[:, :, : 2 * BT], v[:, :, : 2 * BT])
         store.finish()
     assert kv.lookup(req) == 2 * BT
     # The engine computed only tokens 2*BT.. : hand over just their K/V.
     with kv.store(req, first_block=2) as store:
         for l, (k, v) in enumerate(layers):
-            store.put_layer(l, k[:, :, 2 * BT:].clone(), v[:, :, 2 * BT:].clone())
+            store.put_layer(l, k[:, :, 2 * BT :].clone(), v[:, :, 2 * BT :].clone())
         result = store.finish()
     assert (result.blocks, result.stored) == (3, 3)
     with kv.load(req) as load:
@@ -191,8 +197,9 @@ def test_prefetch_loads_the_next_layer_while_the_caller_computes(connect):
 
 
 def test_layout_mismatch_is_a_clear_error(node):
-    other = KVLayout(model="unit", num_layers=4, kv_heads=2, head_dim=16, dtype="float32",
-                     block_tokens=BT)
+    other = KVLayout(
+        model="unit", num_layers=4, kv_heads=2, head_dim=16, dtype="float32", block_tokens=BT
+    )
     with pytest.raises(LayoutMismatchError) as e:
         TorchKVClient.connect(node.address, other)
     msg = str(e.value)

@@ -4,6 +4,7 @@ Tolerance: next-token logits after a prompt whose first 75% came from the store 
 full prefill within atol=1e-5, rtol=1e-5 (float32 on CPU; the loaded K/V are bit-identical to
 the computed ones, differences come only from the suffix-only matmul shapes).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,8 @@ from torch_helpers import BLOCK_TOKENS, prompt, start_node_for, tiny_llama, unli
 pytest.importorskip("transformers")
 
 BT = BLOCK_TOKENS
-PROMPT = 8 * BT          # 128 tokens
-CACHED = 6 * BT          # 75% of it
+PROMPT = 8 * BT  # 128 tokens
+CACHED = 6 * BT  # 75% of it
 TOL = dict(atol=1e-5, rtol=1e-5)
 PATHS = pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "streamed"])
 
@@ -101,8 +102,9 @@ def test_greedy_generation_is_identical_with_and_without_the_store(model, connec
     ids = prompt(PROMPT, seed=4)
     cache_prefix(model, kv, ids)
     with torch.inference_mode():  # NOTE: explicit mask, or token id 0 (pad) would be masked out
-        reference = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]),
-                                   max_new_tokens=16, do_sample=False)[0, PROMPT:]
+        reference = model.generate(
+            ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=16, do_sample=False
+        )[0, PROMPT:]
     tokens, first = greedy_generate(model, ids, 16, kv)
     assert first.cached_tokens == CACHED
     assert tokens.tolist() == reference.tolist()
@@ -156,8 +158,9 @@ def test_node_killed_mid_load_streamed_recomputes_the_rest(model, connect, node,
     assert "received 2 of 6 blocks, the caller recomputes the rest" in caplog.text
 
 
-def test_node_killed_mid_load_shared_memory_finishes_from_pinned_pages(model, connect, node,
-                                                                      caplog):
+def test_node_killed_mid_load_shared_memory_finishes_from_pinned_pages(
+    model, connect, node, caplog
+):
     kv = connect(True)
     ids = prompt(PROMPT, seed=8)
     cache_prefix(model, kv, ids)
@@ -180,8 +183,9 @@ def test_node_killed_mid_load_shared_memory_finishes_from_pinned_pages(model, co
     # Pinned pages stay mapped after the node dies: the load completes from them.
     assert result.cached_tokens == CACHED
     torch.testing.assert_close(result.logits, full_prefill(model, ids), **TOL)
-    assert result.stored_blocks == 0 and any("storing 2 new blocks failed" in n
-                                             for n in result.notes)
+    assert result.stored_blocks == 0 and any(
+        "storing 2 new blocks failed" in n for n in result.notes
+    )
     assert "could not release the load's pins" in caplog.text
     # With the node gone, the next request says so and computes everything.
     later = prefill_with_store(model, ids, kv)
@@ -218,7 +222,8 @@ def test_a_layer_that_fails_to_load_mid_forward_is_recomputed(model, connect):
 
     result = prefill_with_store(model, ids, kv, on_progress=fail_on_layer_2)
     assert result.cached_tokens == 0
-    assert "loading layer 2 failed: page copy failed; recomputing the whole prompt" \
-        in result.notes[0]
+    assert (
+        "loading layer 2 failed: page copy failed; recomputing the whole prompt" in result.notes[0]
+    )
     torch.testing.assert_close(result.logits, full_prefill(model, ids), **TOL)
     assert kv.lookup(ids) == PROMPT  # the retry stored the new blocks

@@ -1,4 +1,5 @@
 """Factories for the torch client tests: a tiny seeded Llama, node layouts, killed-node cleanup."""
+
 from __future__ import annotations
 
 import torch
@@ -16,10 +17,12 @@ def layout_spec(layout: KVLayout) -> str:
     return ",".join(f"{k}={v}" for k, v in layout.to_dict().items())
 
 
-def start_node_for(start_kvcache, layout: KVLayout, dram: str = "16MiB",
-                   *extra: str) -> ServiceProcess:
-    return start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout",
-                         layout_spec(layout), *extra)
+def start_node_for(
+    start_kvcache, layout: KVLayout, dram: str = "16MiB", *extra: str
+) -> ServiceProcess:
+    return start_kvcache(
+        "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout_spec(layout), *extra
+    )
 
 
 def unlink_shm_of(node: ServiceProcess) -> None:
@@ -36,10 +39,18 @@ def tiny_llama(seed: int = 0, layers: int = 3, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, max_position_embeddings=512,
-                         eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
