@@ -463,7 +463,7 @@ StoreMachine.TestCase.settings = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestTieredStoreStateful = StoreMachine.TestCase
+TestTieredStoreStateful = pytest.mark.slow(StoreMachine.TestCase)
 
 
 # ---- the bugs the machine found, and the checker itself -------------------------------------
