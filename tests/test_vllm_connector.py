@@ -1,0 +1,148 @@
+"""The vLLM KV connector with real vLLM engines (CPU) and a real node: what one engine stores,
+a fresh engine loads, producing exactly the tokens of a full computation; faults fall back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import lmdb
+import numpy as np
+import pytest
+
+from clients import KVStoreClient
+from clients.torch_client import TorchKVClient
+from kvstore.layout import KVLayout
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+LAYOUT = KVLayout(
+    model=MODEL, num_layers=2, kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=64
+)
+LAYOUT_FLAG = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
+ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
+PROMPT = [int(x) for x in np.random.default_rng(5).integers(1, 500, 299)]  # 4 full blocks + 43
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A random 2-layer Llama (head_dim 32, as vLLM's CPU attention needs), made here."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("models") / MODEL)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        head_dim=32,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def generate(
+    model: str, prompts: list[list[int]], connector: dict | None = None, max_tokens: int = 8
+) -> list[dict]:
+    spec = {"model": model, "prompts": prompts, "connector": connector, "max_tokens": max_tokens}
+    proc = subprocess.run(
+        [sys.executable, ENGINE, json.dumps(spec)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[int]:
+    """Greedy tokens of a full computation, no connector."""
+    (out,) = generate(model, [PROMPT])
+    assert out["cached"] == 0
+    return out["tokens"]
+
+
+def test_a_fresh_engine_loads_what_another_stored(model, reference, start_node):
+    node = start_node(dram="16MiB", layout=LAYOUT_FLAG)
+    conn = {"node": node.address}
+    (a,) = generate(model, [PROMPT], conn)
+    assert a["tokens"] == reference and a["cached"] == 0
+    # The same chain of keys as every client: the torch client sees the 4 stored blocks.
+    with TorchKVClient.connect(node.address, LAYOUT) as kv:
+        assert kv.lookup(PROMPT) == 4 * 64  # tokens
+    (b,) = generate(model, [PROMPT], conn)
+    assert b["cached"] == 4 * 64, "engine B did not load the prefix from kvcache"
+    assert b["tokens"] == reference
+
+
+def test_corrupt_pages_and_a_stopped_node_fall_back_to_recompute(
+    model, reference, start_kvcache, tmp_path
+):
+    ssd = str(tmp_path / "ssd")
+    args = (
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--dram",
+        "512KiB",
+        "--ssd",
+        "8MiB",
+        "--ssd-dir",
+        ssd,
+        "--layout",
+        LAYOUT_FLAG,
+    )
+    node = start_kvcache(*args)
+    (a,) = generate(model, [PROMPT], {"node": node.address})
+    assert a["tokens"] == reference
+    # Push the prompt's pages down to SSD (DRAM holds 16 pages), then rot their bytes on disk.
+    with KVStoreClient(node.address) as c:
+        filler = np.random.default_rng(1).integers(0, 500, 64 * 16).tolist()
+        c.put(LAYOUT.namespace, [np.full(LAYOUT.page_bytes, 7, np.uint8)] * 16, tokens=filler)
+    node.stop()
+    (data,) = [os.path.join(d, f) for d, _, fs in os.walk(ssd) for f in fs if f == "data.mdb"]
+    env = lmdb.open(os.path.dirname(data), max_dbs=2, subdir=True)
+    pages = env.open_db(b"pages")
+    with env.begin(write=True) as txn:
+        keys = [k for k, _ in txn.cursor(db=pages)]
+        for k in keys:
+            txn.put(k, b"\x55" * LAYOUT.page_bytes, db=pages)
+    env.close()
+    assert len(keys) >= 4
+    node = start_kvcache(*args)  # recovers the (now corrupt) SSD pages into its index
+    with KVStoreClient(node.address) as c:
+        assert c.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    (b,) = generate(model, [PROMPT], {"node": node.address})
+    assert b["tokens"] == reference
+    with KVStoreClient(node.address) as c:  # B tried: the node caught the rot and dropped pages
+        (ns,) = c.stats().namespaces
+        assert ns.corrupt_pages >= 1
+    # The node is gone: every lookup fails, the engine computes everything and still answers.
+    address = node.address
+    node.stop()
+    (c_,) = generate(model, [PROMPT], {"node": address, "block_tokens": 64})
+    assert c_["tokens"] == reference and c_["cached"] == 0
+
+
+def test_tenants_do_not_hit_each_others_blocks(model, reference, start_node):
+    node = start_node(
+        "--tenant-token",
+        "tok-a=alice",
+        "--tenant-token",
+        "tok-b=bob",
+        dram="16MiB",
+        layout=LAYOUT_FLAG,
+    )
+    (a,) = generate(model, [PROMPT], {"node": node.address, "token": "tok-a"})
+    (b,) = generate(model, [PROMPT], {"node": node.address, "token": "tok-b"})
+    assert a["tokens"] == b["tokens"] == reference
+    assert b["cached"] == 0, "bob hit alice's blocks"
+    (a2,) = generate(model, [PROMPT], {"node": node.address, "token": "tok-a"})
+    assert a2["cached"] == 4 * 64 and a2["tokens"] == reference
