@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "conductor": ("bench.conductor_scale", "conductor Schedule latency and memory at scale"),
     "live": ("bench.live", "replay a trace against a running cluster"),
     "torch": ("bench.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
+    "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),
 }
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -195,7 +196,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._step: _Step | None = None
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
-        self.stats = ConnectorStats()
+        self.stats = STATS
         log.info(
             "kvcache connector (%s) on node %s, namespace %s, %d vLLM blocks per page",
             role.name,
@@ -248,9 +249,12 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         st = self._request(request)
         if not st.keys:
             return 0, False
+        t0 = time.perf_counter()
         try:
             hit = self.client.lookup(self.namespace, keys=st.keys).hit_blocks
             self._lookup_failing = False
+            self.stats.lookups += 1
+            self.stats.lookup_s += time.perf_counter() - t0
         except KVCacheRpcError as e:
             if not self._lookup_failing:  # once per outage, not once per request
                 log.warning("kvcache lookup failed (%s); computing prompts in full", e)
@@ -418,12 +422,22 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 @dataclass
 class ConnectorStats:
-    """What the worker side moved (tests and the benchmark read it)."""
+    """What the connectors of this process did and where their time went (seconds): the
+    benchmark's breakdown of a hit. Shared by the scheduler and worker sides (``STATS``)."""
 
+    lookups: int = 0
+    lookup_s: float = 0.0
     loaded_pages: int = 0
     load_failed_blocks: int = 0
     saved_pages: int = 0
-    lookups: int = 0
+    acquire_s: float = 0.0  # Acquire / streamed Get of the pages to load
+    allocate_s: float = 0.0  # Allocate of the pages to save
+    load_copy_s: float = 0.0  # shared memory -> vLLM blocks, all layers
+    save_copy_s: float = 0.0  # vLLM blocks -> shared memory, all layers
+    finish_s: float = 0.0  # Commit + Release (or streamed Put)
+
+
+STATS = ConnectorStats()
 
 
 class _Pages:
@@ -475,6 +489,13 @@ class _Step:
         return src, dst
 
     def _start_loads(self, loads: list[_Transfer]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._take_loads(loads)
+        finally:
+            self.conn.stats.acquire_s += time.perf_counter() - t0
+
+    def _take_loads(self, loads: list[_Transfer]) -> None:
         conn = self.conn
         keys = [k for t in loads for k in t.keys]
         page_bytes = conn.layout.page_bytes
@@ -528,6 +549,13 @@ class _Step:
         )
 
     def _start_saves(self, saves: list[_Transfer]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._take_saves(saves)
+        finally:
+            self.conn.stats.allocate_s += time.perf_counter() - t0
+
+    def _take_saves(self, saves: list[_Transfer]) -> None:
         conn = self.conn
         keys = [k for t in saves for k in t.keys]
         page_bytes = conn.layout.page_bytes
@@ -575,19 +603,24 @@ class _Step:
             return
         pages, src, dst = self.load_plan
         if src.numel():
+            t0 = time.perf_counter()
             self.conn._layers[layer][dst] = pages.rows_view[src + layer * self.layer_rows]
+            self.conn.stats.load_copy_s += time.perf_counter() - t0
 
     def save_layer(self, layer: int) -> None:
         if self.save_plan is None or layer in self.saved_layers:
             return
         self.saved_layers.add(layer)
         pages, dst_rows, vblocks = self.save_plan
+        t0 = time.perf_counter()
         pages.rows_view[dst_rows + layer * self.layer_rows] = self.conn._layers[layer][vblocks]
+        self.conn.stats.save_copy_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         conn = self.conn
         for layer in range(conn.layout.num_layers):  # layers no save_kv_layer call reached
             self.save_layer(layer)
+        t0 = time.perf_counter()
         try:
             if self.write is not None:
                 self.write.commit()
@@ -598,6 +631,7 @@ class _Step:
         finally:
             self.write = None
             self._release()
+            conn.stats.finish_s += time.perf_counter() - t0
 
     def abort(self) -> None:
         try:

@@ -12,6 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from bench.vllm_ttft import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
 from kvstore.layout import KVLayout
@@ -24,41 +25,35 @@ LAYOUT = KVLayout(
     model=MODEL, num_layers=2, kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=64
 )
 LAYOUT_FLAG = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
-ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
 PROMPT = [int(x) for x in np.random.default_rng(5).integers(1, 500, 299)]  # 4 full blocks + 43
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     """A random 2-layer Llama (head_dim 32, as vLLM's CPU attention needs), made here."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     path = str(tmp_path_factory.mktemp("models") / MODEL)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=512,
-        max_position_embeddings=1024,
-        head_dim=32,
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    make_model(path, MODELS["tiny"], max_len=1024)
     return path
 
 
 def generate(
     model: str, prompts: list[list[int]], connector: dict | None = None, max_tokens: int = 8
 ) -> list[dict]:
-    spec = {"model": model, "prompts": prompts, "connector": connector, "max_tokens": max_tokens}
+    """Run a fresh engine in a process of its own (bench.vllm_engine) on ``prompts``."""
+    spec = {
+        "model": model,
+        "connector": connector,
+        "runs": [{"prompts": prompts, "max_tokens": max_tokens}],
+    }
     proc = subprocess.run(
-        [sys.executable, ENGINE, json.dumps(spec)], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "bench.vllm_engine"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"][0]["outputs"]
 
 
 @pytest.fixture(scope="module")

