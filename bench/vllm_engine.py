@@ -47,6 +47,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": spec["connector"],
         }
+    if spec.get("kv_events") is not None:  # {"endpoint": ..., "replay_endpoint": ...}
+        kw["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "topic": "",
+            **spec["kv_events"],
+        }
     llm = LLM(**kw)
     from clients.vllm_connector import STATS
 
@@ -61,6 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             for o in res
         ]
         out.append({"outputs": outputs, "seconds": seconds, "stats": asdict(STATS)})
+    time.sleep(spec.get("linger_s", 0))  # e.g. while a subscriber reads the events
     return {"runs": out}
 
 

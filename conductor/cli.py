@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
+from node.config import parse_layout
 from proto import conductor_pb2_grpc as pbg
 from rpc.server import Auth, Service, add_server_args, serve, tls_from_args
 
@@ -27,6 +28,7 @@ from .registry import DEFAULT_LEASE_S
 from .scheduler import POLICIES, SchedulerConfig
 from .service import SERVICE_NAME, ConductorServicer
 from .transfer import RecordingTransferHook, TransferHook
+from .vllm_events import VllmEventFeed, parse_vllm_events
 
 log = logging.getLogger("kvcache.conductor")
 
@@ -104,6 +106,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "more threads mostly add GIL hand-offs)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+    parser.add_argument(
+        "--vllm-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT[,REPLAY]=NODE_ID",
+        help="subscribe to a vLLM engine's KV events (ZMQ, kv_events_config) and route by the "
+        "blocks in its own cache; REPLAY: its replay endpoint, to fill gaps (repeatable)",
+    )
+    parser.add_argument(
+        "--vllm-layout",
+        default=None,
+        metavar="SPEC",
+        help="the layout of the --vllm-events engines, as kvcache node --layout takes it "
+        "(its namespace and block_tokens name their blocks' keys)",
+    )
+    parser.add_argument("--vllm-topic", default="", help="the engines' KV event topic")
 
 
 def build_cost_model(args: argparse.Namespace) -> CostModel:
@@ -162,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca),
     )
+    feeds = _vllm_feeds(args, conductor)
     metrics = ConductorMetrics(conductor)
     servicer = ConductorServicer(
         conductor,
@@ -196,9 +215,30 @@ def run(args: argparse.Namespace) -> int:
             registry=metrics.registry,
             workers=args.workers,
             on_serving=on_serving,
+            on_stopping=lambda: [f.stop() for f in feeds],
             close=servicer.close,
         )
     )
+
+
+def _vllm_feeds(args: argparse.Namespace, conductor: Conductor) -> list[VllmEventFeed]:
+    if not args.vllm_events:
+        return []
+    if not args.vllm_layout:
+        raise SystemExit(
+            "kvcache conductor: --vllm-events needs --vllm-layout (the engines' "
+            "layout, e.g. model=llama3-8b,num_layers=32,kv_heads=8,head_dim=128,"
+            "dtype=bfloat16,block_tokens=256)"
+        )
+    try:
+        layout = parse_layout(args.vllm_layout)
+        specs = [parse_vllm_events(s) for s in args.vllm_events]
+    except (KVStoreError, ValueError) as e:
+        raise SystemExit(f"kvcache conductor: {e}") from None
+    return [
+        VllmEventFeed(conductor, layout, endpoint, replay, node_id, args.vllm_topic).start()
+        for endpoint, replay, node_id in specs
+    ]
 
 
 def _transfer_hook(choice: str, token: str | None, tls_ca_file: str | None) -> TransferHook:
