@@ -87,3 +87,64 @@ def test_a_real_engines_cache_is_routed_by_the_conductor(tmp_path, start_kvcache
         )
         reply = cc.schedule(LAYOUT.namespace, tokens=PROMPT, prompt_tokens=len(PROMPT))
         assert reply.prefill_node == "engine-0" and reply.local_blocks == 4
+
+
+@pytest.mark.slow
+def test_a_gap_in_the_event_sequence_is_filled_from_the_replay_socket(start_kvcache):
+    """vLLM's own publisher; the first batch goes out before the conductor subscribes, so the
+    conductor sees the sequence start at 1 and must replay 0 to know the chain's start."""
+    pytest.importorskip("vllm")
+    import time
+
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    pub, replay = _port(), _port()
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}")
+    toks = PROMPT[:192]
+
+    def stored(hashes, parent, lo, hi):
+        return KVEventBatch(
+            ts=time.time(),
+            events=[
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=toks[lo:hi],
+                    block_size=32,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                )
+            ],
+        )
+
+    try:
+        publisher.publish(stored([b"h0", b"h1"], None, 0, 64))  # seq 0: nobody listens
+        time.sleep(0.5)
+        conductor = start_kvcache(
+            "conductor",
+            "--listen",
+            "127.0.0.1:0",
+            "--vllm-layout",
+            LAYOUT_FLAG,
+            "--vllm-events",
+            f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}=engine-0",
+        )
+        with ConductorClient(conductor.address) as cc:
+            keys = block_keys(toks, 64, root_key(LAYOUT.namespace))
+            seq = 1
+            # Publish until the subscription is up (ZMQ drops what a late subscriber missed).
+            deadline = time.monotonic() + 20
+            while cc.locate(LAYOUT.namespace, keys=keys).get("engine-0", 0) < 2:
+                assert time.monotonic() < deadline, "the engine's blocks never reached the index"
+                publisher.publish(stored([b"h2", b"h3"], b"h1", 64, 128))  # needs h1 (seq 0)
+                seq += 1
+                time.sleep(0.3)
+            publisher.publish(stored([b"h4", b"h5"], b"h3", 128, 192))
+            wait_until(
+                lambda: cc.locate(LAYOUT.namespace, keys=keys).get("engine-0") == 3,
+                timeout_s=10,
+                what="the third block",
+            )
+    finally:
+        publisher.shutdown()
