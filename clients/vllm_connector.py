@@ -304,9 +304,11 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 st.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
-            self._plan_save(
-                meta, req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            )
+            computed = cached.num_computed_tokens[i]
+            if computed < st.saved_pages * self.layout.block_tokens:
+                # A load failed and vLLM recomputes from there: save what it recomputes.
+                st.saved_pages = computed // self.layout.block_tokens
+            self._plan_save(meta, req_id, st, computed + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
         return meta

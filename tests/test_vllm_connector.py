@@ -119,6 +119,8 @@ def test_corrupt_pages_and_a_stopped_node_fall_back_to_recompute(
     with KVStoreClient(node.address) as c:  # B tried: the node caught the rot and dropped pages
         (ns,) = c.stats().namespaces
         assert ns.corrupt_pages >= 1
+        # What B recomputed in place of the rotten pages it stored again.
+        assert c.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
     # The node is gone: every lookup fails, the engine computes everything and still answers.
     address = node.address
     node.stop()
