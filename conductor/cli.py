@@ -215,10 +215,15 @@ def run(args: argparse.Namespace) -> int:
             registry=metrics.registry,
             workers=args.workers,
             on_serving=on_serving,
-            on_stopping=lambda: [f.stop() for f in feeds],
+            on_stopping=lambda: _stop_all(feeds),
             close=servicer.close,
         )
     )
+
+
+def _stop_all(feeds: list[VllmEventFeed]) -> None:
+    for feed in feeds:
+        feed.stop()
 
 
 def _vllm_feeds(args: argparse.Namespace, conductor: Conductor) -> list[VllmEventFeed]:

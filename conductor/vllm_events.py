@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 import zmq
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import root_key
 from kvstore.layout import KVLayout
 from proto import common_pb2 as cpb
@@ -107,21 +107,22 @@ class KeyChain:
             self._blocks.pop(h, None)
         return out
 
+    def held(self) -> list[bytes]:
+        """Our keys the engine holds now."""
+        return list(self._spans)
+
     def cleared(self) -> list[bytes]:
-        out = list(self._spans)
+        out = self.held()
         self._spans.clear()
         self._blocks.clear()
         return out
 
 
 def _hashable(h: Any) -> Hashable:
-    return (
-        bytes(h)
-        if isinstance(h, (bytes, bytearray, memoryview))
-        else h
-        if isinstance(h, Hashable)
-        else tuple(h)
-    )
+    """vLLM block hashes decode as bytes or ints (or lists, for tuple hashes)."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    return h if isinstance(h, Hashable) else tuple(h)
 
 
 class VllmEventFeed:
@@ -169,12 +170,13 @@ class VllmEventFeed:
             NodeDescriptor(node_id=self.node_id, role=Role.BOTH, layouts=(self.layout,))
         )
         self._generation, self._seq = state.generation, 0
-        self.chain = KeyChain(self.layout)
+        # A new registration starts with empty index entries; the engine still holds its blocks.
+        self._apply([(cpb.EVENT_STORED, k) for k in self.chain.held()])
 
     def _renew(self) -> None:
         try:
             self.conductor.heartbeat(self.node_id, None, self._generation)
-        except Exception:  # noqa: BLE001 - the lease lapsed: register again, rebuild the index
+        except NotFound:  # the lease lapsed: register again, re-announce what the engine holds
             log.warning("vLLM engine %s: lease lapsed; registering it again", self.node_id)
             self._register()
 
