@@ -126,19 +126,18 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys or self.namespace is None:
             return [False] * len(keys)
         pool, starts = self.mem_pool_host, self._pages(host_indices, len(keys))
+        if not self.client.shm_available(self.namespace):  # node on another host: streamed
+            pages = self.batch_get(keys)
+            for start, page in zip(starts, pages):
+                if page is not None:
+                    pool.set_from_flat_data_page(start, page)
+            return [p is not None for p in pages]
         try:
             lease = self.client.acquire(self.namespace, keys=[page_key(k) for k in keys])
         except KVCacheRpcError as e:
             log.warning("kvcache acquire failed (%s): %d misses", e, len(keys))
             return [False] * len(keys)
         try:
-            if lease.slab is None:  # node on another host: streamed copies
-                pages = self.client.get(self.namespace, keys=[page_key(k) for k in keys])
-                found = [p is not None for p in pages]
-                for start, page in zip(starts, pages):
-                    if page is not None:
-                        pool.set_from_flat_data_page(start, torch.from_numpy(page))
-                return found
             found = []
             for i, start in enumerate(starts):
                 ok = lease.offsets[i] >= 0 and lease.tiers[i] is not None
