@@ -23,6 +23,7 @@ attention): their K/V for a token depend only on the prefix, which is what a blo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -103,6 +104,10 @@ def connect_for_model(
     )
 
 
+# transformers 4.56 initialises a cache layer from the keys alone; later ones take the values too.
+_LAZY_INIT_TAKES_VALUES = len(inspect.signature(DynamicLayer.lazy_initialization).parameters) > 2
+
+
 # NOTE: transformers' CacheLayerMixin.__init_subclass__ and __init__ are unannotated.
 class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """A ``DynamicLayer`` that reports a prefix before it is loaded, takes it from the load on
@@ -141,7 +146,10 @@ class StoreBackedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         k, v = k[:, :, : n + q], v[:, :, : n + q]
         k[:, :, n:].copy_(key_states)
         v[:, :, n:].copy_(value_states)
-        self.lazy_initialization(key_states, value_states)
+        if _LAZY_INIT_TAKES_VALUES:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            self.lazy_initialization(key_states)  # type: ignore[call-arg]
         self.keys, self.values = k, v
         return k, v
 

@@ -3,8 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -90,7 +89,7 @@ class UnregisterNodeReply(_message.Message):
     __slots__ = ("removed",)
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: bool
-    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, removed: bool = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
     __slots__ = ("request_id", "blocks", "prompt_tokens", "output_tokens", "ttft_slo_s", "tbt_slo_s")
@@ -238,7 +237,7 @@ class NodeStatus(_message.Message):
     prefill_pending: int
     decode_requests: int
     decode_tokens: int
-    def __init__(self, node: _Optional[_Union[NodeDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., lease_remaining_s: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., resyncing: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_pending: _Optional[int] = ..., decode_requests: _Optional[int] = ..., decode_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, node: _Optional[_Union[NodeDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., lease_remaining_s: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., resyncing: bool = ..., queue_s: _Optional[float] = ..., prefill_pending: _Optional[int] = ..., decode_requests: _Optional[int] = ..., decode_tokens: _Optional[int] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes", "policy", "indexed_keys", "pending_requests")

@@ -6,7 +6,7 @@ import warnings
 from proto import common_pb2 as proto_dot_common__pb2
 from proto import conductor_pb2 as proto_dot_conductor__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.71.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,14 +19,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/conductor_pb2_grpc.py depends on'
+        + f' but the generated code in proto/conductor_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class ConductorServiceStub:
+class ConductorServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -77,7 +77,7 @@ class ConductorServiceStub:
                 _registered_method=True)
 
 
-class ConductorServiceServicer:
+class ConductorServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterNode(self, request, context):
@@ -189,7 +189,7 @@ def add_ConductorServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ConductorService:
+class ConductorService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

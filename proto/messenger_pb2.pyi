@@ -3,8 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -61,7 +60,7 @@ class EntryStatus(_message.Message):
     code: str
     reason: str
     already_present: bool
-    def __init__(self, key: _Optional[bytes] = ..., state: _Optional[_Union[EntryState, str]] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ..., already_present: _Optional[bool] = ...) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., state: _Optional[_Union[EntryState, str]] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ..., already_present: bool = ...) -> None: ...
 
 class TransferStatusRequest(_message.Message):
     __slots__ = ("batch_id", "wait", "timeout_s")
@@ -71,7 +70,7 @@ class TransferStatusRequest(_message.Message):
     batch_id: str
     wait: bool
     timeout_s: float
-    def __init__(self, batch_id: _Optional[str] = ..., wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, batch_id: _Optional[str] = ..., wait: bool = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TransferStatusReply(_message.Message):
     __slots__ = ("batch_id", "entries", "pending", "done", "failed", "finished", "bytes_moved", "elapsed_s")
@@ -91,7 +90,7 @@ class TransferStatusReply(_message.Message):
     finished: bool
     bytes_moved: int
     elapsed_s: float
-    def __init__(self, batch_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryStatus, _Mapping]]] = ..., pending: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., finished: _Optional[bool] = ..., bytes_moved: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, batch_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryStatus, _Mapping]]] = ..., pending: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., finished: bool = ..., bytes_moved: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("batch_id",)

@@ -2,8 +2,7 @@ from proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -99,7 +98,7 @@ class AcquireRequest(_message.Message):
     blocks: _common_pb2.BlockSelector
     ttl_s: float
     prefix_only: bool
-    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: bool = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys")
@@ -157,7 +156,7 @@ class GetRequest(_message.Message):
     blocks: _common_pb2.BlockSelector
     prefix_only: bool
     chunk_bytes: int
-    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prefix_only: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prefix_only: bool = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetHeader(_message.Message):
     __slots__ = ("found", "page_bytes")
@@ -243,7 +242,7 @@ class EventsRequest(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     resync: bool
-    def __init__(self, after_seq: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
+    def __init__(self, after_seq: _Optional[int] = ..., resync: bool = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events", "snapshot", "snapshot_done", "snapshot_seq")
@@ -255,4 +254,4 @@ class EventBatch(_message.Message):
     snapshot: bool
     snapshot_done: bool
     snapshot_seq: int
-    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.BlockEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.BlockEvent, _Mapping]]] = ..., snapshot: bool = ..., snapshot_done: bool = ..., snapshot_seq: _Optional[int] = ...) -> None: ...

@@ -6,7 +6,7 @@ import warnings
 from proto import common_pb2 as proto_dot_common__pb2
 from proto import node_pb2 as proto_dot_node__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.71.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,14 +19,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/node_pb2_grpc.py depends on'
+        + f' but the generated code in proto/node_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class NodeServiceStub:
+class NodeServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -102,7 +102,7 @@ class NodeServiceStub:
                 _registered_method=True)
 
 
-class NodeServiceServicer:
+class NodeServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def GetInfo(self, request, context):
@@ -267,7 +267,7 @@ def add_NodeServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class NodeService:
+class NodeService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
