@@ -139,7 +139,8 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "prefix_caching": False,
     }
     node = start_service(
-        ["node", "--listen", "127.0.0.1:0", "--dram", "2GiB", "--layout", layout], log_dir=work
+        ["node", "--listen", "127.0.0.1:0", "--dram", "2GiB", "--reserve-shm", "--layout", layout],
+        log_dir=work,
     )
     try:
         conn = {"node": node.address}
@@ -210,6 +211,8 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         },
         "hit_runs_ms": [x["seconds"] * 1e3 for x in hit_runs],
         "recompute_runs_ms": [x["seconds"] * 1e3 for x in plain_runs],
+        "cold_store_runs_ms": [x["seconds"] * 1e3 for x in hit_cold],
+        "cold_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_cold],
     }
 
 
