@@ -17,7 +17,7 @@ import grpc
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
 from proto import conductor_pb2_grpc as pbg
-from rpc.server import Auth, Service, add_server_args, serve, tls_from_args
+from rpc.server import Auth, Service, add_server_args, add_token_file_arg, serve, tls_from_args
 
 from .core import Conductor
 from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
@@ -52,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="admin token for the nodes' Events streams (default: --token)",
     )
+    add_token_file_arg(parser, "--node-token-file", "node_token", "--node-token, from a file")
     parser.add_argument(
         "--node-tls-ca", default=None, help="CA certificate (PEM) to verify nodes serving TLS"
     )

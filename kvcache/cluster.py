@@ -134,7 +134,13 @@ class Cluster:
         os.makedirs(cfg.state_dir, exist_ok=True)
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
-        auth = ["--token", cfg.token] if cfg.token else []
+        auth: list[str] = []
+        if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
+            token_file = os.path.join(cfg.state_dir, "token")
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(cfg.token + "\n")
+            auth = ["--token-file", token_file]
         try:
             conductor = self._start(
                 [
@@ -180,7 +186,7 @@ class Cluster:
                     *auth,
                 ]
                 if cfg.token:
-                    node_args += ["--conductor-token", cfg.token]
+                    node_args += ["--conductor-token-file", token_file]
                 if spec.ssd not in ("0", ""):
                     node_args += [
                         "--ssd",

@@ -23,3 +23,11 @@ class CapacityExhausted(KVStoreError):
 
 class StorageError(KVStoreError):
     """The backing storage (lmdb directory, shared memory) cannot be used."""
+
+
+def echo(value: str | bytes, limit: int = 64) -> str:
+    """A caller's value quoted in an error message, cut short: a megabyte name must not come back
+    as a megabyte message."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} {'bytes' if isinstance(value, bytes) else 'chars'})"

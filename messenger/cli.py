@@ -20,7 +20,15 @@ from clients.node_client import KVCacheRpcError, KVStoreClient
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 from rpc.channel import make_channel
-from rpc.server import Auth, Service, add_server_args, host_of, serve, tls_from_args
+from rpc.server import (
+    Auth,
+    Service,
+    add_server_args,
+    add_token_file_arg,
+    host_of,
+    serve,
+    tls_from_args,
+)
 
 from .data_server import DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
@@ -42,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the cluster's admin token, for the node, peer messengers and the "
         "data port (default: --token)",
     )
+    add_token_file_arg(parser, "--node-token-file", "node_token", "--node-token, from a file")
     parser.add_argument(
         "--data-listen",
         default=None,

@@ -137,18 +137,9 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         self.auth = auth or Auth()
         self.metrics = metrics  # RPC latency and errors (rpc.status.observed), when given
 
-    def _admin_only(self, context, what: str) -> None:
-        # NOTE: keys here are stored keys (already tenant-scoped): only the cluster's admin
-        # (the conductor, operators) may move them; a tenant token could name others' blocks.
-        if self.auth.tenant(context) != "":
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{what} needs the admin token (--token), not a tenant token",
-            )
-
     @observed
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
-        self._admin_only(context, "SubmitTransfer")
+        self.auth.require_admin(context, "SubmitTransfer")
         if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
             raise InvalidArgument(
                 f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
@@ -163,6 +154,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
 
     @observed
     def TransferStatus(self, request: pb.TransferStatusRequest, context) -> pb.TransferStatusReply:
+        self.auth.require_admin(context, "TransferStatus")
         timeout = request.timeout_s or DEFAULT_WAIT_S
         if not 0 < timeout <= MAX_WAIT_S:
             raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")
@@ -172,7 +164,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
 
     @observed
     def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:
-        self._admin_only(context, "Cancel")
+        self.auth.require_admin(context, "Cancel")
         return status_reply(self.mover.cancel(request.batch_id))
 
     def GetInfo(self, request, context) -> pb.MessengerInfo:

@@ -14,7 +14,7 @@ import grpc
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
-from rpc.server import Auth, Service, add_server_args, serve, tls_from_args
+from rpc.server import Auth, Service, add_server_args, add_token_file_arg, serve, tls_from_args
 
 from .agent import NodeAgent, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
@@ -65,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--conductor", help="conductor address to register with (optional)")
     parser.add_argument("--conductor-token", help="bearer token for the conductor")
+    add_token_file_arg(
+        parser, "--conductor-token-file", "conductor_token", "--conductor-token, from a file"
+    )
     parser.add_argument("--role", choices=["prefill", "decode", "both"])
     parser.add_argument("--messenger", help="this node's messenger gRPC address, for the conductor")
     parser.add_argument("--advertise", help="address others use to reach this node")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound, echo
 from kvstore.keys import BlockKey, scope_keys, select_keys
 from kvstore.shm import sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
@@ -23,6 +23,7 @@ from .events import EventHub
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
+MAX_SALT_BYTES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,7 @@ class Node:
         if store is None:
             served = ", ".join(sorted(self.stores)) or "none"
             raise InvalidArgument(
-                f"namespace {namespace!r} is not served by this node (it serves:"
+                f"namespace {echo(namespace)} is not served by this node (it serves:"
                 f" {served}); the model layout must match the node's"
             )
         return store
@@ -107,6 +108,8 @@ class Node:
         token_bytes: bytes = b"",
     ) -> Selection:
         """Resolve keys or token ids into the keys as stored for ``tenant``."""
+        if len(salt) > MAX_SALT_BYTES:
+            raise InvalidArgument(f"salt is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
         store = self.store(namespace)
         raw, _ = select_keys(
             namespace,
@@ -126,11 +129,14 @@ class Node:
             self._owners[(namespace, lease_id)] = (tenant, deadline)
 
     def check_owner(self, namespace: str, lease_id: int, tenant: str) -> TieredStore:
+        """The store of a lease ``tenant`` took through Allocate / Acquire. Another tenant's lease,
+        and the leases a streamed Put / Get holds inside the node, answer exactly as a lease that
+        does not exist: NOT_FOUND, revealing nothing."""
         store = self.store(namespace)
         with self._owners_lock:
             owner = self._owners.get((namespace, lease_id))
-        if owner is not None and owner[0] != tenant:
-            raise FailedPrecondition(f"lease {lease_id} belongs to another tenant")
+        if owner is None or owner[0] != tenant:
+            raise NotFound(f"lease {lease_id} does not exist (expired or released)")
         return store
 
     def disown(self, namespace: str, lease_id: int) -> None:

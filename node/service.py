@@ -26,6 +26,7 @@ from .node import Node, Selection
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
 EVENT_BATCH = 4096
+MAX_LEASE_TTL_S = 3600.0  # a lease pins pages; a client cannot pin them for longer
 _EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_EVICTED}
 
 
@@ -46,8 +47,12 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @staticmethod
     def _ttl(ttl_s: float) -> float | None:
-        if ttl_s < 0:
-            raise InvalidArgument(f"ttl_s must be >= 0 (0: server default), got {ttl_s}")
+        # NOTE: NaN compares false with everything: test for the good range, not the bad one.
+        if not 0 <= ttl_s <= MAX_LEASE_TTL_S:
+            raise InvalidArgument(
+                f"ttl_s must be within [0, {MAX_LEASE_TTL_S:g}] seconds (0: the server's "
+                f"default), got {ttl_s}"
+            )
         return ttl_s or None
 
     @staticmethod
@@ -174,6 +179,8 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed
     def Stats(self, request, context):
+        # Blocks, hits and leases of every tenant together: not for a tenant's eyes.
+        self.auth.require_admin(context, "Stats")
         out = []
         for ns, store in self.node.stores.items():
             s = store.stats()
@@ -283,11 +290,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
-        if self.auth.tenant(context) != "":
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "the event feed is for the cluster's admin token only",
-            )
+        self.auth.require_admin(context, "the event feed (Events)")
         hub = self.node.hub
         cursor, need_snapshot = request.after_seq, request.resync
         while context.is_active() and not self.stopping:

@@ -65,6 +65,16 @@ class Auth:
             raise AssertionError("context.abort returned")
         return tenant
 
+    def require_admin(self, context: grpc.ServicerContext, what: str) -> None:
+        """PERMISSION_DENIED unless the caller holds the admin token (tenant ""): cluster-wide
+        views and moves of stored, already tenant-scoped keys are the operator's."""
+        if self.tenant(context) != "":
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what} needs the admin token (--token), not a tenant token",
+            )
+            raise AssertionError("context.abort returned")
+
 
 class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, auth: Auth) -> None:
@@ -141,6 +151,46 @@ def add_health_and_reflection(
     return servicer
 
 
+TOKEN_ENV = "KVCACHE_TOKEN"
+
+
+def read_secret(path: str) -> str:
+    """argparse type: a token kept in a file (the first line), so that it is not on the command
+    line, which every local user can read in /proc/PID/cmdline."""
+    try:
+        with open(path) as f:
+            text = f.readline().strip()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read token file {path}: {e.strerror}") from None
+    if not text:
+        raise argparse.ArgumentTypeError(f"token file {path} is empty")
+    return text
+
+
+def read_tenant_tokens(path: str) -> list[str]:
+    """argparse type: ``TOKEN=TENANT`` lines of a file, checked as --tenant-token is."""
+    try:
+        with open(path) as f:
+            lines = [ln.strip() for ln in f]
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot read tenant tokens {path}: {e.strerror}"
+        ) from None
+    items = [ln for ln in lines if ln and not ln.startswith("#")]
+    for n, item in enumerate(items, 1):
+        tok, sep, tenant = item.partition("=")
+        if not sep or not tok or not tenant:
+            raise argparse.ArgumentTypeError(
+                f"{path}: entry {n} is not TOKEN=TENANT (the token is not echoed)"
+            )
+    return items
+
+
+def add_token_file_arg(parser: argparse.ArgumentParser, flag: str, dest: str, what: str) -> None:
+    """``flag PATH``: read the token for ``dest`` from a file (see ``read_secret``)."""
+    parser.add_argument(flag, dest=dest, type=read_secret, metavar="PATH", help=what)
+
+
 def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
@@ -153,14 +203,26 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         help="host:port to serve gRPC on (port 0: pick a free one)",
     )
     parser.add_argument(
-        "--token", default=None, help="require 'authorization: Bearer TOKEN' (admin, tenant '')"
+        "--token",
+        default=os.environ.get(TOKEN_ENV) or None,
+        help="require 'authorization: Bearer TOKEN' (admin, tenant ''); visible to local users "
+        f"in /proc: prefer --token-file or ${TOKEN_ENV}",
     )
+    add_token_file_arg(parser, "--token-file", "token", "the admin token (--token), from a file")
     parser.add_argument(
         "--tenant-token",
         action="append",
         default=[],
         metavar="TOKEN=TENANT",
         help="another accepted token and the tenant it maps to (repeatable)",
+    )
+    parser.add_argument(
+        "--tenant-tokens-file",
+        dest="tenant_token",
+        action="extend",
+        type=read_tenant_tokens,
+        metavar="PATH",
+        help="TOKEN=TENANT lines (blank lines and # comments ignored), as --tenant-token",
     )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")

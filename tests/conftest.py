@@ -20,8 +20,10 @@ def start_kvcache(tmp_path):
     """``start_kvcache("node", "--dram", "1MiB", ...)`` -> ServiceProcess; stopped at teardown."""
     started: list[ServiceProcess] = []
 
-    def start(*args: str, timeout_s: float = 60.0) -> ServiceProcess:
-        sp = start_service(list(args), timeout_s=timeout_s, log_dir=str(tmp_path))
+    def start(
+        *args: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        sp = start_service(list(args), timeout_s=timeout_s, log_dir=str(tmp_path), env=env)
         started.append(sp)
         return sp
 

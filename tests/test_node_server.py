@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -215,13 +216,25 @@ def test_bad_requests_get_clear_status_codes(start_node):
     code, msg = rpc_error(lambda: s.Lookup(sel(token_bytes=b"\x01\x02\x03")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in msg
     code, msg = rpc_error(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "allocate" in msg
+    assert code == grpc.StatusCode.NOT_FOUND and "does not exist" in msg
     code, _ = rpc_error(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.NOT_FOUND
-    code, _ = rpc_error(
-        lambda: s.Allocate(pb.AllocateRequest(blocks=sel(token_ids=[1] * 16), ttl_s=-1))
-    )
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    for ttl in (-1, float("nan"), float("inf"), 1e9):  # a lease pins pages: bounded by the node
+        code, msg = rpc_error(
+            lambda ttl=ttl: s.Allocate(
+                pb.AllocateRequest(blocks=sel(token_ids=[1] * 16), ttl_s=ttl)
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s must be within" in msg, ttl
+        code, msg = rpc_error(
+            lambda ttl=ttl: s.Acquire(pb.AcquireRequest(blocks=sel(token_ids=[1] * 16), ttl_s=ttl))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s must be within" in msg, ttl
+    # a megabyte name is refused with a short echo, not sent back whole
+    code, msg = rpc_error(lambda: s.Lookup(sel(namespace="n" * (1 << 20), keys=[b"k" * 16])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg and len(msg) < 400
+    code, msg = rpc_error(lambda: s.Lookup(sel(salt=b"s" * (1 << 20), keys=[b"k" * 16])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "salt" in msg and len(msg) < 400
     code, _ = rpc_error(
         lambda: s.Allocate(
             pb.AllocateRequest(blocks=sel(token_ids=list(range(3 * TEST_BLOCK_TOKENS))))
@@ -284,16 +297,66 @@ def test_auth_and_tenant_isolation(start_node):
         # the salt in the body cannot reach another tenant's blocks either
         assert bob.lookup(NS, tokens=tokens(2), salt=b"alice").hit_blocks == 0
         assert admin.lookup(NS, tokens=tokens(2)).hit_blocks == 0
+        # Another tenant's leases look exactly like leases that do not exist.
         lease = alice.allocate(NS, tokens=tokens(1, start=900))
-        with pytest.raises(KVCacheRpcError) as e:
-            bob.commit(lease)
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        alice.put(NS, pages_for(1, 7), tokens=tokens(1, start=950))
+        read = alice.acquire(NS, tokens=tokens(1, start=950))
+        _, gone = rpc_error(lambda: admin.release(dataclasses.replace(read, lease_id=99999)))
+        for attempt in (
+            lambda: bob.commit(lease),
+            lambda: bob.abort(lease),
+            lambda: bob.extend(lease, 5),
+            lambda: bob.release(read),
+            lambda: admin.commit(lease),  # the admin token is an identity like any other
+        ):
+            code, msg = rpc_error(attempt)
+            assert code == grpc.StatusCode.NOT_FOUND
+            assert msg.replace(str(lease.lease_id), "N").replace(str(read.lease_id), "N") == (
+                gone.replace("99999", "N")
+            )
+        read.release()
         lease.abort()
-        with pytest.raises(KVCacheRpcError) as e:
-            next(bob.events())
-        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        for attempt in (lambda: next(bob.events()), bob.stats, alice.stats):
+            code, msg = rpc_error(attempt)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "admin token" in msg
+        assert admin.stats().namespaces[0].blocks == 3
         first = next(admin.events(resync=True))
-        assert first.snapshot and len(first.events) == 2
+        assert first.snapshot and len(first.events) == 3  # alice: 2 blocks, then 1
+
+
+def test_a_streamed_puts_lease_cannot_be_touched_by_another_tenant(start_node):
+    """A Put holds a lease inside the node while its bytes arrive; no RPC can reach it (it used to
+    be abortable by any tenant that guessed its id, which then let that tenant write the key)."""
+    node = start_node("--tenant-token", "tok-a=alice", "--tenant-token", "tok-b=bob")
+    go = threading.Event()
+    sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
+    page = pages_for(1, 3)[0].tobytes()
+
+    def chunks():
+        yield pb.PutChunk(header=pb.PutHeader(blocks=sel))
+        yield pb.PutChunk(data=page[:100])
+        go.wait(10)
+        yield pb.PutChunk(data=page[100:])
+
+    with KVStoreClient(node.address, token="tok-b") as bob:
+        probe = bob.allocate(NS, tokens=tokens(1, start=700))  # the next lease ids follow it
+        bob.abort(probe)
+        result: list = []
+        put = threading.Thread(
+            target=lambda: result.append(stub(node.address, "tok-a").Put(chunks(), timeout=20))
+        )
+        put.start()
+        time.sleep(0.3)  # the Put's lease is open
+        for lease_id in range(probe.lease_id + 1, probe.lease_id + 4):
+            fake = dataclasses.replace(probe, lease_id=lease_id)
+            assert rpc_error(lambda fake=fake: bob.abort(fake))[0] == grpc.StatusCode.NOT_FOUND
+            assert rpc_error(lambda fake=fake: bob.commit(fake))[0] == grpc.StatusCode.NOT_FOUND
+        go.set()
+        put.join(20)
+        assert result and result[0].stored == 1
+    with KVStoreClient(node.address, token="tok-a") as alice:
+        (got,) = alice.get(NS, tokens=list(range(16)))
+        assert got is not None and got.tobytes() == page
 
 
 # ---- events --------------------------------------------------------------------------------------
@@ -390,6 +453,45 @@ def test_health_reflection_metrics_and_toml_config(start_kvcache, tmp_path):
     )
     assert f'kvcache_store_hits_total{{namespace="{NS}",tier="dram"}} 1.0' in body
     assert 'kvcache_node_rpc_seconds_count{method="Lookup"}' in body
+
+
+def test_tokens_from_files_and_the_environment_stay_off_the_command_line(
+    start_node, start_kvcache, tmp_path
+):
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text("admin-from-file\n")
+    tenants = tmp_path / "tenants"
+    tenants.write_text("# token=tenant\n\ntok-a=alice\n")
+    node = start_node("--token-file", str(admin_file), "--tenant-tokens-file", str(tenants))
+    with open(f"/proc/{node.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    assert b"admin-from-file" not in cmdline and b"tok-a" not in cmdline
+    with (
+        KVStoreClient(node.address, token="admin-from-file") as admin,
+        KVStoreClient(node.address, token="tok-a") as alice,
+    ):
+        alice.put(NS, pages_for(1, 4), tokens=tokens(1))
+        assert admin.stats().namespaces[0].blocks == 1
+    code, _ = rpc_error(lambda: stub(node.address, "wrong").Lookup(cpb.BlockSelector(namespace=NS)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+    env_node = start_kvcache(
+        "node", "--listen", "127.0.0.1:0", "--dram", "1MiB", env={"KVCACHE_TOKEN": "from-env"}
+    )
+    code, _ = rpc_error(lambda: stub(env_node.address).Stats(pb.StatsRequest()))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert stub(env_node.address, "from-env").Stats(pb.StatsRequest()) is not None
+
+    for bad, says in (
+        (["--token-file", str(tmp_path / "missing")], "cannot read token file"),
+        (["--tenant-tokens-file", str(admin_file)], "is not TOKEN=TENANT"),
+    ):
+        with pytest.raises(RuntimeError, match=says):
+            start_kvcache("node", "--dram", "1MiB", *bad)
+    empty = tmp_path / "blank"
+    empty.write_text("\n")
+    with pytest.raises(RuntimeError, match="is empty"):
+        start_kvcache("node", "--dram", "1MiB", "--token-file", str(empty))
 
 
 @pytest.mark.slow

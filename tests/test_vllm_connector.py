@@ -130,6 +130,8 @@ def test_corrupt_pages_and_a_stopped_node_fall_back_to_recompute(
 
 def test_tenants_do_not_hit_each_others_blocks(model, reference, start_node):
     node = start_node(
+        "--token",
+        "admin",
         "--tenant-token",
         "tok-a=alice",
         "--tenant-token",
@@ -146,6 +148,6 @@ def test_tenants_do_not_hit_each_others_blocks(model, reference, start_node):
     assert b["cached"] == 0, "bob hit alice's blocks"
     (a2,) = generate(model, [PROMPT], alice)
     assert a2["cached"] == 4 * 64 and a2["tokens"] == reference
-    with KVStoreClient(node.address, token="tok-a") as c:
+    with KVStoreClient(node.address, token="admin") as c:
         (ns,) = c.stats().namespaces
         assert ns.write_leases == 0 and ns.read_leases == 0, ns  # committed and released
