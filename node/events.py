@@ -2,7 +2,9 @@
 
 Stores call ``notify`` when they log events; a pump thread drains them into a bounded ring that
 subscribers (the conductor, via the Events RPC) read from a cursor. A subscriber that falls behind
-the ring's start gets ``None`` (a gap) and must resynchronise from ``snapshot``.
+the ring's start gets ``None`` (a gap) and must resynchronise from ``snapshot``. So does every
+subscriber whose cursor predates events a store dropped before the pump took them (a gap in that
+store's own sequence): the node's sequence never hides a lost event.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class EventHub:
         self._wake = threading.Event()
         self._stopped = False
         self.last_seq = 0
+        self._store_seq: dict[int, int] = {}  # id(store) -> the last store seq taken
+        # Cursors before this seq missed events a store dropped: they must resync.
+        self.lost_through = 0
         self._thread = threading.Thread(target=self._run, name="event-pump", daemon=True)
 
     def attach(self, stores: list[TieredStore]) -> None:
@@ -56,6 +61,9 @@ class EventHub:
             added = 0
             for store in self._stores:
                 for ev in store.take_events():
+                    if ev.seq != self._store_seq.get(id(store), 0) + 1:
+                        self.lost_through = self.last_seq + 1
+                    self._store_seq[id(store)] = ev.seq
                     self.last_seq += 1
                     self._ring.append(NodeEvent(self.last_seq, ev.kind, ev.key, ev.tier))
                     added += 1
@@ -71,7 +79,7 @@ class EventHub:
             if self.last_seq <= after_seq and timeout_s:
                 self._cond.wait_for(lambda: self.last_seq > after_seq or self._stopped, timeout_s)
             first = self._ring[0].seq if self._ring else self.last_seq + 1
-            if after_seq + 1 < first:
+            if after_seq + 1 < first or after_seq < self.lost_through:
                 return None
             count = self.last_seq - after_seq
             if count <= 0:
