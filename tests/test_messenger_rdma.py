@@ -7,6 +7,8 @@ Tests that need real verbs are marked ``rdma`` and skipped with the reason on ma
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -66,24 +68,53 @@ def test_plan_caps_segment_size():
 # ---- the fake backend enforces what hardware enforces --------------------------------------------
 
 
-def _pair(fabric):
-    a, b = FakeVerbsBackend(fabric), FakeVerbsBackend(fabric)
-    qa, qb = a.create_qp(), b.create_qp()
+def _pair(fabric, max_send_wr=64, sq_sig_all=False):
+    a, b = FakeVerbsBackend(fabric, max_send_wr), FakeVerbsBackend(fabric, max_send_wr)
+    qa, qb = a.create_qp(sq_sig_all=sq_sig_all), b.create_qp()
     qa.connect(qb.info)
     qb.connect(qa.info)
     return a, b, qa
 
 
+def _completions(qp, n, timeout_s=10.0):
+    """Poll until ``n`` completions arrived (the fake completes on another thread)."""
+    got: list = []
+    wait_until(lambda: got.extend(qp.poll(16)) or len(got) >= n, timeout_s, f"{n} completions")
+    return got
+
+
+def _buffers(fabric, a, b, pages=4):
+    src = np.arange(pages * PB // 8, dtype=np.uint64).view(np.uint8).copy()
+    dst = np.zeros(pages * PB, dtype=np.uint8)
+    readable = b.register(src.ctypes.data, src.nbytes, Access.REMOTE_READ)
+    writable = a.register(dst.ctypes.data, dst.nbytes, Access.LOCAL_WRITE)
+    return src, dst, readable, writable
+
+
+def _chain(src, dst, readable, writable, pages=4, first_id=1, last_signaled=True):
+    """One WR per page, page i of ``src`` into page i of ``dst``; only the last one signaled."""
+    return [
+        ReadWr(
+            first_id + i,
+            dst.ctypes.data + i * PB,
+            writable.lkey,
+            src.ctypes.data + i * PB,
+            readable.rkey,
+            PB,
+            last_signaled and i == pages - 1,
+        )
+        for i in range(pages)
+    ]
+
+
 def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
     fabric = FakeFabric()
     a, b, qp = _pair(fabric)
-    src = np.arange(4 * PB, dtype=np.uint64).view(np.uint8)[: 4 * PB].copy()
-    dst = np.zeros(4 * PB, dtype=np.uint8)
-    readable = b.register(src.ctypes.data, src.nbytes, Access.REMOTE_READ)
-    writable = a.register(dst.ctypes.data, dst.nbytes, Access.LOCAL_WRITE)
+    src, dst, readable, writable = _buffers(fabric, a, b)
+    assert readable.lkey != readable.rkey and writable.lkey != writable.rkey
     ok = ReadWr(1, dst.ctypes.data, writable.lkey, src.ctypes.data, readable.rkey, PB, True)
     qp.post_reads([ok])
-    assert [c.status for c in qp.poll(4)] == [WcStatus.SUCCESS]
+    assert [c.status for c in _completions(qp, 1)] == [WcStatus.SUCCESS]
     np.testing.assert_array_equal(dst[:PB], src[:PB])
 
     def status_of(wr):
@@ -91,32 +122,165 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
         q.connect(peer.info)
         peer.connect(q.info)
         q.post_reads([wr])
-        return q.poll(4)[0].status
+        return _completions(q, 1)[0].status, fabric.errors[-1]
 
-    bad_rkey = ReadWr(2, dst.ctypes.data, writable.lkey, src.ctypes.data, 0xDEAD, PB, True)
-    out_of_bounds = ReadWr(
-        3, dst.ctypes.data, writable.lkey, src.ctypes.data + 3 * PB + 1, readable.rkey, PB, True
-    )
+    def read(**change):
+        return dataclasses.replace(ok, **change)
+
     no_remote_read = b.register(src.ctypes.data, src.nbytes, Access.LOCAL_WRITE)
-    not_readable = ReadWr(
-        4, dst.ctypes.data, writable.lkey, src.ctypes.data, no_remote_read.rkey, PB, True
-    )
     read_only_local = a.register(dst.ctypes.data, dst.nbytes, Access.REMOTE_READ)
-    not_writable = ReadWr(
-        5, dst.ctypes.data, read_only_local.lkey, src.ctypes.data, readable.rkey, PB, True
-    )
-    assert status_of(bad_rkey) == WcStatus.REM_ACCESS_ERR
-    assert status_of(out_of_bounds) == WcStatus.REM_ACCESS_ERR
-    assert status_of(not_readable) == WcStatus.REM_ACCESS_ERR
-    assert status_of(not_writable) == WcStatus.LOC_PROT_ERR
+    cases = {
+        "rkey 0xdead is not the peer's": (read(rkey=0xDEAD), WcStatus.REM_ACCESS_ERR),
+        "lkey used as rkey": (read(rkey=readable.lkey), WcStatus.REM_ACCESS_ERR),
+        "rkey used as lkey": (read(lkey=writable.rkey), WcStatus.LOC_PROT_ERR),
+        "source outside the remote region": (
+            read(remote_addr=src.ctypes.data + 3 * PB + 1),
+            WcStatus.REM_ACCESS_ERR,
+        ),
+        "destination outside the local region": (
+            read(local_addr=dst.ctypes.data + 3 * PB + 1),
+            WcStatus.LOC_PROT_ERR,
+        ),
+        "remote region lacks REMOTE_READ": (
+            read(rkey=no_remote_read.rkey),
+            WcStatus.REM_ACCESS_ERR,
+        ),
+        "local region lacks LOCAL_WRITE": (
+            read(lkey=read_only_local.lkey),
+            WcStatus.LOC_PROT_ERR,
+        ),
+    }
+    for name, (wr, expected) in cases.items():
+        status, why = status_of(wr)
+        assert status == expected, name
+        assert ("is not" in why) if "used as" in name else (name in why), (name, why)
+    # A deregistered region is gone for good.
+    b.deregister(readable)
+    assert status_of(ok)[0] == WcStatus.REM_ACCESS_ERR
+    readable = b.register(src.ctypes.data, src.nbytes, Access.REMOTE_READ)
+    ok = read(rkey=readable.rkey)
 
     # After an error the QP flushes everything behind it, unsignaled WRs included.
-    qp.post_reads([bad_rkey, ok])
-    assert [c.status for c in qp.poll(4)] == [WcStatus.REM_ACCESS_ERR, WcStatus.WR_FLUSH_ERR]
-    with pytest.raises(VerbsError):
-        a.create_qp().post_reads([ok])  # never connected: not in RTS
-    with pytest.raises(VerbsError):
-        a.create_qp().connect(QpInfo(qpn=1, psn=0, lid=99, gid="", mtu=5))
+    qp.post_reads([read(rkey=0xDEAD), dataclasses.replace(ok, signaled=False), ok])
+    assert [c.status for c in _completions(qp, 3)] == [
+        WcStatus.REM_ACCESS_ERR,
+        WcStatus.WR_FLUSH_ERR,
+        WcStatus.WR_FLUSH_ERR,
+    ]
+    with pytest.raises(VerbsError, match="RESET, not RTS"):
+        a.create_qp().post_reads([ok])  # never connected
+
+
+def test_fake_completes_only_signaled_wrs_on_another_thread_after_the_copy():
+    fabric = FakeFabric()
+    a, b, qp = _pair(fabric)
+    src, dst, readable, writable = _buffers(fabric, a, b)
+    fabric.throttle(0)  # the "HCA" holds the WRs: posting copies nothing
+    qp.post_reads(_chain(src, dst, readable, writable))
+    assert qp.poll(16) == [] and not dst.any()
+    fabric.unthrottle()
+    (wc,) = _completions(qp, 1)
+    assert wc.wr_id == 4 and wc.ok  # the last, signaled WR only
+    np.testing.assert_array_equal(dst, src)  # and it completed after every copy ran
+    assert fabric.wait_idle() and qp.poll(16) == []
+    assert fabric.completions == 1
+
+    # A QP created with sq_sig_all completes every WR, whatever its flag.
+    a, b, qp = _pair(fabric, sq_sig_all=True)
+    src, dst, readable, writable = _buffers(fabric, a, b)
+    qp.post_reads(_chain(src, dst, readable, writable))
+    assert [c.wr_id for c in _completions(qp, 4)] == [1, 2, 3, 4]
+
+
+def test_waiting_for_the_first_completion_of_a_sig_all_batch_reads_pages_in_flight():
+    # The bug: pyverbs creates QPs with sq_sig_all=1 by default, so the first WR of a chain
+    # completes too, and a waiter that takes "a completion arrived" for "the chain landed"
+    # goes on while the later WRs are still being executed.
+    fabric = FakeFabric()
+    a, b, qp = _pair(fabric, sq_sig_all=True)
+    src, dst, readable, writable = _buffers(fabric, a, b)
+    fabric.throttle(1)  # the HCA is slower than the waiter: one WR done, three in flight
+    qp.post_reads(_chain(src, dst, readable, writable))
+    first = _completions(qp, 1)
+    assert [(c.wr_id, c.ok) for c in first] == [(1, True)]
+    pages = dst.reshape(4, PB)
+    assert np.array_equal(pages[0], src[:PB]) and not pages[1:].any()  # stale data
+    fabric.unthrottle()
+    assert [c.wr_id for c in _completions(qp, 3)] == [2, 3, 4]
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_send_queue_overflow_fails_like_ibv_post_send():
+    fabric = FakeFabric()
+    a, b, qp = _pair(fabric, max_send_wr=4)
+    src, dst, readable, writable = _buffers(fabric, a, b, pages=4)
+    chain = _chain(src, dst, readable, writable)
+    qp.post_reads(chain)
+    assert fabric.wait_idle()  # all four executed, but their slots are freed only by a poll
+    extra = dataclasses.replace(chain[-1], wr_id=9)
+    with pytest.raises(VerbsError, match=r"ENOMEM.*max_send_wr 4.*posted 0 of 1"):
+        qp.post_reads([extra])
+    assert len(_completions(qp, 1)) == 1  # the signaled WR retires the whole chain
+    qp.post_reads([extra])
+    assert [c.wr_id for c in _completions(qp, 1)] == [9]
+    # Unsignaled WRs alone never free their slots: the queue fills up and stays full.
+    unsignaled = _chain(src, dst, readable, writable, first_id=20, last_signaled=False)
+    with pytest.raises(VerbsError, match="posted 4 of 5"):
+        qp.post_reads(unsignaled + [extra])
+    assert fabric.wait_idle() and qp.poll(16) == []
+    with pytest.raises(VerbsError, match="ENOMEM"):
+        qp.post_reads([extra])
+
+
+def test_fake_qp_state_machine_and_responder_checks():
+    fabric = FakeFabric()
+    a, b = FakeVerbsBackend(fabric), FakeVerbsBackend(fabric)
+    src, dst, readable, writable = _buffers(fabric, a, b, pages=1)
+    wr = _chain(src, dst, readable, writable, pages=1)
+    qa, qb = a.create_qp(), b.create_qp()
+    with pytest.raises(VerbsError, match="RESET -> RTS"):
+        qa.to_rts()
+    qa.to_init(0)
+    with pytest.raises(VerbsError, match="INIT, not RTS"):
+        qa.post_reads(wr)
+    with pytest.raises(VerbsError, match="invalid path MTU"):
+        qa.to_rtr(dataclasses.replace(qb.info, mtu=9))
+    qa.to_rtr(qb.info)
+    with pytest.raises(VerbsError, match="RTR, not RTS"):
+        qa.post_reads(wr)
+    qa.to_rts()
+
+    def read_status(q):
+        q.post_reads(wr)
+        return _completions(q, 1)[0].status, fabric.errors[-1]
+
+    # The responder never left INIT: its HCA drops the requests and the requester gives up.
+    qb.to_init(Access.REMOTE_READ)
+    assert read_status(qa) == (WcStatus.RETRY_EXC_ERR, "wr 1: RETRY_EXC_ERR: peer QP is in INIT")
+    with pytest.raises(VerbsError, match="ERR -> RTR"):
+        qa.to_rtr(qb.info)  # an errored QP goes back through RESET only
+    qa.to_reset()
+
+    def fresh(access):
+        q, peer = a.create_qp(), b.create_qp()
+        q.connect(peer.info, 0)
+        peer.connect(q.info, access)
+        return q, peer
+
+    q, peer = fresh(0)  # the responder's QP does not allow remote READs
+    assert read_status(q) == (
+        WcStatus.REM_ACCESS_ERR,
+        "wr 1: REM_ACCESS_ERR: peer QP lacks REMOTE_READ",
+    )
+    q, peer = fresh(Access.REMOTE_READ)
+    assert read_status(q)[0] == WcStatus.SUCCESS
+    peer.close()  # the peer went away
+    assert read_status(q)[0] == WcStatus.RETRY_EXC_ERR
+    # Connecting to an address nobody owns succeeds (as ibv_modify_qp does); READs fail later.
+    lonely = a.create_qp()
+    lonely.connect(QpInfo(qpn=1, psn=0, lid=99, gid="", mtu=5))
+    assert read_status(lonely)[0] == WcStatus.RETRY_EXC_ERR
+    assert "no peer QP" in fabric.errors[-1]
 
 
 # ---- transport against a source server -----------------------------------------------------------
