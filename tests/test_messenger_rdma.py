@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from messenger import rdma as rdma_module
 from messenger.data_server import DataServer
 from messenger.rdma import (
     FallbackTransport,
@@ -465,6 +466,23 @@ def test_send_queue_is_never_overrun():
             RdmaTransport(s.dst_backend, RdmaConfig(chain=8, chains_in_flight=2))
     finally:
         s.close()
+
+
+def test_session_and_qp_survive_fetches_of_many_groups(setup, monkeypatch):
+    # RDMA_RELEASE's END reply has no body and a zero checksum; taking that for a corrupt reply
+    # broke the session after every group: later groups of the fetch failed and every fetch
+    # paid a new QP handshake.
+    monkeypatch.setattr(rdma_module, "MAX_KEYS_PER_REQUEST", 8)
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys, setup.views())
+    assert all(r.ok for r in res), res[-1]
+    np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
+    session = setup.rdma._sessions[setup.server.address]
+    assert not session.broken and setup.source.pins == 0
+    setup.dst[:] = 0
+    res = setup.rdma.fetch(setup.server.address, NS, setup.keys[:3], setup.views()[:3])
+    assert all(r.ok for r in res)
+    assert setup.rdma._sessions[setup.server.address] is session
+    assert len(setup.fabric.qps) == 2  # one QP on each side, from the first handshake
 
 
 def test_closing_the_control_connection_releases_source_pins(setup):
