@@ -8,6 +8,11 @@ Tests that need real verbs are marked ``rdma`` and skipped with the reason on ma
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
+import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -20,6 +25,7 @@ from messenger.rdma import (
     RdmaSource,
     RdmaTransport,
     Segment,
+    chain_segments,
     plan_segments,
 )
 from messenger.select import choose_transport, open_rdma_backend
@@ -27,7 +33,7 @@ from messenger.slab_peer import fill_pattern, pattern_keys
 from messenger.tcp import TcpTransport
 from messenger.transport import Outcome, SlabPageSource
 from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
-from messenger.verbs_fake import FakeFabric, FakeVerbsBackend
+from messenger.verbs_fake import FakeFabric, FakeQueuePair, FakeVerbsBackend
 
 from helpers import wait_until
 
@@ -295,6 +301,10 @@ class Setup:
         config: RdmaConfig | None = None,
         max_send_wr: int = 64,
         token: str | None = None,
+        source_cls: type[RdmaSource] = RdmaSource,
+        transport_cls: type[RdmaTransport] = RdmaTransport,
+        src_backend_cls: type[FakeVerbsBackend] = FakeVerbsBackend,
+        dst_backend_cls: type[FakeVerbsBackend] = FakeVerbsBackend,
     ) -> None:
         self.fabric = FakeFabric()
         self.src_region = np.empty(PAGES * PB, dtype=np.uint8)
@@ -303,12 +313,12 @@ class Setup:
         slots = {k: i for i, k in enumerate(self.keys) if i not in set(missing)}
         self.source = SlabPageSource(NS, self.src_region, PB, slots)
         self.server = DataServer(self.source, token=token).start()
-        self.src_backend = FakeVerbsBackend(self.fabric, max_send_wr)
+        self.src_backend = src_backend_cls(self.fabric, max_send_wr)
         if with_rdma_source:
-            self.rdma_source = RdmaSource(self.src_backend, self.source)
+            self.rdma_source = source_cls(self.src_backend, self.source)
             self.rdma_source.install(self.server)
-        self.dst_backend = FakeVerbsBackend(self.fabric, max_send_wr)
-        self.rdma = RdmaTransport(
+        self.dst_backend = dst_backend_cls(self.fabric, max_send_wr)
+        self.rdma = transport_cls(
             self.dst_backend, config or RdmaConfig(chain=4, chains_in_flight=2)
         )
         self.dst = np.zeros((PAGES, PB), dtype=np.uint8)
@@ -319,6 +329,7 @@ class Setup:
         return [memoryview(self.dst[i]) for i in order]
 
     def close(self) -> None:
+        self.fabric.unthrottle()
         self.rdma.close()
         self.server.stop()
 
@@ -356,6 +367,186 @@ def test_scattered_destination_pages_use_many_chains_only_last_signaled(setup):
     assert setup.fabric.reads_posted == PAGES
     assert setup.fabric.chains_posted == PAGES // 4
     assert setup.fabric.signaled_posted == setup.fabric.chains_posted
+
+
+# ---- completions: wait for the ones that prove the whole batch landed ----------------------------
+
+
+class PreFixTransport(RdmaTransport):
+    """The completion loop before the fix, in short: a chain counted as landed at the first
+    completion naming any of its WRs. Right only while nothing but a chain's last WR completes,
+    which a QP created with sq_sig_all (pyverbs' default) does not guarantee."""
+
+    def _read(self, session, segments, rkey, lkeys, results):
+        chains = chain_segments(segments, self.config.chain)
+        in_flight: dict[int, list] = {}
+        owner_of: dict[int, int] = {}
+        while chains or in_flight:
+            while chains and len(in_flight) < self.config.chains_in_flight:
+                chain = chains.pop(0)
+                wrs = [
+                    ReadWr(
+                        next(self._wr_ids),
+                        seg.local_addr,
+                        lkeys[seg.entries[0]],
+                        seg.remote_addr,
+                        rkey,
+                        seg.length,
+                        k == len(chain) - 1,
+                    )
+                    for k, seg in enumerate(chain)
+                ]
+                session.qp.post_reads(wrs)
+                in_flight[wrs[-1].wr_id] = chain
+                owner_of.update((wr.wr_id, wrs[-1].wr_id) for wr in wrs)
+            for wc in session.qp.poll(16):
+                in_flight.pop(owner_of.get(wc.wr_id, wc.wr_id), None)
+
+
+class SigAllBackend(FakeVerbsBackend):
+    """QPs created with sq_sig_all=1 whatever is asked (pyverbs' QPInitAttr default)."""
+
+    def create_qp(self, sq_sig_all=False):
+        return super().create_qp(sq_sig_all=True)
+
+
+REVERSED4 = [3, 2, 1, 0]  # key i lands in slot 3-i: nothing merges, one chain of four WRs
+
+
+def test_pre_fix_completion_rule_returns_while_pages_are_in_flight():
+    s = Setup(transport_cls=PreFixTransport, dst_backend_cls=SigAllBackend)
+    try:
+        s.fabric.throttle(1)  # the HCA has done one READ of the chain when the waiter looks
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:4], s.views(REVERSED4))
+        assert [r.outcome for r in res] == [Outcome.OK] + [Outcome.DATA_LOSS] * 3
+        assert not s.dst[:3].any()  # what it checked: pages still being written
+        s.fabric.unthrottle()
+        assert s.fabric.wait_idle()  # they land after the fetch has returned
+        np.testing.assert_array_equal(s.dst[:4][::-1], s.src_region.reshape(PAGES, PB)[:4])
+    finally:
+        s.close()
+
+
+def test_pre_fix_completion_rule_overflows_the_send_queue():
+    # Two chains of four fill an 8-deep send queue; the first completion retires one WR but
+    # the old rule takes it for the whole chain and posts four more.
+    s = Setup(transport_cls=PreFixTransport, dst_backend_cls=SigAllBackend, max_send_wr=8)
+    try:
+        s.fabric.throttle(1)
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:12], s.views(range(11, -1, -1)))
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        assert "ENOMEM" in res[0].reason and "send queue full" in res[0].reason
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "backend_cls", [FakeVerbsBackend, SigAllBackend], ids=["signaled", "sig_all"]
+)
+def test_fetch_waits_for_the_completion_that_proves_the_batch_landed(backend_cls):
+    s = Setup(dst_backend_cls=backend_cls, max_send_wr=8)
+    try:
+        for n, order in ((4, REVERSED4), (12, list(range(11, -1, -1)))):
+            s.dst[:] = 0
+            s.fabric.throttle(1)
+            timer = threading.Timer(0.3, s.fabric.unthrottle)
+            timer.start()
+            t0 = time.monotonic()
+            res = s.rdma.fetch(s.server.address, NS, s.keys[:n], s.views(order))
+            elapsed = time.monotonic() - t0
+            timer.join()
+            assert all(r.ok for r in res), res
+            assert elapsed >= 0.25  # it waited for the throttled HCA
+            np.testing.assert_array_equal(s.dst[:n][::-1], s.src_region.reshape(PAGES, PB)[:n])
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "backend_cls", [FakeVerbsBackend, SigAllBackend], ids=["signaled", "sig_all"]
+)
+def test_fetch_moves_every_byte_through_a_slow_asynchronous_hca(backend_cls):
+    s = Setup(dst_backend_cls=backend_cls, max_send_wr=8)
+    try:
+        s.fabric.wr_delay_s = 1e-3
+        s.fabric.poll_delay = 2
+        order = list(range(PAGES))[::-1]
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views(order))
+        assert all(r.ok for r in res), res
+        np.testing.assert_array_equal(s.dst[::-1], s.src_region.reshape(PAGES, PB))
+        assert s.fabric.reads_posted == PAGES and s.fabric.chains_posted == PAGES // 4
+        assert s.fabric.signaled_posted == PAGES // 4  # only each chain's last WR
+        expected = PAGES if backend_cls is SigAllBackend else PAGES // 4
+        assert s.fabric.completions == expected
+        # Nothing left behind on the QP: the session is reused for the next fetch.
+        s.dst[:] = 0
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views())
+        assert all(r.ok for r in res)
+        np.testing.assert_array_equal(s.dst.reshape(-1), s.src_region)
+    finally:
+        s.close()
+
+
+# ---- wrong keys, flags and states fail the entries with the reason -------------------------------
+
+
+class LkeyForRkeySource(RdmaSource):
+    def region_mr(self, namespace):
+        mr = super().region_mr(namespace)
+        return dataclasses.replace(mr, rkey=mr.lkey)
+
+
+class UnreadableRegionSource(RdmaSource):
+    mr_access = Access.LOCAL_WRITE
+
+
+class UnreadableQpSource(RdmaSource):
+    qp_access = 0
+
+
+class ReadOnlyDestination(RdmaTransport):
+    local_access = Access.REMOTE_READ
+
+
+class _StuckInInit(FakeQueuePair):
+    def connect(self, remote, access=Access.REMOTE_READ):
+        self.to_init(access)  # never reaches RTR: the HCA drops the peer's requests
+
+
+class StuckBackend(FakeVerbsBackend):
+    def create_qp(self, sq_sig_all=False):
+        return _StuckInInit(self, sq_sig_all)
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, cause",
+    [
+        ({"source_cls": LkeyForRkeySource}, "REM_ACCESS_ERR", "is not the peer's"),
+        ({"source_cls": UnreadableRegionSource}, "REM_ACCESS_ERR", "region lacks REMOTE_READ"),
+        ({"source_cls": UnreadableQpSource}, "REM_ACCESS_ERR", "peer QP lacks REMOTE_READ"),
+        ({"transport_cls": ReadOnlyDestination}, "LOC_PROT_ERR", "lacks LOCAL_WRITE"),
+        ({"src_backend_cls": StuckBackend}, "RETRY_EXC_ERR", "peer QP is in INIT"),
+    ],
+    ids=[
+        "lkey-as-rkey",
+        "region-no-remote-read",
+        "qp-no-remote-read",
+        "no-local-write",
+        "peer-qp-in-init",
+    ],
+)
+def test_wrong_key_flag_or_qp_state_fails_entries_with_a_clear_reason(kwargs, status, cause):
+    s = Setup(**kwargs)
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:8], s.views(range(7, -1, -1)))
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        first = res[0].reason
+        assert first.startswith(f"RDMA READ failed: {status} (") and first.endswith(")"), first
+        assert cause in s.fabric.errors[0]
+        assert s.server.address not in s.rdma._sessions  # the broken session was dropped
+        assert s.source.pins == 0
+    finally:
+        s.close()
 
 
 def test_missing_keys_fail_not_found_rest_complete():
@@ -534,6 +725,134 @@ def _real_rdma_reason() -> str | None:
         return reason
     backend.close()
     return None
+
+
+class _Rec:
+    """Records how a pyverbs class was constructed."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
+    """Just enough of pyverbs' API for verbs_pyverbs to import and build QPs and WRs."""
+
+    class PyverbsError(Exception):
+        pass
+
+    class QP:
+        def __init__(self, pd, init_attr):
+            calls["init_attr"] = init_attr
+            calls["qp"] = self
+            self.qp_num = 0x42
+            self.posted: list = []
+            self.transitions: list = []
+
+        def to_init(self, attr):
+            self.transitions.append(("INIT", attr.qp_access_flags))
+
+        def to_rtr(self, attr):
+            self.transitions.append(("RTR", attr.dest_qp_num))
+
+        def to_rts(self, attr):
+            self.transitions.append(("RTS", attr.sq_psn))
+
+        def post_send(self, wr):
+            self.posted.append(wr)
+
+        def close(self):
+            pass
+
+    class QPAttr:
+        def __init__(self, port_num=1):
+            self.port_num = port_num
+
+    class SendWR(_Rec):
+        def set_wr_rdma(self, rkey, addr):
+            self.rdma = (rkey, addr)
+
+    class CQ(_Rec):
+        def poll(self, num_entries=1):
+            return 0, []
+
+        def close(self):
+            pass
+
+    enums = {
+        "IBV_QPT_RC": 2,
+        "IBV_SEND_SIGNALED": 2,
+        "IBV_WR_RDMA_READ": 4,
+        "IBV_ACCESS_REMOTE_READ": 4,
+    }
+    contents = {
+        "pyverbs": {},
+        "pyverbs.device": {"Context": _Rec, "get_device_list": lambda: []},
+        "pyverbs.enums": enums,
+        "pyverbs.addr": {"GID": _Rec, "AHAttr": _Rec, "GlobalRoute": _Rec},
+        "pyverbs.cq": {"CQ": CQ},
+        "pyverbs.mr": {"MR": _Rec},
+        "pyverbs.pd": {"PD": _Rec},
+        "pyverbs.pyverbs_error": {"PyverbsError": PyverbsError},
+        "pyverbs.qp": {"QP": QP, "QPAttr": QPAttr, "QPCap": _Rec, "QPInitAttr": _Rec},
+        "pyverbs.wr": {"SGE": _Rec, "SendWR": SendWR},
+    }
+    modules = {}
+    for name, attrs in contents.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        modules[name] = module
+        if "." in name:
+            setattr(modules["pyverbs"], name.split(".")[1], module)
+    return modules
+
+
+def test_pyverbs_backend_signals_like_the_fake(monkeypatch):
+    """No RDMA here: run verbs_pyverbs against a recording stub of pyverbs to check that it
+    asks for what the transport relies on (and the fake enforces): no sq_sig_all (pyverbs'
+    QPInitAttr defaults to 1), a send queue of max_send_wr, IBV_SEND_SIGNALED only where the WR
+    asks, the chain linked in posting order, and the QP access flags it is given."""
+    calls: dict = {}
+    for name, module in _stub_pyverbs(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    saved = sys.modules.pop("messenger.verbs_pyverbs", None)
+    try:
+        vp = importlib.import_module("messenger.verbs_pyverbs")
+        backend = object.__new__(vp.PyverbsBackend)  # no device: only what create_qp reads
+        backend.ctx = backend.pd = None
+        backend.max_send_wr, backend.port, backend.gid_index = 8, 1, 0
+        backend.port_attr = types.SimpleNamespace(lid=7)
+        backend.gid, backend.mtu = "", 5
+        qp = backend.create_qp()
+        init = calls["init_attr"].kwargs
+        assert init["sq_sig_all"] == 0 and not qp.sq_sig_all
+        assert init["cap"].kwargs["max_send_wr"] == 8
+        assert backend.create_qp(sq_sig_all=True).sq_sig_all
+        assert calls["init_attr"].kwargs["sq_sig_all"] == 1
+
+        qp = backend.create_qp()
+        qp.connect(QpInfo(qpn=0x99, psn=5, lid=3, gid="", mtu=5), 0)
+        stub = calls["qp"]
+        assert stub.transitions == [("INIT", 0), ("RTR", 0x99), ("RTS", qp.info.psn)]
+        wrs = [ReadWr(10 + i, 0x1000 * i, 1, 0x9000 + i, 2, 64, i == 2) for i in range(3)]
+        qp.post_reads(wrs)
+        (head,) = stub.posted
+        chain = []
+        wr = head
+        while wr is not None:
+            chain.append(wr)
+            wr = wr.kwargs.get("next_wr")
+        assert [w.kwargs["wr_id"] for w in chain] == [10, 11, 12]
+        assert [w.kwargs["send_flags"] for w in chain] == [0, 0, 2]
+        assert [w.rdma for w in chain] == [(2, 0x9000), (2, 0x9001), (2, 0x9002)]
+    finally:
+        import messenger
+
+        sys.modules.pop("messenger.verbs_pyverbs", None)
+        if saved is not None:
+            sys.modules["messenger.verbs_pyverbs"] = saved
+            messenger.verbs_pyverbs = saved
+        elif hasattr(messenger, "verbs_pyverbs"):
+            delattr(messenger, "verbs_pyverbs")
 
 
 @pytest.mark.rdma
