@@ -549,6 +549,19 @@ def test_wrong_key_flag_or_qp_state_fails_entries_with_a_clear_reason(kwargs, st
         s.close()
 
 
+def test_own_qp_not_in_rts_fails_the_fetch_with_the_state():
+    s = Setup(dst_backend_cls=StuckBackend)
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:4], s.views()[:4])
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        assert "ibv_post_send failed (EINVAL)" in res[0].reason
+        assert "is INIT, not RTS" in res[0].reason
+        assert s.fabric.reads_posted == 0
+        assert wait_until(lambda: s.source.pins == 0)  # the dropped connection unpins
+    finally:
+        s.close()
+
+
 def test_missing_keys_fail_not_found_rest_complete():
     s = Setup(missing=(2, 30))
     try:
