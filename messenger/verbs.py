@@ -4,8 +4,9 @@ Everything the RDMA transport does that is not a verbs call (bootstrap over the 
 channel, work-request planning, chaining, completion handling, failures, fallback) lives in
 ``rdma.py`` in plain Python and runs against this interface. Two backends implement it:
 ``verbs_pyverbs.PyverbsBackend`` (real hardware, imported lazily) and
-``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions; checks keys, bounds and
-access flags; injects completion errors) for tests on machines without RDMA.
+``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions on a thread of its own, as
+strict as an HCA about signaling, keys, bounds, access flags, QP states and send-queue depth;
+injects completion errors) for tests on machines without RDMA.
 """
 
 from __future__ import annotations

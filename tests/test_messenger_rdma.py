@@ -1,7 +1,9 @@
 """RDMA transport logic against the fake verbs backend (real TCP control channel, real threads).
 
-The fake copies between in-memory regions only after the checks an HCA makes (rkey, bounds,
-access flags, QP state), so a wrong key, offset or flag in the transport fails these tests.
+The fake copies between in-memory regions only after the checks an HCA makes (lkey and rkey,
+bounds, access flags, QP states), on a thread of its own, and completes only signaled WRs (every
+WR on a QP created with sq_sig_all), so a wrong key, offset, flag or completion rule in the
+transport fails these tests.
 Tests that need real verbs are marked ``rdma`` and skipped with the reason on machines without.
 """
 
