@@ -9,8 +9,10 @@ Protocol (control over the peer's TCP data port, see ``frames.py``):
    page's offset in it (-1: absent) and its xxh3-64 checksum.
 3. The destination plans READs: pages sorted by remote address, runs contiguous on both sides
    merged into one work request, WRs posted in chains of at most ``chain`` with only the last
-   signaled, at most ``chains_in_flight`` chains outstanding; completions polled without ever
-   blocking inside the verbs library (it would hold the GIL).
+   signaled (the QP is created without ``sq_sig_all``), at most ``chains_in_flight`` chains and
+   ``max_send_wr`` WRs outstanding. A chain has landed when its last WR's completion arrives
+   (completions come in posting order), never at an earlier one; completions are polled without
+   ever blocking inside the verbs library (it would hold the GIL).
 4. Checksums verified; ``RDMA_RELEASE`` unpins. A connection that closes releases its leases.
 
 Failures are per entry. A failed completion fails its chain's entries and every later one (the
@@ -67,7 +69,7 @@ from .verbs import (
     ReadWr,
     VerbsBackend,
     VerbsError,
-    wc_status_name,
+    wc_status_text,
 )
 
 log = logging.getLogger(__name__)
@@ -138,7 +140,11 @@ def chain_segments(segments: Sequence[Segment], chain: int) -> list[list[Segment
 class RdmaSource:
     """Adds the RDMA control requests to a ``DataServer``: QP setup, pin, release.
 
-    Each namespace's region is registered once (lazily, at the first pin) with REMOTE_READ."""
+    Each namespace's region is registered once (lazily, at the first pin) with REMOTE_READ;
+    each peer's QP lets that peer READ (and nothing else)."""
+
+    mr_access: int = Access.LOCAL_WRITE | Access.REMOTE_READ
+    qp_access: int = Access.REMOTE_READ
 
     def __init__(self, backend: VerbsBackend, source: PageSource) -> None:
         self.backend = backend
@@ -163,9 +169,7 @@ class RdmaSource:
             mr = self._mrs.get(namespace)
             if mr is None:
                 region = self.source.region(namespace)
-                mr = self.backend.register(
-                    buffer_address(region), region.nbytes, Access.LOCAL_WRITE | Access.REMOTE_READ
-                )
+                mr = self.backend.register(buffer_address(region), region.nbytes, self.mr_access)
                 self._mrs[namespace] = mr
             return mr
 
@@ -178,9 +182,9 @@ class RdmaSource:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         try:
-            qp = self.backend.create_qp()
+            qp = self.backend.create_qp(sq_sig_all=False)  # posts nothing; responds to READs
             conn.on_close.append(qp.close)
-            qp.connect(remote, Access.REMOTE_READ)
+            qp.connect(remote, self.qp_access)
         except VerbsError as e:
             return _send_error(conn, Status.UNAVAILABLE, f"source cannot set up an RC QP: {e}")
         conn.state["qp"] = qp
@@ -314,13 +318,17 @@ class _Session:
         reply = bytearray(h.length)
         if h.length:
             recv_exact(self.sock, memoryview(reply))
-        if checksum(reply) != h.checksum:
+        if h.length and checksum(reply) != h.checksum:  # bodiless replies (END) carry 0
             raise ProtocolError(f"{h.kind.name} reply checksum mismatch")
         return h, bytes(reply)
 
 
 class RdmaTransport(Transport):
     name = "rdma"
+    # The destination only issues READs: its pages are written by READ responses (LOCAL_WRITE)
+    # and the peer may do nothing to its memory through the QP.
+    local_access: int = Access.LOCAL_WRITE
+    qp_access: int = 0
 
     def __init__(self, backend: VerbsBackend, config: RdmaConfig | None = None) -> None:
         self.backend = backend
@@ -337,9 +345,7 @@ class RdmaTransport(Transport):
     # ---- local memory ----------------------------------------------------------------------
 
     def register_local(self, region: np.ndarray) -> None:
-        mr = self.backend.register(
-            buffer_address(region), region.nbytes, Access.LOCAL_WRITE | Access.REMOTE_READ
-        )
+        mr = self.backend.register(buffer_address(region), region.nbytes, self.local_access)
         with self._lock:
             self._local.append(mr)
             self._local.sort(key=lambda m: m.addr)
@@ -367,7 +373,7 @@ class RdmaTransport(Transport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_io_timeout(sock, self.config.io_timeout_s)
         try:
-            qp = self.backend.create_qp()
+            qp = self.backend.create_qp(sq_sig_all=False)  # only the WRs we flag complete
         except VerbsError as e:
             sock.close()
             raise RdmaUnavailable(f"cannot create a QP: {e}") from None
@@ -381,7 +387,7 @@ class RdmaTransport(Transport):
             if h.kind is not Kind.RDMA_ACCEPT:
                 raise ProtocolError(f"expected RDMA_ACCEPT, got {h.kind.name}")
             remote = QpInfo.from_dict(unpack_json(body).get("qp", {}))
-            qp.connect(remote, Access.REMOTE_READ)
+            qp.connect(remote, self.qp_access)
         except (VerbsError, ValueError, ProtocolError, OSError) as e:
             session.close()
             raise RdmaUnavailable(f"RDMA handshake with {peer} failed: {e}") from None
@@ -509,11 +515,27 @@ class RdmaTransport(Transport):
             raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
 
     def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
-        """Post the segments as chained READs and wait for them; failed chains fail entries."""
+        """Post the segments as chained READs and wait until every one has landed; a failed
+        chain fails its entries.
+
+        Only the last WR of a chain is signaled, and a chain counts as landed only when the
+        completion of *that* WR arrives: completions of one send queue come in posting order,
+        so it proves that every earlier WR of the chain has landed too. A completion for any
+        other WR (a QP created with ``sq_sig_all`` would deliver one per WR) proves nothing
+        about the rest of its chain; it only frees send-queue slots. Waiting for the first
+        completion of a batch instead would return while pages are still being written.
+
+        The send queue is accounted here as the HCA does: a WR holds its slot from its post
+        until a completion for it or a later WR is polled, and a chain is posted only when all
+        its WRs fit in ``max_send_wr`` (unsignaled WRs would otherwise overflow it)."""
         cfg = self.config
+        qp = session.qp
+        depth = self.backend.max_send_wr
         chains = chain_segments(segments, cfg.chain)
-        in_flight: dict[int, list[Segment]] = {}  # signaled wr_id -> its chain
-        owner_of: dict[int, int] = {}  # any wr_id -> its chain's signaled wr_id
+        in_flight: dict[int, list[Segment]] = {}  # a chain's last (signaled) wr_id -> the chain
+        last_of: dict[int, int] = {}  # every posted wr_id -> the last wr_id of its chain
+        seq_of: dict[int, int] = {}  # every posted wr_id -> its place in posting order (1-based)
+        posted = retired = 0  # WRs posted / retired (slots freed) on this QP during this read
         next_chain = 0
         deadline = time.monotonic() + cfg.io_timeout_s
         idle_polls = 0
@@ -521,6 +543,7 @@ class RdmaTransport(Transport):
             while (
                 next_chain < len(chains)
                 and len(in_flight) < cfg.chains_in_flight
+                and posted - retired + len(chains[next_chain]) <= depth
                 and not session.broken
             ):
                 chain = chains[next_chain]
@@ -537,15 +560,18 @@ class RdmaTransport(Transport):
                     )
                     for k, seg in enumerate(chain)
                 ]
-                session.qp.post_reads(wrs)
-                in_flight[wrs[-1].wr_id] = chain
+                last = wrs[-1].wr_id
                 for wr in wrs:
-                    owner_of[wr.wr_id] = wrs[-1].wr_id
+                    posted += 1
+                    seq_of[wr.wr_id] = posted
+                    last_of[wr.wr_id] = last
+                in_flight[last] = chain
+                qp.post_reads(wrs)
             if session.broken and next_chain < len(chains):
                 for chain in chains[next_chain:]:
                     _fail_chain(chain, results, "not posted: the RDMA queue pair failed")
                 next_chain = len(chains)
-            completions = session.qp.poll(16)
+            completions = qp.poll(16)
             if not completions:
                 if time.monotonic() > deadline:
                     session.broken = True
@@ -559,13 +585,20 @@ class RdmaTransport(Transport):
             idle_polls = 0
             deadline = time.monotonic() + cfg.io_timeout_s
             for wc in completions:
-                owner = owner_of.get(wc.wr_id, wc.wr_id)
-                chain = in_flight.pop(owner, None)
-                if wc.ok:
-                    continue
-                session.broken = True
-                if chain is not None:
-                    _fail_chain(chain, results, f"RDMA READ failed: {wc_status_name(wc.status)}")
+                seq = seq_of.pop(wc.wr_id, None)
+                if seq is None:
+                    raise VerbsError(f"completion for a work request never posted ({wc.wr_id})")
+                retired = max(retired, seq)
+                last = last_of.pop(wc.wr_id)
+                if not wc.ok:
+                    session.broken = True
+                    chain = in_flight.pop(last, None)
+                    if chain is not None:
+                        _fail_chain(
+                            chain, results, f"RDMA READ failed: {wc_status_text(wc.status)}"
+                        )
+                elif wc.wr_id == last:
+                    in_flight.pop(last, None)  # the chain's last WR: the whole chain landed
             if session.broken:
                 # The QP is in the error state: what is still in flight is flushed, not read.
                 for chain in in_flight.values():

@@ -4,8 +4,9 @@ Everything the RDMA transport does that is not a verbs call (bootstrap over the 
 channel, work-request planning, chaining, completion handling, failures, fallback) lives in
 ``rdma.py`` in plain Python and runs against this interface. Two backends implement it:
 ``verbs_pyverbs.PyverbsBackend`` (real hardware, imported lazily) and
-``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions; checks keys, bounds and
-access flags; injects completion errors) for tests on machines without RDMA.
+``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions on a thread of its own, as
+strict as an HCA about signaling, keys, bounds, access flags, QP states and send-queue depth;
+injects completion errors) for tests on machines without RDMA.
 """
 
 from __future__ import annotations
@@ -45,6 +46,38 @@ def wc_status_name(status: int) -> str:
         return WcStatus(status).name
     except ValueError:
         return f"status {status}"
+
+
+_WC_STATUS_MEANING = {
+    WcStatus.LOC_LEN_ERR: "local length error: the WR is longer than the port allows",
+    WcStatus.LOC_QP_OP_ERR: "local QP operation error: the WR is malformed",
+    WcStatus.LOC_PROT_ERR: (
+        "local protection error: the lkey names no local region with LOCAL_WRITE covering the "
+        "destination buffer"
+    ),
+    WcStatus.WR_FLUSH_ERR: "flushed: the QP went to the error state after an earlier failure",
+    WcStatus.REM_INV_REQ_ERR: "remote invalid request: the peer refused the operation",
+    WcStatus.REM_ACCESS_ERR: (
+        "remote access error: the rkey names no region of the peer, the region or the peer's QP "
+        "lacks REMOTE_READ, or the range lies outside the region"
+    ),
+    WcStatus.REM_OP_ERR: "remote operation error: the peer could not complete the READ",
+    WcStatus.RETRY_EXC_ERR: (
+        "transport retries exceeded: the peer QP is gone, not connected to this QP, or not in "
+        "RTR/RTS"
+    ),
+    WcStatus.RNR_RETRY_EXC_ERR: "receiver-not-ready retries exceeded",
+}
+
+
+def wc_status_text(status: int) -> str:
+    """The status name with what it means for an RDMA READ (for error messages)."""
+    name = wc_status_name(status)
+    try:
+        meaning = _WC_STATUS_MEANING.get(WcStatus(status))
+    except ValueError:
+        meaning = None
+    return f"{name} ({meaning})" if meaning else name
 
 
 class VerbsError(Exception):
@@ -116,7 +149,18 @@ class Completion:
 
 
 class QueuePair(ABC):
-    """An RC queue pair with its own completion queue."""
+    """An RC queue pair with its own completion queue.
+
+    Completion rules (what hardware does, and what the transport relies on):
+    - a WR produces a completion only when it is posted with ``signaled`` set, or when the QP was
+      created with ``sq_sig_all``; a WR that fails (and every WR flushed after it) always does;
+    - completions of one send queue arrive in posting order, so a successful completion proves
+      that every WR posted before it on this QP has landed too;
+    - a WR occupies a send-queue slot from its post until a completion for it or for a later WR
+      is polled; posting more than ``max_send_wr`` unretired WRs fails (ENOMEM).
+    """
+
+    sq_sig_all: bool = False  # created with sq_sig_all: every WR completes
 
     @property
     @abstractmethod
@@ -124,11 +168,13 @@ class QueuePair(ABC):
 
     @abstractmethod
     def connect(self, remote: QpInfo, access: int = Access.REMOTE_READ) -> None:
-        """INIT -> RTR -> RTS towards ``remote``."""
+        """RESET -> INIT (``access``: what the peer may do to memory through this QP) -> RTR
+        (towards ``remote``) -> RTS."""
 
     @abstractmethod
     def post_reads(self, wrs: Sequence[ReadWr]) -> None:
-        """Post the WRs as one chained list (one doorbell)."""
+        """Post the WRs as one chained list (one doorbell). Raises ``VerbsError`` when the QP
+        is not in RTS (or the error state) or the send queue has no room."""
 
     @abstractmethod
     def poll(self, max_entries: int) -> list[Completion]:
@@ -152,7 +198,9 @@ class VerbsBackend(ABC):
     def deregister(self, mr: MemoryRegion) -> None: ...
 
     @abstractmethod
-    def create_qp(self) -> QueuePair: ...
+    def create_qp(self, sq_sig_all: bool = False) -> QueuePair:
+        """An RC QP in RESET with a send queue of ``max_send_wr``. ``sq_sig_all``: every WR
+        completes, whatever its ``signaled`` flag (the transport never asks for it)."""
 
     @abstractmethod
     def close(self) -> None: ...

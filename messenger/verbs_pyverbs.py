@@ -52,14 +52,22 @@ def find_active_port(device: str | None = None, port: int | None = None) -> tupl
 
 
 class PyverbsQueuePair(QueuePair):
-    def __init__(self, backend: "PyverbsBackend") -> None:
+    def __init__(self, backend: "PyverbsBackend", sq_sig_all: bool = False) -> None:
         self.backend = backend
+        self.sq_sig_all = sq_sig_all
         depth = backend.max_send_wr
         self.cq = CQ(backend.ctx, depth * 2)
         cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        self.qp = QP(
-            backend.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        # pyverbs' QPInitAttr defaults to sq_sig_all=1 (every WR completes), which would let a
+        # chain's first completion pass for its last: say explicitly which one is meant.
+        init = QPInitAttr(
+            qp_type=e.IBV_QPT_RC,
+            scq=self.cq,
+            rcq=self.cq,
+            cap=cap,
+            sq_sig_all=1 if sq_sig_all else 0,
         )
+        self.qp = QP(backend.pd, init)
         self._info = QpInfo(
             qpn=self.qp.qp_num,
             psn=random.getrandbits(24),
@@ -184,9 +192,9 @@ class PyverbsBackend(VerbsBackend):
         if mr is not None:
             mr.close()
 
-    def create_qp(self) -> PyverbsQueuePair:
+    def create_qp(self, sq_sig_all: bool = False) -> PyverbsQueuePair:
         try:
-            return PyverbsQueuePair(self)
+            return PyverbsQueuePair(self, sq_sig_all)
         except PyverbsError as ex:
             raise VerbsError(f"cannot create an RC QP: {ex}") from None
 
