@@ -161,9 +161,11 @@ def pick_namespace(node: KVStoreClient, wanted: str | None) -> str:
     return served[0]
 
 
-def grpc_rtt_s(address: str, token: str | None, rounds: int = 50) -> float:
+def grpc_rtt_s(
+    address: str, token: str | None, tls_ca: str | None = None, rounds: int = 50
+) -> float:
     """Median round trip of a gRPC health check: the floor under every call measured here."""
-    channel = make_channel(address, token)
+    channel = make_channel(address, token, tls_ca)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         times = []
@@ -602,9 +604,9 @@ def run(args: argparse.Namespace) -> int:
         prefill = next((n for n in cluster.nodes if n.role in ("prefill", "both")), None)
         if prefill is None:
             raise LiveError(f"{cluster.source} has no prefill node")
-        with ConductorClient(cluster.conductor, cluster.token) as conductor:
+        with ConductorClient(cluster.conductor, cluster.token, cluster.tls_ca) as conductor:
             wait_for_nodes(conductor, cluster)
-        with KVStoreClient(prefill.address, cluster.token) as node:
+        with KVStoreClient(prefill.address, cluster.token, cluster.tls_ca) as node:
             namespace = pick_namespace(node, args.namespace)
             layout = node.layout(namespace)
         options = EngineOptions(
@@ -617,8 +619,8 @@ def run(args: argparse.Namespace) -> int:
         options.salt = (args.salt if args.salt is not None else f"live-{options.run_id}").encode()
         engine = Engine(cluster, options, layout)
         rtts = (
-            grpc_rtt_s(cluster.conductor, cluster.token),
-            grpc_rtt_s(prefill.address, cluster.token),
+            grpc_rtt_s(cluster.conductor, cluster.token, cluster.tls_ca),
+            grpc_rtt_s(prefill.address, cluster.token, cluster.tls_ca),
         )
         span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0
         roles = Counter(n.role for n in cluster.nodes)

@@ -64,6 +64,7 @@ class ClusterInfo:
     token: str | None
     nodes: list[ClusterNode]
     source: str
+    tls_ca: str | None = None  # the cluster's CA (PEM) when its services serve TLS
 
     def by_messenger(self) -> dict[str, ClusterNode]:
         return {n.messenger: n for n in self.nodes}
@@ -100,6 +101,7 @@ def load_cluster(path: str) -> ClusterInfo:
             token=state.get("token"),
             nodes=nodes,
             source=path,
+            tls_ca=state.get("tls_ca"),
         )
     except (KeyError, TypeError) as e:
         raise LiveError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
@@ -217,7 +219,9 @@ class Engine:
         self.cluster = cluster
         self.options = options
         self.kv = SyntheticKV(layout)
-        self.conductor = ConductorClient(cluster.conductor, cluster.token, timeout_s=30.0)
+        self.conductor = ConductorClient(
+            cluster.conductor, cluster.token, cluster.tls_ca, timeout_s=30.0
+        )
         self._nodes: dict[str, KVStoreClient] = {}
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
@@ -230,7 +234,9 @@ class Engine:
         with self._lock:
             client = self._nodes.get(address)
             if client is None:
-                client = self._nodes[address] = KVStoreClient(address, self.cluster.token)
+                client = self._nodes[address] = KVStoreClient(
+                    address, self.cluster.token, self.cluster.tls_ca
+                )
             return client
 
     def messenger(self, address: str) -> MessengerClient:
@@ -238,7 +244,7 @@ class Engine:
             client = self._messengers.get(address)
             if client is None:
                 client = self._messengers[address] = MessengerClient(
-                    address, self.cluster.token, timeout_s=30.0
+                    address, self.cluster.token, self.cluster.tls_ca, timeout_s=30.0
                 )
             return client
 

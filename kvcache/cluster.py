@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from kvstore.shm import pid_alive
 from rpc.launch import ServiceProcess, start_service
 from rpc.server import wait_for_signal
+from rpc.tls import make_local_ca
 
 log = logging.getLogger("kvcache.cluster")
 
@@ -33,6 +35,7 @@ host = "127.0.0.1"
 state_dir = "out/cluster"
 # token = "secret"          # require a bearer token on every service
 transport = "tcp"            # messenger transport: tcp | rdma | auto
+tls = false                  # TLS on every gRPC link, from a local CA made in state_dir/tls
 
 [conductor]
 policy = "global-cache"
@@ -77,6 +80,7 @@ class ClusterConfig:
     policy: str
     nodes: list[NodeSpec]
     conductor_args: list[str] = field(default_factory=list)
+    tls: bool = False
 
 
 def load_config(path: str | None) -> ClusterConfig:
@@ -113,6 +117,7 @@ def load_config(path: str | None) -> ClusterConfig:
         policy=data["conductor"]["policy"],
         nodes=nodes,
         conductor_args=list(data["conductor"].get("args", [])),
+        tls=bool(c.get("tls", False)),
     )
 
 
@@ -141,6 +146,17 @@ class Cluster:
             with os.fdopen(fd, "w") as f:
                 f.write(cfg.token + "\n")
             auth = ["--token-file", token_file]
+        # TLS: every service presents one certificate from a local CA; every client of a
+        # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
+        # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
+        serve_tls: list[str] = []
+        ca: list[str] = []
+        tls_ca = None
+        if cfg.tls:
+            files = make_local_ca(os.path.join(cfg.state_dir, "tls"), [cfg.host])
+            serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
+            tls_ca = files.ca_cert
+            ca = [tls_ca]
         try:
             conductor = self._start(
                 [
@@ -150,6 +166,8 @@ class Cluster:
                     "--policy",
                     cfg.policy,
                     *auth,
+                    *serve_tls,
+                    *(["--node-tls-ca", *ca] if ca else []),
                     *cfg.conductor_args,
                 ],
                 logs,
@@ -162,6 +180,7 @@ class Cluster:
                 },
                 "nodes": [],
                 "token": cfg.token,
+                "tls_ca": tls_ca,
                 "state_dir": cfg.state_dir,
             }
             for spec in cfg.nodes:
@@ -184,6 +203,8 @@ class Cluster:
                     "--messenger",
                     messenger_addr,
                     *auth,
+                    *serve_tls,
+                    *(["--conductor-tls-ca", *ca] if ca else []),
                 ]
                 if cfg.token:
                     node_args += ["--conductor-token-file", token_file]
@@ -209,6 +230,8 @@ class Cluster:
                         "--metrics-port",
                         "0",
                         *auth,
+                        *serve_tls,
+                        *(["--node-tls-ca", *ca] if ca else []),
                     ],
                     logs,
                 )
@@ -230,7 +253,9 @@ class Cluster:
             raise
         state["pids"] = [p.pid for p in self.procs]
         self.state = state
-        with open(os.path.join(cfg.state_dir, "cluster.json"), "w") as f:
+        path = os.path.join(cfg.state_dir, "cluster.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
+        with os.fdopen(fd, "w") as f:
             json.dump(state, f, indent=2)
         return state
 
@@ -277,6 +302,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="return once the cluster is up; stop it with 'kvcache down'",
     )
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS on every gRPC link, with a local CA made in <state_dir>/tls (config: tls = true)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the embedded default config and exit"
     )
     parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
@@ -288,6 +318,11 @@ def run(args: argparse.Namespace) -> int:
         print(DEFAULT_CONFIG.strip())
         return 0
     cfg = load_config(args.config)
+    cfg.tls = cfg.tls or args.tls
+    if cfg.tls and not cfg.token:
+        # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
+        # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).
+        cfg.token = secrets.token_urlsafe(32)
     state_file = os.path.join(cfg.state_dir, "cluster.json")
     if os.path.exists(state_file) and _any_alive(state_file):
         raise SystemExit(f"a cluster from {state_file} is still running; 'kvcache down' first")

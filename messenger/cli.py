@@ -52,6 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_token_file_arg(parser, "--node-token-file", "node_token", "--node-token, from a file")
     parser.add_argument(
+        "--node-tls-ca",
+        default=None,
+        help="CA certificate (PEM) to verify the node and the peer messengers serving TLS",
+    )
+    parser.add_argument(
         "--data-listen",
         default=None,
         help="host:port of the data port peers pull from (default: --listen's host, any free port)",
@@ -97,7 +102,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _connect_node(args) -> KVStoreClient:
-    client = KVStoreClient(args.node, token=args.node_token or args.token)
+    client = KVStoreClient(
+        args.node, token=args.node_token or args.token, tls_ca_file=args.node_tls_ca
+    )
     deadline = time.monotonic() + args.node_wait
     while True:
         try:
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     data.start()
 
     def lookup_data_address(messenger: str) -> str:
-        with make_channel(messenger, cluster_token) as channel:
+        with make_channel(messenger, cluster_token, args.node_tls_ca) as channel:
             return (
                 pbg.MessengerServiceStub(channel)
                 .GetInfo(pb.MessengerInfoRequest(), timeout=10)

@@ -177,5 +177,9 @@ def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
         capacity=load.tiers,
     )
     return NodeAgent(
-        cfg.conductor, cfg.conductor_token, descriptor, lambda: node_load(node)
+        cfg.conductor,
+        cfg.conductor_token,
+        descriptor,
+        lambda: node_load(node),
+        tls_ca_file=cfg.conductor_tls_ca,
     ).start()

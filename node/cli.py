@@ -68,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_token_file_arg(
         parser, "--conductor-token-file", "conductor_token", "--conductor-token, from a file"
     )
+    parser.add_argument(
+        "--conductor-tls-ca", help="CA certificate (PEM) to verify a conductor serving TLS"
+    )
     parser.add_argument("--role", choices=["prefill", "decode", "both"])
     parser.add_argument("--messenger", help="this node's messenger gRPC address, for the conductor")
     parser.add_argument("--advertise", help="address others use to reach this node")
@@ -91,6 +94,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "metrics_port": args.metrics_port,
         "conductor": args.conductor,
         "conductor_token": args.conductor_token,
+        "conductor_tls_ca": args.conductor_tls_ca,
         "role": args.role,
         "messenger": args.messenger,
         "advertise": args.advertise,

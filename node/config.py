@@ -95,6 +95,7 @@ class NodeConfig:
     # registration with a conductor (optional)
     conductor: str | None = None
     conductor_token: str | None = None
+    conductor_tls_ca: str | None = None  # CA (PEM) to verify a conductor serving TLS
     role: str = "both"
     messenger: str = ""
     advertise: str | None = None  # address others use to reach this node (default: listen)
