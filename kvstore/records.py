@@ -82,3 +82,4 @@ class StoreStats:
     expired_leases: int
     last_event_seq: int
     dropped_events: int
+    demotion_failures: int = 0  # blocks the next tier down refused (e.g. a full SSD filesystem)

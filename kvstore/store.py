@@ -451,6 +451,7 @@ class TieredStore(LeaseBook, TierMovement):
                 expired_leases=n.expired_leases,
                 last_event_seq=self._events.last_seq,
                 dropped_events=self._events.dropped,
+                demotion_failures=n.demotion_failures,
             )
 
     def check_invariants(self) -> None:

@@ -15,13 +15,24 @@ from kvstore import (
     EventKind,
     FailedPrecondition,
     InvalidArgument,
+    KVLayout,
     NotFound,
     StorageError,
     Tier,
 )
 from kvstore.shm import unique_shm_name
 
-from kvstore_helpers import LAYOUT, FakeClock, key, keys, make_store, page, run_python, tiers_of
+from kvstore_helpers import (
+    LAYOUT,
+    FakeClock,
+    key,
+    keys,
+    make_store,
+    page,
+    run_python,
+    small_tmpfs,
+    tiers_of,
+)
 
 JOIN_TIMEOUT_S = 20
 
@@ -407,3 +418,92 @@ def test_many_writers_on_one_key_from_threads_publish_exactly_once(store):
     [winner] = [w for w, r in results.items() if r == (1, 0)]
     assert store.read([key(7)])[0].tobytes() == page(100 + winner).tobytes()
     assert store.stats().tiers[0].used_pages == 1 and store.stats().tiers[0].leased_pages == 0
+
+
+# ---- a full SSD tier -------------------------------------------------------------------------
+
+# Another process fills the SSD tier's lmdb map through a database of its own: the store's next
+# write then meets a real MDB_MAP_FULL, as on a node whose map is too small. (A map this full takes
+# no deletes either, so space never returns here; the tmpfs test below covers recovery.)
+FILL_MAP = """
+import sys, lmdb
+path, map_size = sys.argv[1], int(sys.argv[2])
+env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, sync=False)
+filler = env.open_db(b"filler")
+i = 0
+for size in (1 << 20, 1 << 16, 4096, 512, 16):  # big records first, then top up the rest
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(i.to_bytes(8, "big"), b"\\0" * size, db=filler)
+            i += 1
+        except lmdb.MapFullError:
+            break
+env.close()
+"""
+
+
+def fill_ssd_map(store) -> None:
+    ssd = store.pool(Tier.SSD)
+    run_python(FILL_MAP, ssd.path, str(ssd.env.info()["map_size"]))
+
+
+def test_a_full_ssd_map_drops_dram_victims_and_keeps_serving(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=8) as store:
+        for i in (1, 2, 3, 4):
+            store.put([key(i)], [page(i)])  # 1, 2 -> SSD
+        assert tiers_of(store)[key(1)] == "SSD"
+        fill_ssd_map(store)
+        store.take_events()
+        # DRAM keeps taking writes: victims the SSD refuses are dropped as evictions.
+        for i in range(5, 20):
+            assert store.put([key(i)], [page(i)]).stored == 1
+        stats = store.stats()
+        assert stats.demotion_failures > 0
+        assert stats.tiers[0].evictions >= stats.demotion_failures
+        evicted = {e.key for e in store.take_events() if e.kind is EventKind.EVICTED}
+        assert len(evicted) >= stats.demotion_failures and key(19) not in evicted
+        assert store.read([key(19)])[0].tobytes() == page(19).tobytes()
+        assert store.read([key(1)])[0].tobytes() == page(1).tobytes()  # the SSD still serves
+        store.check_invariants()
+        # lmdb cannot even delete now: a removed SSD block is gone all the same
+        assert store.remove([key(2)]) == 1 and store.contains([key(2)]) == [False]
+        store.check_invariants()
+
+
+def test_a_refused_move_into_the_ssd_leaves_the_block_where_it_is(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=4) as store:
+        store.put(keys(1, 2), [page(1), page(2)])
+        fill_ssd_map(store)
+        lease = store.acquire(keys(1, 2), into=Tier.SSD)
+        assert lease.tiers == [Tier.DRAM, Tier.DRAM]
+        assert store.stats().demotion_failures >= 1
+        assert bytes(store.page_view(lease, 0)) == page(1).tobytes()
+        store.release(lease.lease_id)
+        store.check_invariants()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    with small_tmpfs(tmp_path / "small-fs") as mnt:
+        yield mnt
+
+
+def test_a_full_ssd_filesystem_drops_dram_victims_and_demotion_resumes(small_fs):
+    big = KVLayout(model="m", num_layers=2, kv_heads=4, head_dim=64, block_tokens=64)  # 128 KiB
+    pages = [np.full(big.page_bytes // 2, i, np.float16) for i in range(24)]
+    with make_store(layout=big, dram_pages=2, ssd_pages=16, ssd_dir=str(small_fs)) as store:
+        ks = [key(i) for i in range(24)]
+        for i in range(16):
+            assert store.put([ks[i]], [pages[i]]).stored == 1
+        failures = store.stats().demotion_failures
+        assert failures > 0, "the 1 MiB filesystem should have filled up"
+        assert store.read([ks[15]])[0].tobytes() == pages[15].tobytes()
+        store.check_invariants()
+        (small_fs / "ballast").unlink()  # space returns
+        for i in range(16, 20):
+            store.put([ks[i]], [pages[i]])
+        assert store.stats().demotion_failures == failures
+        assert tiers_of(store)[ks[17]] == "SSD"
+        assert store.read([ks[17]])[0].tobytes() == pages[17].tobytes()
+        store.check_invariants()
