@@ -18,6 +18,38 @@ import numpy as np
 
 from .errors import StorageError
 
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open names)
+
+
+def shm_free_bytes(directory: str = SHM_DIR) -> int | None:
+    """Bytes free for new shared memory, or None when unknown (no such filesystem, or a tmpfs
+    without a size limit)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if st.f_blocks == 0:  # tmpfs mounted with size=0: no limit
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_room(size: int, what: str, directory: str = SHM_DIR) -> None:
+    """Refuse ``size`` bytes of shared memory that ``directory`` has no room for.
+
+    NOTE: a slab is a sparse tmpfs file: creating it always works, and the process that first
+    writes a page the filesystem cannot back dies of SIGBUS, long after start. Checking the free
+    space up front turns that into a clear error at start (``reserve`` closes the remaining race
+    with other users of /dev/shm by allocating every page now).
+    """
+    free = shm_free_bytes(directory)
+    if free is not None and size > free:
+        raise StorageError(
+            f"{what} needs {size} bytes ({size / 2**20:.1f} MiB) of shared memory, but "
+            f"{directory} has only {free} bytes ({free / 2**20:.1f} MiB) free; lower --dram, or "
+            f"enlarge {directory} (e.g. mount -o remount,size=8G {directory}; docker run "
+            "--shm-size=8g) or free space there"
+        )
+
 
 def unique_shm_name(prefix: str = "kvcache") -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -51,6 +83,7 @@ class SharedSlab:
             if create:
                 if not size or size <= 0:
                     raise StorageError("a new shared memory slab needs a positive size")
+                check_shm_room(size, f"shared memory slab {name!r}")
                 os.ftruncate(fd, size)
                 if reserve:
                     # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear

@@ -55,7 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--reserve-shm",
         action="store_const",
         const=True,
-        help="reserve all shared memory at start (fail early if /dev/shm is small)",
+        help="reserve all shared memory at start (without it, a --dram beyond /dev/shm's free "
+        "space is refused at start, but other processes may still fill /dev/shm later)",
     )
     parser.add_argument(
         "--lease-ttl",

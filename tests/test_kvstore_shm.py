@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore import InvalidArgument, SharedSlab, StorageError, StoreConfig, TieredStore
-from kvstore.shm import unique_shm_name
+from kvstore.shm import shm_free_bytes, unique_shm_name
 
 from kvstore_helpers import LAYOUT, key, keys, make_store, page, run_python
 
@@ -141,4 +141,15 @@ def test_a_store_that_fails_to_open_leaves_no_slab(cfg):
     name = unique_shm_name("kvtest")
     with pytest.raises(InvalidArgument, match="policy|ssd_dir"):
         TieredStore(LAYOUT, StoreConfig(dram_pages=2, shm_name=name, **cfg))
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_slab_beyond_the_free_shared_memory_is_refused(reserve):
+    free = shm_free_bytes()
+    if free is None:
+        pytest.skip("/dev/shm has no size limit here")
+    name = unique_shm_name("kvtest")
+    with pytest.raises(StorageError, match="lower --dram, or enlarge /dev/shm"):
+        SharedSlab.create(name, free + (1 << 30), reserve=reserve)
     assert not os.path.exists(f"/dev/shm/{name}")

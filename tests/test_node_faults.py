@@ -4,12 +4,16 @@ a traceback or a hang."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients import KVStoreClient
+from kvstore.shm import shm_free_bytes
 
 from conftest import TEST_PAGE_BYTES
 from kvstore_helpers import small_tmpfs
@@ -53,3 +57,26 @@ def test_a_node_with_a_full_ssd_filesystem_keeps_taking_writes(start_node, tmp_p
         assert node.alive()
         assert node.stop() == 0
         assert "Traceback" not in node.log()
+
+
+def run_node_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``kvcache node ARGS`` that is expected to exit by itself (refusing to start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "node", "--listen", "127.0.0.1:0", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_dram_beyond_the_free_shared_memory_is_refused_at_start(reserve):
+    free = shm_free_bytes()
+    if free is None:
+        pytest.skip("/dev/shm has no size limit here")
+    dram = free + (1 << 30)  # sparse: creating it would work, and writes would later SIGBUS
+    proc = run_node_cli("--dram", str(dram), *(["--reserve-shm"] if reserve else []))
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert "--dram needs" in proc.stderr and "/dev/shm has only" in proc.stderr
+    assert "lower --dram" in proc.stderr
