@@ -78,6 +78,7 @@ class Node:
                         ssd_policy=config.ssd_policy,
                         promote_on_hit=config.promote_on_hit,
                         reserve_shm=config.reserve_shm,
+                        ssd_damaged=config.ssd_damaged,
                         lease_ttl_s=config.lease_ttl_s,
                         on_event=self.hub.notify,
                     ),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -507,3 +509,87 @@ def test_a_full_ssd_filesystem_drops_dram_victims_and_demotion_resumes(small_fs)
         assert tiers_of(store)[ks[17]] == "SSD"
         assert store.read([ks[17]])[0].tobytes() == pages[17].tobytes()
         store.check_invariants()
+
+
+# ---- a damaged SSD data file at start --------------------------------------------------------
+
+OPEN_SSD = """
+import json, sys
+from pathlib import Path
+from kvstore import StorageError
+from kvstore_helpers import make_store, key
+try:
+    with make_store(Path(sys.argv[1]), dram_pages=2, ssd_pages=64, ssd_damaged=sys.argv[2]) as s:
+        ssd = s.pool(s.tiers[-1])
+        print(json.dumps({"blocks": s.stats().blocks, "aside": ssd.moved_aside}))
+except StorageError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def open_in_a_child(tmp_path, on_damage: str) -> dict:
+    """Open the store in another process: a regression that dies of SIGBUS fails this test
+    instead of killing the test run."""
+    tests = str(Path(__file__).resolve().parent)
+    proc = run_python(OPEN_SSD, str(tmp_path), on_damage, env={"PYTHONPATH": tests})
+    return json.loads(proc.stdout)
+
+
+def damage(tmp_path, how: str) -> tuple[Path, bytes]:
+    """Fill an SSD tier, close it, and damage its data file; returns the file and its bytes."""
+    with make_store(tmp_path, dram_pages=2, ssd_pages=64) as store:
+        for i in range(40):
+            store.put([key(i)], [page(i)])
+        data = Path(store.pool(Tier.SSD).path) / "data.mdb"
+    size = data.stat().st_size
+    if how == "cut in half":
+        os.truncate(data, size // 2)
+    elif how == "meta pages only":  # the tree's pages are past the end: a read is a SIGBUS
+        os.truncate(data, 8192)
+    elif how == "empty":  # lmdb would take it for a new, empty store
+        os.truncate(data, 0)
+    elif how == "garbage":
+        data.write_bytes(np.random.default_rng(1).bytes(size))
+    elif how == "garbage tree":  # sound meta pages over garbage tree pages
+        with open(data, "r+b") as f:
+            f.seek(8192)
+            f.write(np.random.default_rng(2).bytes(size - 8192))
+    return data, data.read_bytes()
+
+
+HOW = ["cut in half", "meta pages only", "empty", "garbage", "garbage tree"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_ssd_file_is_refused_by_default_naming_the_flag(tmp_path, how):
+    data, bad = damage(tmp_path, how)
+    got = open_in_a_child(tmp_path, "refuse")
+    assert "damaged" in got["error"] and "--ssd-damaged=move-aside" in got["error"]
+    assert str(data) in got["error"]
+    assert data.read_bytes() == bad  # left as it was
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_ssd_file_is_moved_aside_on_request(tmp_path, how):
+    data, bad = damage(tmp_path, how)
+    got = open_in_a_child(tmp_path, "move-aside")
+    assert got["blocks"] == 0
+    aside = Path(got["aside"])
+    assert aside.parent == data.parent and aside.name.startswith("data.mdb.damaged-")
+    assert aside.read_bytes() == bad
+    # the new file is sound: pages written to it are there after a restart
+    cfg = dict(dram_pages=1, ssd_pages=4)
+    with make_store(tmp_path, **cfg) as store:
+        store.put([key(1)], [page(1)])
+        store.put([key(2)], [page(2)])  # 1 -> SSD
+    with make_store(tmp_path, **cfg) as store:
+        assert store.read([key(1)])[0].tobytes() == page(1).tobytes()
+        store.check_invariants()
+
+
+def test_ssd_files_and_the_dram_slab_are_private_to_their_user(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=2) as store:
+        ssd = Path(store.pool(Tier.SSD).path)
+        for f in (ssd / "data.mdb", ssd / "lock.mdb", Path(f"/dev/shm/{store.shm_name}")):
+            assert f.stat().st_mode & 0o777 == 0o600, f
+        assert ssd.stat().st_mode & 0o777 == 0o700

@@ -4,9 +4,11 @@ a traceback or a hang."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients import KVStoreClient
 from kvstore.shm import shm_free_bytes
 
-from conftest import TEST_PAGE_BYTES
+from conftest import TEST_LAYOUT, TEST_PAGE_BYTES
 from kvstore_helpers import small_tmpfs
 
 
@@ -80,3 +82,22 @@ def test_dram_beyond_the_free_shared_memory_is_refused_at_start(reserve):
     assert "Traceback" not in proc.stderr
     assert "--dram needs" in proc.stderr and "/dev/shm has only" in proc.stderr
     assert "lower --dram" in proc.stderr
+
+
+def test_a_node_refuses_a_damaged_ssd_file_unless_told_to_move_it_aside(start_node, tmp_path):
+    ssd = ["--ssd", "1MiB", "--ssd-dir", str(tmp_path / "ssd")]
+    node = start_node(*ssd)
+    shm = Path("/dev/shm") / next(iter(node.info["shm"].values()))
+    assert shm.stat().st_mode & 0o777 == 0o600
+    with KVStoreClient(node.address) as c:  # NOTE: serving, so a SIGTERM now stops it cleanly
+        c.namespaces()
+    node.stop()
+    [data] = (tmp_path / "ssd").glob("*/data.mdb")
+    assert data.stat().st_mode & 0o777 == 0o600
+    os.truncate(data, 8192)  # the meta pages only: the first read of the tree was a SIGBUS
+    proc = run_node_cli("--dram", "1MiB", "--layout", TEST_LAYOUT, *ssd)
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert "is damaged" in proc.stderr and "--ssd-damaged=move-aside" in proc.stderr
+    node = start_node(*ssd, "--ssd-damaged", "move-aside")
+    assert [p.name[:17] for p in data.parent.glob("data.mdb.damaged-*")] == ["data.mdb.damaged-"]
+    assert "moved it to" in node.log()
