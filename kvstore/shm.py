@@ -15,6 +15,7 @@ import secrets
 import weakref
 
 import numpy as np
+import xxhash
 
 from .errors import StorageError
 
@@ -51,8 +52,29 @@ def check_shm_room(size: int, what: str, directory: str = SHM_DIR) -> None:
         )
 
 
+def shm_identity() -> str | None:
+    """8 hex digits naming this boot of this host and this process's PID namespace: the scope in
+    which a pid names one process. None when either cannot be read.
+
+    NOTE: /dev/shm can be shared across PID namespaces (containers with the host's IPC, or with
+    each other's): pid 1234 there is another process than pid 1234 here, so a segment's pid says
+    whether its creator lives only for segments made under the same identity.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return xxhash.xxh32_hexdigest(f"{boot}|{pidns}".encode())
+
+
 def unique_shm_name(prefix: str = "kvcache") -> str:
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    """``PREFIX-IDENTITY-PID-RANDOM``: the identity and pid let ``sweep_orphans`` tell whether
+    the creator still runs. Without an identity the name has none, and is never swept."""
+    ident = shm_identity()
+    scope = f"{ident}-" if ident else ""
+    return f"{prefix}-{scope}{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _unlink(name: str) -> None:
@@ -146,27 +168,39 @@ class SharedSlab:
             self.unlink()
 
 
-_ORPHAN = re.compile(r"^kvcache-(\d+)-[0-9a-f]{8}$")
+_ORPHAN = re.compile(r"^kvcache-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$")
 
 
-def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
     """Unlink slabs whose creating process is gone (a node that was SIGKILLed cannot clean up).
 
-    Names carry the creator's pid (``unique_shm_name``); a slab is an orphan when no process with
-    that pid exists. Returns the names removed.
+    Only slabs that are provably orphans go: named by ``unique_shm_name`` under this process's
+    identity (same boot, same PID namespace: their pid means here what it meant to the creator),
+    owned by this user, and with no process of that pid. Slabs of other PID namespaces, of other
+    users, or with names of an older format are left alone. Returns the names removed.
     """
     removed: list[str] = []
+    ident = shm_identity()
+    if ident is None:
+        return removed  # cannot tell whose pids the names carry
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    uid = os.getuid()
     for name in names:
         m = _ORPHAN.match(name)
-        if m is None:
+        if m is None or m.group(1) != ident:
             continue
-        if pid_alive(int(m.group(1))):
+        if pid_alive(int(m.group(2))):
             continue  # the creator still runs
-        _unlink(name)
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue  # another user's: not ours to judge (nor, in sticky /dev/shm, to unlink)
+            os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: never a reason to fail a start
         removed.append(name)
     return removed
 
