@@ -47,7 +47,9 @@ class SsdPool(PagePool):
         self, path: str, num_pages: int, page_bytes: int, on_damage: str = "refuse"
     ) -> None:
         if on_damage not in DAMAGE_ACTIONS:
-            raise InvalidArgument(f"on_damage must be one of {DAMAGE_ACTIONS}, got {on_damage!r}")
+            raise InvalidArgument(
+                f"--ssd-damaged (ssd_damaged) must be one of {DAMAGE_ACTIONS}, got {on_damage!r}"
+            )
         self.path, self.num_pages, self.page_bytes = path, num_pages, page_bytes
         self.corrupt_pages = 0
         self.moved_aside: str | None = None  # where a damaged data file went (move-aside)
@@ -154,9 +156,9 @@ class SsdPool(PagePool):
                     txn.put(key, view, db=self._pages)
                     txn.put(key, xxhash.xxh3_64_digest(view), db=self._sums)
         except lmdb.Error as e:
+            full = "its lmdb map is full" if isinstance(e, lmdb.MapFullError) else "disk full?"
             raise StorageError(
-                f"cannot write {len(keys)} pages to the SSD tier at {self.path!r}: {e} "
-                "(is its filesystem full?)"
+                f"cannot write {len(keys)} pages to the SSD tier at {self.path!r} ({full}): {e}"
             ) from None
         self._stale.clear()
 
@@ -188,7 +190,8 @@ class SsdPool(PagePool):
         except lmdb.Error as e:
             # NOTE: deleting needs free pages too; on a full disk the caller has already let the
             # block go, so forget the records now (stored_keys) and delete them with the next write.
-            log.warning("cannot delete %d SSD pages yet (%s); retrying later", len(keys), e)
+            if not self._stale:  # once per episode, not per eviction
+                log.warning("cannot delete SSD pages yet (%s); retrying with the next write", e)
             self._stale.update(bytes(k) for k in keys)
 
     def stored_keys(self) -> list[bytes]:
