@@ -42,6 +42,7 @@ class TierState:
     pinned: int = 0
     hits: int = 0
     evictions: int = 0
+    write_error: str | None = None  # the pool's last refused write, until one succeeds
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Counters:
     bytes_read: int = 0
     expired_leases: int = 0
     corrupt_pages: int = 0
+    demotion_failures: int = 0  # blocks a lower tier refused (full disk): dropped or left in place
 
 
 class BlockStore:

@@ -3,16 +3,25 @@ last), and relocating pinned blocks between tiers (promotion on hit, moving GPU 
 
 Tiers are exclusive: a block that moves leaves its old page free, and its key's ``STORED`` event
 names the new tier.
+
+A tier that refuses a write (``StorageError``: the SSD's filesystem or lmdb map is full) never
+costs the tier above its pages: eviction drops the victims instead (``EVICTED`` events, counted in
+``demotion_failures``), and a promotion or move leaves the block where it was. Every later
+eviction tries the write again, so demotion resumes by itself once space returns.
 """
 
 from __future__ import annotations
 
+import logging
+
 from .blocks import Block, BlockStore, TierState
-from .errors import CapacityExhausted
+from .errors import CapacityExhausted, StorageError
 from .events import EventKind
 from .keys import BlockKey
 from .payload import ByteView
 from .tiers import Tier
+
+log = logging.getLogger(__name__)
 
 
 class TierMovement(BlockStore):
@@ -59,7 +68,9 @@ class TierMovement(BlockStore):
                 dslots = self._reserve(dst, room)
                 if ts.pool.has_data and dst.pool.has_data:
                     src_views = [_source_view(ts, s) for s in victims[:room]]
-                    dst.pool.write_pages(dslots, keys[:room], src_views)
+                    if not self._write_down(dst, dslots, keys[:room], src_views):
+                        dst.free.extend(dslots)  # the victims are dropped below instead
+                        room, dslots = 0, []
                 for key, dslot in zip(keys, dslots):
                     block = self._index[key]
                     block.tier, block.slot = dst.tier, dslot
@@ -80,6 +91,23 @@ class TierMovement(BlockStore):
             ts.keys[s] = None
         ts.free.extend(victims)
 
+    def _write_down(
+        self, dst: TierState, slots: list[int], keys: list[BlockKey], views: list[ByteView]
+    ) -> bool:
+        """Write pages into a keyed tier (the SSD); False, counted and logged, when it refuses."""
+        try:
+            dst.pool.write_pages(slots, keys, views)
+        except StorageError as e:
+            self._n.demotion_failures += len(keys)
+            if dst.write_error is None:  # log the change of state, not every failed eviction
+                log.warning("%s: %s; evicted blocks are dropped until it works", self.namespace, e)
+            dst.write_error = str(e)
+            return False
+        if dst.write_error is not None:
+            log.info("%s: the %s tier takes writes again", self.namespace, dst.tier.name)
+            dst.write_error = None
+        return True
+
     def _relocate(self, blocks: list[tuple[BlockKey, Block]], dst: TierState) -> None:
         """Move blocks pinned only by the caller into ``dst``. A page that fails its checksum on
         the way is dropped (unpinned, reported evicted): the caller sees it as missing."""
@@ -91,7 +119,9 @@ class TierMovement(BlockStore):
                 if dview is None:
                     # A keyed pool (SSD, via ``acquire(into=SSD)``) has no page views: store the
                     # page under its key, as ``_evict`` does when it demotes.
-                    dst.pool.write_pages([dslot], [key], [_source_view(src, b.slot)])
+                    if not self._write_down(dst, [dslot], [key], [_source_view(src, b.slot)]):
+                        dst.free.append(dslot)  # the block stays pinned where it is
+                        continue
                 elif not src.pool.read_page_into(b.slot, key, dview):
                     dst.free.append(dslot)
                     self._n.corrupt_pages += 1

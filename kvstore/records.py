@@ -32,6 +32,7 @@ class StoreConfig:
     promote_on_hit: bool = True
     shm_name: str | None = None
     reserve_shm: bool = False
+    ssd_damaged: str = "refuse"  # a damaged lmdb file at start: "refuse", or "move-aside"
     metadata_only: bool = False
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_events: int = 1 << 20
@@ -82,3 +83,4 @@ class StoreStats:
     expired_leases: int
     last_event_seq: int
     dropped_events: int
+    demotion_failures: int = 0  # blocks the next tier down refused (e.g. a full SSD filesystem)

@@ -15,12 +15,66 @@ import secrets
 import weakref
 
 import numpy as np
+import xxhash
 
 from .errors import StorageError
 
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open names)
+
+
+def shm_free_bytes(directory: str = SHM_DIR) -> int | None:
+    """Bytes free for new shared memory, or None when unknown (no such filesystem, or a tmpfs
+    without a size limit)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if st.f_blocks == 0:  # tmpfs mounted with size=0: no limit
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_room(size: int, what: str, directory: str = SHM_DIR) -> None:
+    """Refuse ``size`` bytes of shared memory that ``directory`` has no room for.
+
+    NOTE: a slab is a sparse tmpfs file: creating it always works, and the process that first
+    writes a page the filesystem cannot back dies of SIGBUS, long after start. Checking the free
+    space up front turns that into a clear error at start (``reserve`` closes the remaining race
+    with other users of /dev/shm by allocating every page now).
+    """
+    free = shm_free_bytes(directory)
+    if free is not None and size > free:
+        raise StorageError(
+            f"{what} needs {size} bytes ({size / 2**20:.1f} MiB) of shared memory, but "
+            f"{directory} has only {free} bytes ({free / 2**20:.1f} MiB) free; lower --dram, or "
+            f"enlarge {directory} (e.g. mount -o remount,size=8G {directory}; docker run "
+            "--shm-size=8g) or free space there"
+        )
+
+
+def shm_identity() -> str | None:
+    """8 hex digits naming this boot of this host and this process's PID namespace: the scope in
+    which a pid names one process. None when either cannot be read.
+
+    NOTE: /dev/shm can be shared across PID namespaces (containers with the host's IPC, or with
+    each other's): pid 1234 there is another process than pid 1234 here, so a segment's pid says
+    whether its creator lives only for segments made under the same identity.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return xxhash.xxh32_hexdigest(f"{boot}|{pidns}".encode())
+
 
 def unique_shm_name(prefix: str = "kvcache") -> str:
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    """``PREFIX-IDENTITY-PID-RANDOM``: the identity and pid let ``sweep_orphans`` tell whether
+    the creator still runs. Without an identity the name has none, and is never swept."""
+    ident = shm_identity()
+    scope = f"{ident}-" if ident else ""
+    return f"{prefix}-{scope}{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _unlink(name: str) -> None:
@@ -51,6 +105,7 @@ class SharedSlab:
             if create:
                 if not size or size <= 0:
                     raise StorageError("a new shared memory slab needs a positive size")
+                check_shm_room(size, f"shared memory slab {name!r}")
                 os.ftruncate(fd, size)
                 if reserve:
                     # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear
@@ -113,27 +168,39 @@ class SharedSlab:
             self.unlink()
 
 
-_ORPHAN = re.compile(r"^kvcache-(\d+)-[0-9a-f]{8}$")
+_ORPHAN = re.compile(r"^kvcache-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$")
 
 
-def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
     """Unlink slabs whose creating process is gone (a node that was SIGKILLed cannot clean up).
 
-    Names carry the creator's pid (``unique_shm_name``); a slab is an orphan when no process with
-    that pid exists. Returns the names removed.
+    Only slabs that are provably orphans go: named by ``unique_shm_name`` under this process's
+    identity (same boot, same PID namespace: their pid means here what it meant to the creator),
+    owned by this user, and with no process of that pid. Slabs of other PID namespaces, of other
+    users, or with names of an older format are left alone. Returns the names removed.
     """
     removed: list[str] = []
+    ident = shm_identity()
+    if ident is None:
+        return removed  # cannot tell whose pids the names carry
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    uid = os.getuid()
     for name in names:
         m = _ORPHAN.match(name)
-        if m is None:
+        if m is None or m.group(1) != ident:
             continue
-        if pid_alive(int(m.group(1))):
+        if pid_alive(int(m.group(2))):
             continue  # the creator still runs
-        _unlink(name)
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue  # another user's: not ours to judge (nor, in sticky /dev/shm, to unlink)
+            os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: never a reason to fail a start
         removed.append(name)
     return removed
 

@@ -119,7 +119,7 @@ class TieredStore(LeaseBook, TierMovement):
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")
         sub = xxhash.xxh64_hexdigest(self.namespace.encode())
-        return SsdPool(os.path.join(cfg.ssd_dir, sub), pages, page_bytes)
+        return SsdPool(os.path.join(cfg.ssd_dir, sub), pages, page_bytes, on_damage=cfg.ssd_damaged)
 
     def _recover_ssd(self) -> None:
         """Re-index pages an earlier run left on the SSD tier (beyond capacity: dropped)."""
@@ -451,6 +451,7 @@ class TieredStore(LeaseBook, TierMovement):
                 expired_leases=n.expired_leases,
                 last_event_seq=self._events.last_seq,
                 dropped_events=self._events.dropped,
+                demotion_failures=n.demotion_failures,
             )
 
     def check_invariants(self) -> None:

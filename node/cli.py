@@ -41,6 +41,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help="GPU tier size (needs CUDA), e.g. 8GiB (default 0)")
     parser.add_argument("--ssd", help="SSD tier size, e.g. 20GiB (default 0: no SSD tier)")
     parser.add_argument("--ssd-dir", help="directory for the SSD tier's lmdb files")
+    parser.add_argument(
+        "--ssd-damaged",
+        choices=["refuse", "move-aside"],
+        help="a damaged SSD lmdb file at start: refuse to start (default), or move it aside "
+        "(renamed next to it) and start with an empty SSD tier",
+    )
     parser.add_argument("--dram-policy", choices=["lru", "lfu"])
     parser.add_argument("--ssd-policy", choices=["lru", "lfu"])
     parser.add_argument("--gpu-policy", choices=["lru", "lfu"])
@@ -55,7 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--reserve-shm",
         action="store_const",
         const=True,
-        help="reserve all shared memory at start (fail early if /dev/shm is small)",
+        help="reserve all shared memory at start (without it, a --dram beyond /dev/shm's free "
+        "space is refused at start, but other processes may still fill /dev/shm later)",
     )
     parser.add_argument(
         "--lease-ttl",
@@ -82,6 +89,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "listen": args.listen,
         "node_id": args.node_id,
         "ssd_dir": args.ssd_dir,
+        "ssd_damaged": args.ssd_damaged,
         "dram_policy": args.dram_policy,
         "ssd_policy": args.ssd_policy,
         "gpu_policy": args.gpu_policy,

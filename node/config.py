@@ -85,6 +85,7 @@ class NodeConfig:
     gpu_policy: str = "lru"
     promote_on_hit: bool = True
     reserve_shm: bool = False
+    ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
     token: str | None = None
     tenant_tokens: list[str] = field(default_factory=list)

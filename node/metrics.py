@@ -36,6 +36,11 @@ class _StoreCollector(Collector):
         corrupt = CounterMetricFamily(
             "kvcache_store_corrupt_pages", "Pages failing checksums", labels=["namespace"]
         )
+        demotion_failures = CounterMetricFamily(
+            "kvcache_store_demotion_failures",
+            "Blocks a lower tier refused to take (e.g. a full SSD filesystem): dropped instead",
+            labels=["namespace"],
+        )
         pages = GaugeMetricFamily(
             "kvcache_store_pages", "Pages per tier by state", labels=["namespace", "tier", "state"]
         )
@@ -45,6 +50,7 @@ class _StoreCollector(Collector):
             moves.add_metric([ns, "demote"], s.demotions)
             moves.add_metric([ns, "promote"], s.promotions)
             corrupt.add_metric([ns], s.corrupt_pages)
+            demotion_failures.add_metric([ns], s.demotion_failures)
             for t in s.tiers:
                 tier = t.tier.name.lower()
                 hits.add_metric([ns, tier], t.hits)
@@ -56,7 +62,7 @@ class _StoreCollector(Collector):
                     ("pinned", t.pinned_blocks),
                 ):
                     pages.add_metric([ns, tier, state], value)
-        yield from (hits, misses, evictions, moves, corrupt, pages)
+        yield from (hits, misses, evictions, moves, corrupt, demotion_failures, pages)
 
 
 class NodeMetrics:

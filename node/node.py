@@ -15,7 +15,7 @@ from typing import Sequence
 
 from kvstore.errors import InvalidArgument, NotFound, echo
 from kvstore.keys import BlockKey, scope_keys, select_keys
-from kvstore.shm import sweep_orphans
+from kvstore.shm import check_shm_room, sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
 
 from .config import NodeConfig
@@ -53,6 +53,10 @@ class Node:
             )
         seen = set()
         try:
+            # NOTE: all layouts' slabs at once, before any exists: one clear message naming --dram
+            # instead of a later SIGBUS (slabs are sparse: only their writes need the space).
+            slabs = sum(config.pages(layout)[1] * layout.page_bytes for layout in config.layouts)
+            check_shm_room(slabs, "--dram")
             for layout in config.layouts:
                 if layout.namespace in seen:
                     raise InvalidArgument(f"layout {layout.namespace} is configured twice")
@@ -75,6 +79,7 @@ class Node:
                         ssd_policy=config.ssd_policy,
                         promote_on_hit=config.promote_on_hit,
                         reserve_shm=config.reserve_shm,
+                        ssd_damaged=config.ssd_damaged,
                         lease_ttl_s=config.lease_ttl_s,
                         on_event=self.hub.notify,
                     ),

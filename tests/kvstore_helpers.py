@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+import pytest
 
 from kvstore import KVLayout, StoreConfig, TieredStore
 
@@ -84,3 +87,20 @@ def run_python(
     )
     assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr}"
     return proc
+
+
+@contextmanager
+def small_tmpfs(mnt: Path, size: str = "1m", ballast: int = 512 << 10) -> Iterator[Path]:
+    """A tiny tmpfs at ``mnt`` (root only, else the test is skipped) holding a ``ballast`` file:
+    unlink it to give space back to whatever filled the rest."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {proc.stderr.decode().strip()}")
+    try:
+        (mnt / "ballast").write_bytes(b"\0" * ballast)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -15,13 +17,24 @@ from kvstore import (
     EventKind,
     FailedPrecondition,
     InvalidArgument,
+    KVLayout,
     NotFound,
     StorageError,
     Tier,
 )
 from kvstore.shm import unique_shm_name
 
-from kvstore_helpers import LAYOUT, FakeClock, key, keys, make_store, page, run_python, tiers_of
+from kvstore_helpers import (
+    LAYOUT,
+    FakeClock,
+    key,
+    keys,
+    make_store,
+    page,
+    run_python,
+    small_tmpfs,
+    tiers_of,
+)
 
 JOIN_TIMEOUT_S = 20
 
@@ -407,3 +420,176 @@ def test_many_writers_on_one_key_from_threads_publish_exactly_once(store):
     [winner] = [w for w, r in results.items() if r == (1, 0)]
     assert store.read([key(7)])[0].tobytes() == page(100 + winner).tobytes()
     assert store.stats().tiers[0].used_pages == 1 and store.stats().tiers[0].leased_pages == 0
+
+
+# ---- a full SSD tier -------------------------------------------------------------------------
+
+# Another process fills the SSD tier's lmdb map through a database of its own: the store's next
+# write then meets a real MDB_MAP_FULL, as on a node whose map is too small. (A map this full takes
+# no deletes either, so space never returns here; the tmpfs test below covers recovery.)
+FILL_MAP = """
+import sys, lmdb
+path, map_size = sys.argv[1], int(sys.argv[2])
+env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, sync=False)
+filler = env.open_db(b"filler")
+i = 0
+for size in (1 << 20, 1 << 16, 4096, 512, 16):  # big records first, then top up the rest
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(i.to_bytes(8, "big"), b"\\0" * size, db=filler)
+            i += 1
+        except lmdb.MapFullError:
+            break
+env.close()
+"""
+
+
+def fill_ssd_map(store) -> None:
+    ssd = store.pool(Tier.SSD)
+    run_python(FILL_MAP, ssd.path, str(ssd.env.info()["map_size"]))
+
+
+def test_a_full_ssd_map_drops_dram_victims_and_keeps_serving(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=8) as store:
+        for i in (1, 2, 3, 4):
+            store.put([key(i)], [page(i)])  # 1, 2 -> SSD
+        assert tiers_of(store)[key(1)] == "SSD"
+        fill_ssd_map(store)
+        store.take_events()
+        # DRAM keeps taking writes: victims the SSD refuses are dropped as evictions.
+        for i in range(5, 20):
+            assert store.put([key(i)], [page(i)]).stored == 1
+        stats = store.stats()
+        assert stats.demotion_failures > 0
+        assert stats.tiers[0].evictions >= stats.demotion_failures
+        evicted = {e.key for e in store.take_events() if e.kind is EventKind.EVICTED}
+        assert len(evicted) >= stats.demotion_failures and key(19) not in evicted
+        assert store.read([key(19)])[0].tobytes() == page(19).tobytes()
+        assert store.read([key(1)])[0].tobytes() == page(1).tobytes()  # the SSD still serves
+        store.check_invariants()
+        # lmdb cannot even delete now: a removed SSD block is gone all the same
+        assert store.remove([key(2)]) == 1 and store.contains([key(2)]) == [False]
+        store.check_invariants()
+
+
+def test_a_refused_move_into_the_ssd_leaves_the_block_where_it_is(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=4) as store:
+        store.put(keys(1, 2), [page(1), page(2)])
+        fill_ssd_map(store)
+        lease = store.acquire(keys(1, 2), into=Tier.SSD)
+        assert lease.tiers == [Tier.DRAM, Tier.DRAM]
+        assert store.stats().demotion_failures >= 1
+        assert bytes(store.page_view(lease, 0)) == page(1).tobytes()
+        store.release(lease.lease_id)
+        store.check_invariants()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    with small_tmpfs(tmp_path / "small-fs") as mnt:
+        yield mnt
+
+
+def test_a_full_ssd_filesystem_drops_dram_victims_and_demotion_resumes(small_fs):
+    big = KVLayout(model="m", num_layers=2, kv_heads=4, head_dim=64, block_tokens=64)  # 128 KiB
+    pages = [np.full(big.page_bytes // 2, i, np.float16) for i in range(24)]
+    with make_store(layout=big, dram_pages=2, ssd_pages=16, ssd_dir=str(small_fs)) as store:
+        ks = [key(i) for i in range(24)]
+        for i in range(16):
+            assert store.put([ks[i]], [pages[i]]).stored == 1
+        failures = store.stats().demotion_failures
+        assert failures > 0, "the 1 MiB filesystem should have filled up"
+        assert store.read([ks[15]])[0].tobytes() == pages[15].tobytes()
+        store.check_invariants()
+        (small_fs / "ballast").unlink()  # space returns
+        for i in range(16, 20):
+            store.put([ks[i]], [pages[i]])
+        assert store.stats().demotion_failures == failures
+        assert tiers_of(store)[ks[17]] == "SSD"
+        assert store.read([ks[17]])[0].tobytes() == pages[17].tobytes()
+        store.check_invariants()
+
+
+# ---- a damaged SSD data file at start --------------------------------------------------------
+
+OPEN_SSD = """
+import json, sys
+from pathlib import Path
+from kvstore import StorageError
+from kvstore_helpers import make_store, key
+try:
+    with make_store(Path(sys.argv[1]), dram_pages=2, ssd_pages=64, ssd_damaged=sys.argv[2]) as s:
+        ssd = s.pool(s.tiers[-1])
+        print(json.dumps({"blocks": s.stats().blocks, "aside": ssd.moved_aside}))
+except StorageError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def open_in_a_child(tmp_path, on_damage: str) -> dict:
+    """Open the store in another process: a regression that dies of SIGBUS fails this test
+    instead of killing the test run."""
+    tests = str(Path(__file__).resolve().parent)
+    proc = run_python(OPEN_SSD, str(tmp_path), on_damage, env={"PYTHONPATH": tests})
+    return json.loads(proc.stdout)
+
+
+def damage(tmp_path, how: str) -> tuple[Path, bytes]:
+    """Fill an SSD tier, close it, and damage its data file; returns the file and its bytes."""
+    with make_store(tmp_path, dram_pages=2, ssd_pages=64) as store:
+        for i in range(40):
+            store.put([key(i)], [page(i)])
+        data = Path(store.pool(Tier.SSD).path) / "data.mdb"
+    size = data.stat().st_size
+    if how == "cut in half":
+        os.truncate(data, size // 2)
+    elif how == "meta pages only":  # the tree's pages are past the end: a read is a SIGBUS
+        os.truncate(data, 8192)
+    elif how == "empty":  # lmdb would take it for a new, empty store
+        os.truncate(data, 0)
+    elif how == "garbage":
+        data.write_bytes(np.random.default_rng(1).bytes(size))
+    elif how == "garbage tree":  # sound meta pages over garbage tree pages
+        with open(data, "r+b") as f:
+            f.seek(8192)
+            f.write(np.random.default_rng(2).bytes(size - 8192))
+    return data, data.read_bytes()
+
+
+HOW = ["cut in half", "meta pages only", "empty", "garbage", "garbage tree"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_ssd_file_is_refused_by_default_naming_the_flag(tmp_path, how):
+    data, bad = damage(tmp_path, how)
+    got = open_in_a_child(tmp_path, "refuse")
+    assert "damaged" in got["error"] and "--ssd-damaged=move-aside" in got["error"]
+    assert str(data) in got["error"]
+    assert data.read_bytes() == bad  # left as it was
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_ssd_file_is_moved_aside_on_request(tmp_path, how):
+    data, bad = damage(tmp_path, how)
+    got = open_in_a_child(tmp_path, "move-aside")
+    assert got["blocks"] == 0
+    aside = Path(got["aside"])
+    assert aside.parent == data.parent and aside.name.startswith("data.mdb.damaged-")
+    assert aside.read_bytes() == bad
+    # the new file is sound: pages written to it are there after a restart
+    cfg = dict(dram_pages=1, ssd_pages=4)
+    with make_store(tmp_path, **cfg) as store:
+        store.put([key(1)], [page(1)])
+        store.put([key(2)], [page(2)])  # 1 -> SSD
+    with make_store(tmp_path, **cfg) as store:
+        assert store.read([key(1)])[0].tobytes() == page(1).tobytes()
+        store.check_invariants()
+
+
+def test_ssd_files_and_the_dram_slab_are_private_to_their_user(tmp_path):
+    with make_store(tmp_path, dram_pages=2, ssd_pages=2) as store:
+        ssd = Path(store.pool(Tier.SSD).path)
+        for f in (ssd / "data.mdb", ssd / "lock.mdb", Path(f"/dev/shm/{store.shm_name}")):
+            assert f.stat().st_mode & 0o777 == 0o600, f
+        assert ssd.stat().st_mode & 0o777 == 0o700

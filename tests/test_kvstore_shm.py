@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvstore import InvalidArgument, SharedSlab, StorageError, StoreConfig, TieredStore
-from kvstore.shm import unique_shm_name
+from kvstore.shm import pid_alive, shm_free_bytes, shm_identity, sweep_orphans, unique_shm_name
 
-from kvstore_helpers import LAYOUT, key, keys, make_store, page, run_python
+from kvstore_helpers import LAYOUT, REPO_ROOT, key, keys, make_store, page, run_python
 
 # The other process knows only the slab's name, the page size and a slot, as a messenger or a
 # same-host client does.
@@ -141,4 +143,103 @@ def test_a_store_that_fails_to_open_leaves_no_slab(cfg):
     name = unique_shm_name("kvtest")
     with pytest.raises(InvalidArgument, match="policy|ssd_dir"):
         TieredStore(LAYOUT, StoreConfig(dram_pages=2, shm_name=name, **cfg))
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_slab_beyond_the_free_shared_memory_is_refused(reserve):
+    free = shm_free_bytes()
+    if free is None:
+        pytest.skip("/dev/shm has no size limit here")
+    name = unique_shm_name("kvtest")
+    with pytest.raises(StorageError, match="lower --dram, or enlarge /dev/shm"):
+        SharedSlab.create(name, free + (1 << 30), reserve=reserve)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+# ---- the start-up sweep of orphaned slabs --------------------------------------------------------
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: no process has this pid now (short of a quick reuse)
+    return proc.pid
+
+
+def test_the_sweep_removes_only_dead_slabs_made_under_this_identity(tmp_path):
+    ident = shm_identity()
+    assert ident is not None and unique_shm_name().startswith(f"kvcache-{ident}-{os.getpid()}-")
+    other = format(int(ident, 16) ^ 1, "08x")
+    dead = dead_pid()
+    names = {
+        f"kvcache-{ident}-{dead}-00000001": True,  # ours, creator gone: an orphan
+        f"kvcache-{ident}-{os.getpid()}-00000002": False,  # ours, creator alive
+        f"kvcache-{other}-{dead}-00000003": False,  # another PID namespace (or boot): its pid
+        f"kvcache-{dead}-00000004": False,  # an older name without identity: cannot tell
+        f"kvtest-{ident}-{dead}-00000005": False,  # not a node's slab
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    if os.getuid() == 0:  # another user's orphan under our identity: not ours to remove
+        foreign = tmp_path / f"kvcache-{ident}-{dead}-00000006"
+        foreign.write_bytes(b"x")
+        os.chown(foreign, 65534, 65534)
+        names[foreign.name] = False
+    assert sweep_orphans(str(tmp_path)) == [n for n, orphan in names.items() if orphan]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n for n, orphan in names.items() if not orphan
+    )
+
+
+# A process in a PID namespace of its own (as in a container sharing the host's /dev/shm) makes
+# a slab from a pid that no process has in ours, and lives on.
+IN_ANOTHER_PID_NAMESPACE = """
+import os, sys
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write("3999999")
+if os.fork() == 0:
+    from kvstore import SharedSlab
+    from kvstore.shm import unique_shm_name
+    slab = SharedSlab.create(unique_shm_name(), 4096)
+    print(os.getpid(), slab.name, flush=True)
+    sys.stdin.read()  # live until the test closes our stdin
+    slab.close()
+    slab.unlink()
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_the_sweep_keeps_a_live_slab_of_another_pid_namespace():
+    if pid_alive(4000000):
+        pytest.skip("pid 4000000 runs here")
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            IN_ANOTHER_PID_NAMESPACE,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        line = proc.stdout.readline().split()
+        if not line:
+            proc.stdin.close()
+            pytest.skip(f"cannot run in a new PID namespace (needs root): {proc.stderr.read()}")
+        pid, name = int(line[0]), line[1]
+        assert pid == 4000000 and not pid_alive(pid)  # to us its creator looks dead
+        assert name not in sweep_orphans()
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
     assert not os.path.exists(f"/dev/shm/{name}")
