@@ -85,6 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Test-only: after N pages sent, stall the stream for S seconds (once).
     parser.add_argument("--fault-stall-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fault-stall-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    # Test-only: once serving, allow only N more open files than are open (RLIMIT_NOFILE).
+    parser.add_argument("--fault-open-files", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def _connect_node(args) -> KVStoreClient:
@@ -99,6 +101,17 @@ def _connect_node(args) -> KVStoreClient:
                 client.close()
                 raise SystemExit(f"kvcache messenger: cannot use node {args.node}: {e}") from None
             time.sleep(0.2)  # the node is still starting: retry until --node-wait
+
+
+def _limit_open_files(more: int) -> None:
+    """Test-only: let the process open only ``more`` files beyond those open now."""
+    import os
+    import resource
+
+    open_now = len(os.listdir("/proc/self/fd"))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + more, hard))
+    log.warning("fault injection: open files limited to %d", open_now + more)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
             data.address,
             choice.description,
         )
+        if args.fault_open_files:
+            _limit_open_files(args.fault_open_files)
         return {"data_address": data.address, "transport": choice.description}
 
     def close() -> None:

@@ -11,11 +11,13 @@ connection carry on.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import itertools
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 # after their checksum pass read them (still in cache).
 _SEND_BATCH_PAGES = 32
 _SEND_BATCH_BYTES = 4 << 20  # small enough that a page is still in cache from its checksum
+# Accept errors back off from the first to the last delay (doubling): out of file descriptors,
+# accept fails at once for as long as a connection waits in the backlog.
+_ACCEPT_BACKOFF_S = (0.01, 1.0)
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +71,7 @@ class SenderFaults:
 class DataServerStats:
     connections: int = 0
     dropped_connections: int = 0
+    accept_errors: int = 0
     requests: int = 0
     pages_sent: int = 0
     bytes_sent: int = 0
@@ -162,17 +169,48 @@ class DataServer:
                 pass
         self._accept_thread.join(timeout=5)
 
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
     # ---- connections -------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        delay = 0.0  # > 0 while accept keeps failing (an episode)
+        failures, since = 0, 0.0
         while not self._stopped.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._stopped.is_set():
                     return
-                log.warning("data port accept failed", exc_info=True)
+                with self._lock:
+                    self.stats.accept_errors += 1
+                if not delay:
+                    # NOTE: once per episode: out of descriptors, accept fails at once for as
+                    # long as a connection waits in the backlog; logging each try floods the log.
+                    failures, since = 0, time.monotonic()
+                    if e.errno in _OUT_OF_FDS:
+                        log.error(
+                            "data port: out of file descriptors (%s, %d connections open); "
+                            "retrying accept with backoff (raise the open-files limit, "
+                            "ulimit -n)",
+                            e,
+                            self.open_connections(),
+                        )
+                    else:
+                        log.warning("data port: accept failed (%s); retrying with backoff", e)
+                failures += 1
+                self._stopped.wait(delay or _ACCEPT_BACKOFF_S[0])
+                delay = min(2 * (delay or _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
                 continue
+            if delay:
+                log.warning(
+                    "data port: accepting again after %d failed accepts over %.1f s",
+                    failures,
+                    time.monotonic() - since,
+                )
+                delay = 0.0
             conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids))
             with self._lock:
                 self._conns[conn.conn_id] = conn

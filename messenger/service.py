@@ -91,7 +91,12 @@ class _DataServerCollector(Collector):
             "Data-port connections dropped for protocol violations",
         )
         dropped.add_metric([], s.dropped_connections)
-        yield from (sent, dropped)
+        accept_errors = CounterMetricFamily(
+            "kvcache_messenger_accept_errors",
+            "Failed accepts on the data port (e.g. out of file descriptors)",
+        )
+        accept_errors.add_metric([], s.accept_errors)
+        yield from (sent, dropped, accept_errors)
 
 
 def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
