@@ -337,16 +337,18 @@ class DataServer:
             if view is None:
                 batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
                 missing += 1
-                continue
-            csum = checksum(view)
-            if corrupt_every:
-                view = self._maybe_corrupt(view, corrupt_every)
-            batch.append(
-                pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes, checksum_=csum)
-            )
-            batch.append(view)
-            batch_bytes += view.nbytes
-            pages += 1
+            else:
+                csum = checksum(view)
+                if corrupt_every:
+                    view = self._maybe_corrupt(view, corrupt_every)
+                batch.append(
+                    pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes, checksum_=csum)
+                )
+                batch.append(view)
+                batch_bytes += view.nbytes
+                pages += 1
+            # NOTE: missing keys count too: a run of them is one buffer each, and sendmsg takes
+            # at most IOV_MAX (1024) buffers (EMSGSIZE past it).
             if len(batch) >= 2 * _SEND_BATCH_PAGES or batch_bytes >= _SEND_BATCH_BYTES:
                 conn.send(batch)
                 sent_bytes += batch_bytes

@@ -18,6 +18,7 @@ import pytest
 from clients.node_client import KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
 from messenger.tcp import TcpConfig, TcpTransport
+from messenger.transport import Outcome
 
 from conftest import TEST_NAMESPACE as NS
 from conftest import TEST_PAGE_BYTES as PB
@@ -120,3 +121,25 @@ def test_out_of_file_descriptors_backs_off_quietly_and_recovers(source):
     wait_until(lambda: src.fetch_ok(keys), 15, "a fetch after the descriptors came back")
     assert "accepting again" in src.messenger.log()
     assert src.metric("kvcache_messenger_accept_errors_total") >= 1
+
+
+# ---- many missing keys --------------------------------------------------------------------------
+
+
+def test_a_fetch_of_1500_keys_mostly_missing_answers_not_found_per_key(source):
+    src = source()
+    keys = make_keys(1500, start=100_000)
+    present = set(range(1480, 1500))
+    src.put(0, keys=keys[1480:])
+    dest = np.zeros((1500, PB), dtype=np.uint8)
+    t = TcpTransport(TcpConfig(lanes=1))  # one request of 1500 keys
+    try:
+        res = t.fetch(src.data_address, NS, keys, [memoryview(p) for p in dest])
+    finally:
+        t.close()
+    assert [i for i, r in enumerate(res) if r.ok] == sorted(present)
+    missing = [r for i, r in enumerate(res) if i not in present]
+    assert {r.outcome for r in missing} == {Outcome.NOT_FOUND}
+    assert missing[0].reason == "source does not hold the key"
+    got = src.client.get(NS, keys=keys[1480:])
+    assert all(np.array_equal(g, dest[1480 + i]) for i, g in enumerate(got))

@@ -429,3 +429,17 @@ def test_conductor_transfer_hook_moves_a_plan(shared_pair):
             hook.submit(no_messenger)
     finally:
         hook.close()
+
+
+def test_a_batch_of_1500_keys_mostly_missing_completes_with_not_found(cluster):
+    # One lane: the source answers one FETCH of 1500 keys, 1480 of them missing (before, a run
+    # of over ~1000 missing keys overflowed sendmsg's iovec limit and failed all UNAVAILABLE).
+    a, b = cluster(b_args=("--lanes", "1"))
+    keys, pages = make_keys(1500, start=60_000), make_pages(20, seed=11)
+    a.client.put(NS, list(pages), keys=keys[1480:])
+    status = transfer(b, a, keys)
+    assert (status.done, status.failed) == (20, 1480)
+    assert {e.code for e in status.entries[:1480]} == {"NOT_FOUND"}
+    assert status.entries[0].reason == "source does not hold the key"
+    assert present(b.client, keys) == [i >= 1480 for i in range(1500)]
+    assert a.pinned() == 0
