@@ -51,8 +51,8 @@ _STATUS_OUTCOME = {
 
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"data address {address!r} must be host:port")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"data address {address!r} must be host:port (port 1-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -197,6 +197,9 @@ class TcpTransport(Transport):
     ) -> None:
         try:
             lane, reused = self._take(peer, allow_reuse)
+        except ValueError as e:  # a malformed address: per entry, like every other failure
+            self._fail(results, run, Outcome.INVALID, str(e))
+            return
         except (OSError, ProtocolError) as e:
             self._fail(results, run, Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
             return
