@@ -70,7 +70,10 @@ def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
             raise ProtocolError("oversized ERROR frame")
         msg = bytearray(h.length)
         recv_exact(sock, memoryview(msg))
-        raise Unauthenticated(f"peer refused the token: {msg.decode(errors='replace')}")
+        text = msg.decode(errors="replace")
+        if h.status is Status.UNAUTHENTICATED:
+            raise Unauthenticated(f"peer refused the token: {text}")
+        raise ConnectionError(f"peer refused the connection: {text}")  # e.g. at its limit
     if h.kind is not Kind.END:
         raise ProtocolError(f"expected END after HELLO, got {h.kind.name}")
 
