@@ -78,20 +78,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=DataLimits.max_connections,
-        help="data-port connections at once; more are refused at once (and counted)",
+        help="data-port connections at once; more are refused at once (and counted) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--idle-timeout",
         type=float,
         default=DataLimits.idle_timeout_s,
-        help="a data-port connection with no request for this long (s) is closed",
+        help="a data-port connection with no request for this long (s) is closed "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--frame-timeout",
         type=float,
         default=DataLimits.frame_timeout_s,
         help="a request frame on the data port must arrive whole this long (s) after its "
-        "first byte (and a new connection must send its first request by then)",
+        "first byte (and a new connection must send its first request by then) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--fetch-deadline",
@@ -147,7 +150,18 @@ def _data_limits(args) -> DataLimits:
             fetch_deadline_s=fetch,
         )
     except ValueError as e:
-        raise SystemExit(f"kvcache messenger: {e}") from None
+        msg = str(e)
+        for field, flag in _LIMIT_FLAGS.items():
+            msg = msg.replace(field, flag)  # name the flag the user gave
+        raise SystemExit(f"kvcache messenger: {msg}") from None
+
+
+_LIMIT_FLAGS = {
+    "max_connections": "--max-connections",
+    "idle_timeout_s": "--idle-timeout",
+    "frame_timeout_s": "--frame-timeout",
+    "fetch_deadline_s": "--fetch-deadline",
+}
 
 
 def _limit_open_files(more: int) -> None:

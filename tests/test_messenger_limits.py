@@ -301,8 +301,10 @@ def test_fetch_deadline_must_be_below_the_pin_lease(start_node, start_kvcache):
         start_kvcache(
             "messenger", "--node", node.address, "--pin-ttl", "5", "--fetch-deadline", "5"
         )
-    with pytest.raises(RuntimeError, match="max_connections must be at least 1"):
+    with pytest.raises(RuntimeError, match="--max-connections must be at least 1"):
         start_kvcache("messenger", "--node", node.address, "--max-connections", "0")
+    with pytest.raises(RuntimeError, match="--frame-timeout must be positive, got -1"):
+        start_kvcache("messenger", "--node", node.address, "--frame-timeout", "-1")
 
 
 # ---- many missing keys --------------------------------------------------------------------------
