@@ -30,7 +30,7 @@ from rpc.server import (
     tls_from_args,
 )
 
-from .data_server import DataServer, SenderFaults
+from .data_server import DataLimits, DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
 from .rdma import RdmaConfig, RdmaSource
@@ -89,6 +89,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a peer that stalls this long (s) fails its entries",
     )
     parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DataLimits.max_connections,
+        help="data-port connections at once; more are refused at once (and counted) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DataLimits.idle_timeout_s,
+        help="a data-port connection with no request for this long (s) is closed "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=DataLimits.frame_timeout_s,
+        help="a request frame on the data port must arrive whole this long (s) after its "
+        "first byte (and a new connection must send its first request by then) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fetch-deadline",
+        type=float,
+        default=None,
+        help="a peer must take a FETCH response within this long (s) or it is cut and the "
+        "pins are released; below --pin-ttl (default: 0.8 x --pin-ttl)",
+    )
+    parser.add_argument(
         "--node-wait",
         type=float,
         default=30.0,
@@ -99,6 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Test-only: after N pages sent, stall the stream for S seconds (once).
     parser.add_argument("--fault-stall-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fault-stall-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    # Test-only: once serving, allow only N more open files than are open (RLIMIT_NOFILE).
+    parser.add_argument("--fault-open-files", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def _connect_node(args) -> KVStoreClient:
@@ -117,9 +148,53 @@ def _connect_node(args) -> KVStoreClient:
             time.sleep(0.2)  # the node is still starting: retry until --node-wait
 
 
+def _data_limits(args) -> DataLimits:
+    if args.pin_ttl <= 0:
+        raise SystemExit("kvcache messenger: --pin-ttl must be positive")
+    fetch = 0.8 * args.pin_ttl if args.fetch_deadline is None else args.fetch_deadline
+    if fetch >= args.pin_ttl:
+        # Past the pin lease the node may reuse a page while it is still being sent.
+        raise SystemExit(
+            f"kvcache messenger: --fetch-deadline ({fetch:g} s) must be below --pin-ttl "
+            f"({args.pin_ttl:g} s)"
+        )
+    try:
+        return DataLimits(
+            max_connections=args.max_connections,
+            idle_timeout_s=args.idle_timeout,
+            frame_timeout_s=args.frame_timeout,
+            fetch_deadline_s=fetch,
+        )
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _LIMIT_FLAGS.items():
+            msg = msg.replace(field, flag)  # name the flag the user gave
+        raise SystemExit(f"kvcache messenger: {msg}") from None
+
+
+_LIMIT_FLAGS = {
+    "max_connections": "--max-connections",
+    "idle_timeout_s": "--idle-timeout",
+    "frame_timeout_s": "--frame-timeout",
+    "fetch_deadline_s": "--fetch-deadline",
+}
+
+
+def _limit_open_files(more: int) -> None:
+    """Test-only: let the process open only ``more`` files beyond those open now."""
+    import os
+    import resource
+
+    open_now = len(os.listdir("/proc/self/fd"))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + more, hard))
+    log.warning("fault injection: open files limited to %d", open_now + more)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.lanes < 1 or args.workers < 1:
         raise SystemExit("kvcache messenger: --lanes and --workers must be at least 1")
+    limits = _data_limits(args)
     tls = tls_from_args(args)
     auth = Auth.from_args(args.token, args.tenant_token)
     client = _connect_node(args)
@@ -138,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         port=data_port,
         io_timeout_s=args.io_timeout,
         token=cluster_token,
+        limits=limits,
         faults=SenderFaults(
             corrupt_every=args.fault_corrupt_every,
             stall_after=args.fault_stall_after,
@@ -197,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
             data.address,
             choice.description,
         )
+        if args.fault_open_files:
+            _limit_open_files(args.fault_open_files)
         return {"data_address": data.address, "transport": choice.description}
 
     def close() -> None:

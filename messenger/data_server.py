@@ -7,15 +7,25 @@ here; the RDMA transport adds its control requests with ``add_handler``.
 A connection that sends anything but this protocol (bad magic, unknown kind, oversized or
 inconsistent bodies, a frame cut short) is dropped with a warning; the process and every other
 connection carry on.
+
+Hostile or broken peers are bounded (``DataLimits``): at most ``max_connections`` at once (the
+excess is refused at accept), an idle deadline between requests, a deadline for each frame once
+its first byte arrived (a peer that trickles bytes is cut), and a deadline for sending a FETCH
+response, so a peer that never reads cannot hold pins on the node. A watchdog thread enforces the
+deadlines by shutting the socket down, which wakes the connection's thread from any blocked
+``recv`` or ``sendmsg``. Accept errors (out of file descriptors) back off instead of spinning.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import itertools
 import logging
+import math
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,10 +33,12 @@ from .frames import (
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
+    MAX_TOKEN_BYTES,
     Header,
     Kind,
     ProtocolError,
     Status,
+    check_request_size,
     checksum,
     is_disconnect,
     pack_header,
@@ -44,6 +56,28 @@ log = logging.getLogger(__name__)
 # after their checksum pass read them (still in cache).
 _SEND_BATCH_PAGES = 32
 _SEND_BATCH_BYTES = 4 << 20  # small enough that a page is still in cache from its checksum
+# Accept errors back off from the first to the last delay (doubling): out of file descriptors,
+# accept fails at once for as long as a connection waits in the backlog.
+_ACCEPT_BACKOFF_S = (0.01, 1.0)
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataLimits:
+    """Bounds on what peers may hold on the data port (``kvcache messenger`` flags)."""
+
+    max_connections: int = 512  # connections at once; more are refused at accept
+    idle_timeout_s: float = 300.0  # no request for this long: the connection is closed
+    frame_timeout_s: float = 10.0  # a frame must arrive whole this long after its first byte
+    fetch_deadline_s: float = 24.0  # a FETCH response must be sent (and its pins released)
+    # within this long; keep it under the pin lease so no page is sent after its pin lapsed
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        for name in ("idle_timeout_s", "frame_timeout_s", "fetch_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +99,9 @@ class SenderFaults:
 class DataServerStats:
     connections: int = 0
     dropped_connections: int = 0
+    refused_connections: int = 0  # over max_connections
+    timed_out_connections: int = 0  # cut by a deadline (idle, slow frame, unread FETCH)
+    accept_errors: int = 0
     requests: int = 0
     pages_sent: int = 0
     bytes_sent: int = 0
@@ -80,6 +117,10 @@ class PeerConnection:
     conn_id: int
     on_close: list[Callable[[], None]] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    # Set by the server under its lock; the watchdog cuts the connection past ``deadline``.
+    deadline: float = math.inf
+    doing: str = ""  # what did not happen in time when the deadline passes, for the log
+    cut: str = ""  # why the watchdog cut it ("" while it was not)
 
     def read_body(self, header: Header, limit: int = MAX_CONTROL_BYTES) -> bytes:
         if header.length > limit:
@@ -110,12 +151,14 @@ class DataServer:
         io_timeout_s: float = 30.0,
         faults: SenderFaults | None = None,
         token: str | None = None,
+        limits: DataLimits | None = None,
     ) -> None:
         """``token``: when set, a connection must open with a HELLO carrying it."""
         self.source = source
         self._token = token.encode() if token else None
         self.io_timeout_s = io_timeout_s
         self.faults = faults or SenderFaults()
+        self.limits = limits or DataLimits()
         self.stats = DataServerStats()
         self._handlers: dict[Kind, Handler] = {
             Kind.FETCH: self._serve_fetch,
@@ -134,6 +177,9 @@ class DataServer:
         self._accept_thread = threading.Thread(
             target=self._accept_loop, daemon=True, name=f"data-accept-{self.port}"
         )
+        self._watch_thread = threading.Thread(
+            target=self._watch_loop, daemon=True, name=f"data-watch-{self.port}"
+        )
 
     @property
     def address(self) -> str:
@@ -144,6 +190,7 @@ class DataServer:
 
     def start(self) -> "DataServer":
         self._accept_thread.start()
+        self._watch_thread.start()
         return self
 
     def stop(self) -> None:
@@ -154,43 +201,144 @@ class DataServer:
             pass
         self._listener.close()
         with self._lock:
-            conns = list(self._conns.values())
-        for conn in conns:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for conn in self._conns.values():
+                _shutdown(conn.sock)
         self._accept_thread.join(timeout=5)
+        self._watch_thread.join(timeout=5)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     # ---- connections -------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        delay = 0.0  # > 0 while accept keeps failing (an episode)
+        failures, since = 0, 0.0
+        refusing = False
         while not self._stopped.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._stopped.is_set():
                     return
-                log.warning("data port accept failed", exc_info=True)
+                with self._lock:
+                    self.stats.accept_errors += 1
+                if not delay:
+                    # NOTE: once per episode: out of descriptors, accept fails at once for as
+                    # long as a connection waits in the backlog; logging each try floods the log.
+                    failures, since = 0, time.monotonic()
+                    if e.errno in _OUT_OF_FDS:
+                        log.error(
+                            "data port: out of file descriptors (%s, %d connections open); "
+                            "retrying accept with backoff (raise the open-files limit, "
+                            "ulimit -n, or lower --max-connections)",
+                            e,
+                            self.open_connections(),
+                        )
+                    else:
+                        log.warning("data port: accept failed (%s); retrying with backoff", e)
+                failures += 1
+                self._stopped.wait(delay or _ACCEPT_BACKOFF_S[0])
+                delay = min(2 * (delay or _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
                 continue
+            if delay:
+                log.warning(
+                    "data port: accepting again after %d failed accepts over %.1f s",
+                    failures,
+                    time.monotonic() - since,
+                )
+                delay = 0.0
             conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids))
             with self._lock:
-                self._conns[conn.conn_id] = conn
-                self.stats.connections += 1
+                full = len(self._conns) >= self.limits.max_connections
+                if full:
+                    self.stats.refused_connections += 1
+                else:
+                    self._conns[conn.conn_id] = conn
+                    self.stats.connections += 1
+                    conn.deadline = time.monotonic() + self.limits.frame_timeout_s
+                    conn.doing = (
+                        f"no request within {self.limits.frame_timeout_s:g} s of connecting"
+                    )
+            if full:
+                if not refusing:  # once per episode of a full server
+                    log.warning(
+                        "data port: %d connections open (--max-connections); refusing new "
+                        "ones until some close (first refused: %s)",
+                        self.limits.max_connections,
+                        conn.peer,
+                    )
+                refusing = True
+                self._refuse(sock)
+                continue
+            refusing = False
             threading.Thread(
                 target=self._serve, args=(conn,), daemon=True, name=f"data-conn-{conn.conn_id}"
             ).start()
 
+    def _refuse(self, sock: socket.socket) -> None:
+        """Close a connection over the limit at once, saying why if the peer can take it."""
+        body = (
+            f"the data port is at its connection limit ({self.limits.max_connections}); retry later"
+        ).encode()
+        try:
+            sock.setblocking(False)  # a peer that does not read must not block the accept loop
+            try:  # what the peer already sent: left unread, the close becomes a reset that
+                for _ in range(16):  # may discard our ERROR at the peer
+                    if not sock.recv(65536):
+                        break
+            except OSError:
+                pass
+            sock.send(
+                pack_header(
+                    Kind.ERROR, Status.UNAVAILABLE, length=len(body), checksum_=checksum(body)
+                )
+                + body
+            )
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def _watch_loop(self) -> None:
+        """Cut connections past their deadline: shutting the socket down wakes the connection's
+        thread from a blocked ``recv`` / ``sendmsg``; it then releases what it holds."""
+        lim = self.limits
+        tick = min(
+            0.5, max(0.02, min(lim.idle_timeout_s, lim.frame_timeout_s, lim.fetch_deadline_s) / 4)
+        )
+        while not self._stopped.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                for conn in self._conns.values():
+                    if not conn.cut and now > conn.deadline:
+                        conn.cut = conn.doing
+                        self.stats.timed_out_connections += 1
+                        # NOTE: under the lock: _close closes the socket under it too, so this
+                        # never shuts down a descriptor number that was reused meanwhile.
+                        _shutdown(conn.sock)
+
+    def _expect(self, conn: PeerConnection, seconds: float, doing: str) -> None:
+        """Cut ``conn`` unless the next step ends within ``seconds``; ``doing`` says what failed
+        to happen in time (for the log)."""
+        with self._lock:
+            conn.deadline = time.monotonic() + seconds
+            conn.doing = doing
+
     def _serve(self, conn: PeerConnection) -> None:
         sock = conn.sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self.io_timeout_s)
-        buf = bytearray(HEADER_BYTES)
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_io_timeout(sock, self.io_timeout_s)
+            buf = bytearray(HEADER_BYTES)
+            idle = self.limits.idle_timeout_s
             while not self._stopped.is_set():
-                if not self._wait_header(sock, buf):
+                if not self._wait_header(conn, buf):
                     return
                 header = unpack_header(buf)
+                # Before any buffer is allocated for the body: its announced size must fit.
+                check_request_size(header)
                 if (
                     self._token is not None
                     and not conn.state.get("authenticated")
@@ -210,12 +358,21 @@ class DataServer:
                 with self._lock:
                     self.stats.requests += 1
                 handler(conn, header)
+                if "qp" in conn.state:
+                    # An RDMA session (rdma.py) is a long-lived control channel its puller keeps
+                    # per peer and does not reopen when stale: no idle deadline (it passed HELLO
+                    # and counts against max_connections).
+                    self._expect(conn, math.inf, "")
+                else:
+                    self._expect(conn, idle, f"idle for more than {idle:g} s")
         except ProtocolError as e:
             log.warning("data port: dropping connection from %s: %s", conn.peer, e)
             with self._lock:
                 self.stats.dropped_connections += 1
         except Exception as e:  # noqa: BLE001 - one connection must never take the server down
-            if is_disconnect(e):
+            if conn.cut:
+                log.warning("data port: cut connection from %s: %s", conn.peer, conn.cut)
+            elif is_disconnect(e):
                 log.info("data port: connection from %s closed: %s", conn.peer, e)
             else:
                 log.exception("data port: error serving %s; dropping the connection", conn.peer)
@@ -224,16 +381,24 @@ class DataServer:
         finally:
             self._close(conn)
 
-    def _wait_header(self, sock: socket.socket, buf: bytearray) -> bool:
-        """Wait (idle is fine) for the next request header; False on a clean EOF."""
-        view = memoryview(buf)
+    def _wait_header(self, conn: PeerConnection, buf: bytearray) -> bool:
+        """Wait (idle, under the idle deadline) for the next request header; False on EOF."""
+        sock, view = conn.sock, memoryview(buf)
         while not self._stopped.is_set():
             try:
-                got = sock.recv_into(view, HEADER_BYTES, socket.MSG_WAITALL)
+                # NOTE: no MSG_WAITALL: return on the first bytes, so the frame deadline
+                # starts then (a peer that trickles a header byte by byte is cut by it).
+                got = sock.recv_into(view, HEADER_BYTES)
             except (BlockingIOError, InterruptedError):
-                continue  # idle connection: keep waiting
+                continue  # SO_RCVTIMEO while idle: the watchdog enforces the idle deadline
             if got == 0:
+                if conn.cut:
+                    log.warning("data port: cut connection from %s: %s", conn.peer, conn.cut)
                 return False
+            frame = self.limits.frame_timeout_s
+            self._expect(
+                conn, frame, f"a request frame not complete {frame:g} s after its first byte"
+            )
             if got < HEADER_BYTES:
                 recv_exact(sock, view[got:])  # the rest of a started frame must come promptly
             return True
@@ -245,14 +410,12 @@ class DataServer:
                 undo()
             except Exception:  # noqa: BLE001 - cleanup of one resource must not skip the others
                 log.exception("data port: cleanup after %s failed", conn.peer)
-        try:
-            conn.sock.close()
-        finally:
-            with self._lock:
-                self._conns.pop(conn.conn_id, None)
+        with self._lock:
+            self._conns.pop(conn.conn_id, None)
+            conn.sock.close()  # under the lock: see _watch_loop
 
     def _hello(self, conn: PeerConnection, header: Header) -> None:
-        token = conn.read_body(header, limit=4096)
+        token = conn.read_body(header, limit=MAX_TOKEN_BYTES)
         if self._token is not None and not hmac.compare_digest(token, self._token):
             self._send_error(conn, Status.UNAUTHENTICATED, "wrong token for this data port")
             raise ProtocolError("HELLO with a wrong token")
@@ -265,6 +428,12 @@ class DataServer:
         if header.count > MAX_KEYS_PER_REQUEST:
             raise ProtocolError(f"FETCH of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
         namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
+        # The whole response (pin, send, release) within the deadline: a peer that does not read
+        # is cut, which fails the blocked send, and the pins go back in the finally below.
+        deadline = self.limits.fetch_deadline_s
+        self._expect(
+            conn, deadline, f"a FETCH response of {len(keys)} pages not read within {deadline:g} s"
+        )
         try:
             mine = self.source.page_bytes(namespace)
         except LookupError as e:
@@ -299,16 +468,18 @@ class DataServer:
             if view is None:
                 batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
                 missing += 1
-                continue
-            csum = checksum(view)
-            if corrupt_every:
-                view = self._maybe_corrupt(view, corrupt_every)
-            batch.append(
-                pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes, checksum_=csum)
-            )
-            batch.append(view)
-            batch_bytes += view.nbytes
-            pages += 1
+            else:
+                csum = checksum(view)
+                if corrupt_every:
+                    view = self._maybe_corrupt(view, corrupt_every)
+                batch.append(
+                    pack_header(Kind.PAGE, Status.OK, key=key, length=view.nbytes, checksum_=csum)
+                )
+                batch.append(view)
+                batch_bytes += view.nbytes
+                pages += 1
+            # NOTE: missing keys count too: a run of them is one buffer each, and sendmsg takes
+            # at most IOV_MAX (1024) buffers (EMSGSIZE past it).
             if len(batch) >= 2 * _SEND_BATCH_PAGES or batch_bytes >= _SEND_BATCH_BYTES:
                 conn.send(batch)
                 sent_bytes += batch_bytes
@@ -332,7 +503,10 @@ class DataServer:
             return batch, batch_bytes, sent_bytes
         conn.send(batch)  # what came before the stall point reaches the peer first
         log.warning("fault injection: stalling the data stream for %.1f s", self.faults.stall_s)
-        self._stopped.wait(self.faults.stall_s)
+        end = time.monotonic() + self.faults.stall_s
+        while not conn.cut and not self._stopped.wait(min(0.05, max(0.0, end - time.monotonic()))):
+            if time.monotonic() >= end:
+                break
         return [], 0, sent_bytes + batch_bytes
 
     def _maybe_corrupt(self, view: memoryview, every: int) -> memoryview:
@@ -351,3 +525,10 @@ class DataServer:
         conn.send(
             [pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)), body]
         )
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed or never connected: nothing to wake

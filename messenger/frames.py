@@ -35,6 +35,7 @@ MAX_KEYS_PER_REQUEST = 4096
 MAX_CONTROL_BYTES = 1 << 20
 MAX_PAGE_BYTES = 1 << 31
 MAX_NAMESPACE_BYTES = 1024
+MAX_TOKEN_BYTES = 4096
 
 checksum = xxhash.xxh3_64_intdigest
 
@@ -167,6 +168,25 @@ def unpack_pinned(body: bytes, count: int) -> Pinned:
     offsets = np.frombuffer(body, dtype="<i8", count=count, offset=head)
     checksums = np.frombuffer(body, dtype="<u8", count=count, offset=head + 8 * count)
     return Pinned(lease_id, addr, length, rkey, offsets, checksums)
+
+
+def check_request_size(header: Header) -> None:
+    """Raise ``ProtocolError`` when a request header announces more than its kind may carry.
+    Checked on the header, before a buffer is allocated: a peer cannot make the server reserve
+    memory (or wait for a body) out of proportion to its request."""
+    kind, n = header.kind, header.length
+    if kind in (Kind.FETCH, Kind.RDMA_PIN):
+        if header.count > MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(
+                f"{kind.name} of {header.count} keys exceeds the limit of {MAX_KEYS_PER_REQUEST}"
+            )
+        limit = _BODY_HEAD.size + MAX_NAMESPACE_BYTES + header.count * KEY_BYTES
+        what = f"{header.count} keys and a namespace take at most {limit}"
+    else:
+        limit = {Kind.HELLO: MAX_TOKEN_BYTES, Kind.RDMA_RELEASE: 0}.get(kind, MAX_CONTROL_BYTES)
+        what = f"the limit is {limit}"
+    if n > limit:
+        raise ProtocolError(f"{kind.name} frame announces a body of {n} bytes; {what}")
 
 
 def lease_key(lease_id: int) -> bytes:

@@ -31,6 +31,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.keys import check_keys
 
 from .node_access import NodeAccess
+from .tcp import parse_address
 from .transport import EntryResult, Outcome, Transport
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,11 @@ class Mover:
                 raise InvalidArgument(
                     f"entry #{i}: source must be the source messenger's host:port, got {r.source!r}"
                 )
+            if r.source_data:
+                try:
+                    parse_address(r.source_data)
+                except ValueError as e:
+                    raise InvalidArgument(f"entry #{i}: source_data: {e}") from None
         new: dict[tuple[str, str], list[_Entry]] = {}
         joined = 0
         with self._lock:
@@ -368,6 +374,28 @@ class Mover:
                 entries, {i: EntryResult(outcome, reason) for i in range(len(keys))}, page_bytes
             )
             return
+        try:
+            results, present = self._fill(
+                lease, namespace, page_bytes, source, source_data, data_address, entries
+            )
+        except BaseException:
+            # At once: the pages must not stay leased (and unusable) until --write-ttl.
+            self._abort(lease)
+            raise
+        self._resolve(entries, results, page_bytes, present)
+
+    def _fill(
+        self,
+        lease: WriteLease,
+        namespace: str,
+        page_bytes: int,
+        source: str,
+        source_data: str,
+        data_address: str,
+        entries: list[_Entry],
+    ) -> tuple[dict[int, EntryResult], set[int]]:
+        """Fetch into ``lease`` and publish what arrived; returns (results, already present)."""
+        keys = [e.key for e in entries]
         present = {i for i, off in enumerate(lease.offsets) if off < 0}
         todo = [i for i in range(len(keys)) if i not in present]
         results: dict[int, EntryResult] = {i: EntryResult(Outcome.OK) for i in present}
@@ -384,7 +412,7 @@ class Mover:
             results.update(self._publish(lease, todo, results, namespace, page_bytes))
         else:
             self._abort(lease)
-        self._resolve(entries, results, page_bytes, present)
+        return results, present
 
     def _publish(
         self,

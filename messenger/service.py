@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.errors import InvalidArgument
@@ -91,7 +91,26 @@ class _DataServerCollector(Collector):
             "Data-port connections dropped for protocol violations",
         )
         dropped.add_metric([], s.dropped_connections)
-        yield from (sent, dropped)
+        refused = CounterMetricFamily(
+            "kvcache_messenger_refused_connections",
+            "Data-port connections refused at accept: --max-connections were open",
+        )
+        refused.add_metric([], s.refused_connections)
+        timed_out = CounterMetricFamily(
+            "kvcache_messenger_timed_out_connections",
+            "Data-port connections cut by a deadline (idle, slow frame, FETCH response not read)",
+        )
+        timed_out.add_metric([], s.timed_out_connections)
+        accept_errors = CounterMetricFamily(
+            "kvcache_messenger_accept_errors",
+            "Failed accepts on the data port (e.g. out of file descriptors)",
+        )
+        accept_errors.add_metric([], s.accept_errors)
+        open_ = GaugeMetricFamily(
+            "kvcache_messenger_open_connections", "Data-port connections open now"
+        )
+        open_.add_metric([], self._server.open_connections())
+        yield from (sent, dropped, refused, timed_out, accept_errors, open_)
 
 
 def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:

@@ -51,8 +51,8 @@ _STATUS_OUTCOME = {
 
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"data address {address!r} must be host:port")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"data address {address!r} must be host:port (port 1-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -70,7 +70,10 @@ def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
             raise ProtocolError("oversized ERROR frame")
         msg = bytearray(h.length)
         recv_exact(sock, memoryview(msg))
-        raise Unauthenticated(f"peer refused the token: {msg.decode(errors='replace')}")
+        text = msg.decode(errors="replace")
+        if h.status is Status.UNAUTHENTICATED:
+            raise Unauthenticated(f"peer refused the token: {text}")
+        raise ConnectionError(f"peer refused the connection: {text}")  # e.g. at its limit
     if h.kind is not Kind.END:
         raise ProtocolError(f"expected END after HELLO, got {h.kind.name}")
 
@@ -197,6 +200,9 @@ class TcpTransport(Transport):
     ) -> None:
         try:
             lane, reused = self._take(peer, allow_reuse)
+        except ValueError as e:  # a malformed address: per entry, like every other failure
+            self._fail(results, run, Outcome.INVALID, str(e))
+            return
         except (OSError, ProtocolError) as e:
             self._fail(results, run, Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
             return

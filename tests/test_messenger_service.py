@@ -429,3 +429,75 @@ def test_conductor_transfer_hook_moves_a_plan(shared_pair):
             hook.submit(no_messenger)
     finally:
         hook.close()
+
+
+def test_a_batch_of_1500_keys_mostly_missing_completes_with_not_found(cluster):
+    # One lane: the source answers one FETCH of 1500 keys, 1480 of them missing (before, a run
+    # of over ~1000 missing keys overflowed sendmsg's iovec limit and failed all UNAVAILABLE).
+    a, b = cluster(b_args=("--lanes", "1"))
+    keys, pages = make_keys(1500, start=60_000), make_pages(20, seed=11)
+    a.client.put(NS, list(pages), keys=keys[1480:])
+    status = transfer(b, a, keys)
+    assert (status.done, status.failed) == (20, 1480)
+    assert {e.code for e in status.entries[:1480]} == {"NOT_FOUND"}
+    assert status.entries[0].reason == "source does not hold the key"
+    assert present(b.client, keys) == [i >= 1480 for i in range(1500)]
+    assert a.pinned() == 0
+
+
+def dram_free(client: KVStoreClient) -> tuple[int, int]:
+    (tier,) = [t for t in client.stats().namespaces[0].tiers if t.tier == cpb.TIER_DRAM]
+    return tier.free_pages, tier.capacity_pages
+
+
+def test_a_malformed_source_data_address_is_refused_and_leases_nothing(shared_pair):
+    a, b = shared_pair
+    keys = make_keys(4, start=70_000)
+    free = dram_free(b.client)[0]
+    stub = pbg.MessengerServiceStub(grpc.insecure_channel(b.address))
+    for bad in ("no-port", "127.0.0.1:99999", "127.0.0.1:http"):
+        entries = [pb.TransferEntry(key=k, source=a.address, source_data=bad) for k in keys]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SubmitTransfer(pb.SubmitTransferRequest(namespace=NS, entries=entries), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "source_data" in e.value.details() and "host:port" in e.value.details()
+    assert dram_free(b.client)[0] == free  # nothing allocated on the destination
+
+
+def test_a_job_that_fails_midway_releases_its_write_lease_at_once(start_node):
+    """The mover in this process against a real node: a transport that blows up (bad source
+    data of any kind) must not leave the allocated pages leased until --write-ttl."""
+    from messenger.mover import DataAddressResolver, EntryRequest, Mover, MoverConfig
+    from messenger.node_access import NodeAccess
+    from messenger.transport import Transport
+
+    class Exploding(Transport):
+        name = "exploding"
+
+        def fetch(self, peer, namespace, keys, views):
+            raise RuntimeError("bad source data")
+
+        def close(self) -> None:
+            pass
+
+    node = start_node(dram="1MiB")
+    client = KVStoreClient(node.address)
+    access = NodeAccess(client)
+    mover = Mover(
+        access,
+        Exploding(),
+        DataAddressResolver(lambda s: "127.0.0.1:1"),
+        MoverConfig(workers=1, write_ttl_s=600),
+    )
+    try:
+        free, capacity = dram_free(client)
+        assert free == capacity
+        batch, _ = mover.submit(NS, [EntryRequest(k, "127.0.0.1:2") for k in make_keys(8)])
+        snap = mover.status(batch, wait=True, timeout_s=30)
+        assert snap.finished and snap.count("failed") == 8
+        assert "bad source data" in snap.entries[0].result.reason
+        assert dram_free(client)[0] == capacity  # aborted, not left to a 600 s lease
+    finally:
+        mover.close()
+        access.close()
+        client.close()

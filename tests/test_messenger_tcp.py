@@ -323,3 +323,16 @@ def test_token_protected_data_port(dest):
         assert server.stats.pages_sent == 4
     finally:
         server.stop()
+
+
+def test_a_malformed_peer_address_fails_every_entry_invalid(dest):
+    # A bad data address (a broken source's GetInfo, a bad source_data) is a per-entry result,
+    # not an exception out of fetch: the mover must still abort its write lease.
+    t = TcpTransport(TcpConfig(lanes=2))
+    try:
+        for bad in ("no-port", "127.0.0.1:99999", "127.0.0.1:http"):
+            res = t.fetch(bad, NAMESPACE, pattern_keys(2), views(dest[:2]))
+            assert {r.outcome for r in res} == {Outcome.INVALID}
+            assert "host:port" in res[0].reason
+    finally:
+        t.close()

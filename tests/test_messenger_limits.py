@@ -1,0 +1,329 @@
+"""Hostile or broken peers on a messenger's data port, against real node + messenger processes.
+
+Each test starts one node and its messenger with short deadlines (flags) and plays the bad peer
+over a raw socket: out of file descriptors, too many connections, an idle or trickling peer, a
+header announcing a huge body, a FETCH whose response is never read. The messenger must cut or
+refuse the peer within its deadline, say why, release what it held and keep serving others.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from clients.node_client import KVStoreClient
+from kvstore.keys import keys_from_block_ids, root_key
+from messenger.frames import (
+    HEADER_BYTES,
+    Kind,
+    Status,
+    checksum,
+    pack_header,
+    pack_keys_body,
+    recv_exact,
+    unpack_header,
+)
+from messenger.tcp import TcpConfig, TcpTransport
+from messenger.transport import Outcome
+
+from conftest import TEST_NAMESPACE as NS
+from conftest import TEST_PAGE_BYTES as PB
+from helpers import wait_until
+
+
+def make_keys(n: int, start: int = 0) -> list[bytes]:
+    return keys_from_block_ids(list(range(start, start + n)), root_key(NS, b"limits-test"))
+
+
+class Source:
+    """A node and its messenger; the test is the (bad) peer on the messenger's data port."""
+
+    def __init__(self, start_node, start_kvcache, messenger_args, dram: str) -> None:
+        self.node = start_node(dram=dram)
+        self.messenger = start_kvcache(
+            "messenger", "--node", self.node.address, "--metrics-port", "0", *messenger_args
+        )
+        self.client = KVStoreClient(self.node.address)
+        host, port = self.messenger.info["data_address"].rsplit(":", 1)
+        self.data = (host, int(port))
+        self.data_address = self.messenger.info["data_address"]
+
+    def put(self, n: int, start: int = 0, keys: list[bytes] | None = None) -> list[bytes]:
+        keys = keys or make_keys(n, start)
+        pages = np.random.default_rng(start).integers(0, 256, (len(keys), PB), dtype=np.uint8)
+        assert self.client.put(NS, list(pages), keys=keys).stored == len(keys)
+        return keys
+
+    def connect(self, timeout_s: float = 5.0, **opts: int) -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        for opt, value in opts.items():
+            s.setsockopt(socket.SOL_SOCKET, getattr(socket, opt), value)
+        s.settimeout(timeout_s)
+        s.connect(self.data)
+        return s
+
+    def fetch_ok(self, keys: list[bytes]) -> bool:
+        """A well-behaved peer's fetch: True when every page arrived."""
+        dest = np.zeros((len(keys), PB), dtype=np.uint8)
+        t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5))
+        try:
+            res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest])
+        finally:
+            t.close()
+        return all(r.ok for r in res)
+
+    def metric(self, name: str) -> float:
+        port = self.messenger.info["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text.decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def pinned(self) -> int:
+        stats = self.client.stats().namespaces[0]
+        return sum(t.pinned_blocks for t in stats.tiers)
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.messenger.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log_size(self) -> int:
+        return os.path.getsize(self.messenger.log_path)
+
+
+@pytest.fixture
+def source(start_node, start_kvcache):
+    made: list[Source] = []
+
+    def start(*messenger_args: str, dram: str = "16MiB") -> Source:
+        s = Source(start_node, start_kvcache, messenger_args, dram)
+        made.append(s)
+        return s
+
+    yield start
+    for s in made:
+        s.client.close()
+
+
+def closed_by_peer(s: socket.socket, within_s: float) -> float:
+    """Read (and drop) until the server closes the connection; seconds it took. Fails the test
+    if the connection is still open after ``within_s``."""
+    t0 = time.monotonic()
+    s.settimeout(0.1)
+    while time.monotonic() - t0 < within_s:
+        try:
+            if not s.recv(1 << 20):
+                return time.monotonic() - t0
+        except socket.timeout:
+            continue
+        except OSError:  # reset: closed too
+            return time.monotonic() - t0
+    raise AssertionError(f"the messenger did not close the connection within {within_s} s")
+
+
+def read_error(s: socket.socket) -> tuple[Status, str] | None:
+    """The ERROR frame the server sent before hanging up, or None on a bare close."""
+    buf = bytearray(HEADER_BYTES)
+    try:
+        recv_exact(s, memoryview(buf))
+    except OSError:
+        return None
+    h = unpack_header(buf)
+    assert h.kind is Kind.ERROR
+    body = bytearray(h.length)
+    recv_exact(s, memoryview(body))
+    return h.status, body.decode()
+
+
+def fetch_frame(keys: list[bytes]) -> bytes:
+    body = pack_keys_body(NS, PB, keys)
+    return (
+        pack_header(Kind.FETCH, count=len(keys), length=len(body), checksum_=checksum(body)) + body
+    )
+
+
+# ---- accept: out of file descriptors ------------------------------------------------------------
+
+
+def test_out_of_file_descriptors_backs_off_quietly_and_recovers(source):
+    src = source("--fault-open-files", "8")
+    keys = src.put(4)
+    wait_until(lambda: "open files limited" in src.messenger.log(), 10, "the fd limit")
+    # More connections than the messenger has descriptors: the rest wait in its backlog, and
+    # every accept fails at once with EMFILE for as long as they wait.
+    socks = [src.connect() for _ in range(24)]
+    try:
+        wait_until(lambda: "out of file descriptors" in src.messenger.log(), 10, "EMFILE")
+        cpu0, log0 = src.cpu_seconds(), src.log_size()
+        time.sleep(2.0)
+        cpu, grown = src.cpu_seconds() - cpu0, src.log_size() - log0
+        # Backing off: no spinning (it used ~2 s of CPU here), no log flood (~7 MB in 2 s).
+        assert cpu < 0.5, f"accept loop spent {cpu:.2f} s of CPU in 2 s"
+        assert grown < 2000, f"log grew {grown} bytes in 2 s"
+        assert src.messenger.log().count("out of file descriptors") == 1  # once per episode
+    finally:
+        for s in socks:
+            s.close()
+    # Descriptors free again: the messenger serves peers once more.
+    wait_until(lambda: src.fetch_ok(keys), 15, "a fetch after the descriptors came back")
+    assert "accepting again" in src.messenger.log()
+    assert src.metric("kvcache_messenger_accept_errors_total") >= 1
+
+
+# ---- connection limit ---------------------------------------------------------------------------
+
+
+def test_connections_over_the_limit_are_refused_at_once_and_counted(source):
+    src = source("--max-connections", "3", "--frame-timeout", "30")
+    keys = src.put(4)
+    held = [src.connect() for _ in range(3)]
+    try:
+        wait_until(
+            lambda: src.metric("kvcache_messenger_open_connections") == 3, 10, "3 connections"
+        )
+        extra = src.connect()
+        t0 = time.monotonic()
+        error = read_error(extra)
+        assert time.monotonic() - t0 < 2.0
+        if error is not None:  # said why before hanging up
+            assert error[0] is Status.UNAVAILABLE and "connection limit (3)" in error[1]
+        closed_by_peer(extra, 2.0)
+        extra.close()
+        assert src.metric("kvcache_messenger_refused_connections_total") == 1
+        assert src.fetch_ok(keys) is False  # a polite peer is refused too while full
+        assert "refusing new ones" in src.messenger.log()
+    finally:
+        held[0].close()
+    # A slot is free again: served.
+    wait_until(lambda: src.fetch_ok(keys), 10, "a fetch once a slot is free")
+    for s in held[1:]:
+        s.close()
+
+
+# ---- deadlines ----------------------------------------------------------------------------------
+
+
+def test_trickling_idle_and_silent_peers_are_cut_within_their_deadlines(source):
+    src = source("--frame-timeout", "1", "--idle-timeout", "1.5")
+    keys = src.put(2)
+    loris, silent = src.connect(), src.connect()
+    t0 = time.monotonic()
+    # Slow loris: a valid header, one byte every 0.2 s (each byte would reset a per-read timer).
+    header = fetch_frame(keys[:1])
+    cut = None
+    for i in range(len(header)):
+        try:
+            loris.send(header[i : i + 1])
+        except OSError:
+            cut = time.monotonic() - t0
+            break
+        time.sleep(0.2)
+    if cut is None:
+        cut = closed_by_peer(loris, 1.0) + time.monotonic() - t0
+    assert cut < 2.5, f"a trickling peer was cut after {cut:.1f} s (frame timeout 1 s)"
+    # Idle: one good request, then nothing; closed after the idle timeout, not before.
+    idle = src.connect()
+    idle.sendall(fetch_frame(keys))
+    h = bytearray(HEADER_BYTES)
+    for _ in keys:
+        recv_exact(idle, memoryview(h))
+        page = bytearray(unpack_header(h).length)
+        recv_exact(idle, memoryview(page))
+    recv_exact(idle, memoryview(h))
+    assert unpack_header(h).kind is Kind.END
+    t1 = time.monotonic()
+    took = closed_by_peer(idle, 4.0)
+    assert 1.0 < time.monotonic() - t1 < 3.5, took
+    # Connected and never said anything: cut like a frame that never completes.
+    closed_by_peer(silent, 3.0)
+    for s in (loris, idle, silent):
+        s.close()
+    wait_until(
+        lambda: src.metric("kvcache_messenger_timed_out_connections_total") == 3, 5, "3 cuts"
+    )
+    log = src.messenger.log()
+    assert "a request frame not complete 1 s after its first byte" in log
+    assert "idle for more than 1.5 s" in log
+    assert "no request within 1 s of connecting" in log
+    assert src.fetch_ok(keys)  # and everyone else is still served
+
+
+@pytest.mark.parametrize(
+    "header,expect",
+    [
+        # Under the generic 1 MiB control limit, but far more than 1 key and a namespace need:
+        # the old server allocated it and then waited for a body that never came.
+        (pack_header(Kind.FETCH, count=1, length=900_000), "announces a body of 900000 bytes"),
+        (pack_header(Kind.FETCH, count=1, length=1 << 62), f"announces a body of {1 << 62}"),
+        (pack_header(Kind.HELLO, length=64 << 20), "the limit is 4096"),
+        (pack_header(Kind.FETCH, count=60_000, length=16), "60000 keys exceeds the limit"),
+    ],
+    ids=["fetch-900KB-for-1-key", "fetch-2^62", "hello-64MiB", "fetch-60000-keys"],
+)
+def test_a_header_announcing_too_much_is_rejected_before_any_body(source, header, expect):
+    src = source()
+    keys = src.put(2)
+    with src.connect() as s:
+        s.sendall(header)  # and no body: the verdict must come from the header alone
+        assert closed_by_peer(s, 2.0) < 2.0
+    wait_until(lambda: expect in src.messenger.log(), 5, "the reason in the log")
+    assert src.messenger.alive() and src.fetch_ok(keys)
+
+
+def test_a_fetch_response_never_read_releases_the_pins_at_the_deadline(source):
+    # Pins live 60 s on the node; the FETCH deadline (1 s) must release them long before.
+    src = source("--pin-ttl", "60", "--fetch-deadline", "1", dram="24MiB")
+    keys = src.put(1200)  # 9.4 MiB: far more than the socket buffers hold
+    s = src.connect(SO_RCVBUF=4096)
+    try:
+        s.sendall(fetch_frame(keys))
+        wait_until(lambda: src.pinned() > 0, 5, "the source to pin the pages")
+        t0 = time.monotonic()
+        wait_until(lambda: src.pinned() == 0, 5, "the pins to be released")
+        assert time.monotonic() - t0 < 3.0
+        closed_by_peer(s, 5.0)
+    finally:
+        s.close()
+    assert "a FETCH response of 1200 pages not read within 1 s" in src.messenger.log()
+    assert src.metric("kvcache_messenger_timed_out_connections_total") == 1
+    assert src.fetch_ok(keys[:8])
+
+
+def test_fetch_deadline_must_be_below_the_pin_lease(start_node, start_kvcache):
+    node = start_node()
+    with pytest.raises(RuntimeError, match="--fetch-deadline .* must be below --pin-ttl"):
+        start_kvcache(
+            "messenger", "--node", node.address, "--pin-ttl", "5", "--fetch-deadline", "5"
+        )
+    with pytest.raises(RuntimeError, match="--max-connections must be at least 1"):
+        start_kvcache("messenger", "--node", node.address, "--max-connections", "0")
+    with pytest.raises(RuntimeError, match="--frame-timeout must be positive, got -1"):
+        start_kvcache("messenger", "--node", node.address, "--frame-timeout", "-1")
+
+
+# ---- many missing keys --------------------------------------------------------------------------
+
+
+def test_a_fetch_of_1500_keys_mostly_missing_answers_not_found_per_key(source):
+    src = source()
+    keys = make_keys(1500, start=100_000)
+    present = set(range(1480, 1500))
+    src.put(0, keys=keys[1480:])
+    dest = np.zeros((1500, PB), dtype=np.uint8)
+    t = TcpTransport(TcpConfig(lanes=1))  # one request of 1500 keys
+    try:
+        res = t.fetch(src.data_address, NS, keys, [memoryview(p) for p in dest])
+    finally:
+        t.close()
+    assert [i for i, r in enumerate(res) if r.ok] == sorted(present)
+    missing = [r for i, r in enumerate(res) if i not in present]
+    assert {r.outcome for r in missing} == {Outcome.NOT_FOUND}
+    assert missing[0].reason == "source does not hold the key"
+    got = src.client.get(NS, keys=keys[1480:])
+    assert all(np.array_equal(g, dest[1480 + i]) for i, g in enumerate(got))
