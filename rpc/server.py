@@ -324,9 +324,6 @@ def serve(service: Service) -> int:
     address = f"{host_of(service.listen)}:{port}"
     metrics_port = start_metrics(service.metrics_port, registry=service.registry)
     fields = service.on_serving(address, metrics_port)
-    announce_ready(
-        service.role, address=address, pid=os.getpid(), metrics_port=metrics_port, **fields
-    )
 
     def stop() -> None:
         health_servicer.enter_graceful_shutdown()
@@ -335,5 +332,12 @@ def serve(service: Service) -> int:
         service.close()
         log.info("%s stopped", service.role)
 
-    wait_for_signal(stop)
+    # Ready only once SIGTERM is handled: a stop sent right after the ready line must clean up
+    # (shared memory, lmdb sync), not kill the process with the default action.
+    wait_for_signal(
+        stop,
+        on_ready=lambda: announce_ready(
+            service.role, address=address, pid=os.getpid(), metrics_port=metrics_port, **fields
+        ),
+    )
     return 0
