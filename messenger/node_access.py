@@ -5,7 +5,8 @@ Calls go through the node client library with the admin token (tenant ""), so ke
 stored. Page bytes never pass through the node server: the node hands out offsets in its shared
 memory and the messenger reads/writes the pages there. That memory is the node's slab by name, or,
 on a node with tenant tokens, the admin identity's own segment (handed over as a descriptor; see
-node/segments.py). Pages are checked against the checksum the node keeps before they are sent.
+node/segments.py). The node's checksum of each pinned page travels with it
+(``PinnedPages.checksums``): servers check it as they checksum the page for the wire.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 
 import grpc
 import numpy as np
-import xxhash
 
 from clients.node_client import KVCacheRpcError, KVStoreClient, NamespaceInfo
 
@@ -93,21 +93,6 @@ class NodePageSource(PageSource):
         pb = lease.page_bytes
         mv = memoryview(region)
         views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
-        bad = [
-            i
-            for i, (v, want) in enumerate(zip(views, lease.checksums))
-            if v is not None and want and xxhash.xxh3_64_intdigest(v) != want
-        ]
-        if bad:
-            # A page changed after its commit (a same-host writer scribbled on it): never send
-            # it. It is reported missing to the peer and dropped on the node.
-            log.warning("%d pinned pages failed their checksum; dropping them", len(bad))
-            for i in bad:
-                views[i] = None
-            try:
-                client.remove(namespace, keys=[lease.keys[i] for i in bad])
-            except KVCacheRpcError as e:
-                log.warning("could not drop corrupt pages on the node: %s", e)
 
         def release() -> None:
             try:
@@ -117,4 +102,13 @@ class NodePageSource(PageSource):
                 # for correctness, but say so: a slow peer or a too short --pin-ttl.
                 log.warning("releasing pin lease %d on the node: %s", lease.lease_id, e)
 
-        return PinnedPages(views, list(lease.offsets), release)
+        def drop(indices: list[int]) -> None:
+            # A page changed after its commit (a same-host writer scribbled on it): it was not
+            # sent; drop it on the node so that nobody else is served it either.
+            log.warning("%d pinned pages failed their checksum; dropping them", len(indices))
+            try:
+                client.remove(namespace, keys=[lease.keys[i] for i in indices])
+            except KVCacheRpcError as e:
+                log.warning("could not drop corrupt pages on the node: %s", e)
+
+        return PinnedPages(views, list(lease.offsets), release, list(lease.checksums), drop)
