@@ -243,7 +243,11 @@ class KVStoreClient:
 
     def _open_segment(self, namespace: str) -> MemfdSegment | None:
         """This tenant's own segment: a ticket over gRPC, presented on the node's socket."""
-        r = self._call("OpenShm", pb.OpenShmRequest(namespace=namespace))
+        try:
+            r = self._call("OpenShm", pb.OpenShmRequest(namespace=namespace))
+        except KVCacheRpcError as e:
+            log.warning("cannot get a ticket for the node's shared memory (%s); streaming", e)
+            return None
         try:
             seg = recv_segment(r.socket, r.ticket)
         except StorageError as e:

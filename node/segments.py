@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 TICKET_TTL_S = 10.0
 HANDSHAKE_TIMEOUT_S = 2.0
 MAX_TICKETS = 4096  # outstanding tickets; the oldest go first
+MAX_HANDSHAKES = 64  # connections being answered at once; more are closed at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class TenantSegments:
         self._leases: dict[tuple[str, int], _Staged] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(socket_address(self.socket_name))
         self._server.listen(64)
@@ -108,11 +110,22 @@ class TenantSegments:
                 if self._stop.is_set():
                     return
                 continue
+            # NOTE: anyone on the host can connect; a flood of silent connections must not pile
+            # up threads (each waits HANDSHAKE_TIMEOUT_S at most).
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()
+                continue
             threading.Thread(
                 target=self._handshake, args=(conn,), name="shm-handshake", daemon=True
             ).start()
 
     def _handshake(self, conn: socket.socket) -> None:
+        try:
+            self._answer(conn)
+        finally:
+            self._handshakes.release()
+
+    def _answer(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
             try:
