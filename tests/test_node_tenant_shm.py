@@ -202,3 +202,42 @@ def test_a_tenants_scribbles_after_commit_never_reach_the_stored_page(start_node
             np.testing.assert_array_equal(want, got)
         for want, got in zip(pages, alice.get(NS, tokens=tokens(2))):
             np.testing.assert_array_equal(want, got)
+
+
+# ---- TenantSegments in-process ----------------------------------------------------------------
+
+
+def test_segments_tickets_are_bound_to_their_tenant_and_expire(monkeypatch):
+    from kvstore.layout import KVLayout
+    from kvstore.store import StoreConfig, TieredStore
+    from node import segments as segments_module
+    from node.segments import TenantSegments
+
+    layout = KVLayout(
+        model="unit", num_layers=1, kv_heads=1, head_dim=8, dtype="float16", block_tokens=4
+    )
+    store = TieredStore(layout, StoreConfig(dram_pages=4, private_dram=True))
+    segs = TenantSegments({store.namespace: store})
+    try:
+        pb_ = layout.page_bytes
+        for tenant, fill in (("alice", 1), ("bob", 2)):
+            segs.page(store.namespace, tenant, 0)[:] = fill
+        mapped = recv_segment(segs.socket_name, segs.ticket(store.namespace, "bob"))
+        try:
+            assert (mapped.array[:pb_] == 2).all()  # bob's ticket maps bob's segment
+        finally:
+            mapped.close()
+        monkeypatch.setattr(segments_module, "TICKET_TTL_S", -1.0)
+        with pytest.raises(StorageError, match="refused"):
+            recv_segment(segs.socket_name, segs.ticket(store.namespace, "alice"))
+        # A page shown by two leases of a tenant stays until the last one ends, then goes.
+        segs.hold(store.namespace, 1, "alice", [0, -1])
+        segs.hold(store.namespace, 2, "alice", [0])
+        segs.drop(store.namespace, 1)
+        assert (segs.page(store.namespace, "alice", 0) == 1).all()
+        segs.drop(store.namespace, 2)
+        assert not segs.page(store.namespace, "alice", 0).any()
+        assert (segs.page(store.namespace, "bob", 0) == 2).all()  # bob's own is untouched
+    finally:
+        segs.close()
+        store.close()
