@@ -1,9 +1,11 @@
 """KVStoreClient: the Python client of a node server.
 
 Same-host clients map the node's DRAM slab by name and read/write pages in place (zero copies
-through the server); when the segment cannot be mapped (another host, no permission) every call
-falls back to the streamed Put/Get path transparently. Errors raise ``KVCacheRpcError`` carrying
-the gRPC status code and the server's message.
+through the server). A node with tenant tokens has no slab by name: each tenant maps a segment of
+its own instead, handed over as a file descriptor on the node's segment socket for a one-time
+ticket from ``OpenShm`` (see node/segments.py). When neither can be mapped (another host, no
+permission) every call falls back to the streamed Put/Get path transparently. Errors raise
+``KVCacheRpcError`` carrying the gRPC status code and the server's message.
 
     with KVStoreClient("127.0.0.1:7000") as c:
         ns = c.namespaces()[0]
@@ -29,7 +31,7 @@ from numpy.typing import NDArray
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
-from kvstore.shm import SharedSlab
+from kvstore.shm import MemfdSegment, SharedSlab, recv_segment
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+Mapping = SharedSlab | MemfdSegment  # the node's slab by name, or this tenant's own segment
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
@@ -55,6 +58,8 @@ class NamespaceInfo:
     shm_name: str
     page_bytes: int
     dram_pages: int
+    shm_socket: str = ""  # set: shared memory is per tenant (OpenShm + this socket)
+    segment_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +83,7 @@ class _Lease:
     keys: list[bytes]
     offsets: list[int]
     page_bytes: int
-    slab: SharedSlab | None = field(repr=False)
+    slab: Mapping | None = field(repr=False)
 
     def page(self, index: int) -> NDArray[np.uint8]:
         """Zero-copy view of page ``index`` in the node's shared memory."""
@@ -131,6 +136,7 @@ class ReadLease(_Lease):
     """Pinned pages. ``found`` tells which keys are present; release() when done."""
 
     tiers: list[Tier | None] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)  # xxh3-64 per page as committed; 0: none
 
     @property
     def found(self) -> list[bool]:
@@ -178,7 +184,7 @@ class KVStoreClient:
         # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
         self._stub = pbg.NodeServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._use_shm = use_shm
-        self._slabs: dict[str, SharedSlab | None] = {}
+        self._slabs: dict[str, Mapping | None] = {}
         self._info: dict[str, NamespaceInfo] | None = None
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for *_async calls, made on first use
@@ -203,14 +209,17 @@ class KVStoreClient:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvcache-rpc")
         return self._executor.submit(lambda: convert(self._call(name, request)))
 
-    def _slab(self, namespace: str) -> SharedSlab | None:
-        """The node's DRAM slab for ``namespace`` if it can be mapped here, else None."""
+    def _slab(self, namespace: str) -> Mapping | None:
+        """The node's DRAM slab (or, with tenants, this tenant's segment) for ``namespace`` if it
+        can be mapped here, else None."""
         with self._lock:
             if namespace in self._slabs:
                 return self._slabs[namespace]
         info = self.namespace_info(namespace)
-        slab = None
-        if self._use_shm and info.shm_name:
+        slab: Mapping | None = None
+        if self._use_shm and info.shm_socket:
+            slab = self._open_segment(namespace)
+        elif self._use_shm and info.shm_name:
             try:
                 slab = SharedSlab.attach(info.shm_name)
                 if slab.size < info.dram_pages * info.page_bytes:
@@ -227,11 +236,37 @@ class KVStoreClient:
                     info.shm_name,
                 )
         with self._lock:
-            self._slabs[namespace] = slab
-        return slab
+            mine = self._slabs.setdefault(namespace, slab)
+        if mine is not slab and slab is not None:
+            slab.close()  # another thread mapped it first
+        return mine
+
+    def _open_segment(self, namespace: str) -> MemfdSegment | None:
+        """This tenant's own segment: a ticket over gRPC, presented on the node's socket."""
+        try:
+            r = self._call("OpenShm", pb.OpenShmRequest(namespace=namespace))
+        except KVCacheRpcError as e:
+            log.warning("cannot get a ticket for the node's shared memory (%s); streaming", e)
+            return None
+        try:
+            seg = recv_segment(r.socket, r.ticket)
+        except StorageError as e:
+            log.info("%s; using the streamed path", e)
+            return None
+        if seg.size < r.segment_bytes:
+            log.warning("the segment handed over is smaller than announced; using the stream")
+            seg.close()
+            return None
+        return seg
 
     def shm_available(self, namespace: str) -> bool:
         return self._slab(namespace) is not None
+
+    def shm_region(self, namespace: str) -> NDArray[np.uint8] | None:
+        """The mapped shared memory that lease offsets of ``namespace`` point into (flat uint8),
+        or None when it cannot be mapped here."""
+        slab = self._slab(namespace)
+        return None if slab is None else slab.array
 
     # ---- info ---------------------------------------------------------------------------------
 
@@ -248,7 +283,13 @@ class KVStoreClient:
             for n in self.info().namespaces:
                 dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
                 out[n.namespace] = NamespaceInfo(
-                    n.namespace, layout_from_pb(n.layout), n.shm_name, n.page_bytes, dram
+                    n.namespace,
+                    layout_from_pb(n.layout),
+                    n.shm_name,
+                    n.page_bytes,
+                    dram,
+                    n.shm_socket,
+                    n.segment_bytes,
                 )
             self._info = out
         return self._info
@@ -347,6 +388,7 @@ class KVStoreClient:
             r.page_bytes,
             self._slab(namespace),
             [tier_or_none_from_pb(t) for t in r.tiers],
+            list(r.checksums),
         )
 
     def release(self, lease: ReadLease) -> None:

@@ -129,6 +129,8 @@ class TierMovement(BlockStore):
                     src.pinned -= 1
                     self._discard(key, b)
                     continue
+                else:
+                    dst.pool.seal(dslot)
             src.pool.drop_pages([b.slot], [key])
             src.keys[b.slot] = None
             src.free.append(b.slot)

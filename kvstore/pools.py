@@ -12,8 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+import numpy as np
+import xxhash
+
 from .payload import ByteView, copy_bytes
-from .shm import SharedSlab, unique_shm_name
+from .shm import MemfdSegment, SharedSlab, unique_shm_name
 from .tiers import Tier
 
 
@@ -41,28 +44,78 @@ class PagePool(ABC):
     def drop_pages(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         """Forget pages (slab pools need not do anything)."""
 
+    def seal(self, slot: int) -> None:
+        """The page's bytes are final (committed, or moved in): remember its checksum, if this
+        pool keeps them."""
+
+    def checksum(self, slot: int) -> int | None:
+        """xxh3-64 of the page as sealed, or None when this pool keeps no checksums."""
+        return None
+
     def close(self) -> None:
         """Release the backing memory or files."""
 
 
 class SharedDramPool(PagePool):
-    """DRAM pages in one named shared-memory slab: other processes map it by ``shm_name``."""
+    """DRAM pages in one shared-memory slab: a named one in /dev/shm that other processes map by
+    ``shm_name``, or (``private``) an anonymous memfd no other process can open by name.
+
+    Every committed page carries an xxh3-64 checksum (``seal``, at commit and when a page moves
+    in); ``read_page_into`` checks it, so a page scribbled on after its commit (a same-host writer
+    keeps its view of the shared slab) is reported corrupt instead of served.
+    """
 
     tier = Tier.DRAM
 
     def __init__(
-        self, num_pages: int, page_bytes: int, shm_name: str | None = None, reserve: bool = False
+        self,
+        num_pages: int,
+        page_bytes: int,
+        shm_name: str | None = None,
+        reserve: bool = False,
+        private: bool = False,
     ) -> None:
         self.num_pages, self.page_bytes = num_pages, page_bytes
-        self.slab = SharedSlab.create(
-            shm_name or unique_shm_name(), num_pages * page_bytes, reserve=reserve
-        )
-        self.shm_name = self.slab.name
+        size = num_pages * page_bytes
+        self.slab: SharedSlab | MemfdSegment
+        if private:
+            self.slab = MemfdSegment(size, label="kvcache-dram", reserve=reserve)
+            self.shm_name: str | None = None
+        else:
+            self.slab = SharedSlab.create(shm_name or unique_shm_name(), size, reserve=reserve)
+            self.shm_name = self.slab.name
         self._pages = self.slab.array.reshape(num_pages, page_bytes)
+        self._sums = np.zeros(num_pages, dtype=np.uint64)
+        self._sealed = np.zeros(num_pages, dtype=bool)
 
     def page_view(self, slot: int) -> ByteView:
         page: ByteView = self._pages[slot]
         return page
+
+    def write_pages(
+        self, slots: Sequence[int], keys: Sequence[bytes], datas: Sequence[ByteView]
+    ) -> None:
+        super().write_pages(slots, keys, datas)
+        for slot in slots:
+            self.seal(slot)
+
+    def seal(self, slot: int) -> None:
+        self._sums[slot] = xxhash.xxh3_64_intdigest(self._pages[slot])
+        self._sealed[slot] = True
+
+    def checksum(self, slot: int) -> int | None:
+        return int(self._sums[slot]) if self._sealed[slot] else None
+
+    def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
+        page = self._pages[slot]
+        if self._sealed[slot] and xxhash.xxh3_64_intdigest(page) != int(self._sums[slot]):
+            return False
+        copy_bytes(out, page)
+        return True
+
+    def drop_pages(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        for slot in slots:
+            self._sealed[slot] = False
 
     def close(self) -> None:
         self._pages = None  # type: ignore[assignment]

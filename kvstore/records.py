@@ -32,6 +32,7 @@ class StoreConfig:
     promote_on_hit: bool = True
     shm_name: str | None = None
     reserve_shm: bool = False
+    private_dram: bool = False  # DRAM pages in an anonymous memfd, not a /dev/shm name
     ssd_damaged: str = "refuse"  # a damaged lmdb file at start: "refuse", or "move-aside"
     metadata_only: bool = False
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S

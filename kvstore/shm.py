@@ -1,4 +1,5 @@
-"""Named POSIX shared memory slabs that several processes map by name.
+"""Shared memory: named POSIX slabs that several processes map by name, and anonymous memfd
+segments that are handed to chosen processes as file descriptors (no name anyone could open).
 
 We use ``_posixshmem`` + ``mmap`` directly instead of ``multiprocessing.shared_memory`` because the
 latter registers attached segments with the resource tracker, which unlinks them when *any*
@@ -8,10 +9,12 @@ attaching process exits (fixed only in Python 3.13 with ``track=False``).
 from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, no stubs
+import fcntl
 import mmap
 import os
 import re
 import secrets
+import socket
 import weakref
 
 import numpy as np
@@ -218,3 +221,143 @@ def pid_alive(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:  # not our child: it exists
         return True
+
+
+class MemfdSegment:
+    """An anonymous shared-memory segment (``memfd_create``): it has no name in /dev/shm, so the
+    only way into it is its file descriptor, which its creator hands to chosen processes over a
+    Unix-domain socket (``send_segment`` / ``recv_segment``).
+
+    A created segment is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
+    F_SEAL_SEAL``): a process it was handed to cannot ``ftruncate`` it and so cannot make the
+    creator's next access of a page a SIGBUS. Pages are backed on first write (like a tmpfs file);
+    ``punch`` gives pages back to the system.
+    """
+
+    name = ""  # no name: never in /dev/shm
+
+    def __init__(
+        self,
+        size: int | None = None,
+        label: str = "kvcache",
+        reserve: bool = False,
+        fd: int | None = None,
+    ) -> None:
+        self.owner = fd is None
+        if fd is None:
+            if not size or size <= 0:
+                raise StorageError("a new memfd segment needs a positive size")
+            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, size)
+                if reserve:
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:
+                        raise StorageError(
+                            f"cannot reserve {size} bytes of memory for {label!r}: {e}; "
+                            "lower --dram"
+                        ) from None
+                seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                os.close(fd)
+                raise StorageError("the shared memory segment handed over is empty")
+        self.fd, self.size = fd, size
+        try:
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def punch(self, offset: int, length: int) -> None:
+        """Give the pages of ``[offset, offset + length)`` back (they read as zeros after)."""
+        try:
+            self._mmap.madvise(mmap.MADV_REMOVE, offset, length)
+        except (OSError, ValueError):
+            self.array[offset : offset + length] = 0  # still wipe what the range held
+
+    def close(self) -> None:
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # views are still alive elsewhere; the mapping goes when they do
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def unlink(self) -> None:
+        """Nothing to unlink: the segment goes with its last descriptor and mapping."""
+
+
+# The fd-passing exchange on a node's segment socket: the client sends one line
+# ``SHM_HELLO <ticket hex>\n``; the node answers ``OK <size>\n`` with the segment's fd attached
+# (SCM_RIGHTS), or ``DENIED <reason>\n`` and no fd.
+SHM_HELLO = b"KVCACHE-SHM/1"
+_MAX_LINE = 256
+
+
+def socket_address(name: str) -> str | bytes:
+    """A socket name as told to clients -> what ``connect``/``bind`` take: ``@name`` is Linux's
+    abstract namespace (no file, gone with the socket), anything else a filesystem path."""
+    return b"\0" + name[1:].encode() if name.startswith("@") else name
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        part = sock.recv(_MAX_LINE - len(buf))
+        if not part:
+            break
+        buf += part
+        if len(buf) >= _MAX_LINE:
+            break
+    return buf
+
+
+def read_hello(sock: socket.socket) -> bytes | None:
+    """The ticket a client's hello line carries, or None for anything else."""
+    words = _read_line(sock).split()
+    if len(words) != 2 or words[0] != SHM_HELLO:
+        return None
+    try:
+        return bytes.fromhex(words[1].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def send_segment(sock: socket.socket, segment: MemfdSegment) -> None:
+    socket.send_fds(sock, [b"OK %d\n" % segment.size], [segment.fd])
+
+
+def deny(sock: socket.socket, reason: str) -> None:
+    try:
+        sock.sendall(b"DENIED " + reason.encode("ascii", "replace") + b"\n")
+    except OSError:
+        pass
+
+
+def recv_segment(address: str, ticket: bytes, timeout_s: float = 5.0) -> MemfdSegment:
+    """Present ``ticket`` on the node's segment socket and map the segment it hands back.
+    Raises ``StorageError`` when refused or unreachable."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(socket_address(address))
+            sock.sendall(SHM_HELLO + b" " + ticket.hex().encode() + b"\n")
+            msg, fds, _, _ = socket.recv_fds(sock, _MAX_LINE, 1)
+        except OSError as e:
+            raise StorageError(f"cannot reach the node's segment socket {address}: {e}") from None
+    if not msg.startswith(b"OK ") or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        reason = msg.decode("ascii", "replace").strip() or "connection closed"
+        raise StorageError(f"the node refused its shared memory: {reason}")
+    return MemfdSegment(fd=fds[0])

@@ -115,7 +115,13 @@ class TieredStore(LeaseBook, TierMovement):
         if tier is Tier.GPU:
             return TorchSlabPool(pages, page_bytes, device=cfg.gpu_device)
         if tier is Tier.DRAM:
-            return SharedDramPool(pages, page_bytes, shm_name=cfg.shm_name, reserve=cfg.reserve_shm)
+            return SharedDramPool(
+                pages,
+                page_bytes,
+                shm_name=cfg.shm_name,
+                reserve=cfg.reserve_shm,
+                private=cfg.private_dram,
+            )
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")
         sub = xxhash.xxh64_hexdigest(self.namespace.encode())
@@ -263,6 +269,7 @@ class TieredStore(LeaseBook, TierMovement):
                     ts.free.append(slot)
                     dup += 1
                     continue
+                ts.pool.seal(slot)  # the page's checksum: checked by copy-outs and moves
                 self._publish(ts, key, slot)
                 stored += 1
             return CommitResult(stored, dup)
@@ -373,6 +380,17 @@ class TieredStore(LeaseBook, TierMovement):
                 return False
             self._n.bytes_read += self.layout.page_bytes
             return True
+
+    def checksums(self, lease: ReadLease) -> list[int]:
+        """xxh3-64 of each pinned page as committed, for readers that check what they read from
+        shared memory (the messenger, before it sends a page); 0 where none is kept (a missing
+        key, a tier without checksums)."""
+        with self._lock:
+            out: list[int] = []
+            for slot, tier in zip(lease.slots, lease.tiers):
+                ts = self._tiers.get(tier) if tier is not None and slot >= 0 else None
+                out.append((ts.pool.checksum(slot) or 0) if ts is not None else 0)
+            return out
 
     def read(self, keys: Sequence[bytes]) -> list[npt.NDArray[np.uint8] | None]:
         """Copies of the stored pages (None where missing). SSD hits are promoted when

@@ -48,7 +48,7 @@ from .frames import (
     unpack_header,
     unpack_keys_body,
 )
-from .transport import PageSource
+from .transport import PageSource, PinnedPages
 
 log = logging.getLogger(__name__)
 
@@ -452,24 +452,29 @@ class DataServer:
         except ConnectionError as e:
             return self._send_error(conn, Status.UNAVAILABLE, f"source cannot pin pages: {e}")
         try:
-            self._stream_pages(conn, keys, pinned.views)
+            self._stream_pages(conn, keys, pinned)
         finally:
             pinned.release()
 
-    def _stream_pages(self, conn: PeerConnection, keys: list[bytes], views) -> None:
+    def _stream_pages(self, conn: PeerConnection, keys: list[bytes], pinned: PinnedPages) -> None:
+        views = pinned.views
+        corrupt: list[int] = []
         batch: list = []
         batch_bytes = pages = sent_bytes = missing = 0
         corrupt_every = self.faults.corrupt_every
-        for key, view in zip(keys, views):
+        for i, (key, view) in enumerate(zip(keys, views)):
             if self.faults.stall_after:
                 batch, batch_bytes, sent_bytes = self._maybe_stall(
                     conn, batch, batch_bytes, sent_bytes
                 )
+            csum = 0 if view is None else checksum(view)
+            if view is not None and pinned.expected(i) not in (0, csum):
+                corrupt.append(i)  # changed since its commit: sent as missing
+                view = None
             if view is None:
                 batch.append(pack_header(Kind.PAGE, Status.NOT_FOUND, key=key))
                 missing += 1
             else:
-                csum = checksum(view)
                 if corrupt_every:
                     view = self._maybe_corrupt(view, corrupt_every)
                 batch.append(
@@ -485,6 +490,7 @@ class DataServer:
                 sent_bytes += batch_bytes
                 batch, batch_bytes = [], 0
         batch.append(pack_header(Kind.END))
+        pinned.corrupt(corrupt)
         # NOTE: count before the END goes out: a peer that saw END may read the stats at once.
         with self._lock:
             self.stats.pages_sent += pages

@@ -1,22 +1,22 @@
-"""The messenger's view of its own node: the DRAM slabs mapped by name, and the page source
-that serves peers from them.
+"""The messenger's view of its own node: the DRAM slabs mapped through the node client, and the
+page source that serves peers from them.
 
 Calls go through the node client library with the admin token (tenant ""), so keys are used as
 stored. Page bytes never pass through the node server: the node hands out offsets in its shared
-memory slab and the messenger reads/writes the pages there.
+memory and the messenger reads/writes the pages there. That memory is the node's slab by name, or,
+on a node with tenant tokens, the admin identity's own segment (handed over as a descriptor; see
+node/segments.py). The node's checksum of each pinned page travels with it
+(``PinnedPages.checksums``): servers check it as they checksum the page for the wire.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 import numpy as np
 
 from clients.node_client import KVCacheRpcError, KVStoreClient, NamespaceInfo
-from kvstore.errors import StorageError
-from kvstore.shm import SharedSlab
 
 from .transport import PageSource, PinnedPages
 
@@ -24,12 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class NodeAccess:
-    """A node client plus this process's own mapping of each namespace's DRAM slab."""
+    """A node client and its mapping of each namespace's shared memory."""
 
     def __init__(self, client: KVStoreClient) -> None:
         self.client = client
-        self._lock = threading.Lock()
-        self._slabs: dict[str, SharedSlab] = {}
 
     def namespaces(self) -> list[str]:
         return self.client.namespaces()
@@ -44,38 +42,29 @@ class NodeAccess:
             raise
 
     def region(self, namespace: str) -> np.ndarray:
-        """The namespace's whole DRAM slab as flat uint8, mapped once."""
-        with self._lock:
-            slab = self._slabs.get(namespace)
-        if slab is not None:
-            return slab.array
+        """The namespace's shared memory as flat uint8, mapped once (by the client)."""
         info = self.info(namespace)
-        if not info.shm_name:
+        if not info.shm_name and not info.shm_socket:
             raise LookupError(
                 f"namespace {namespace!r} has no shared-memory DRAM pool on the "
                 "node; the messenger needs one (give the node --dram)"
             )
         try:
-            slab = SharedSlab.attach(info.shm_name)
-        except StorageError as e:
+            region = self.client.shm_region(namespace)
+        except KVCacheRpcError as e:
+            raise LookupError(f"cannot open the node's shared memory: {e}") from None
+        if region is None:
             raise LookupError(
-                f"cannot map the node's pool {info.shm_name!r}: {e}; the "
-                "messenger must run on the node's host"
-            ) from None
-        with self._lock:
-            mine = self._slabs.setdefault(namespace, slab)
-        if mine is not slab:
-            slab.close()
-        return mine.array
+                f"cannot map the node's shared memory of {namespace!r}; the messenger must run "
+                "on the node's host"
+            )
+        return region
 
     def page(self, namespace: str, offset: int, page_bytes: int) -> memoryview:
         return memoryview(self.region(namespace)[offset : offset + page_bytes])
 
     def close(self) -> None:
-        with self._lock:
-            slabs, self._slabs = list(self._slabs.values()), {}
-        for slab in slabs:
-            slab.close()
+        """The mappings go with the client (``KVStoreClient.close``)."""
 
 
 class NodePageSource(PageSource):
@@ -113,4 +102,13 @@ class NodePageSource(PageSource):
                 # for correctness, but say so: a slow peer or a too short --pin-ttl.
                 log.warning("releasing pin lease %d on the node: %s", lease.lease_id, e)
 
-        return PinnedPages(views, list(lease.offsets), release)
+        def drop(indices: list[int]) -> None:
+            # A page changed after its commit (a same-host writer scribbled on it): it was not
+            # sent; drop it on the node so that nobody else is served it either.
+            log.warning("%d pinned pages failed their checksum; dropping them", len(indices))
+            try:
+                client.remove(namespace, keys=[lease.keys[i] for i in indices])
+            except KVCacheRpcError as e:
+                log.warning("could not drop corrupt pages on the node: %s", e)
+
+        return PinnedPages(views, list(lease.offsets), release, list(lease.checksums), drop)

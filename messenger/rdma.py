@@ -221,16 +221,13 @@ class RdmaSource:
         sums = np.array(
             [checksum(v) if v is not None else 0 for v in pinned.views], dtype=np.uint64
         )
-        body = pack_pinned(
-            Pinned(
-                lease_id,
-                mr.addr,
-                mr.length,
-                mr.rkey,
-                np.asarray(pinned.offsets, dtype=np.int64),
-                sums,
-            )
-        )
+        offsets = np.asarray(pinned.offsets, dtype=np.int64)
+        # A page changed since its commit is offered as missing, never as good bytes.
+        corrupt = [i for i in range(len(sums)) if pinned.expected(i) not in (0, int(sums[i]))]
+        for i in corrupt:
+            offsets[i], sums[i] = -1, 0
+        pinned.corrupt(corrupt)
+        body = pack_pinned(Pinned(lease_id, mr.addr, mr.length, mr.rkey, offsets, sums))
         conn.send(
             [
                 pack_header(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -76,6 +76,19 @@ class PinnedPages:
     views: list[memoryview | None]
     offsets: list[int]  # byte offset of each page in the namespace's region; -1
     release: Callable[[], None]
+    # The node's xxh3-64 of each page as committed (0, or none at all: not known). A server
+    # checks the page against it while it checksums the page for the wire (one pass), and
+    # sends a page that changed since its commit as missing, never as good bytes.
+    checksums: list[int] = field(default_factory=list)
+    # Told the indices of pages that failed their checksum (the node drops them).
+    drop: Callable[[list[int]], None] | None = None
+
+    def expected(self, index: int) -> int:
+        return self.checksums[index] if index < len(self.checksums) else 0
+
+    def corrupt(self, indices: list[int]) -> None:
+        if indices and self.drop is not None:
+            self.drop(indices)
 
 
 class PageSource(ABC):

@@ -158,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
             bool(tls),
             auth.enabled,
         )
-        return {"node_id": node.node_id, "shm": {ns: s.shm_name for ns, s in node.stores.items()}}
+        # NOTE: with tenants no store has a /dev/shm name (per-tenant memfds instead): none to list.
+        shm = {ns: s.shm_name for ns, s in node.stores.items() if s.shm_name}
+        return {"node_id": node.node_id, "shm": shm}
 
     def on_stopping() -> None:
         servicer.stopping = True

@@ -20,6 +20,7 @@ from kvstore.store import StoreConfig, TieredStore
 
 from .config import NodeConfig
 from .events import EventHub
+from .segments import TenantSegments
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
@@ -44,6 +45,10 @@ class Node:
         self._owners: dict[tuple[str, int], tuple[str, float]] = {}
         self._owners_lock = threading.Lock()
         self._stop = threading.Event()
+        self.segments: TenantSegments | None = None
+        # With tenants, shared memory is per tenant (node/segments.py): the DRAM pool lives in a
+        # private memfd, and no /dev/shm name is ever created.
+        private = bool(config.tenant_tokens)
         orphans = sweep_orphans()
         if orphans:
             log.warning(
@@ -56,7 +61,8 @@ class Node:
             # NOTE: all layouts' slabs at once, before any exists: one clear message naming --dram
             # instead of a later SIGBUS (slabs are sparse: only their writes need the space).
             slabs = sum(config.pages(layout)[1] * layout.page_bytes for layout in config.layouts)
-            check_shm_room(slabs, "--dram")
+            if not private:
+                check_shm_room(slabs, "--dram")
             for layout in config.layouts:
                 if layout.namespace in seen:
                     raise InvalidArgument(f"layout {layout.namespace} is configured twice")
@@ -79,11 +85,15 @@ class Node:
                         ssd_policy=config.ssd_policy,
                         promote_on_hit=config.promote_on_hit,
                         reserve_shm=config.reserve_shm,
+                        private_dram=private,
                         ssd_damaged=config.ssd_damaged,
                         lease_ttl_s=config.lease_ttl_s,
                         on_event=self.hub.notify,
                     ),
                 )
+            if private:
+                self.segments = TenantSegments(self.stores)
+                _not_dumpable()
         except BaseException:
             self.close()
             raise
@@ -147,6 +157,8 @@ class Node:
     def disown(self, namespace: str, lease_id: int) -> None:
         with self._owners_lock:
             self._owners.pop((namespace, lease_id), None)
+        if self.segments is not None:
+            self.segments.drop(namespace, lease_id)
 
     def _reap(self) -> None:
         """Expire leases of dead or slow clients: their pins drop and their pages are freed."""
@@ -164,6 +176,9 @@ class Node:
                 stale = [k for k, (_, deadline) in self._owners.items() if deadline < now - 1.0]
                 for k in stale:
                     del self._owners[k]
+            if self.segments is not None:
+                for ns, lease_id in stale:
+                    self.segments.drop(ns, lease_id)
 
     # ---- lifetime -------------------------------------------------------------------------------
 
@@ -174,5 +189,21 @@ class Node:
         """Drop leases, close lmdb, unlink shared memory."""
         self._stop.set()
         self.hub.close()
+        if self.segments is not None:
+            self.segments.close()
         for store in self.stores.values():
             store.close()
+
+
+def _not_dumpable() -> None:
+    """Make /proc/<pid>/fd and /proc/<pid>/mem of the node closed to other processes of its user
+    (PR_SET_DUMPABLE 0): a tenant running as the node's user cannot open the node's memfds
+    through /proc. Root still can; tenants should run as other users."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            log.warning("cannot make the node non-dumpable (errno %d)", ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        log.warning("cannot make the node non-dumpable: %s", e)

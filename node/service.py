@@ -9,7 +9,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.events import EventKind
 from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
@@ -22,6 +22,7 @@ from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
 from .metrics import NodeMetrics
 from .node import Node, Selection
+from .segments import TICKET_TTL_S
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
@@ -75,6 +76,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         import socket
 
         namespaces = []
+        segs = self.node.segments
         for ns, store in self.node.stores.items():
             page = store.layout.page_bytes
             namespaces.append(
@@ -84,6 +86,8 @@ class NodeServicer(pbg.NodeServiceServicer):
                     shm_name=store.shm_name or "",
                     page_bytes=page,
                     tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers],
+                    shm_socket=segs.socket_name if segs else "",
+                    segment_bytes=segs.segment_bytes(ns) if segs else 0,
                 )
             )
         return pb.NodeInfo(
@@ -111,6 +115,8 @@ class NodeServicer(pbg.NodeServiceServicer):
         store = sel.store
         lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        if self.node.segments is not None:  # written in the tenant's segment, copied at Commit
+            self.node.segments.hold(store.namespace, lease.lease_id, tenant, lease.slots)
         page = store.layout.page_bytes
         return pb.AllocateReply(
             lease_id=lease.lease_id,
@@ -132,7 +138,21 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed
     def Commit(self, request, context):
-        res = self._end_lease(request, context, TieredStore.commit)
+        segs = self.node.segments
+
+        def commit(store: TieredStore, lease_id: int):
+            if segs is not None:
+                try:
+                    segs.fill(store, lease_id)  # the tenant's pages into the store's
+                except BaseException:
+                    try:
+                        store.abort(lease_id)
+                    except KVStoreError:
+                        pass  # expired already
+                    raise
+            return store.commit(lease_id)
+
+        res = self._end_lease(request, context, commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
 
     @observed
@@ -149,14 +169,51 @@ class NodeServicer(pbg.NodeServiceServicer):
         n = len(keys)
         lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        offsets = self._offsets(store, lease)
+        tiers = [tier_to_pb(t) for t in lease.tiers]
+        if self.node.segments is not None:
+            self._stage_reads(store, lease, tenant, offsets, tiers)
         return pb.AcquireReply(
             lease_id=lease.lease_id,
             shm_name=store.shm_name or "",
             page_bytes=store.layout.page_bytes,
-            offsets=self._offsets(store, lease),
-            tiers=[tier_to_pb(t) for t in lease.tiers],
+            offsets=offsets,
+            tiers=tiers,
             ttl_s=lease.expires_at - time.monotonic(),
             keys=sel.raw[:n],
+            checksums=store.checksums(lease),
+        )
+
+    def _stage_reads(
+        self, store: TieredStore, lease: ReadLease, tenant: str, offsets: list, tiers: list
+    ) -> None:
+        """Copy a read lease's DRAM pages into the tenant's segment (checking their checksums: a
+        page that fails is dropped and reported missing)."""
+        segs = self.node.segments
+        assert segs is not None
+        page = store.layout.page_bytes
+        slots = [off // page if off >= 0 else -1 for off in offsets]
+        segs.hold(store.namespace, lease.lease_id, tenant, slots)
+        for i, slot in enumerate(slots):
+            if slot >= 0 and not store.copy_out(lease, i, segs.page(store.namespace, tenant, slot)):
+                log.warning("dropped a corrupt DRAM page of %s on Acquire", store.namespace)
+                offsets[i], tiers[i] = -1, cpb.TIER_UNSPECIFIED
+
+    @observed
+    def OpenShm(self, request, context):
+        segs = self.node.segments
+        if segs is None:
+            raise FailedPrecondition(
+                "this node has no per-tenant shared memory (no tenant tokens): map the "
+                "namespace's shm_name from GetInfo instead"
+            )
+        tenant = self.auth.tenant(context)
+        self.node.store(request.namespace)  # INVALID_ARGUMENT for a namespace not served
+        return pb.OpenShmReply(
+            ticket=segs.ticket(request.namespace, tenant),
+            socket=segs.socket_name,
+            segment_bytes=segs.segment_bytes(request.namespace),
+            ttl_s=TICKET_TTL_S,
         )
 
     @observed

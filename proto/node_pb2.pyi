@@ -15,18 +15,22 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("namespace", "layout", "shm_name", "page_bytes", "tiers")
+    __slots__ = ("namespace", "layout", "shm_name", "page_bytes", "tiers", "shm_socket", "segment_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: _common_pb2.Layout
     shm_name: str
     page_bytes: int
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ...) -> None: ...
+    shm_socket: str
+    segment_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., shm_socket: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "namespaces", "hostname", "pid")
@@ -101,7 +105,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: bool = ...) -> None: ...
 
 class AcquireReply(_message.Message):
-    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys")
+    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys", "checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +113,7 @@ class AcquireReply(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     shm_name: str
     page_bytes: int
@@ -116,7 +121,26 @@ class AcquireReply(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     ttl_s: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenShmRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class OpenShmReply(_message.Message):
+    __slots__ = ("ticket", "socket", "segment_bytes", "ttl_s")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    socket: str
+    segment_bytes: int
+    ttl_s: float
+    def __init__(self, ticket: _Optional[bytes] = ..., socket: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class ExtendLeaseRequest(_message.Message):
     __slots__ = ("namespace", "lease_id", "ttl_s")

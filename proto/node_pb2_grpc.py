@@ -75,6 +75,11 @@ class NodeServiceStub(object):
                 request_serializer=proto_dot_node__pb2.ExtendLeaseRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.ExtendLeaseReply.FromString,
                 _registered_method=True)
+        self.OpenShm = channel.unary_unary(
+                '/kvcache.v1.NodeService/OpenShm',
+                request_serializer=proto_dot_node__pb2.OpenShmRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.OpenShmReply.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvcache.v1.NodeService/Put',
                 request_serializer=proto_dot_node__pb2.PutChunk.SerializeToString,
@@ -157,6 +162,15 @@ class NodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenShm(self, request, context):
+        """With tenants configured, shared memory is per tenant: a one-time ticket for the caller's own
+        segment of a namespace, presented on the node's segment socket, which answers with the
+        segment's file descriptor (SCM_RIGHTS). Allocate / Acquire offsets then point into it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request_iterator, context):
         """Streamed page bytes for clients without shared memory. Put: a header, then the pages' bytes
         in order (chunks of any size). Get: a header, then the found pages' bytes in order.
@@ -233,6 +247,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.ExtendLease,
                     request_deserializer=proto_dot_node__pb2.ExtendLeaseRequest.FromString,
                     response_serializer=proto_dot_node__pb2.ExtendLeaseReply.SerializeToString,
+            ),
+            'OpenShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenShm,
+                    request_deserializer=proto_dot_node__pb2.OpenShmRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.OpenShmReply.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -476,6 +495,33 @@ class NodeService(object):
             '/kvcache.v1.NodeService/ExtendLease',
             proto_dot_node__pb2.ExtendLeaseRequest.SerializeToString,
             proto_dot_node__pb2.ExtendLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.NodeService/OpenShm',
+            proto_dot_node__pb2.OpenShmRequest.SerializeToString,
+            proto_dot_node__pb2.OpenShmReply.FromString,
             options,
             channel_credentials,
             insecure,

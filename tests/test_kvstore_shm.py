@@ -243,3 +243,76 @@ def test_the_sweep_keeps_a_live_slab_of_another_pid_namespace():
         proc.stdin.close()
         proc.wait(30)
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+# ---- DRAM page checksums ---------------------------------------------------------------------
+
+
+def test_a_dram_page_scribbled_on_after_commit_is_dropped_on_copy_out():
+    with make_store(dram_pages=4) as store:
+        lease = store.allocate(keys(1, 2))
+        for i in lease.to_write:
+            store.page_view(lease, i)[:] = page(i + 1).view(np.uint8)  # in place, as a client
+        store.commit(lease.lease_id)
+        slot = store.acquire(keys(1)).slots[0]
+        # the writer kept its view of the slab and scribbles on the committed page
+        slab = SharedSlab.attach(store.shm_name)
+        slab.array[slot * LAYOUT.page_bytes + 7] ^= 0xFF
+        slab.close()
+        assert store.read(keys(1, 2))[0] is None  # caught, not served
+        assert store.read(keys(2))[0].tobytes() == page(2).tobytes()
+        assert store.contains(keys(1, 2)) == [False, True]  # dropped
+        assert store.stats().corrupt_pages == 1
+        store.check_invariants()
+
+
+def test_checksums_of_dram_pages_are_what_readers_check_against():
+    import xxhash
+
+    with make_store(dram_pages=4) as store:
+        store.put(keys(1, 2), [page(1), page(2)])
+        lease = store.acquire(keys(1, 3, 2))
+        assert store.checksums(lease) == [
+            xxhash.xxh3_64_intdigest(page(1).view(np.uint8)),
+            0,  # missing
+            xxhash.xxh3_64_intdigest(page(2).view(np.uint8)),
+        ]
+        store.release(lease.lease_id)
+
+
+def test_a_page_demoted_and_promoted_back_keeps_a_checksum(tmp_path):
+    with make_store(dram_pages=1, ssd_pages=4, ssd_dir=str(tmp_path)) as store:
+        store.put(keys(1), [page(1)])
+        store.put(keys(2), [page(2)])  # demotes 1 to the SSD
+        lease = store.acquire(keys(1), into="DRAM")  # promotes it back
+        assert store.checksums(lease)[0] != 0
+        store.release(lease.lease_id)
+        assert store.read(keys(1))[0].tobytes() == page(1).tobytes()
+
+
+# ---- memfd segments: no name, handed over as a descriptor --------------------------------------
+
+
+def test_a_private_dram_pool_creates_nothing_in_dev_shm():
+    before = set(os.listdir("/dev/shm"))
+    with make_store(dram_pages=4, private_dram=True) as store:
+        assert store.shm_name is None
+        store.put(keys(1), [page(1)])
+        assert store.read(keys(1))[0].tobytes() == page(1).tobytes()
+        assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_a_memfd_segment_is_sealed_against_resizing():
+    from kvstore.shm import MemfdSegment
+
+    seg = MemfdSegment(1 << 16)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)  # would make the owner's next access a SIGBUS
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 1 << 20)
+        seg.array[:4096] = 7
+        seg.punch(0, 4096)
+        assert not seg.array[:4096].any()
+    finally:
+        seg.close()

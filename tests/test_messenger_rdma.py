@@ -967,3 +967,41 @@ def test_rdma_between_real_nodes_through_the_mover(start_node):
         dst_access.close()
         ca.close()
         cb.close()
+
+
+class _CheckedSource(SlabPageSource):
+    """Pins carry the checksums taken at commit, as the node's do; page 5 changed since."""
+
+    dropped: list[bytes]
+
+    def pin(self, namespace, keys):
+        import xxhash
+
+        pinned = super().pin(namespace, keys)
+        pinned.checksums = [
+            xxhash.xxh3_64_intdigest(v) if v is not None else 0 for v in pinned.views
+        ]
+        if len(keys) > 5 and pinned.views[5] is not None:
+            pinned.checksums[5] ^= 1  # as if the page was scribbled on after its commit
+        self.dropped = []
+        pinned.drop = lambda idx: self.dropped.extend(keys[i] for i in idx)
+        return pinned
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_a_page_that_changed_since_its_commit_is_offered_as_missing(setup, transport):
+    from messenger.tcp import TcpConfig
+
+    src = _CheckedSource(NS, setup.src_region, PB, dict(setup.source.slots))
+    setup.server.source = src
+    if hasattr(setup, "rdma_source"):
+        setup.rdma_source.source = src
+    t = setup.rdma if transport == "rdma" else TcpTransport(TcpConfig(lanes=1))
+    try:
+        res = t.fetch(setup.server.address, NS, setup.keys[:8], setup.views()[:8])
+    finally:
+        if transport == "tcp":
+            t.close()
+    assert [r.ok for r in res] == [i != 5 for i in range(8)]
+    assert res[5].outcome is Outcome.NOT_FOUND
+    assert src.dropped == [setup.keys[5]]

@@ -48,10 +48,11 @@ class Pair:
         dram: str = "16MiB",
         messenger_args=(),
         token: str | None = None,
+        node_args=(),
     ) -> None:
         auth = ("--token", token) if token else ()
         self.node = start_service(
-            ["node", "--dram", dram, "--layout", TEST_LAYOUT, *auth], log_dir=tmp
+            ["node", "--dram", dram, "--layout", TEST_LAYOUT, *auth, *node_args], log_dir=tmp
         )
         procs.append(self.node)
         self.messenger = start_service(
@@ -99,9 +100,16 @@ def cluster(tmp_path):
     procs: list = []
     pairs: list[Pair] = []
 
-    def start(a_args=(), b_args=(), b_dram="16MiB", token=None):
-        a = Pair(procs, str(tmp_path), messenger_args=a_args, token=token)
-        b = Pair(procs, str(tmp_path), dram=b_dram, messenger_args=b_args, token=token)
+    def start(a_args=(), b_args=(), b_dram="16MiB", token=None, node_args=()):
+        a = Pair(procs, str(tmp_path), messenger_args=a_args, token=token, node_args=node_args)
+        b = Pair(
+            procs,
+            str(tmp_path),
+            dram=b_dram,
+            messenger_args=b_args,
+            token=token,
+            node_args=node_args,
+        )
         pairs.extend([a, b])
         return a, b
 
@@ -386,6 +394,33 @@ def test_token_everywhere(cluster):
     finally:
         t.close()
     assert not res[0].ok and "token" in res[0].reason
+
+
+def test_messengers_of_nodes_with_tenants_move_pages_through_their_own_segments(cluster):
+    """Nodes with tenant tokens have no /dev/shm slab: each messenger maps the admin identity's
+    own segment (OpenShm + the segment socket) on both ends of a transfer."""
+    a, b = cluster(token="t0k", node_args=("--tenant-token", "tt=alice"))
+    assert a.client.namespace_info(NS).shm_socket and not a.client.namespace_info(NS).shm_name
+    keys, pages = make_keys(24, start=70_000), make_pages(24, seed=11)
+    a.client.put(NS, list(pages), keys=keys)
+    assert transfer(b, a, keys).done == 24
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(g, p) for g, p in zip(got, pages))
+    assert a.pinned() == 0
+
+
+def test_a_page_scribbled_on_after_commit_is_never_sent_and_dropped(shared_pair):
+    a, b = shared_pair
+    keys, pages = make_keys(4, start=80_000), make_pages(4, seed=12)
+    lease = a.client.allocate(NS, keys=keys)
+    for i in lease.to_write:
+        lease.page(i)[:] = pages[i]
+    lease.commit()
+    lease.page(2)[:64] ^= 0xFF  # a same-host writer kept its view of the slab
+    status = transfer(b, a, keys)
+    assert status.done == 3 and status.entries[2].code == "NOT_FOUND"
+    assert present(b.client, keys) == [True, True, False, True]
+    assert a.client.lookup(NS, keys=keys).hit_blocks == 2  # the source dropped it
 
 
 def test_conductor_transfer_hook_moves_a_plan(shared_pair):

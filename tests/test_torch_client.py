@@ -256,3 +256,31 @@ def test_cuda_round_trip_side_stream(connect):
             assert k.device.type == "cuda"
             torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
             torch.testing.assert_close(v, layers[l][1], rtol=0, atol=0)
+
+
+def test_tenants_round_trip_through_their_own_segments(start_kvcache):
+    """With tenant tokens the node has no /dev/shm slab: each tenant's torch client loads and
+    stores layer by layer through its own segment, and sees only its own blocks."""
+    node = start_node_for(
+        start_kvcache, LAYOUT, "16MiB", "--tenant-token", "ta=alice", "--tenant-token", "tb=bob"
+    )
+    assert node.info["shm"] == {}
+    alice = TorchKVClient.connect(node.address, LAYOUT, token="ta")
+    bob = TorchKVClient.connect(node.address, LAYOUT, token="tb")
+    try:
+        assert alice.shared_memory and bob.shared_memory
+        tokens = prompt(3 * BT, seed=7)
+        for kv, seed in ((alice, 8), (bob, 9)):
+            layers = hf_kv(tokens.numel(), seed=seed)
+            with kv.store(kv.request(tokens)) as store:
+                for l, (k, v) in enumerate(layers):
+                    store.put_layer(l, k, v)
+                assert store.finish().stored == 3
+            with kv.load(kv.request(tokens)) as load:
+                for l, k, v in load:
+                    torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+                    torch.testing.assert_close(v, layers[l][1], rtol=0, atol=0)
+        assert alice.lookup(prompt(3 * BT, seed=70)) == 0
+    finally:
+        alice.close()
+        bob.close()
