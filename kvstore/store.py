@@ -202,7 +202,16 @@ class TieredStore(LeaseBook, TierMovement):
             ts = self._tier(target)
             self._expire_locked()
             missing = [i for i, k in enumerate(checked) if k not in self._index]
-            pages = self._reserve(ts, len(missing))
+            # NOTE: pin the request's own stored blocks (its cached prefix, in any tier) while
+            # making room: evicting them for the new pages would leave holes in what the writer
+            # is about to reuse. No room otherwise: CapacityExhausted, not a hole.
+            own = [(k, self._index[k]) for k in checked if k in self._index]
+            for _, block in own:
+                self._pin(block)
+            try:
+                pages = self._reserve(ts, len(missing))
+            finally:
+                self._unpin_blocks(own)
             slots = [-1] * len(checked)
             for i, slot in zip(missing, pages):
                 slots[i] = slot

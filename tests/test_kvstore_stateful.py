@@ -130,13 +130,16 @@ class StoreMachine(RuleBasedStateMachine):
                 assert self.tiers.pop(e.key, None) == e.tier, f"EVICTED {e} of a key not there"
                 self.content.pop(e.key, None)
 
-    def fits(self, tier: Tier, missing: int) -> bool | None:
-        """Whether allocating ``missing`` pages in ``tier`` must succeed (True) or raise
-        CapacityExhausted (False); None when a pending expiry makes it depend on the sweep."""
+    def fits(self, tier: Tier, keys: list[bytes]) -> bool | None:
+        """Whether allocating ``keys`` in ``tier`` must succeed (True) or raise
+        CapacityExhausted (False); None when a pending expiry makes it depend on the sweep.
+        The request's own stored blocks are never evicted to make room for its new ones."""
         if self.expiry_pending():
             return None
+        missing = sum(k not in self.tiers for k in keys)
+        own = [self.store._index[k] for k in keys if self.tiers.get(k) is tier]
         ts = next(t for t in self.store.stats().tiers if t.tier is tier)
-        evictable = ts.used_pages - ts.pinned_blocks
+        evictable = ts.used_pages - ts.pinned_blocks - sum(b.pins == 0 for b in own)
         return missing - ts.free_pages <= evictable
 
     def check_bytes(self, out: object, seed: int | None, what: str) -> None:
@@ -203,7 +206,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.blocked(keys):
             return
         missing = [k for k in keys if k not in self.tiers]
-        expect = self.fits(self.write_tier, len(missing))
+        expect = self.fits(self.write_tier, keys)
         seeds = {k: self.seed() for k in keys}
         self.sweep()
         try:
@@ -226,7 +229,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.blocked(keys):
             return
         missing = [k for k in keys if k not in self.tiers]
-        expect = self.fits(self.write_tier, len(missing))
+        expect = self.fits(self.write_tier, keys)
         self.sweep()
         try:
             lease = self.store.allocate(keys, ttl_s=ttl)

@@ -146,3 +146,36 @@ def test_allocate_into_another_tier(tmp_path):
         assert store.lookup([key(1)]).tiers == [Tier.SSD]
         with pytest.raises(InvalidArgument, match="no GPU tier"):
             store.allocate([key(2)], tier=Tier.GPU)
+
+
+# ---- an allocate never evicts the prefix it is about to reuse -----------------------------------
+
+
+def test_allocate_does_not_evict_the_requests_own_prefix(store):
+    store.put(keys(0, 1, 2), [page(i) for i in range(3)])  # the cached prefix; 1 page free
+    # [k0 k1 k2] stored, [k3 k4] new: room for k4 would have evicted k0, the LRU block
+    with pytest.raises(CapacityExhausted):
+        store.allocate(keys(0, 1, 2, 3, 4))
+    assert store.contains(keys(0, 1, 2)) == [True] * 3  # was [False, True, True]: a hole
+    store.put([key(9)], [page(9)])  # an unrelated block fills the last page
+    lease = store.allocate(keys(0, 1, 2, 3))  # evicts k9, never the prefix
+    assert lease.to_write == [3]
+    assert store.contains(keys(0, 1, 2, 9)) == [True, True, True, False]
+    store.write(lease.lease_id, 3, page(3))
+    store.commit(lease.lease_id)
+    assert [p.tobytes() for p in store.read(keys(0, 1, 2, 3))] == [
+        page(i).tobytes() for i in range(4)
+    ]
+    store.check_invariants()
+
+
+def test_allocate_keeps_the_prefix_on_lower_tiers_too(tmp_path):
+    # k0 sits on the SSD: demoting DRAM victims there must not push it out either.
+    with make_store(tmp_path, dram_pages=2, ssd_pages=1) as store:
+        store.put([key(0)], [page(0)])
+        store.put(keys(1, 2), [page(1), page(2)])  # k0 demoted to the SSD
+        assert store.lookup([key(0)]).tiers == [Tier.SSD]
+        lease = store.allocate(keys(0, 3))  # k1 is evicted: dropped, the SSD holds k0
+        assert store.contains(keys(0, 1, 2)) == [True, False, True]
+        store.abort(lease.lease_id)
+        store.check_invariants()
