@@ -197,6 +197,28 @@ def test_write_lease_expires_and_its_pages_return(start_node):
         c.allocate(NS, tokens=tokens(2, start=500)).abort()
 
 
+def test_allocate_never_evicts_the_prefix_it_reuses(start_node):
+    node = start_node(dram="32KiB")  # 4 pages
+    pages = pages_for(5, seed=5)
+    with KVStoreClient(node.address) as c, KVStoreClient(node.address, use_shm=False) as s:
+        c.put(NS, pages[:3], tokens=tokens(3))  # the cached prefix; one page free
+        for call in (
+            lambda: c.allocate(NS, tokens=tokens(5)),  # blocks 3, 4 new: one page short
+            lambda: s.put(NS, pages, tokens=tokens(5)),  # a streamed Put allocates the same way
+        ):
+            with pytest.raises(KVCacheRpcError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.lookup(NS, tokens=tokens(5)).hit_blocks == 3  # was 0: block 0 evicted
+        lease = c.allocate(NS, tokens=tokens(4))
+        assert lease.to_write == [3]
+        lease.page(3)[:] = pages[3]
+        lease.commit()
+        got = c.get(NS, tokens=tokens(4))
+        for want, have in zip(pages, got):
+            np.testing.assert_array_equal(want, have)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 
