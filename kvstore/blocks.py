@@ -10,7 +10,7 @@ combines them, so all of them work on this one state under the one store lock. I
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .errors import InvalidArgument
@@ -39,10 +39,14 @@ class TierState:
     free: list[int]
     keys: list[BlockKey | None]  # per slot: the committed block's key, None when free or leased
     leased: int = 0
+    quarantined: int = 0  # pages of expired write leases, held back from reuse for a while
     pinned: int = 0
     hits: int = 0
     evictions: int = 0
     write_error: str | None = None  # the pool's last refused write, until one succeeds
+    # Per slot: bumped each time the slot leaves the free list, so a write lease can tell that
+    # a page it was given has since gone to someone else (a fence against late writers).
+    gens: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -5,22 +5,27 @@ every step. It reads the shared state directly (it is the store's own auditor) a
 broken invariant, so one failure shows all that went wrong at once instead of the first symptom.
 
 Checked:
-- page ownership: each slot of each tier is exactly one of free, leased to a live write lease, or
-  committed (``tier.keys``); ``tier.leased`` counts the leased ones;
+- page ownership: each slot of each tier is exactly one of free, leased to a live write lease,
+  quarantined (an expired write lease's, held back from reuse) or committed (``tier.keys``);
+  ``tier.leased`` and ``tier.quarantined`` count them; a quarantined page comes back at a finite
+  time, and no live lease is quarantined;
+- generations: a live write lease's pages still have the generations it was given (nobody else
+  got them since);
 - blocks: every indexed block sits in the slot its tier says holds its key, and no slot holds two
   blocks; a block out of the index is still held only while pinned (``doomed``);
 - pins: >= 0, equal to the number of live read leases holding the block; ``tier.pinned`` counts
   the pinned blocks of the tier;
 - eviction policy: holds exactly the committed, unpinned slots of its tier;
-- accounting: used = capacity - free - leased (what ``stats`` reports) equals the committed
-  pages; pools have the tier's page count and the layout's page size (the DRAM slab is exactly
-  pages x page_bytes); the SSD tier's lmdb holds exactly one page per committed SSD block; bytes
-  read are whole pages and bytes written whole layers;
+- accounting: used = capacity - free - leased - quarantined (what ``stats`` reports) equals the
+  committed pages; pools have the tier's page count and the layout's page size (the DRAM slab is
+  exactly pages x page_bytes); the SSD tier's lmdb holds exactly one page per committed SSD block;
+  bytes read are whole pages and bytes written whole layers;
 - leases: every live lease has a deadline entry, so it can expire.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from .blocks import Block, TierState
@@ -42,12 +47,14 @@ def check_store(store: LeaseBook) -> None:
     problems: list[str] = []
     blocks = _check_blocks(store, problems)
     leased = _check_write_leases(store, problems)
+    quarantined = _check_quarantine(store, problems)
     for tier, ts in sorted(store._tiers.items()):
         _check_tier(
             store,
             ts,
             [b for b in blocks.values() if b[1].tier is tier],
             leased.get(tier, []),
+            quarantined.get(tier, []),
             problems,
         )
     _check_deadlines(store, problems)
@@ -128,10 +135,42 @@ def _check_write_leases(store: LeaseBook, problems: list[str]) -> dict[Tier, lis
             problems.append(f"write lease {lease_id} is on the absent {lease.tier.name} tier")
             continue
         leased.setdefault(lease.tier, []).extend(s for s in lease.slots if s >= 0)
+        gens = store._tiers[lease.tier].gens
+        if len(lease.generations) != len(lease.slots):
+            problems.append(f"write lease {lease_id} has no generation for each slot")
+        else:
+            stale = [s for s, g in zip(lease.slots, lease.generations) if s >= 0 and gens[s] != g]
+            if stale:
+                problems.append(
+                    f"write lease {lease_id} is live but its {lease.tier.name} slots {stale} "
+                    "went to someone else since (generation changed)"
+                )
     both = store._write_leases.keys() & store._read_leases.keys()
     if both:
         problems.append(f"lease ids {sorted(both)} are both write and read leases")
     return leased
+
+
+def _check_quarantine(store: LeaseBook, problems: list[str]) -> dict[Tier, list[int]]:
+    """The slots held in quarantine, per tier (with repeats); each entry must come back."""
+    held: dict[Tier, list[int]] = {}
+    ids = set()
+    for release_at, lease_id, tier, slots in store._quarantine:
+        ids.add(lease_id)
+        if not math.isfinite(release_at):
+            problems.append(f"quarantine of write lease {lease_id} never ends ({release_at})")
+        if lease_id in store._write_leases:
+            problems.append(f"write lease {lease_id} is both live and quarantined")
+        if tier not in store._tiers:
+            problems.append(f"write lease {lease_id} is quarantined on the absent {tier.name} tier")
+            continue
+        held.setdefault(tier, []).extend(slots)
+    if ids != store._quarantined:
+        problems.append(
+            f"quarantined lease ids {sorted(store._quarantined)} do not match the entries "
+            f"{sorted(ids)}"
+        )
+    return held
 
 
 def _check_tier(
@@ -139,12 +178,13 @@ def _check_tier(
     ts: TierState,
     blocks: list[tuple[BlockKey, Block]],
     leased: list[int],
+    quarantined: list[int],
     problems: list[str],
 ) -> None:
     name, cap = ts.tier.name, len(ts.keys)
-    # Page ownership: free / leased / committed, exactly one each.
+    # Page ownership: free / leased / quarantined / committed, exactly one each.
     owners: dict[int, list[str]] = {}
-    for what, slots in (("free", ts.free), ("leased", leased)):
+    for what, slots in (("free", ts.free), ("leased", leased), ("quarantined", quarantined)):
         for s in slots:
             owners.setdefault(s, []).append(what)
     for s, key in enumerate(ts.keys):
@@ -155,19 +195,28 @@ def _check_tier(
         if len(got) != 1:
             problems.append(
                 f"{name} slot {s} is owned by {got or 'nobody'}; expected exactly "
-                "one of free, leased, committed"
+                "one of free, leased, quarantined, committed"
             )
     if owners:
-        problems.append(f"{name} free/leased lists name slots outside [0, {cap}): {sorted(owners)}")
+        problems.append(
+            f"{name} free/leased/quarantined lists name slots outside [0, {cap}): {sorted(owners)}"
+        )
     if ts.leased != len(leased):
         problems.append(
             f"{name} counts {ts.leased} leased pages; live write leases hold {len(leased)}"
         )
+    if ts.quarantined != len(quarantined):
+        problems.append(
+            f"{name} counts {ts.quarantined} quarantined pages; the quarantine holds "
+            f"{len(quarantined)}"
+        )
+    if len(ts.gens) != cap:
+        problems.append(f"{name} has {len(ts.gens)} slot generations for {cap} slots")
     committed = [s for s, key in enumerate(ts.keys) if key is not None]
-    used = cap - len(ts.free) - ts.leased
+    used = cap - len(ts.free) - ts.leased - ts.quarantined
     if used != len(committed):
         problems.append(
-            f"{name} reports {used} used pages (capacity - free - leased); "
+            f"{name} reports {used} used pages (capacity - free - leased - quarantined); "
             f"{len(committed)} are committed"
         )
     # Every committed page belongs to a live block (else it can never be freed).
@@ -233,7 +282,7 @@ def _check_counters(store: LeaseBook, problems: list[str]) -> None:
     n, layout = store._n, store.layout
     negative = {k: v for k, v in vars(n).items() if v < 0}
     for ts in store._tiers.values():
-        for k in ("leased", "pinned", "hits", "evictions"):
+        for k in ("leased", "quarantined", "pinned", "hits", "evictions"):
             if getattr(ts, k) < 0:
                 negative[f"{ts.tier.name}.{k}"] = getattr(ts, k)
     if negative:

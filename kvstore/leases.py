@@ -3,13 +3,20 @@
 A write lease owns the free pages it was given until commit, abort or expiry; a read lease owns one
 pin on each block it found. Deadlines sit in one heap, swept lazily (``_expire_locked``) at the
 start of every operation that depends on a lease being alive.
+
+An expired write lease's pages are quarantined, not freed: a same-host writer fills shared memory
+directly, so a slow one may still write after its lease ended, and a page handed to the next
+writer would take those bytes. They go back to the free list ``quarantine_s`` after the deadline
+(an abort, which the writer sends itself, frees them at once). Each slot also carries a
+generation, bumped when it leaves the free list: a lease whose page generations changed is
+stale, and neither its page views nor its commit are honoured.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .blocks import Block, BlockStore
 from .errors import FailedPrecondition, InvalidArgument, NotFound
@@ -26,6 +33,7 @@ class WriteLease:
     keys: list[BlockKey]
     slots: list[int]  # page slot to write for each key; -1: already stored, skip it
     expires_at: float
+    generations: list[int] = field(default_factory=list)  # of each slot when it was leased
 
     @property
     def to_write(self) -> list[int]:
@@ -68,6 +76,11 @@ class LeaseBook(BlockStore):
         # be skipped by the sweep, so a lease is expired only when its *current* deadline passed.
         self._deadlines: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        q = config.quarantine_s
+        self._quarantine_s = 3 * config.lease_ttl_s if q is None else q
+        # (release time, lease id, tier, slots) of expired write leases, soonest first.
+        self._quarantine: list[tuple[float, int, Tier, list[int]]] = []
+        self._quarantined: set[int] = set()  # their lease ids: a late commit says why it failed
 
     def _ttl(self, ttl_s: float | None) -> float:
         ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
@@ -76,11 +89,11 @@ class LeaseBook(BlockStore):
         return float(ttl_s)
 
     def _add_write_lease(
-        self, tier: Tier, keys: list[BlockKey], slots: list[int], ttl_s: float
+        self, tier: Tier, keys: list[BlockKey], slots: list[int], gens: list[int], ttl_s: float
     ) -> WriteLease:
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ttl_s
-        lease = WriteLease(lease_id, tier, keys, slots, deadline)
+        lease = WriteLease(lease_id, tier, keys, slots, deadline, gens)
         self._write_leases[lease_id] = WriteLeaseState(lease, deadline)
         heapq.heappush(self._deadlines, (deadline, lease_id))
         return lease
@@ -132,6 +145,37 @@ class LeaseBook(BlockStore):
             raise FailedPrecondition(f"key #{index} is already stored; there is nothing to write")
         return lease, slot
 
+    def _check_generations(self, lease: WriteLease, index: int | None = None) -> None:
+        """FailedPrecondition when a page of ``lease`` (or just page ``index``) was given to
+        someone else since: the lease is stale, and what it wrote there is not its own."""
+        gens = self._tiers[lease.tier].gens
+        for i in range(len(lease.slots)) if index is None else (index,):
+            slot = lease.slots[i]
+            if slot >= 0 and gens[slot] != lease.generations[i]:
+                raise FailedPrecondition(
+                    f"write lease {lease.lease_id} is stale: its page #{i} was reused after "
+                    "the lease expired; its content is not trusted, allocate again"
+                )
+
+    def _quarantine_write_lease(self, lease: WriteLease, deadline: float) -> None:
+        ts = self._tiers[lease.tier]
+        slots = [s for s in lease.slots if s >= 0]
+        ts.leased -= len(slots)
+        ts.quarantined += len(slots)
+        heapq.heappush(
+            self._quarantine, (deadline + self._quarantine_s, lease.lease_id, lease.tier, slots)
+        )
+        self._quarantined.add(lease.lease_id)
+
+    def _release_quarantine(self, now: float) -> None:
+        heap = self._quarantine
+        while heap and heap[0][0] <= now:
+            _, lease_id, tier, slots = heapq.heappop(heap)
+            ts = self._tiers[tier]
+            ts.quarantined -= len(slots)
+            ts.free.extend(slots)
+            self._quarantined.discard(lease_id)
+
     def _free_write_lease(self, lease: WriteLease) -> None:
         ts = self._tiers[lease.tier]
         for slot in lease.slots:
@@ -148,7 +192,7 @@ class LeaseBook(BlockStore):
             w = self._write_leases.get(lease_id)
             if w is not None and w.deadline <= now:
                 del self._write_leases[lease_id]
-                self._free_write_lease(w.lease)
+                self._quarantine_write_lease(w.lease, w.deadline)
                 expired += 1
                 continue
             r = self._read_leases.get(lease_id)
@@ -156,5 +200,6 @@ class LeaseBook(BlockStore):
                 del self._read_leases[lease_id]
                 self._unpin_blocks(r.blocks)
                 expired += 1
+        self._release_quarantine(now)
         self._n.expired_leases += expired
         return expired

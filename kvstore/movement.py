@@ -35,10 +35,15 @@ class TierMovement(BlockStore):
         if need > 0:
             if need > len(ts.policy):
                 held = len(ts.keys) - len(ts.free) - len(ts.policy)
+                quarantine = (
+                    f" ({ts.quarantined} quarantined after their write lease expired)"
+                    if ts.quarantined
+                    else ""
+                )
                 raise CapacityExhausted(
                     f"{ts.tier.name} tier is full: need {n} pages, {len(ts.free)} free and "
                     f"{len(ts.policy)} evictable; the other {held} are pinned by readers or "
-                    "leased to writers. Release leases or add capacity"
+                    f"leased to writers{quarantine}. Release leases or add capacity"
                 )
             victims: list[int] = []
             for _ in range(need):
@@ -49,6 +54,9 @@ class TierMovement(BlockStore):
         free = ts.free
         out = free[-n:]
         del free[-n:]
+        gens = ts.gens
+        for slot in out:
+            gens[slot] += 1
         return out
 
     def _next_tier(self, tier: Tier) -> TierState | None:

@@ -36,6 +36,9 @@ class StoreConfig:
     ssd_damaged: str = "refuse"  # a damaged lmdb file at start: "refuse", or "move-aside"
     metadata_only: bool = False
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    # Pages of an expired write lease are held this long before they are reused: a same-host
+    # writer fills shared memory directly and may still be writing. None: 3 x lease_ttl_s.
+    quarantine_s: float | None = None
     max_events: int = 1 << 20
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[[], None] | None = None  # called (under the store lock) after new events
@@ -62,11 +65,13 @@ class TierStats:
     pinned_blocks: int
     hits: int
     evictions: int
+    quarantined_pages: int = 0  # of expired write leases, not reusable yet (see quarantine_s)
 
     @property
     def free_pages(self) -> int:
-        """Pages neither committed nor leased to a writer: what an allocation can take now."""
-        return self.capacity_pages - self.used_pages - self.leased_pages
+        """Pages neither committed, leased to a writer nor quarantined: what an allocation can
+        take now."""
+        return self.capacity_pages - self.used_pages - self.leased_pages - self.quarantined_pages
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,6 +90,9 @@ class TieredStore(LeaseBook, TierMovement):
         for tier, pages, _ in specs:
             if pages < 0:
                 raise InvalidArgument(f"{tier.name.lower()}_pages must be >= 0, got {pages}")
+        q = cfg.quarantine_s
+        if q is not None and not 0 <= q < float("inf"):  # NOTE: NaN fails this test too
+            raise InvalidArgument(f"quarantine_s must be finite seconds >= 0, got {q!r}")
         if not any(p for _, p, _ in specs):
             raise InvalidArgument("a store needs at least one tier with pages > 0")
         if not cfg.metadata_only and cfg.dram_pages <= 0:
@@ -105,7 +108,7 @@ class TieredStore(LeaseBook, TierMovement):
             evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
             self._tiers[tier] = TierState(
-                tier, pool, evict, list(range(pages - 1, -1, -1)), [None] * pages
+                tier, pool, evict, list(range(pages - 1, -1, -1)), [None] * pages, gens=[0] * pages
             )
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
@@ -145,6 +148,11 @@ class TieredStore(LeaseBook, TierMovement):
     def shm_name(self) -> str | None:
         ts = self._tiers.get(Tier.DRAM)
         return getattr(ts.pool, "shm_name", None) if ts else None
+
+    @property
+    def quarantine_s(self) -> float:
+        """Seconds the pages of an expired write lease stay out of reuse."""
+        return self._quarantine_s
 
     @property
     def tiers(self) -> list[Tier]:
@@ -216,7 +224,8 @@ class TieredStore(LeaseBook, TierMovement):
             for i, slot in zip(missing, pages):
                 slots[i] = slot
             ts.leased += len(pages)
-            return self._add_write_lease(target, checked, slots, ttl)
+            gens = [ts.gens[s] if s >= 0 else 0 for s in slots]
+            return self._add_write_lease(target, checked, slots, gens, ttl)
 
     def write(self, lease_id: int, index: int, data: Any, layer: int | None = None) -> None:
         """Copy one page (or, with ``layer``, one layer's K|V slice) into a leased page."""
@@ -251,6 +260,9 @@ class TieredStore(LeaseBook, TierMovement):
             raise NotFound(f"key #{index} of lease {lease.lease_id} has no page")
         # A found key (slot >= 0) of a read lease always has its tier.
         tier = lease.tier if isinstance(lease, WriteLease) else cast(Tier, lease.tiers[index])
+        if isinstance(lease, WriteLease):
+            with self._lock:
+                self._check_generations(lease, index)
         view = self._tiers[tier].pool.page_view(slot)
         if view is None or layer is None:
             return view
@@ -263,12 +275,19 @@ class TieredStore(LeaseBook, TierMovement):
             self._expire_locked()
             state = self._write_leases.pop(lease_id, None)
             if state is None:
+                if lease_id in self._quarantined:
+                    raise FailedPrecondition(
+                        f"commit of write lease {lease_id}: no such lease: it expired, and its "
+                        "pages are quarantined (a late write may still land there); their "
+                        "content is not trusted: allocate again"
+                    )
                 raise FailedPrecondition(
                     f"commit of write lease {lease_id}: no such lease (never allocated, already "
                     "committed or aborted, or expired); allocate again"
                 )
             lease = state.lease
             ts = self._tiers[lease.tier]
+            self._check_generations(lease)
             stored = dup = 0
             for key, slot in zip(lease.keys, lease.slots):
                 if slot < 0:
@@ -455,8 +474,9 @@ class TieredStore(LeaseBook, TierMovement):
                 TierStats(
                     tier=t,
                     capacity_pages=len(ts.keys),
-                    used_pages=len(ts.keys) - len(ts.free) - ts.leased,
+                    used_pages=len(ts.keys) - len(ts.free) - ts.leased - ts.quarantined,
                     leased_pages=ts.leased,
+                    quarantined_pages=ts.quarantined,
                     pinned_blocks=ts.pinned,
                     hits=ts.hits,
                     evictions=ts.evictions,
@@ -498,6 +518,8 @@ class TieredStore(LeaseBook, TierMovement):
             self._closed = True
             self._write_leases.clear()
             self._read_leases.clear()
+            self._quarantine.clear()
+            self._quarantined.clear()
             self._close_pools()
 
     def _close_pools(self) -> None:

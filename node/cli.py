@@ -70,6 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="default lease time of pins and write leases, seconds (default 30)",
     )
+    parser.add_argument(
+        "--write-quarantine",
+        dest="write_quarantine_s",
+        type=float,
+        help="seconds the pages of an expired write lease are held back from reuse, because a "
+        "same-host writer may still be writing into them (default 3 x --lease-ttl; 0: reuse at "
+        "once)",
+    )
     parser.add_argument("--conductor", help="conductor address to register with (optional)")
     parser.add_argument("--conductor-token", help="bearer token for the conductor")
     add_token_file_arg(
@@ -96,6 +104,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "promote_on_hit": args.promote_on_hit,
         "reserve_shm": args.reserve_shm,
         "lease_ttl_s": args.lease_ttl_s,
+        "write_quarantine_s": args.write_quarantine_s,
         "token": args.token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
@@ -124,6 +133,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     if "layouts" in values and values["layouts"] and isinstance(values["layouts"][0], (str, dict)):
         values["layouts"] = [parse_layout(s) for s in values["layouts"]]
     cfg = NodeConfig(**values)
+    q = cfg.write_quarantine_s
+    if q is not None and not 0 <= q < float("inf"):  # NOTE: NaN fails this test too
+        raise KVStoreError(f"--write-quarantine must be finite seconds >= 0, got {q}")
     if cfg.ssd and not cfg.ssd_dir:
         raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")
     return cfg

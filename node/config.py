@@ -87,6 +87,7 @@ class NodeConfig:
     reserve_shm: bool = False
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
+    write_quarantine_s: float | None = None  # None: 3 x lease_ttl_s (see StoreConfig)
     token: str | None = None
     tenant_tokens: list[str] = field(default_factory=list)
     tls_cert: str | None = None

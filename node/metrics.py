@@ -59,6 +59,7 @@ class _StoreCollector(Collector):
                     ("used", t.used_pages),
                     ("leased", t.leased_pages),
                     ("free", t.free_pages),
+                    ("quarantined", t.quarantined_pages),
                     ("pinned", t.pinned_blocks),
                 ):
                     pages.add_metric([ns, tier, state], value)

@@ -88,6 +88,7 @@ class Node:
                         private_dram=private,
                         ssd_damaged=config.ssd_damaged,
                         lease_ttl_s=config.lease_ttl_s,
+                        quarantine_s=config.write_quarantine_s,
                         on_event=self.hub.notify,
                     ),
                 )
@@ -172,8 +173,11 @@ class Node:
                 if n:
                     log.info("expired %d leases in %s", n, store.namespace)
             now = time.monotonic()
+            # NOTE: owners outlive their lease by the quarantine, so a late Commit reaches the
+            # store and hears why it failed (quarantined, content not trusted), not NOT_FOUND.
+            keep = max([1.0, *(s.quarantine_s for s in self.stores.values())])
             with self._owners_lock:
-                stale = [k for k, (_, deadline) in self._owners.items() if deadline < now - 1.0]
+                stale = [k for k, (_, deadline) in self._owners.items() if deadline < now - keep]
                 for k in stale:
                     del self._owners[k]
             if self.segments is not None:

@@ -31,6 +31,7 @@ from kvstore_helpers import (
     keys,
     make_store,
     page,
+    page_bytes,
     run_python,
     small_tmpfs,
     tiers_of,
@@ -251,7 +252,7 @@ def test_a_page_corrupted_while_down_is_dropped_after_restart(tmp_path):
 
 def test_an_expired_write_lease_returns_its_pages():
     clock = FakeClock()
-    with make_store(dram_pages=2, clock=clock, lease_ttl_s=10) as store:
+    with make_store(dram_pages=2, clock=clock, lease_ttl_s=10, quarantine_s=0) as store:
         lease = store.allocate(keys(1, 2))
         store.write(lease.lease_id, 0, page(1))
         assert lease.expires_at == clock.now + 10
@@ -280,6 +281,52 @@ def test_extend_keeps_a_write_lease_alive():
         assert store.expire_leases() == 0
         store.write(lease.lease_id, 0, page(1))
         assert store.commit(lease.lease_id).stored == 1
+
+
+def test_a_late_writer_cannot_corrupt_a_page_given_to_another():
+    clock = FakeClock()
+    with make_store(dram_pages=2, clock=clock, lease_ttl_s=10) as store:  # quarantine: 30 s
+        slow = store.allocate([key(1)])
+        slow_view = store.page_view(slow, 0)  # a same-host writer maps its page once
+        clock.advance(10)  # ... and stalls past its lease
+        fast = store.allocate([key(2)])
+        assert fast.slots != slow.slots  # was the slow writer's page
+        store.write(fast.lease_id, 0, page(2))
+        store.commit(fast.lease_id)
+        slow_view[:] = page(66).view(np.uint8)  # the slow writer wakes up and writes
+        assert store.read([key(2)])[0].tobytes() == page_bytes(2)
+        tier = store.stats().tiers[0]
+        assert (tier.quarantined_pages, tier.free_pages, tier.used_pages) == (1, 0, 1)
+        store.check_invariants()
+        with pytest.raises(FailedPrecondition, match="quarantined.*not trusted"):
+            store.commit(slow.lease_id)
+        clock.advance(30)  # 3 lease TTLs after the deadline: the page comes back
+        assert store.expire_leases() == 0
+        assert store.stats().tiers[0].quarantined_pages == 0
+        store.put([key(3)], [page(3)])  # takes the quarantined page, a new generation
+        with pytest.raises(FailedPrecondition, match="stale"):
+            store.page_view(slow, 0)  # a late writer that asks again is fenced off
+        with pytest.raises(FailedPrecondition, match="no such lease"):
+            store.commit(slow.lease_id)
+        assert [p.tobytes() for p in store.read(keys(2, 3))] == [page_bytes(2), page_bytes(3)]
+        store.check_invariants()
+
+
+def test_an_abort_frees_pages_at_once_and_quarantine_can_be_off():
+    clock = FakeClock()
+    with make_store(dram_pages=1, clock=clock, quarantine_s=0) as store:
+        store.allocate([key(1)], ttl_s=1)
+        clock.advance(1)
+        store.put([key(2)], [page(2)])  # no quarantine: the expired page is reused at once
+    with make_store(dram_pages=1, clock=clock) as store:
+        store.abort(store.allocate([key(1)]).lease_id)  # the writer itself says it is done
+        store.put([key(2)], [page(2)])
+
+
+@pytest.mark.parametrize("q", [-1.0, float("nan"), float("inf")])
+def test_bad_quarantine(q):
+    with pytest.raises(InvalidArgument, match="quarantine_s"):
+        make_store(dram_pages=1, quarantine_s=q)
 
 
 def test_an_expired_read_lease_unpins_its_blocks():

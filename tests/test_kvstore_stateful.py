@@ -1,5 +1,6 @@
 """A stateful property test of TieredStore: hypothesis runs random sequences of every operation
-(puts, two-phase writes, aborts, pinned reads, lease expiry on a fake clock, removals, and the
+(puts, two-phase writes, aborts, pinned reads, lease expiry on a fake clock, late writes into the
+pages of expired write leases (quarantined, so harmless), removals, and the
 evictions, demotions and promotions they cause) on a small real store (DRAM in shared memory, SSD
 in lmdb, optionally a "GPU" tier on the CPU) and checks after every step:
 
@@ -72,6 +73,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.writes: dict[int, WriteModel] = {}
         self.reads: dict[int, ReadModel] = {}
         self.dead: list[int] = []  # ids of leases that ended
+        # Expired write leases whose pages the store still holds back, with their release time.
+        self.held: list[tuple[float, WriteModel]] = []
+        self.quarantine_s = 0.0
         self.seq = 0
         self.seeds = 0
         self.bytes_written = self.bytes_read = self.expired = self.misses = 0
@@ -94,9 +98,12 @@ class StoreMachine(RuleBasedStateMachine):
         gone = 0
         for leases in (self.writes, self.reads):
             for lid in [i for i, m in leases.items() if m.deadline <= now]:
-                del leases[lid]
+                model = leases.pop(lid)
+                if isinstance(model, WriteModel):  # its pages are quarantined, not freed
+                    self.held.append((model.deadline + self.quarantine_s, model))
                 self.dead.append(lid)
                 gone += 1
+        self.held = [(t, m) for t, m in self.held if t > now]
         self.expired += gone
         return gone
 
@@ -117,7 +124,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     def expiry_pending(self) -> bool:
         now = self.clock.now
-        return any(m.deadline <= now for m in [*self.writes.values(), *self.reads.values()])
+        return any(m.deadline <= now for m in [*self.writes.values(), *self.reads.values()]) or any(
+            t <= now for t, _ in self.held
+        )
 
     def sync(self) -> None:
         """Apply the store's new events to the model."""
@@ -157,9 +166,17 @@ class StoreMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["lru", "lfu"]),
         promote=st.booleans(),
         prefill=st.integers(0, N_KEYS),
+        quarantine=st.sampled_from([0.0, 2.0, None]),
     )
     def open_store(
-        self, gpu: bool, dram: int, ssd: int, policy: str, promote: bool, prefill: int
+        self,
+        gpu: bool,
+        dram: int,
+        ssd: int,
+        policy: str,
+        promote: bool,
+        prefill: int,
+        quarantine: float | None,
     ) -> None:
         cfg: dict[str, object] = dict(
             dram_pages=dram,
@@ -170,7 +187,9 @@ class StoreMachine(RuleBasedStateMachine):
             promote_on_hit=promote,
             clock=self.clock,
             lease_ttl_s=5.0,
+            quarantine_s=quarantine,
         )
+        self.quarantine_s = 15.0 if quarantine is None else quarantine  # default: 3 lease TTLs
         if gpu:
             cfg.update(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU)
         self._store = make_store(Path(self.tmp), **cfg)
@@ -273,6 +292,18 @@ class StoreMachine(RuleBasedStateMachine):
                     self.store.write(lid, i, raw[layer * LAYER : (layer + 1) * LAYER], layer=layer)
         self.bytes_written += len(seeds) * PAGE
         w.seeds.update(seeds)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def late_write(self, data: st.DataObject) -> None:
+        """A same-host writer that stalled past its lease writes into its pages after all. They
+        are quarantined: the write reaches no one's block (every later read checks the bytes)."""
+        _, w = data.draw(st.sampled_from(self.held), label="expired write lease")
+        for i in w.lease.to_write:
+            view = self.store.page_view(w.lease, i)  # not reused yet: no stale-lease error
+            if hasattr(view, "numpy"):
+                view = view.numpy()
+            view[:] = page(self.seed()).view(np.uint8)
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
@@ -457,6 +488,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert (stats.bytes_written, stats.bytes_read) == (self.bytes_written, self.bytes_read)
         assert stats.misses == self.misses
         assert stats.corrupt_pages == 0
+        held = sum(len(m.lease.to_write) for _, m in self.held)
+        assert sum(t.quarantined_pages for t in stats.tiers) == held, "quarantine differs"
 
 
 StoreMachine.TestCase.settings = settings(

@@ -184,7 +184,7 @@ def test_pins_of_a_killed_client_expire(start_node):
 
 @pytest.mark.slow
 def test_write_lease_expires_and_its_pages_return(start_node):
-    node = start_node("--lease-ttl", "1", dram="16KiB")  # 2 pages
+    node = start_node("--lease-ttl", "1", "--write-quarantine", "1", dram="16KiB")  # 2 pages
     with KVStoreClient(node.address) as c:
         dead = c.allocate(NS, tokens=tokens(2))
         with pytest.raises(KVCacheRpcError) as e:
@@ -194,7 +194,37 @@ def test_write_lease_expires_and_its_pages_return(start_node):
         with pytest.raises(KVCacheRpcError) as e:
             dead.commit()
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        c.allocate(NS, tokens=tokens(2, start=500)).abort()
+        assert "quarantined" in e.value.details
+        # Held back from reuse for --write-quarantine after the deadline, then back in the pool.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                c.allocate(NS, tokens=tokens(2, start=500)).abort()
+                break
+            except KVCacheRpcError as e:
+                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quarantined" in e.details
+                assert time.monotonic() < deadline, "the quarantined pages never came back"
+                time.sleep(0.2)
+
+
+def test_a_late_shared_memory_writer_cannot_corrupt_the_next_writers_page(start_node):
+    node = start_node("--lease-ttl", "1", dram="16KiB")  # 2 pages; quarantine 3 s
+    mine, theirs = pages_for(2, seed=21)
+    with KVStoreClient(node.address) as slow, KVStoreClient(node.address) as fast:
+        assert slow.shm_available(NS)
+        late = slow.allocate(NS, tokens=tokens(1))
+        view = late.page(0)  # mapped once, as a layer-wise writer does
+        time.sleep(1.6)  # stalls past its lease (the reaper sweeps every 0.5 s)
+        lease = fast.allocate(NS, tokens=tokens(1, start=500))
+        lease.page(0)[:] = theirs
+        lease.commit()
+        view[:] = mine  # the slow writer wakes up: its page is quarantined, nobody else's
+        got = fast.get(NS, tokens=tokens(1, start=500))[0]
+        np.testing.assert_array_equal(got, theirs)  # was overwritten with the late bytes
+        with pytest.raises(KVCacheRpcError) as e:
+            late.commit()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not trusted" in e.value.details
 
 
 def test_allocate_never_evicts_the_prefix_it_reuses(start_node):
