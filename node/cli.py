@@ -23,6 +23,8 @@ from .node import Node
 from .service import NodeServicer
 
 log = logging.getLogger("kvcache.node")
+WORKERS = 32  # gRPC worker threads: each open stream holds one
+MIN_UNARY_WORKERS = 8  # never taken by streams (see --max-streams)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +80,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "same-host writer may still be writing into them (default 3 x --lease-ttl; 0: reuse at "
         "once)",
     )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        help=f"Get and Put streams open at once; more are refused with RESOURCE_EXHAUSTED, so "
+        f"that unary calls always find one of the {WORKERS} gRPC workers (default 16)",
+    )
+    parser.add_argument(
+        "--max-event-streams", type=int, help="Events feeds open at once (default 4)"
+    )
+    parser.add_argument(
+        "--stream-idle-timeout",
+        dest="stream_idle_timeout_s",
+        type=float,
+        help="seconds a stream may wait for its client to send (Put) or read (Get, Events) "
+        "before it is cut with DEADLINE_EXCEEDED (default 30); an Events feed waiting for "
+        "events is not idle",
+    )
     parser.add_argument("--conductor", help="conductor address to register with (optional)")
     parser.add_argument("--conductor-token", help="bearer token for the conductor")
     add_token_file_arg(
@@ -105,6 +124,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "reserve_shm": args.reserve_shm,
         "lease_ttl_s": args.lease_ttl_s,
         "write_quarantine_s": args.write_quarantine_s,
+        "max_streams": args.max_streams,
+        "max_event_streams": args.max_event_streams,
+        "stream_idle_timeout_s": args.stream_idle_timeout_s,
         "token": args.token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
@@ -136,6 +158,15 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     q = cfg.write_quarantine_s
     if q is not None and not 0 <= q < float("inf"):  # NOTE: NaN fails this test too
         raise KVStoreError(f"--write-quarantine must be finite seconds >= 0, got {q}")
+    if cfg.max_streams < 1 or cfg.max_event_streams < 1:
+        raise KVStoreError("--max-streams and --max-event-streams must be >= 1")
+    if cfg.max_streams + cfg.max_event_streams > WORKERS - MIN_UNARY_WORKERS:
+        raise KVStoreError(
+            f"--max-streams + --max-event-streams must leave {MIN_UNARY_WORKERS} of the "
+            f"{WORKERS} gRPC workers to unary calls: at most {WORKERS - MIN_UNARY_WORKERS}"
+        )
+    if not 0 < cfg.stream_idle_timeout_s < float("inf"):
+        raise KVStoreError("--stream-idle-timeout must be finite seconds > 0")
     if cfg.ssd and not cfg.ssd_dir:
         raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")
     return cfg
@@ -151,7 +182,14 @@ def run(args: argparse.Namespace) -> int:
     except (KVStoreError, TypeError, ValueError, OSError) as e:
         raise SystemExit(f"kvcache node: {e}") from None
     metrics = NodeMetrics(lambda: node.stores)
-    servicer = NodeServicer(node, auth, metrics)
+    servicer = NodeServicer(
+        node,
+        auth,
+        metrics,
+        max_streams=cfg.max_streams,
+        max_event_streams=cfg.max_event_streams,
+        stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+    )
     agent: NodeAgent | None = None
 
     def add(server: grpc.Server) -> list[str]:
@@ -191,5 +229,6 @@ def run(args: argparse.Namespace) -> int:
             on_serving=on_serving,
             on_stopping=on_stopping,
             close=node.close,
+            workers=WORKERS,
         )
     )

@@ -88,6 +88,10 @@ class NodeConfig:
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
     write_quarantine_s: float | None = None  # None: 3 x lease_ttl_s (see StoreConfig)
+    # Streams hold a gRPC worker each (the pool has WORKERS): caps, and the idle deadline.
+    max_streams: int = 16  # Get and Put at once
+    max_event_streams: int = 4  # Events feeds at once
+    stream_idle_timeout_s: float = 30.0
     token: str | None = None
     tenant_tokens: list[str] = field(default_factory=list)
     tls_cert: str | None = None

@@ -88,6 +88,18 @@ class NodeMetrics:
             ["direction"],
             registry=self.registry,
         )
+        self.streams_refused = Counter(
+            "kvcache_node_streams_refused",
+            "Streams refused because the server had its maximum of that kind open",
+            ["method"],
+            registry=self.registry,
+        )
+        self.streams_cut = Counter(
+            "kvcache_node_streams_cut",
+            "Streams cut because the client neither sent nor read for --stream-idle-timeout",
+            ["method"],
+            registry=self.registry,
+        )
         self.lookup_blocks = Counter(
             "kvcache_node_lookup_blocks", "Blocks looked up", ["result"], registry=self.registry
         )

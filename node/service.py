@@ -18,6 +18,7 @@ from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.server import Auth
 from rpc.status import observed, observed_stream
+from rpc.streams import StreamGate
 from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
 from .metrics import NodeMetrics
@@ -32,11 +33,28 @@ _EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_
 
 
 class NodeServicer(pbg.NodeServiceServicer):
-    def __init__(self, node: Node, auth: Auth, metrics: NodeMetrics) -> None:
+    def __init__(
+        self,
+        node: Node,
+        auth: Auth,
+        metrics: NodeMetrics,
+        max_streams: int = 16,
+        max_event_streams: int = 4,
+        stream_idle_timeout_s: float = 30.0,
+    ) -> None:
         self.node = node
         self.auth = auth
         self.metrics = metrics
         self.stopping = False
+        # NOTE: every open stream holds a worker of the server's pool for its whole life: cap them
+        # below the pool's size (Get/Put apart from the long-lived Events feeds) so unary calls
+        # always find a worker, and cut streams whose client stopped sending or reading.
+        refused = lambda m: metrics.streams_refused.labels(m).inc()  # noqa: E731
+        cut = lambda m: metrics.streams_cut.labels(m).inc()  # noqa: E731
+        self.streams = StreamGate("Get/Put", max_streams, stream_idle_timeout_s, refused, cut)
+        self.event_streams = StreamGate(
+            "Events", max_event_streams, stream_idle_timeout_s, refused, cut
+        )
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -266,6 +284,10 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed
     def Put(self, request_iterator, context):
+        with self.streams.open("Put", context) as watch:
+            return self._put(watch.receive(request_iterator), context)
+
+    def _put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("a Put stream must start with a header naming the blocks")
@@ -315,6 +337,10 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed_stream
     def Get(self, request, context) -> Iterator[pb.GetChunk]:
+        with self.streams.open("Get", context) as watch:
+            yield from watch.send(self._get(request, context))
+
+    def _get(self, request, context) -> Iterator[pb.GetChunk]:
         sel, _ = self._select(request.blocks, context)
         store, page = sel.store, sel.store.layout.page_bytes
         keys = self._prefix(store, sel.keys) if request.prefix_only else sel.keys
@@ -348,6 +374,12 @@ class NodeServicer(pbg.NodeServiceServicer):
     @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
         self.auth.require_admin(context, "the event feed (Events)")
+        # An Events stream waiting for events is not idle: only a send its client does not take
+        # counts, so the conductor's feed lives on, and a feed nobody reads is cut.
+        with self.event_streams.open("Events", context) as watch:
+            yield from watch.send(self._events(request, context))
+
+    def _events(self, request, context) -> Iterator[pb.EventBatch]:
         hub = self.node.hub
         cursor, need_snapshot = request.after_seq, request.resync
         while context.is_active() and not self.stopping:

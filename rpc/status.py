@@ -23,7 +23,10 @@ from kvstore.errors import (
     StorageError,
 )
 
+from .streams import StreamIdle
+
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
+    StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,0 +1,133 @@
+"""Idle streams against a real node process: clients that open Get, Put or Events streams and
+then never read or send must not take the gRPC workers unary calls need, and are cut in time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from clients import KVStoreClient
+from proto import common_pb2 as cpb
+from proto import node_pb2 as pb
+from proto import node_pb2_grpc as pbg
+
+from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES
+
+NS = TEST_NAMESPACE
+BLOCKS = 1024  # 8 MiB per Get: far more than a client buffers without reading
+
+
+def tokens(n_blocks: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n_blocks * TEST_BLOCK_TOKENS, dtype=np.int64)
+
+
+def raw_stub(address: str) -> tuple[grpc.Channel, pbg.NodeServiceStub]:
+    # NOTE: a connection of its own: streams on one HTTP/2 connection share its flow-control
+    # window, and an unread Get must not stall the test's own calls on the client side.
+    channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    return channel, pbg.NodeServiceStub(channel)
+
+
+def code_of(call, stream: bool) -> grpc.StatusCode:
+    """How a call ended: drain a response stream (its buffered chunks first), or wait for a
+    Put's reply."""
+    try:
+        if stream:
+            for _ in call:
+                pass
+        else:
+            call.result(timeout=30)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_idle_streams_leave_workers_for_unary_calls_and_are_cut(start_node):
+    node = start_node("--stream-idle-timeout", "2", dram="16MiB")  # 16 Get/Put, 4 Events
+    rng = np.random.default_rng(7)
+    pages = [rng.integers(0, 256, TEST_PAGE_BYTES, dtype=np.uint8) for _ in range(BLOCKS)]
+    never = threading.Event()
+    channels: list[grpc.Channel] = []
+    with KVStoreClient(node.address) as c:
+        c.put(NS, pages, tokens=tokens(BLOCKS))
+        # A conductor's feed, read all along: it must outlive the idle deadline.
+        feed = c.events(resync=True)
+        assert next(feed).snapshot
+
+        def silent_put():
+            yield pb.PutChunk(header=pb.PutHeader(blocks=cpb.BlockSelector(namespace=NS)))
+            never.wait(60)
+
+        def silent_put_no_header():
+            never.wait(60)
+            yield pb.PutChunk()
+
+        gets, puts, events = [], [], []
+        sel = cpb.BlockSelector(namespace=NS, token_ids=tokens(BLOCKS).tolist())
+        try:
+            for i in range(40):
+                channel, stub = raw_stub(node.address)
+                channels.append(channel)
+                if i % 3 == 0:
+                    gets.append(stub.Get(pb.GetRequest(blocks=sel)))  # never read
+                elif i % 3 == 1:
+                    put = silent_put() if i % 2 else silent_put_no_header()
+                    puts.append(stub.Put.future(put))  # never sends (more)
+                else:
+                    events.append(stub.Events(pb.EventsRequest(after_seq=0)))  # never read
+            time.sleep(0.5)  # every stream reached the node
+
+            # Unary calls are still served, at once (they timed out: every worker was taken).
+            channel, stub = raw_stub(node.address)
+            channels.append(channel)
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert stub.Lookup(sel, timeout=1.0).hit_blocks == BLOCKS
+                assert time.monotonic() - t0 < 1.0
+
+            # The streams over the caps were refused at once; the rest are cut when idle (a Get
+            # whose client stopped reading: its chunks buffered so far, then the status).
+            time.sleep(3)  # the idle timeout (2 s) and a watchdog period
+            codes = [code_of(g, True) for g in gets] + [code_of(p, False) for p in puts]
+            counts = {code: codes.count(code) for code in set(codes)}
+            assert counts == {
+                grpc.StatusCode.RESOURCE_EXHAUSTED: 27 - 16,
+                grpc.StatusCode.DEADLINE_EXCEEDED: 16,
+            }, counts
+            # Events streams: 4 at most; the reader above holds one.
+            for s in events:
+                s.cancel()
+            refused = [code_of(s, True) for s in events].count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert refused == len(events) - 3
+        finally:
+            never.set()
+            for channel in channels:
+                channel.close()
+
+        # The feed read all along is still open and live.
+        c.put(NS, pages[:1], tokens=tokens(1, start=10**6))
+        batch = next(feed)
+        assert [e.kind for e in batch.events] == [cpb.EVENT_STORED]
+        # Slots came back: a Get that reads works.
+        got = c.get(NS, tokens=tokens(2))
+        np.testing.assert_array_equal(got[1], pages[1])
+        text = c.stats()  # and the node is healthy
+        assert text.namespaces[0].blocks == BLOCKS + 1
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--max-streams", "0"), "--max-streams and --max-event-streams must be >= 1"),
+        (("--max-streams", "30"), "must leave 8 of the 32 gRPC workers"),
+        (("--stream-idle-timeout", "nan"), "--stream-idle-timeout must be finite"),
+        (("--write-quarantine", "-1"), "--write-quarantine must be finite seconds >= 0"),
+    ],
+)
+def test_bad_stream_and_quarantine_flags_fail_at_start(start_node, flags, message):
+    with pytest.raises(RuntimeError, match=message):
+        start_node(*flags)
