@@ -2,9 +2,12 @@
 
 Invariants (``TieredStore.check_invariants`` checks them; see ``invariants.py``):
 - A committed block lives in exactly one tier (exclusive tiers); ``_index`` maps its key to it.
-- A tier's slot is in exactly one of: the free list, a writer's lease, or ``tier.keys`` (committed).
+- A tier's slot is in exactly one of: the free list, a writer's lease, the quarantine of expired
+  write leases, or ``tier.keys`` (committed).
 - A committed block is in its tier's eviction policy iff it is not pinned.
-- Writers' pages are invisible until ``commit``; a lease that expires frees them.
+- Writers' pages are invisible until ``commit``; a lease that expires quarantines them, and they
+  return to the free list ``quarantine_s`` later (a late same-host writer may still write there).
+- An allocation never evicts the blocks of its own key list (the prefix it is about to reuse).
 - Eviction never touches pinned or leased pages; when nothing can be freed, allocation raises
   ``CapacityExhausted`` at once.
 
@@ -287,7 +290,18 @@ class TieredStore(LeaseBook, TierMovement):
                 )
             lease = state.lease
             ts = self._tiers[lease.tier]
-            self._check_generations(lease)
+            try:
+                self._check_generations(lease)
+            except FailedPrecondition:
+                # Cannot happen while leases own their pages (check_invariants says so); if it
+                # does, publish nothing and give back only the pages that are still ours.
+                gens = ts.gens
+                for slot, gen in zip(lease.slots, lease.generations):
+                    if slot >= 0:
+                        ts.leased -= 1
+                        if gens[slot] == gen:
+                            ts.free.append(slot)
+                raise
             stored = dup = 0
             for key, slot in zip(lease.keys, lease.slots):
                 if slot < 0:

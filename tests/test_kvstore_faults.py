@@ -23,6 +23,7 @@ from kvstore import (
     Tier,
 )
 from kvstore.shm import unique_shm_name
+from kvstore.store import InvariantViolation
 
 from kvstore_helpers import (
     LAYOUT,
@@ -310,6 +311,22 @@ def test_a_late_writer_cannot_corrupt_a_page_given_to_another():
             store.commit(slow.lease_id)
         assert [p.tobytes() for p in store.read(keys(2, 3))] == [page_bytes(2), page_bytes(3)]
         store.check_invariants()
+
+
+def test_the_generation_fence_refuses_a_stale_commit():
+    # White box: nothing hands a live lease's page to another owner (check_invariants says so);
+    # should it happen, the commit publishes nothing and returns only the pages still its own.
+    with make_store(dram_pages=2) as store:
+        lease = store.allocate(keys(1, 2))
+        store.write_pages(lease.lease_id, [page(1), page(2)])
+        store._tiers[Tier.DRAM].gens[lease.slots[1]] += 1  # page #1 went elsewhere
+        with pytest.raises(InvariantViolation, match="generation changed"):
+            store.check_invariants()
+        with pytest.raises(FailedPrecondition, match="stale: its page #1 was reused"):
+            store.commit(lease.lease_id)
+        stats = store.stats()
+        assert (stats.blocks, stats.write_leases, stats.tiers[0].leased_pages) == (0, 0, 0)
+        assert store._tiers[Tier.DRAM].free == [lease.slots[0]]
 
 
 def test_an_abort_frees_pages_at_once_and_quarantine_can_be_off():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -112,11 +113,13 @@ def test_idle_streams_leave_workers_for_unary_calls_and_are_cut(start_node):
         c.put(NS, pages[:1], tokens=tokens(1, start=10**6))
         batch = next(feed)
         assert [e.kind for e in batch.events] == [cpb.EVENT_STORED]
-        # Slots came back: a Get that reads works.
-        got = c.get(NS, tokens=tokens(2))
-        np.testing.assert_array_equal(got[1], pages[1])
-        text = c.stats()  # and the node is healthy
-        assert text.namespaces[0].blocks == BLOCKS + 1
+    # The cut streams gave their slots back: 16 streamed Gets that read all work at once.
+    with KVStoreClient(node.address, use_shm=False) as s:
+        with futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda n: s.get(NS, tokens=tokens(n))[-1], range(1, 17)))
+        for n, have in enumerate(got, 1):
+            np.testing.assert_array_equal(have, pages[n - 1])
+        assert s.stats().namespaces[0].blocks == BLOCKS + 1
 
 
 @pytest.mark.parametrize(
