@@ -184,7 +184,7 @@ def test_pins_of_a_killed_client_expire(start_node):
 
 @pytest.mark.slow
 def test_write_lease_expires_and_its_pages_return(start_node):
-    node = start_node("--lease-ttl", "1", "--write-quarantine", "1", dram="16KiB")  # 2 pages
+    node = start_node("--lease-ttl", "1", "--write-quarantine", "2", dram="16KiB")  # 2 pages
     with KVStoreClient(node.address) as c:
         dead = c.allocate(NS, tokens=tokens(2))
         with pytest.raises(KVCacheRpcError) as e:
