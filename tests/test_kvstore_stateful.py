@@ -238,6 +238,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert result == CommitResult(len(missing), 0)
         self.bytes_written += len(missing) * PAGE
         self.sync()
+        assert all(k in self.tiers for k in keys), "the put evicted its own blocks: a hole"
         for k in missing:
             assert self.tiers[k] is self.write_tier
             self.content[k] = seeds[k]
@@ -257,6 +258,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         assert expect is not False, "allocation succeeded past the capacity"
         self.sync()
+        assert all(k in self.tiers for k in keys if k not in missing), "evicted its own prefix"
         assert lease.tier is self.write_tier and lease.expires_at == self.clock.now + ttl
         assert [s >= 0 for s in lease.slots] == [k in missing for k in keys]
         self.writes[lease.lease_id] = WriteModel(lease, lease.expires_at, {})
