@@ -44,28 +44,35 @@ class NodeAccess:
             raise
 
     def region(self, namespace: str) -> np.ndarray:
-        """The namespace's whole DRAM slab as flat uint8, mapped once."""
+        """The namespace's whole DRAM slab as flat uint8, mapped once per node process.
+
+        NOTE: a node that restarted serves a new segment under a new name; the client notices
+        from its Allocate / Acquire replies and refreshes the namespace info, and this mapping
+        follows it (a mapping of the dead process's segment would move the wrong bytes)."""
+        info = self.info(namespace)
         with self._lock:
             slab = self._slabs.get(namespace)
-        if slab is not None:
+        if slab is not None and slab.name == info.shm_name:
             return slab.array
-        info = self.info(namespace)
         if not info.shm_name:
             raise LookupError(
                 f"namespace {namespace!r} has no shared-memory DRAM pool on the "
                 "node; the messenger needs one (give the node --dram)"
             )
         try:
-            slab = SharedSlab.attach(info.shm_name)
+            fresh = SharedSlab.attach(info.shm_name)
         except StorageError as e:
             raise LookupError(
                 f"cannot map the node's pool {info.shm_name!r}: {e}; the "
                 "messenger must run on the node's host"
             ) from None
         with self._lock:
-            mine = self._slabs.setdefault(namespace, slab)
-        if mine is not slab:
-            slab.close()
+            mine = self._slabs.get(namespace)
+            if mine is None or mine.name != info.shm_name:
+                # NOTE: an old mapping is dropped, not closed: transfers may still hold views
+                self._slabs[namespace] = mine = fresh
+        if mine is not fresh:
+            fresh.close()
         return mine.array
 
     def page(self, namespace: str, offset: int, page_bytes: int) -> memoryview:
@@ -93,7 +100,7 @@ class NodePageSource(PageSource):
         return self.node.region(namespace)
 
     def pin(self, namespace: str, keys: list[bytes]) -> PinnedPages:
-        region = self.node.region(namespace)  # LookupError for unknown namespaces
+        self.node.region(namespace)  # LookupError for unknown namespaces, before any pin
         client = self.node.client
         try:
             lease = client.acquire(namespace, keys=keys, ttl_s=self.pin_ttl_s)
@@ -101,6 +108,8 @@ class NodePageSource(PageSource):
             if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise LookupError(e.details) from None
             raise ConnectionError(f"node Acquire failed: {e}") from None
+        # NOTE: mapped after the Acquire: its reply tells whether the node restarted meanwhile
+        region = self.node.region(namespace)
         pb = lease.page_bytes
         mv = memoryview(region)
         views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
