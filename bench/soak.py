@@ -370,6 +370,7 @@ class Ledger:
         self.lock = threading.Lock()
         self.attempted: list[set[bytes]] = [set() for _ in range(nodes)]
         self.committed: list[dict[bytes, float]] = [{} for _ in range(nodes)]  # key -> start
+        self.order: list[list[bytes]] = [[] for _ in range(nodes)]  # committed keys, in order
         self.evicted: list[set[bytes]] = [set() for _ in range(nodes)]
         self.gap_missing: list[set[bytes]] = [set() for _ in range(nodes)]
         self.kills: list[list[Kill]] = [[] for _ in range(nodes)]
@@ -396,6 +397,7 @@ class Ledger:
             for k in keys:
                 if k not in c:
                     c[k] = start
+                    self.order[node].append(k)
                     self.origin[(node, k)] = how
 
     def pick(self, rng: random.Random, node: int | None = None) -> tuple[int, bytes] | None:
@@ -406,17 +408,9 @@ class Ledger:
                 return None
             i = rng.choice(nodes)
             # NOTE: newest keys mostly (what is still cached), older ones sometimes
-            keys = self.committed[i]
+            keys = self.order[i]
             n = len(keys)
-            j = n - 1 - min(int(rng.expovariate(1 / 64)), n - 1)
-            return i, _nth_key(keys, j)
-
-
-def _nth_key(d: dict[bytes, float], j: int) -> bytes:
-    # dicts keep insertion order; islice is O(j) but j is bounded by the dict's size
-    import itertools
-
-    return next(itertools.islice(iter(d), j, None))
+            return i, keys[n - 1 - min(int(rng.expovariate(1 / 64)), n - 1)]
 
 
 # ---- load threads --------------------------------------------------------------------------------
