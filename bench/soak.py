@@ -77,6 +77,7 @@ from .report import Column, print_table, write_json
 LAYOUT = "model=soak,num_layers=2,kv_heads=1,head_dim=64,dtype=float16,block_tokens=16"
 KINDS = ("messenger", "node", "conductor", "ssd-fill")
 HOST = "127.0.0.1"
+DEMOTION_FAILURES = "kvcache_store_demotion_failures"
 
 
 class SoakError(Exception):
@@ -225,6 +226,7 @@ class NodeProcs:
     index: int
     address: str
     messenger: str
+    metrics_port: int
     ssd_dir: str
     node: Proc
     mess: Proc
@@ -246,6 +248,7 @@ class Cluster:
         self.nodes: list[NodeProcs] = []
         for i in range(args.nodes):
             addr, maddr, daddr = (f"{HOST}:{free_port()}" for _ in range(3))
+            metrics = free_port()
             ssd_dir = os.path.join(ssd_root, f"node-{i}")
             node_args = [
                 "node",
@@ -262,6 +265,8 @@ class Cluster:
                 "--ssd-dir",
                 ssd_dir,
                 "--no-promote",
+                "--metrics-port",
+                str(metrics),
                 "--lease-ttl",
                 "10",
                 "--conductor",
@@ -289,11 +294,35 @@ class Cluster:
                     i,
                     addr,
                     maddr,
+                    metrics,
                     ssd_dir,
                     Proc("node", i, node_args, self.log_dir),
                     Proc("messenger", i, mess_args, self.log_dir),
                 )
             )
+
+    def demotion_failures(self) -> int:
+        """Pages the nodes' SSD tiers refused so far (their Prometheus counters; a node that
+        does not answer counts 0)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for n in self.nodes:
+            try:
+                url = f"http://{HOST}:{n.metrics_port}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            total += sum(
+                s.value
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+                if s.name.startswith(DEMOTION_FAILURES)
+            )
+        return int(total)
 
     def procs(self) -> Iterator[Proc]:
         yield self.conductor
@@ -626,11 +655,14 @@ class Soak:
     def chaos(self) -> None:
         rng = random.Random(f"{self.args.seed}-chaos")
         kinds = [k for k in KINDS if k != "ssd-fill" or self.fill_dir]
-        cycle: list[str] = []
+        # NOTE: a fill first, while the SSD lmdb files still grow: once a file has reached its
+        # working size, lmdb reuses its own free pages and a full filesystem refuses nothing
+        # (the report counts the pages refused during fills).
+        cycle: list[str] = ["ssd-fill"] if self.fill_dir else []
         while not self.stop_load.wait(self.args.chaos_interval):
             if not cycle:
                 cycle = rng.sample(kinds, len(kinds))
-            kind = cycle.pop()
+            kind = cycle.pop(0)
             try:
                 self._act(kind, rng)
             except SoakError as e:
@@ -672,6 +704,7 @@ class Soak:
         chunk = b"\0" * (256 << 10)
         with self.ledger.lock:
             self.ledger.chaos["ssd-fill"] += 1
+        before = self.cluster.demotion_failures()
         try:
             with open(path, "wb") as f:
                 while True:
@@ -681,6 +714,7 @@ class Soak:
                     except OSError:
                         break
             self.stop_load.wait(rng.uniform(1.0, 3.0))
+            self.ledger.count("ssd_refused", self.cluster.demotion_failures() - before)
         finally:
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -905,6 +939,7 @@ def build_report(
         "lost": c.get("lost", 0),
         "uncommitted_present": c.get("uncommitted_present", 0),
         "schedules": lc.get("schedules", 0),
+        "ssd_refused_in_fills": lc.get("ssd_refused", 0),
         "feed_gaps": lc.get("feed_gaps", 0),
         "restart_failures": sum(ledger.chaos_failed.values()),
     }
@@ -947,6 +982,7 @@ def print_report(report: dict[str, Any]) -> None:
         {"what": "corrupt (must be 0)", "n": s["corrupt"]},
         {"what": "lost, unexplained (must be 0)", "n": s["lost"]},
         {"what": "restart failures (must be 0)", "n": s["restart_failures"]},
+        {"what": "SSD pages refused while filled (dropped)", "n": s["ssd_refused_in_fills"]},
         {"what": "conductor schedules OK", "n": s["schedules"]},
     ]
     print_table(
