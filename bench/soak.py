@@ -409,6 +409,7 @@ class Ledger:
         self.chaos_failed: Counter[str] = Counter()
         self.restart_s: dict[str, list[float]] = defaultdict(list)
         self.corrupt: list[str] = []
+        self.failures: list[str] = []  # chaos actions that failed, load threads that died
         self.origin: dict[tuple[int, bytes], str] = {}  # how a page was committed: put | move
         self.recent: list[tuple[int, np.ndarray]] = []  # (node, tokens) for Schedule
 
@@ -493,7 +494,7 @@ class Soak:
                 start = time.monotonic()
                 try:
                     clients[i].put(self.namespace, pages, tokens=tokens)
-                except (KVCacheRpcError, OSError) as e:
+                except Exception as e:  # counted by type: the run goes on
                     self._rpc_error("put", e)
                     self.stop_load.wait(0.05)
                     continue
@@ -522,7 +523,7 @@ class Soak:
                 i, key = got
                 try:
                     data = clients[i].get(self.namespace, keys=[key])[0]
-                except (KVCacheRpcError, OSError) as e:
+                except Exception as e:  # counted by type: the run goes on
                     self._rpc_error("get", e)
                     self.stop_load.wait(0.05)
                     continue
@@ -564,7 +565,7 @@ class Soak:
                 try:
                     sub = clients[dst].submit(self.namespace, [(k, source) for k in keys])
                     st = clients[dst].status(sub.batch_id, wait=True, timeout_s=15)
-                except (KVCacheRpcError, OSError) as e:
+                except Exception as e:  # counted by type: the run goes on
                     self._rpc_error("transfer", e)
                     self.stop_load.wait(0.05)
                     continue
@@ -599,7 +600,7 @@ class Soak:
                 try:
                     client.schedule(self.namespace, tokens=tokens, prompt_tokens=len(tokens))
                     self.ledger.count("schedules")
-                except (KVCacheRpcError, OSError) as e:
+                except Exception as e:  # counted by type: the run goes on
                     self._rpc_error("schedule", e)
                 self.stop_load.wait(0.05)
         finally:
@@ -665,11 +666,11 @@ class Soak:
             kind = cycle.pop(0)
             try:
                 self._act(kind, rng)
-            except SoakError as e:
+            except Exception as e:  # a failed restart is a finding, not a crash
                 with self.ledger.lock:
                     self.ledger.chaos_failed[kind] += 1
-                    self.ledger.corrupt.append(f"restart failed: {e}")
-                print(f"soak: {e}", file=sys.stderr)
+                    self.ledger.failures.append(f"{kind}: {type(e).__name__}: {e}")
+                print(f"soak: {kind}: {e}", file=sys.stderr)
 
     def _act(self, kind: str, rng: random.Random) -> None:
         if kind == "ssd-fill":
@@ -735,6 +736,17 @@ class Soak:
                     raise SoakError(f"nodes did not register with the conductor: {ids}")
                 time.sleep(0.1)
 
+    def _thread(self, target: Callable[..., None], args: tuple[Any, ...]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                target(*args)
+            except BaseException as e:
+                with self.ledger.lock:
+                    self.ledger.failures.append(f"{target.__name__}{args} died: {e!r}")
+                raise
+
+        return threading.Thread(target=guarded, name=f"soak-{target.__name__}", daemon=True)
+
     def run(self) -> None:
         a = self.args
         spawn = [(self.watcher, (i,)) for i in range(a.nodes)]
@@ -744,8 +756,8 @@ class Soak:
         load += [(self.reader, (r,)) for r in range(a.readers)]
         load += [(self.mover, (m,)) for m in range(a.movers)]
         load += [(self.scheduler, ()), (self.chaos, ())]
-        watchers = [threading.Thread(target=f, args=x, daemon=True) for f, x in spawn]
-        loaders = [threading.Thread(target=f, args=x, daemon=True) for f, x in load]
+        watchers = [self._thread(f, x) for f, x in spawn]
+        loaders = [self._thread(f, x) for f, x in load]
         for t in watchers + loaders:
             t.start()
         t0 = self.t0 = time.monotonic()
@@ -904,6 +916,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nwrote {path}")
     failed = report["summary"]["corrupt"] > 0 or report["summary"]["lost"] > 0
     failed = failed or report["summary"]["restart_failures"] > 0
+    failed = failed or report["summary"]["thread_failures"] > 0
     if failed:
         print(f"soak FAILED; logs in {cluster.log_dir}", file=sys.stderr)
         return 1
@@ -942,6 +955,7 @@ def build_report(
         "ssd_refused_in_fills": lc.get("ssd_refused", 0),
         "feed_gaps": lc.get("feed_gaps", 0),
         "restart_failures": sum(ledger.chaos_failed.values()),
+        "thread_failures": len(ledger.failures) - sum(ledger.chaos_failed.values()),
     }
     kills = {
         k: {
@@ -962,6 +976,7 @@ def build_report(
         "ssd_fill": no_fill or "yes",
         "errors": dict(errors),
         "corrupt_examples": ledger.corrupt[:50],
+        "failures": ledger.failures[:50],
         "lost_examples": result["lost_keys"],
         "work_dir": work,
     }
@@ -982,6 +997,7 @@ def print_report(report: dict[str, Any]) -> None:
         {"what": "corrupt (must be 0)", "n": s["corrupt"]},
         {"what": "lost, unexplained (must be 0)", "n": s["lost"]},
         {"what": "restart failures (must be 0)", "n": s["restart_failures"]},
+        {"what": "load threads died (must be 0)", "n": s["thread_failures"]},
         {"what": "SSD pages refused while filled (dropped)", "n": s["ssd_refused_in_fills"]},
         {"what": "conductor schedules OK", "n": s["schedules"]},
     ]
