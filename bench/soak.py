@@ -383,6 +383,26 @@ def ssd_keys(ssd_dir: str) -> set[bytes]:
     return out
 
 
+@contextlib.contextmanager
+def _read_snapshot(ssd_dir: str) -> Iterator[None]:
+    """A read transaction on a running node's SSD lmdb environments (lmdb's lock file makes the
+    node's writer respect it: pages freed while it lasts are not reused)."""
+    import lmdb
+
+    envs = []
+    try:
+        for sub in os.listdir(ssd_dir) if os.path.isdir(ssd_dir) else []:
+            path = os.path.join(ssd_dir, sub)
+            if os.path.exists(os.path.join(path, "data.mdb")):
+                env = lmdb.open(path, readonly=True, lock=True, max_dbs=2, subdir=True)
+                envs.append((env, env.begin()))
+        yield
+    finally:
+        for env, txn in envs:
+            txn.abort()
+            env.close()
+
+
 # ---- the ledger ----------------------------------------------------------------------------------
 
 
@@ -700,25 +720,37 @@ class Soak:
                 self.ledger.restart_s[kind].append(time.monotonic() - t)
 
     def _fill(self, rng: random.Random) -> None:
+        """Fill the SSD filesystem with a ballast file for 1-3 s, then remove it.
+
+        NOTE: an lmdb file that has reached its working size reuses its own free pages, so a full
+        filesystem alone refuses nothing once the SSD tiers are warm. During the fill this also
+        holds a read snapshot of every node's SSD environment (as a backup or a slow reader
+        would): pages freed after it began cannot be reused, the files must grow, and the full
+        filesystem refuses their writes (counted from the nodes' demotion-failure counters).
+        """
         assert self.fill_dir is not None
         path = os.path.join(self.fill_dir, "ballast")
-        chunk = b"\0" * (256 << 10)
         with self.ledger.lock:
             self.ledger.chaos["ssd-fill"] += 1
         before = self.cluster.demotion_failures()
-        try:
-            with open(path, "wb") as f:
-                while True:
-                    try:
-                        f.write(chunk)
-                        f.flush()
-                    except OSError:
-                        break
-            self.stop_load.wait(rng.uniform(1.0, 3.0))
-            self.ledger.count("ssd_refused", self.cluster.demotion_failures() - before)
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        with contextlib.ExitStack() as stack:
+            for nd in self.cluster.nodes:
+                stack.enter_context(_read_snapshot(nd.ssd_dir))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    for size in (1 << 20, 4096):  # big chunks, then the last few pages
+                        chunk = b"\0" * size
+                        with contextlib.suppress(OSError):  # ENOSPC: full
+                            while os.write(fd, chunk) == size:
+                                pass
+                finally:
+                    os.close(fd)
+                self.stop_load.wait(rng.uniform(1.0, 3.0))
+                self.ledger.count("ssd_refused", self.cluster.demotion_failures() - before)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
     # -- the run --
 
