@@ -16,7 +16,9 @@ seconds:
 - one event watcher per node follows the node's ``Events`` feed (EVICTED events);
 - the chaos thread, every ``--chaos-interval`` seconds, SIGKILLs a messenger, a node or the
   conductor and restarts it with the same arguments (a node restarts on its SSD state), or fills
-  the SSD filesystem for a while, in a shuffled rotation so every kind happens.
+  the SSD filesystem for 1-3 s (a ballast file, while holding a read snapshot of each node's lmdb
+  so that its file must grow: warm lmdb files otherwise reuse their free pages and a full
+  filesystem refuses nothing), in a shuffled rotation so every kind happens.
 
 Then it stops the load, brings every process back, and reads every page it ever tried to write on
 every node it tried (fresh clients, streamed ``Get``, nodes run with ``--no-promote`` so the check
