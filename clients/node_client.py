@@ -17,6 +17,7 @@ permission) every call falls back to the streamed Put/Get path transparently. Er
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -259,6 +260,28 @@ class KVStoreClient:
             return None
         return seg
 
+    def _current_slab(self, namespace: str, slab: Mapping | None, shm_name: str) -> Mapping | None:
+        """The slab a reply's offsets point into (``shm_name``: the reply's). A node that
+        restarted serves its pool from a new segment under a new name, while ``slab`` may still
+        map the dead process's unlinked one: writing there would commit pages the node never
+        saw written, reading there would return the dead node's bytes. So the mapping and the
+        cached namespace info are dropped and the new segment mapped."""
+        if slab is None or not shm_name or slab.name == shm_name:
+            return slab
+        with self._lock:
+            if self._slabs.get(namespace) is slab:
+                # NOTE: not closed: leases of other threads may still hold views of it
+                del self._slabs[namespace]
+            self._info = None
+        fresh = self._slab(namespace)
+        if fresh is None or fresh.name != shm_name:
+            raise KVCacheRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the node at {self.address} restarted during the call (its shared memory "
+                f"is now {shm_name!r}); retry",
+            )
+        return fresh
+
     def shm_available(self, namespace: str) -> bool:
         return self._slab(namespace) is not None
 
@@ -343,8 +366,14 @@ class KVStoreClient:
         slab = self._slab(namespace)
 
         def lease(r: Any) -> WriteLease:
+            try:
+                current = self._current_slab(namespace, slab, r.shm_name)
+            except KVCacheRpcError:
+                with contextlib.suppress(KVCacheRpcError):
+                    self.abort(WriteLease(self, namespace, r.lease_id, [], [], 0, None))
+                raise
             return WriteLease(
-                self, namespace, r.lease_id, list(r.keys), list(r.offsets), r.page_bytes, slab
+                self, namespace, r.lease_id, list(r.keys), list(r.offsets), r.page_bytes, current
             )
 
         request = pb.AllocateRequest(
@@ -379,6 +408,12 @@ class KVStoreClient:
                 prefix_only=prefix_only,
             ),
         )
+        try:
+            slab = self._current_slab(namespace, self._slab(namespace), r.shm_name)
+        except KVCacheRpcError:
+            with contextlib.suppress(KVCacheRpcError):
+                self.release(ReadLease(self, namespace, r.lease_id, [], [], 0, None))
+            raise
         return ReadLease(
             self,
             namespace,
@@ -386,7 +421,7 @@ class KVStoreClient:
             list(r.keys),
             list(r.offsets),
             r.page_bytes,
-            self._slab(namespace),
+            slab,
             [tier_or_none_from_pb(t) for t in r.tiers],
             list(r.checksums),
         )

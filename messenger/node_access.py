@@ -82,7 +82,7 @@ class NodePageSource(PageSource):
         return self.node.region(namespace)
 
     def pin(self, namespace: str, keys: list[bytes]) -> PinnedPages:
-        region = self.node.region(namespace)  # LookupError for unknown namespaces
+        self.node.region(namespace)  # LookupError for unknown namespaces, before any pin
         client = self.node.client
         try:
             lease = client.acquire(namespace, keys=keys, ttl_s=self.pin_ttl_s)
@@ -90,6 +90,8 @@ class NodePageSource(PageSource):
             if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise LookupError(e.details) from None
             raise ConnectionError(f"node Acquire failed: {e}") from None
+        # NOTE: mapped after the Acquire: its reply tells whether the node restarted meanwhile
+        region = self.node.region(namespace)
         pb = lease.page_bytes
         mv = memoryview(region)
         views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
