@@ -580,8 +580,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
-        cluster = load_cluster(args.cluster)  # first: without a cluster nothing else matters
         trace = load_trace(args.trace, args.trace_block_tokens)
+        cluster = load_cluster(args.cluster)
     except (LiveError, TraceError) as e:
         print(f"kvcache bench live: {e}", file=sys.stderr)
         return 2
