@@ -258,6 +258,9 @@ class KVStoreClient:
             log.warning("the segment handed over is smaller than announced; using the stream")
             seg.close()
             return None
+        # A memfd has no name; the socket names the node process that made it, and the node's
+        # replies carry that name, so a restarted node's new segment is noticed (_current_slab).
+        seg.name = r.socket
         return seg
 
     def _current_slab(self, namespace: str, slab: Mapping | None, shm_name: str) -> Mapping | None:

@@ -74,6 +74,14 @@ class NodeServicer(pbg.NodeServiceServicer):
             )
         return ttl_s or None
 
+    def _segment_name(self, store: TieredStore) -> str:
+        """What a lease's offsets point into: the /dev/shm slab's name, or with tenants the
+        name of this node process's segment socket (a tenant's memfd has no name of its own);
+        either way a client holding a restarted node's old mapping sees the change."""
+        if self.node.segments is not None:
+            return self.node.segments.socket_name
+        return store.shm_name or ""
+
     @staticmethod
     def _prefix(store: TieredStore, keys: list) -> list:
         present = store.contains(keys)
@@ -138,7 +146,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         page = store.layout.page_bytes
         return pb.AllocateReply(
             lease_id=lease.lease_id,
-            shm_name=store.shm_name or "",
+            shm_name=self._segment_name(store),
             page_bytes=page,
             offsets=[s * page if s >= 0 else -1 for s in lease.slots],
             ttl_s=lease.expires_at - time.monotonic(),
@@ -193,7 +201,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             self._stage_reads(store, lease, tenant, offsets, tiers)
         return pb.AcquireReply(
             lease_id=lease.lease_id,
-            shm_name=store.shm_name or "",
+            shm_name=self._segment_name(store),
             page_bytes=store.layout.page_bytes,
             offsets=offsets,
             tiers=tiers,

@@ -99,3 +99,31 @@ def test_client_and_messenger_follow_a_restarted_nodes_shared_memory(tmp_path):
     finally:
         for sp in reversed(procs):
             sp.stop()
+
+
+def test_a_tenant_client_follows_a_restarted_nodes_segment(tmp_path):
+    """With tenants the pages travel through the tenant's own memfd segment, which has no name:
+    the replies name the node instance's segment socket instead, so a client still holding the
+    dead node's segment maps the new one (else the new node would commit the unwritten pages of
+    its own segment, and reads would come from the dead node's memory)."""
+    address = free_address()
+    args = ["node", "--listen", address, "--dram", "1MiB", "--layout", TEST_LAYOUT,
+            "--tenant-token", "tok-a=alice"]  # fmt: skip
+    node = start_service(args, log_dir=str(tmp_path))
+    try:
+        with KVStoreClient(address, token="tok-a") as c:
+            first = pages(2, 4)
+            c.put(NS, first, keys=keys(2, 0))
+            assert c.shm_available(NS)
+            node.kill()
+            node = start_service(args, log_dir=str(tmp_path))
+            second = pages(3, 5)
+            c.put(NS, second, keys=keys(3, 10))
+            got = c.get(NS, keys=keys(3, 10))
+            with KVStoreClient(address, token="tok-a", use_shm=False) as fresh:
+                streamed = fresh.get(NS, keys=keys(3, 10))
+            for i in range(3):
+                assert np.array_equal(streamed[i], second[i]), f"page {i} committed wrong"
+                assert np.array_equal(got[i], second[i]), f"page {i} read wrong"
+    finally:
+        node.stop()
