@@ -168,6 +168,14 @@ class ReadLease(_Lease):
         self.release()
 
 
+def _lease_request(lease: _Lease) -> pb.LeaseRequest:
+    return pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
+
+
+def _commit_result(reply: Any) -> CommitResult:
+    return CommitResult(reply.stored, reply.duplicates)
+
+
 class KVStoreClient:
     """Client of one node server. Thread-safe; one gRPC channel; shared memory mapped lazily."""
 
@@ -355,7 +363,8 @@ class KVStoreClient:
         salt: bytes | str = b"",
         ttl_s: float = 0.0,
     ) -> WriteLease:
-        return self.allocate_async(namespace, keys, tokens, salt, ttl_s).result()
+        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s)
+        return lease(self._call("Allocate", request))
 
     def allocate_async(
         self,
@@ -366,6 +375,18 @@ class KVStoreClient:
         ttl_s: float = 0.0,
     ) -> Future[WriteLease]:
         """``allocate`` started now, waited for by ``result()``: the round trip overlaps work."""
+        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s)
+        return self._call_async("Allocate", request, lease)
+
+    def _allocate_call(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None,
+        tokens: Any,
+        salt: bytes | str,
+        ttl_s: float,
+    ) -> tuple[pb.AllocateRequest, Callable[[Any], WriteLease]]:
+        """The Allocate request and the conversion of its reply, for both ways of calling."""
         slab = self._slab(namespace)
 
         def lease(r: Any) -> WriteLease:
@@ -382,17 +403,16 @@ class KVStoreClient:
         request = pb.AllocateRequest(
             blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s
         )
-        return self._call_async("Allocate", request, lease)
+        return request, lease
 
     def commit(self, lease: WriteLease) -> CommitResult:
-        return self.commit_async(lease).result()
+        return _commit_result(self._call("Commit", _lease_request(lease)))
 
     def commit_async(self, lease: WriteLease) -> Future[CommitResult]:
-        request = pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
-        return self._call_async("Commit", request, lambda r: CommitResult(r.stored, r.duplicates))
+        return self._call_async("Commit", _lease_request(lease), _commit_result)
 
     def abort(self, lease: WriteLease) -> None:
-        self._call("Abort", pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id))
+        self._call("Abort", _lease_request(lease))
 
     def acquire(
         self,
@@ -430,11 +450,10 @@ class KVStoreClient:
         )
 
     def release(self, lease: ReadLease) -> None:
-        self.release_async(lease).result()
+        self._call("Release", _lease_request(lease))
 
     def release_async(self, lease: ReadLease) -> Future[None]:
-        request = pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
-        return self._call_async("Release", request, lambda r: None)
+        return self._call_async("Release", _lease_request(lease), lambda r: None)
 
     def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
