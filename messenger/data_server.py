@@ -53,9 +53,10 @@ from .transport import PageSource, PinnedPages
 log = logging.getLogger(__name__)
 
 # Pages and bytes per sendmsg call: few syscalls, a bounded iovec count, and pages sent soon
-# after their checksum pass read them (still in cache).
+# after their checksum pass read them (still in cache), so the peer starts receiving (and
+# checksumming) while the next pages are checksummed here.
 _SEND_BATCH_PAGES = 32
-_SEND_BATCH_BYTES = 4 << 20  # small enough that a page is still in cache from its checksum
+_SEND_BATCH_BYTES = 1 << 20
 # Accept errors back off from the first to the last delay (doubling): out of file descriptors,
 # accept fails at once for as long as a connection waits in the backlog.
 _ACCEPT_BACKOFF_S = (0.01, 1.0)
