@@ -514,8 +514,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-bytes",
         type=parse_bytes,
-        default=32 << 20,
-        help="bytes of pages per messenger request (pipelined)",
+        default=64 << 20,
+        help="bytes of pages per messenger request (pipelined; default 64M, the messenger's)",
     )
     parser.add_argument(
         "--mooncake-python",
