@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
             on_serving=on_serving,

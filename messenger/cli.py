@@ -25,6 +25,7 @@ from rpc.server import (
     Service,
     add_server_args,
     add_token_file_arg,
+    address_arg,
     host_of,
     serve,
     tls_from_args,
@@ -43,7 +44,9 @@ log = logging.getLogger("kvcache.messenger")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
-    parser.add_argument("--node", required=True, help="this host's node server (host:port)")
+    parser.add_argument(
+        "--node", required=True, type=address_arg, help="this host's node server (host:port)"
+    )
     parser.add_argument(
         "--node-token",
         default=None,
@@ -59,6 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-listen",
         default=None,
+        type=address_arg,
         help="host:port of the data port peers pull from (default: --listen's host, any free port)",
     )
     parser.add_argument(
@@ -296,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             registry=metrics.registry,
             on_serving=on_serving,
             close=close,
