@@ -8,8 +8,9 @@ import tomllib
 
 import pytest
 
-from helpers import kvcache_cli
 from kvcache.cluster_config import SECTIONS, TABLES, ConfigError, env_name, load_config
+
+from helpers import kvcache_cli
 
 
 def printed(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> dict:
@@ -119,7 +120,8 @@ def test_malformed_toml_is_a_message_with_the_line(tmp_path):
         ),
         ('[clster]\nhost = "x"\n', "{path}: unknown section 'clster' (did you mean 'cluster'?"),
         (
-            '[[node]]\nid = "a"\nrole = "prefill"\n\n[[node]]\nid = "b"\nrole = "decode"\ndramm = "1GiB"\n',
+            '[[node]]\nid = "a"\nrole = "prefill"\n\n'
+            '[[node]]\nid = "b"\nrole = "decode"\ndramm = "1GiB"\n',
             "{path}:8: [[node]] #2 (id 'b'): unknown key 'dramm' (did you mean 'dram'?",
         ),
         ('[cluster]\ntls = "yes"\n', "{path}:2: [cluster] tls must be true or false, got 'yes'"),
@@ -150,10 +152,8 @@ def test_bad_environment_and_set_values_name_their_source(tmp_path):
     msg = fails("--print-config", env={"KVCACHE_CONDUCTOR_METRICS_PORT": "http"})
     assert "$KVCACHE_CONDUCTOR_METRICS_PORT must be an integer, got 'http'" in msg
     msg = fails("--config", str(tmp_path / "absent.toml"))
-    assert (
-        msg
-        == f"kvcache up: cannot read cluster config {tmp_path / 'absent.toml'}: No such file or directory"
-    )
+    absent = tmp_path / "absent.toml"
+    assert msg == f"kvcache up: cannot read cluster config {absent}: No such file or directory"
 
 
 def test_adding_a_key_is_one_schema_line(monkeypatch):
