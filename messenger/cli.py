@@ -20,6 +20,7 @@ from clients.node_client import KVCacheRpcError, KVStoreClient
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 from rpc.channel import make_channel
+from rpc.logs import set_identity
 from rpc.server import (
     Auth,
     Service,
@@ -202,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     auth = Auth.from_args(args.token, args.tenant_token)
     client = _connect_node(args)
+    set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
     node = NodeAccess(client)
     source = NodePageSource(node, pin_ttl_s=args.pin_ttl)
     data_host, data_port = host_of(args.listen), 0
@@ -264,9 +266,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def add(server: grpc.Server) -> list[str]:
-        pbg.add_MessengerServiceServicer_to_server(
-            MessengerServicer(mover, info, auth, metrics), server
-        )
+        servicer = MessengerServicer(mover, info, auth, metrics)
+        servicer.data_server = data
+        pbg.add_MessengerServiceServicer_to_server(servicer, server)
         return [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:

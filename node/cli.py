@@ -14,6 +14,7 @@ import grpc
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
+from rpc.logs import set_identity
 from rpc.server import (
     Auth,
     Service,
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         node = Node(cfg)
     except (KVStoreError, TypeError, ValueError, OSError) as e:
         raise SystemExit(f"kvcache node: {e}") from None
+    set_identity(node_id=node.node_id)
     metrics = NodeMetrics(lambda: node.stores)
     servicer = NodeServicer(
         node,

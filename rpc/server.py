@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .channel import CHANNEL_OPTIONS
+from .logs import CURRENT, RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,62 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return self._deny_unary
 
 
+class _LogContextInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Runs each RPC's handler with its ``rpc.logs.RequestContext`` set, so that its log lines
+    carry the request id (the context is built here, the id only when a line is logged)."""
+
+    def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method, metadata = details.method, details.invocation_metadata
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                token = CURRENT.set(RequestContext(method, metadata, request))
+                try:
+                    return inner(request, context)
+                finally:
+                    CURRENT.reset(token)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            return handler._replace(
+                unary_stream=_streaming(handler.unary_stream, method, metadata, True)
+            )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            def stream_unary(requests: Any, context: grpc.ServicerContext) -> Any:
+                token = CURRENT.set(RequestContext(method, metadata))
+                try:
+                    return inner_su(requests, context)
+                finally:
+                    CURRENT.reset(token)
+
+            return handler._replace(stream_unary=stream_unary)
+        return handler._replace(
+            stream_stream=_streaming(handler.stream_stream, method, metadata, False)
+        )
+
+
+def _streaming(inner: Callable[..., Any], method: str, metadata: Any, unary_request: bool) -> Any:
+    def replies(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
+        # NOTE: set while the generator runs in the worker that drains it; a stream abandoned
+        # and closed from another thread cannot reset it there, and need not.
+        token = CURRENT.set(RequestContext(method, metadata, request if unary_request else None))
+        try:
+            yield from inner(request, context)
+        finally:
+            try:
+                CURRENT.reset(token)
+            except ValueError:
+                pass
+
+    return replies
+
+
 @dataclass(frozen=True, kw_only=True)
 class TlsConfig:
     cert_file: str
@@ -114,7 +171,7 @@ class TlsConfig:
 def make_server(auth: Auth, max_workers: int = 32) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[_AuthInterceptor(auth)],
+        interceptors=[_LogContextInterceptor(), _AuthInterceptor(auth)],
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_workers * 8,
     )
