@@ -187,6 +187,7 @@ class Cluster:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
         with os.fdopen(fd, "w") as f:
             json.dump(state, f, indent=2)
+        write_prometheus_targets(state, os.path.join(cfg.state_dir, "prometheus-targets.json"))
         return state
 
     def _metrics(self, port: int) -> list[str]:
@@ -233,11 +234,23 @@ class Cluster:
         return codes
 
 
+def write_prometheus_targets(state: dict, path: str) -> None:
+    """Every metrics endpoint, labelled with its role and node, for a Prometheus
+    ``file_sd_configs`` job (docs/operations.md)."""
+    targets = [{"targets": [state["conductor"]["metrics"]], "labels": {"role": "conductor"}}]
+    for n in state["nodes"]:
+        for role, key in (("node", "metrics"), ("messenger", "messenger_metrics")):
+            targets.append({"targets": [n[key]], "labels": {"role": role, "node_id": n["id"]}})
+    with open(path, "w") as f:
+        json.dump([t for t in targets if t["targets"][0]], f, indent=2)
+
+
 def print_state(state: dict, path: str) -> None:
     print(f"conductor  {state['conductor']['address']}")
     for n in state["nodes"]:
         print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
     print(f"state      {path}")
+    print(f"status     kvcache status --cluster {path}")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
