@@ -77,7 +77,18 @@ def stop_pids(pids: list[int], timeout_s: float) -> bool:
         left = [p for p in left if _running(p)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
+    # Exited processes are zombies until their parent (init, once 'kvcache up' is gone) reaps
+    # them: give it a moment, so that a caller finds them gone.
+    reap_by = time.monotonic() + 2.0
+    while any(_exists(p) for p in pids) and time.monotonic() < reap_by:
+        time.sleep(0.02)
     return not left
+
+
+def _exists(pid: int) -> bool:
+    import psutil
+
+    return bool(psutil.pid_exists(pid))
 
 
 def stop_stages(state: dict) -> list[list[int]]:

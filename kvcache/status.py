@@ -77,24 +77,14 @@ def _targets(args: argparse.Namespace) -> tuple[str | None, list[Any], str | Non
             path = os.path.join(load_config(args.config).state_dir, "cluster.json")
         except ConfigError as e:
             raise StatusError(str(e)) from None
+    from bench.live_engine import LiveError, load_cluster
+
     try:
-        with open(path) as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        raise StatusError(
-            f"no cluster state at {path}: start a cluster with 'kvcache up --detach', or name "
-            "one with --cluster <state_dir>/cluster.json or --conductor HOST:PORT"
-        ) from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise StatusError(f"cannot read {path}: {e}") from None
-    try:
-        nodes = [
-            Target(n["id"], n["role"], n["address"], n.get("messenger", "")) for n in state["nodes"]
-        ]
-        conductor = state["conductor"]["address"]
-    except (KeyError, TypeError) as e:
-        raise StatusError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
-    return conductor, nodes, args.token or state.get("token"), args.tls_ca or state.get("tls_ca")
+        info = load_cluster(path)  # the same reading of cluster.json as 'kvcache bench live'
+    except LiveError as e:
+        raise StatusError(f"{e}, or name a conductor with --conductor HOST:PORT") from None
+    nodes = [Target(n.id, n.role, n.address, n.messenger) for n in info.nodes]
+    return info.conductor, nodes, args.token or info.token, args.tls_ca or info.tls_ca
 
 
 def run(args: argparse.Namespace) -> int:
