@@ -474,6 +474,7 @@ class _Pipeline:
         self._open: dict[int, WriteLease] = {}  # handed to the transport, not back yet
         self._committing = 0
         self._groups: Iterator[FetchGroup] | None = None
+        self._unsettled: list[FetchGroup] = []  # handed out before their pages were allocated
 
     # ---- the transport's side ------------------------------------------------------------------
 
@@ -501,6 +502,11 @@ class _Pipeline:
             while ahead:
                 chunk, pending = ahead.popleft()
                 allocate_next()  # its Allocate runs while this group is fetched
+                if not pending.done():
+                    # Not allocated yet (the job's first group, mostly): handed out now, so the
+                    # transport can have the source pin it while this node allocates.
+                    yield self._early(chunk, pending)
+                    continue
                 group = self._group(chunk, pending)
                 if group is not None:
                     yield group
@@ -515,6 +521,25 @@ class _Pipeline:
         if gone:
             self.mover._resolve(chunk, gone, self.page_bytes)
         return [e for e in chunk if not e.cancelled] if gone else chunk
+
+    def _early(self, chunk: list[_Entry], pending: Future[WriteLease]) -> FetchGroup:
+        """A group whose views come when the transport settles it (``FetchGroup.settle``)."""
+        group = FetchGroup([e.key for e in chunk], None)
+
+        def settle() -> list[memoryview | None]:
+            ready = self._group(chunk, pending)
+            views: list[memoryview | None] = [None] * len(chunk)
+            if ready is not None:
+                group.tag = ready.tag
+                assert ready.views is not None
+                for i, view in zip(ready.tag[2], ready.views):
+                    views[i] = view
+            return views
+
+        group.settle = settle
+        with self._lock:
+            self._unsettled.append(group)
+        return group
 
     def _group(self, chunk: list[_Entry], pending: Future[WriteLease]) -> FetchGroup | None:
         try:
@@ -587,6 +612,8 @@ class _Pipeline:
         """Abort every lease the transport did not hand back, wait for the commits."""
         if self._groups is not None:
             self._groups.close()  # type: ignore[attr-defined] # a generator
+        for group in self._unsettled:
+            group.resolve()  # no-op unless the transport stopped before it did (its lease opens)
         with self._lock:
             left = list(self._open.values())
             self._open.clear()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .frames import (
+    FLAG_HOLD,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -69,6 +70,17 @@ class _ConnectFailed(Exception):
 
 class _BadAddress(Exception):
     """The peer's data address is malformed."""
+
+
+class _InFlight:
+    """A group requested on a lane: whether it waits for a GO, its results as they arrive."""
+
+    __slots__ = ("group", "held", "results")
+
+    def __init__(self, group: FetchGroup) -> None:
+        self.group = group
+        self.held = False
+        self.results: list[EntryResult | None] = []
 
 
 class _Groups:
@@ -241,8 +253,12 @@ class TcpTransport(Transport):
         """One connection's loop: keep ``window`` groups requested, receive them in order, and
         report each; a failure fails the groups in flight and every group this lane takes
         after it (the peer is gone or broken), except a pooled connection found stale before
-        it delivered anything, which is retried once on a fresh connection."""
-        inflight: deque[tuple[FetchGroup, list[EntryResult | None]]] = deque()
+        it delivered anything, which is retried once on a fresh connection.
+
+        A group handed out before its pages were allocated is requested with HOLD (the source
+        pins it meanwhile) and resolved when it is next to be received: then a GO names the
+        pages still wanted, and the requests behind it are sent."""
+        inflight: deque[_InFlight] = deque()
         lane: _Lane | None = None
         reused = retried = False
         received = 0  # responses received on this connection
@@ -252,26 +268,32 @@ class TcpTransport(Transport):
                 if lane is None and inflight and broken is None:  # requests lost with a stale lane
                     lane, reused = self._take(peer, allow_reuse=False)
                     received = 0
-                    for group, _ in inflight:
-                        self._send_request(lane, namespace, page_bytes, group.keys)
-                while len(inflight) < self.config.window:
+                    for f in inflight:
+                        self._send_request(lane, namespace, page_bytes, f)
+                # NOTE: nothing is sent behind a held request before its GO: the source reads
+                # the GO next.
+                while len(inflight) < self.config.window and not any(f.held for f in inflight):
                     group = source.take()
                     if group is None:
                         break
-                    assert len(group.views) == len(group.keys)
-                    inflight.append((group, [None] * len(group.keys)))
+                    f = _InFlight(group)
+                    inflight.append(f)
                     if broken is not None:
                         continue
                     if lane is None:
                         lane, reused = self._take(peer, allow_reuse=not retried)
                         received = 0
-                    self._send_request(lane, namespace, page_bytes, group.keys)
+                    self._send_request(lane, namespace, page_bytes, f)
                 if not inflight:
                     break
-                group, results = inflight[0]
+                f = inflight[0]
                 if broken is None:
                     assert lane is not None
-                    self._receive_response(lane, page_bytes, group.keys, group.views, results)
+                    if f.held:
+                        self._go(lane, f)
+                        continue  # requests behind it go out before its pages are received
+                    assert f.group.views is not None
+                    self._receive_response(lane, page_bytes, f.group.keys, f.group.views, f.results)
                     received += 1
             except _BadAddress as e:  # per entry, like every other failure
                 broken = EntryResult(Outcome.INVALID, str(e))
@@ -281,7 +303,7 @@ class TcpTransport(Transport):
                 if lane is not None:
                     lane.close()
                     lane = None
-                untouched = all(r is None for _, res in inflight for r in res)
+                untouched = all(r is None for f in inflight for r in f.results)
                 if reused and received == 0 and untouched and not retried and is_disconnect(e):
                     # A pooled connection the peer had closed meanwhile: retry once on a fresh
                     # one (every request in flight is sent again).
@@ -290,14 +312,53 @@ class TcpTransport(Transport):
                     continue
                 broken = self._lane_failure(peer, e)
             if broken is not None:
-                for group, results in inflight:
-                    done(group, [r if r is not None else broken for r in results])
+                for f in inflight:
+                    f.group.resolve()  # the caller learns which pages it set up, and fails them
+                    if len(f.results) != len(f.group.keys):  # never sent, or not resolved
+                        f.results = [None] * len(f.group.keys)
+                    if f.group.keys:
+                        done(f.group, [r if r is not None else broken for r in f.results])
                 inflight.clear()
                 continue
             inflight.popleft()
-            done(group, results)  # type: ignore[arg-type] # every entry is set by now
+            if f.group.keys:
+                done(f.group, f.results)
+
         if lane is not None:
             self._give_back(peer, lane)
+
+    @staticmethod
+    def _send_request(lane: _Lane, namespace: str, page_bytes: int, f: "_InFlight") -> None:
+        """FETCH the group's keys; HOLD while its pages are not allocated yet."""
+        keys = f.group.keys
+        f.held = f.group.settle is not None
+        f.results = [None] * len(keys)
+        body = pack_keys_body(namespace, page_bytes, keys)
+        send_buffers(
+            lane.sock,
+            [
+                pack_header(
+                    Kind.FETCH,
+                    count=len(keys),
+                    length=len(body),
+                    checksum_=checksum(body),
+                    flags=FLAG_HOLD if f.held else 0,
+                ),
+                body,
+            ],
+        )
+
+    @staticmethod
+    def _go(lane: _Lane, f: "_InFlight") -> None:
+        """Resolve a held group (wait for its pages) and tell the source which to send."""
+        count = len(f.group.keys)
+        mask = bytes(f.group.resolve())
+        f.held = False
+        f.results = [None] * len(f.group.keys)
+        send_buffers(
+            lane.sock,
+            [pack_header(Kind.GO, count=count, length=count, checksum_=checksum(mask)), mask],
+        )
 
     def _lane_failure(self, peer: str, e: Exception) -> EntryResult:
         with self._lock:
@@ -308,19 +369,6 @@ class TcpTransport(Transport):
             return EntryResult(Outcome.UNAVAILABLE, f"connection to peer {peer} lost: {e}")
         log.exception("TCP lane to %s failed", peer)
         return EntryResult(Outcome.INTERNAL, f"internal error: {e!r}")
-
-    @staticmethod
-    def _send_request(lane: _Lane, namespace: str, page_bytes: int, keys: list[bytes]) -> None:
-        body = pack_keys_body(namespace, page_bytes, keys)
-        send_buffers(
-            lane.sock,
-            [
-                pack_header(
-                    Kind.FETCH, count=len(keys), length=len(body), checksum_=checksum(body)
-                ),
-                body,
-            ],
-        )
 
     def _receive_response(
         self,

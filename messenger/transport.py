@@ -53,11 +53,30 @@ OK = EntryResult(Outcome.OK)
 @dataclass(slots=True, eq=False)
 class FetchGroup:
     """Pages fetched together and then published together (one write lease on the destination):
-    ``views[i]`` receives the page of ``keys[i]``. ``tag`` is the caller's."""
+    ``views[i]`` receives the page of ``keys[i]``. ``tag`` is the caller's.
+
+    A group handed out before its pages are allocated has no views yet but ``settle``, which
+    waits for them and returns one view per key, None for a key no longer wanted (the
+    destination holds it, or could not allocate it). A transport may ask the source for the
+    keys first (so the source pins while the destination allocates) and must ``resolve`` the
+    group before any page moves."""
 
     keys: list[bytes]
-    views: list[memoryview]
+    views: list[memoryview] | None
     tag: Any = None
+    settle: Callable[[], list[memoryview | None]] | None = None
+
+    def resolve(self) -> list[bool]:
+        """Settle a group handed out early: keeps only the wanted keys (and their views);
+        returns, per key it had, whether it is wanted."""
+        if self.settle is None:
+            return [True] * len(self.keys)
+        views = self.settle()
+        wanted = [v is not None for v in views]
+        self.keys = [k for k, w in zip(self.keys, wanted) if w]
+        self.views = [v for v in views if v is not None]
+        self.settle = None
+        return wanted
 
 
 class Transport(ABC):
@@ -88,10 +107,15 @@ class Transport(ABC):
         group's pages late), from one thread at a time; ``done`` may be called from any thread
         and groups may finish out of order. Never raises for per-entry or connection failures.
 
+        A group left with no keys once resolved is not reported (the caller settled it).
+
         This default fetches one group after the other; ``group_pages`` says how big the
         transport wants groups to be."""
         for group in groups:
-            done(group, self.fetch(peer, namespace, group.keys, group.views))
+            group.resolve()
+            if group.keys:
+                assert group.views is not None
+                done(group, self.fetch(peer, namespace, group.keys, group.views))
 
     def group_pages(self, page_bytes: int) -> int:
         """Pages per group for ``fetch_groups``: the unit a transport moves (and a caller

@@ -591,7 +591,7 @@ def test_a_job_commits_group_by_group_and_leases_a_few_groups_at_a_time(cluster)
         mover.close()
         transport.close()
         client.close()
-    assert snap.finished and snap.count("done") == 32
+    assert snap.finished and snap.count("done") == 32, snap.entries[0]
     assert len(held) == 8 and max(held) <= 16  # 4 groups of 4 at most, not all 32 pages
     assert leased(b.client) == 0
     got = b.client.get(NS, keys=keys)
