@@ -253,6 +253,7 @@ class Reference:
 
     def measure(self, rounds: int) -> None:
         try:
+            self.pull.store()  # the replay may have evicted them from the source
             for _ in range(rounds):
                 self.runs_s.append(self.pull.round())
         except (RuntimeError, KVCacheRpcError) as e:

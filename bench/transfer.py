@@ -269,8 +269,8 @@ class MessengerPull:
     (the destination's Allocate and Commit, the source's Acquire and Release, both messengers'
     checksums and the TCP lanes included). ``bench live`` measures its reference with it too.
 
-    ``prepare`` stores ``n`` random pages on the source under keys of their own; each ``round``
-    first removes them from the destination (untimed), so every round moves all of them."""
+    It stores ``n`` random pages on the source under keys of their own; each ``round`` first
+    removes them from the destination (untimed), so every round moves all of them."""
 
     def __init__(
         self,
@@ -289,9 +289,15 @@ class MessengerPull:
         self.page_bytes = src.namespace_info(namespace).page_bytes
         self.keys = keys_from_block_ids(list(range(n)), root_key(namespace, salt))
         self.pages = np.random.default_rng(0).integers(0, 256, (n, self.page_bytes), dtype=np.uint8)
+        self.store()
+
+    def store(self) -> None:
+        """(Re)store the pages on the source: keys it still holds are left as they are."""
         batch = max(1, (64 << 20) // self.page_bytes)
-        for s in range(0, n, batch):
-            src.put(namespace, list(self.pages[s : s + batch]), keys=self.keys[s : s + batch])
+        for s in range(0, len(self.keys), batch):
+            self.src.put(
+                self.namespace, list(self.pages[s : s + batch]), keys=self.keys[s : s + batch]
+            )
 
     @property
     def total_bytes(self) -> int:
