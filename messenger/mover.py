@@ -578,9 +578,9 @@ class _Pipeline:
                 if chunk[i].cancelled and results[i].ok:
                     results[i] = _CANCELLED
             if all(results[i].ok for i in todo):
-                with self._lock:
-                    self._committing += 1
                 future = self.client.commit_async(lease)
+                with self._lock:
+                    self._committing += 1  # the callback (maybe at once, here) counts it down
                 future.add_done_callback(lambda f: self._committed(f, chunk, results))
                 return
             results.update(

@@ -5,9 +5,11 @@ request each (so the source pins neighbouring pages together). Up to ``lanes`` c
 the peer (at most one per group: a small fetch stays on one) take groups as they have room,
 each keeping ``window`` requests in flight, so the source pins and streams the next group while
 the current one drains; ``fetch_groups`` reports each group as soon as it is final (the mover
-commits it while the next ones stream). Pages land with ``recv_into(view,
-MSG_WAITALL)`` directly in the destination's page memory and are verified against the sender's
-xxh3-64 checksum; nothing is copied in Python.
+commits it while the next ones stream). A group handed out before its pages are allocated is
+requested with HOLD (the source pins it while the destination allocates) and a GO follows with
+the pages still wanted. Pages land with ``recv_into(view, MSG_WAITALL)`` directly in the
+destination's page memory and are verified against the sender's xxh3-64 checksum; nothing is
+copied in Python.
 
 Failures are per entry: a missing key, a checksum mismatch, an error reply, or a cut connection
 marks the affected entries and never raises to the caller.
