@@ -12,7 +12,6 @@ node/segments.py). The node's checksum of each pinned page travels with it
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 
 import grpc
 import numpy as np
@@ -97,17 +96,15 @@ class NodePageSource(PageSource):
         mv = memoryview(region)
         views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
 
-        def released(done: Future[None]) -> None:
-            e = done.exception()
-            if e is not None:
+        def release() -> None:
+            # NOTE: not in the background: a Release still pending when the node restarts
+            # would put the channel into reconnect backoff, failing the next pins for a second.
+            try:
+                client.release(lease)
+            except KVCacheRpcError as e:
                 # NOT_FOUND: the lease expired first (the node already unpinned); both are fine
                 # for correctness, but say so: a slow peer or a too short --pin-ttl.
                 log.warning("releasing pin lease %d on the node: %s", lease.lease_id, e)
-
-        def release() -> None:
-            # NOTE: in the background: the connection serves its next request (pins it) at once
-            # instead of after this round trip; the pages were sent already.
-            client.release_async(lease).add_done_callback(released)
 
         def drop(indices: list[int]) -> None:
             # A page changed after its commit (a same-host writer scribbled on it): it was not
