@@ -161,6 +161,12 @@ class Mover:
         self._batches: dict[str, Batch] = {}
         self._bytes: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mover")
+        # NOTE: the jobs' Allocate and Commit calls, run beside their transfers: a pool of their
+        # own (the node client's one background thread would queue every job's calls behind
+        # each other's: 5-9 ms per call in make demo, where four pulls run at once).
+        self._rpc = ThreadPoolExecutor(
+            max_workers=2 * self.config.workers, thread_name_prefix="mover-rpc"
+        )
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._closed = False
@@ -266,6 +272,7 @@ class Mover:
             for entry in self._inflight.values():
                 entry.cancelled = True
         self._pool.shutdown(wait=True)
+        self._rpc.shutdown(wait=True)
 
     # ---- bookkeeping (caller holds the lock) -----------------------------------------------------
 
@@ -485,6 +492,7 @@ class _Pipeline:
     def _make_groups(self) -> Iterator[FetchGroup]:
         ahead: deque[tuple[list[_Entry], Future[WriteLease]]] = deque()
         chunks = iter(self.chunks)
+        rpc = self.mover._rpc
 
         def allocate_next() -> None:
             for chunk in chunks:
@@ -493,7 +501,7 @@ class _Pipeline:
                     keys = [e.key for e in chunk]
                     ttl = self.mover.config.write_ttl_s
                     ahead.append(
-                        (chunk, self.client.allocate_async(self.namespace, keys, ttl_s=ttl))
+                        (chunk, rpc.submit(self.client.allocate, self.namespace, keys, ttl_s=ttl))
                     )
                     return
 
@@ -578,7 +586,7 @@ class _Pipeline:
                 if chunk[i].cancelled and results[i].ok:
                     results[i] = _CANCELLED
             if all(results[i].ok for i in todo):
-                future = self.client.commit_async(lease)
+                future = self.mover._rpc.submit(self.client.commit, lease)
                 with self._lock:
                     self._committing += 1  # the callback (maybe at once, here) counts it down
                 future.add_done_callback(lambda f: self._committed(f, chunk, results))
