@@ -1,0 +1,160 @@
+"""A real etcd server for ``kvcache up --etcd`` (and the tests): Debian's ``etcd-server`` package,
+one member on free ports, its data in a directory of ours.
+
+``start_etcd`` returns once etcd answers ``/health``; the process's stderr goes to a log file whose
+tail is shown when it fails to start. The member keeps its data across restarts of the same
+``data_dir`` (leases included), which is what an etcd outage looks like to the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from rpc.launch import ServiceProcess
+
+INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
+
+
+def etcd_binary() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise RuntimeError(f"no etcd binary on PATH: {INSTALL_HINT}")
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EtcdServer:
+    """One etcd member: ``endpoint`` is its client URL (what ``--etcd`` takes)."""
+
+    proc: subprocess.Popen[bytes]
+    endpoint: str
+    peer_url: str
+    data_dir: str
+    log_path: str
+    name: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM (etcd syncs and exits), SIGKILL if it does not in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self, timeout_s: float = 30.0) -> "EtcdServer":
+        """The same member again (same ports, same data): an outage that ends."""
+        self.stop()
+        return start_etcd(
+            self.data_dir,
+            client_url=self.endpoint,
+            peer_url=self.peer_url,
+            name=self.name,
+            log_path=self.log_path,
+            timeout_s=timeout_s,
+        )
+
+    def as_service(self) -> ServiceProcess:
+        """For launchers that stop their processes by role (``kvcache up``)."""
+        return ServiceProcess("etcd", self.proc, {"address": self.endpoint}, self.log_path)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s) as r:
+            return bool(json.loads(r.read()).get("health") == "true")
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def start_etcd(
+    data_dir: str,
+    host: str = "127.0.0.1",
+    *,
+    client_url: str | None = None,
+    peer_url: str | None = None,
+    name: str = "kvcache",
+    log_path: str | None = None,
+    timeout_s: float = 30.0,
+) -> EtcdServer:
+    """Start one etcd member with its data in ``data_dir`` on free ports of ``host`` (or the
+    given URLs) and wait until it is healthy."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    client_url = client_url or f"http://{host}:{_free_port(host)}"
+    peer_url = peer_url or f"http://{host}:{_free_port(host)}"
+    log_path = log_path or os.path.join(os.path.dirname(os.path.abspath(data_dir)), "etcd.log")
+    args = [
+        etcd_binary(),
+        "--name",
+        name,
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        f"{name}={peer_url}",
+        # A watch with nothing to report still hears from etcd this often, so a silent
+        # stream means a dead one (rpc.etcd.Watch's idle timeout is longer).
+        "--experimental-watch-progress-notify-interval",
+        "5s",
+        "--logger",
+        "zap",
+        "--log-outputs",
+        "stderr",
+    ]
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file)
+    server = EtcdServer(proc, client_url, peer_url, data_dir, log_path, name)
+    deadline = time.monotonic() + timeout_s
+    while not healthy(client_url, timeout_s=0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            tail = server.log()[-2000:]
+            raise RuntimeError(
+                f"etcd did not become healthy at {client_url} "
+                f"(exit code {proc.returncode}); its log {log_path} ends:\n{tail}"
+            )
+        time.sleep(0.05)
+    return server
