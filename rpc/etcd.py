@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import socket
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -140,6 +141,14 @@ class Watch:
 
     def close(self) -> None:
         self._closed = True
+        # NOTE: closing the response does not wake a thread blocked reading it; shutting the
+        # socket down does (what etcd3gw's own Watcher.stop does too).
+        try:
+            fd = self._response.raw._fp.fileno()  # type: ignore[union-attr]
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError, ValueError):
+            pass  # already closed
         self._response.close()
 
     def __iter__(self) -> Iterator[WatchBatch]:
