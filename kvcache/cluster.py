@@ -5,6 +5,10 @@ chosen up front so that every process can be told its peers' addresses; the laun
 process's ready line, writes the cluster's state (addresses, pids, logs) to
 ``<state_dir>/cluster.json`` and prints the addresses. In the foreground it stops everything on
 Ctrl-C / SIGTERM; with ``--detach`` it returns and ``kvcache down`` stops the cluster later.
+
+With ``[etcd] enabled`` (``--etcd``) membership and the conductors' election live in etcd
+(``kvcache/etcd_server.py`` starts one unless ``endpoints`` names it) and ``[conductor] replicas``
+conductors run: one leader, the others hot standbys.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from rpc.launch import ServiceProcess, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 
+from .etcd_server import EtcdSettings, start_etcd
+
 log = logging.getLogger("kvcache.cluster")
 
 DEFAULT_CONFIG = """
@@ -39,6 +45,13 @@ tls = false                  # TLS on every gRPC link, from a local CA made in s
 
 [conductor]
 policy = "global-cache"
+replicas = 1                 # with [etcd] enabled: one leader, the others hot standbys
+
+[etcd]
+enabled = false              # true (or kvcache up --etcd): membership and election in etcd
+endpoints = []               # empty: kvcache up starts its own etcd, data in state_dir/etcd
+prefix = "/kvcache"
+ttl = 5                      # seconds: a dead process leaves the cluster (or the lead) after
 
 [defaults]
 # 512-token blocks (the Mooncake trace's) and 256 KiB pages (4 layers x K|V x 512 tokens x 1 head
@@ -81,6 +94,8 @@ class ClusterConfig:
     nodes: list[NodeSpec]
     conductor_args: list[str] = field(default_factory=list)
     tls: bool = False
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    replicas: int = 1  # conductors (more than one needs etcd)
 
 
 def load_config(path: str | None) -> ClusterConfig:
@@ -88,7 +103,7 @@ def load_config(path: str | None) -> ClusterConfig:
     if path:
         with open(path, "rb") as f:
             user = tomllib.load(f)
-        for section in ("cluster", "conductor", "defaults"):
+        for section in ("cluster", "conductor", "defaults", "etcd"):
             data[section].update(user.get(section, {}))
         if "node" in user:
             data["node"] = user["node"]
@@ -118,6 +133,8 @@ def load_config(path: str | None) -> ClusterConfig:
         nodes=nodes,
         conductor_args=list(data["conductor"].get("args", [])),
         tls=bool(c.get("tls", False)),
+        etcd=EtcdSettings.from_table(data["etcd"]),
+        replicas=int(data["conductor"].get("replicas", 1)),
     )
 
 
@@ -158,26 +175,36 @@ class Cluster:
             tls_ca = files.ca_cert
             ca = [tls_ca]
         try:
-            conductor = self._start(
-                [
-                    "conductor",
-                    "--listen",
-                    f"{cfg.host}:0",
-                    "--policy",
-                    cfg.policy,
-                    *auth,
-                    *serve_tls,
-                    *(["--node-tls-ca", *ca] if ca else []),
-                    *cfg.conductor_args,
-                ],
-                logs,
-            )
+            etcd_args, etcd_state = self._start_etcd() if cfg.etcd.enabled else ([], None)
+            conductors = [
+                self._start(
+                    [
+                        "conductor",
+                        "--listen",
+                        f"{cfg.host}:0",
+                        "--policy",
+                        cfg.policy,
+                        *auth,
+                        *serve_tls,
+                        *(["--node-tls-ca", *ca] if ca else []),
+                        *etcd_args,
+                        *cfg.conductor_args,
+                    ],
+                    logs,
+                )
+                for _ in range(cfg.replicas)
+            ]
+            conductor = conductors[0]
             state = {
                 "conductor": {
                     "address": conductor.address,
                     "pid": conductor.pid,
                     "log": conductor.log_path,
                 },
+                "conductors": [
+                    {"address": c.address, "pid": c.pid, "log": c.log_path} for c in conductors
+                ],
+                "etcd": etcd_state,
                 "nodes": [],
                 "token": cfg.token,
                 "tls_ca": tls_ca,
@@ -198,15 +225,14 @@ class Cluster:
                     spec.dram,
                     "--layout",
                     spec.layout,
-                    "--conductor",
-                    conductor.address,
+                    *(etcd_args or ["--conductor", conductor.address]),
                     "--messenger",
                     messenger_addr,
                     *auth,
                     *serve_tls,
                     *(["--conductor-tls-ca", *ca] if ca else []),
                 ]
-                if cfg.token:
+                if cfg.token and not etcd_args:
                     node_args += ["--conductor-token-file", token_file]
                 if spec.ssd not in ("0", ""):
                     node_args += [
@@ -232,6 +258,7 @@ class Cluster:
                         *auth,
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
+                        *etcd_args,
                     ],
                     logs,
                 )
@@ -259,6 +286,18 @@ class Cluster:
             json.dump(state, f, indent=2)
         return state
 
+    def _start_etcd(self) -> tuple[list[str], dict]:
+        """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one; the flags
+        every role takes and the state kept in cluster.json."""
+        cfg = self.config
+        endpoints, pid = cfg.etcd.endpoints, None
+        if not endpoints:
+            server = start_etcd(os.path.join(cfg.state_dir, "etcd"), cfg.host)
+            self.procs.append(server.as_service())
+            endpoints, pid = [server.endpoint], server.pid
+        state = {"endpoints": endpoints, "prefix": cfg.etcd.prefix, "pid": pid}
+        return cfg.etcd.role_args(endpoints), state
+
     def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
         sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
         self.procs.append(sp)
@@ -268,7 +307,7 @@ class Cluster:
         """Stop messengers, then node servers, then the conductor, each stage in parallel (one
         by one, their gRPC grace periods would add up); returns exit codes."""
         codes = []
-        for role in ("messenger", "node", "conductor"):
+        for role in ("messenger", "node", "conductor", "etcd"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
             for sp in stage:
                 if sp.alive():
@@ -288,7 +327,12 @@ class Cluster:
 
 
 def print_state(state: dict, path: str) -> None:
-    print(f"conductor  {state['conductor']['address']}")
+    if state.get("etcd"):
+        print(
+            f"etcd       {','.join(state['etcd']['endpoints'])}  prefix {state['etcd']['prefix']}"
+        )
+    for c in state.get("conductors") or [state["conductor"]]:
+        print(f"conductor  {c['address']}")
     for n in state["nodes"]:
         print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
     print(f"state      {path}")
@@ -307,6 +351,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="TLS on every gRPC link, with a local CA made in <state_dir>/tls (config: tls = true)",
     )
     parser.add_argument(
+        "--etcd",
+        action="store_true",
+        help="membership and conductor election in etcd (config: [etcd] enabled = true); "
+        "without [etcd] endpoints, kvcache up starts its own etcd server",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the embedded default config and exit"
     )
     parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
@@ -319,6 +369,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.config)
     cfg.tls = cfg.tls or args.tls
+    cfg.etcd.enabled = cfg.etcd.enabled or args.etcd
+    if cfg.replicas < 1 or (cfg.replicas > 1 and not cfg.etcd.enabled):
+        raise SystemExit(
+            f"[conductor] replicas = {cfg.replicas}: use 1, or more with [etcd] enabled "
+            "(kvcache up --etcd): one leads by etcd election, the others stand by"
+        )
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).

@@ -17,8 +17,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from rpc.etcd import check_prefix, parse_endpoints
 from rpc.launch import ServiceProcess
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
@@ -158,3 +160,51 @@ def start_etcd(
             )
         time.sleep(0.05)
     return server
+
+
+# ---- `kvcache up`'s [etcd] table --------------------------------------------------------------
+
+
+@dataclass
+class EtcdSettings:
+    """``[etcd]`` of the cluster TOML: ``enabled``, ``endpoints`` (none: start our own),
+    ``prefix``, ``ttl``."""
+
+    enabled: bool = False
+    endpoints: list[str] = field(default_factory=list)
+    prefix: str = "/kvcache"
+    ttl: int = 5
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> "EtcdSettings":
+        unknown = set(table) - {"enabled", "endpoints", "prefix", "ttl"}
+        if unknown:
+            raise SystemExit(
+                f"[etcd] has unknown keys {sorted(unknown)}; known: enabled, endpoints, prefix, ttl"
+            )
+        endpoints = table.get("endpoints", [])
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        try:
+            settings = cls(
+                enabled=bool(table.get("enabled", False)),
+                endpoints=parse_endpoints(endpoints) if endpoints else [],
+                prefix=check_prefix(str(table.get("prefix", "/kvcache"))),
+                ttl=int(table.get("ttl", 5)),
+            )
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"[etcd]: {e}") from None
+        if not 1 <= settings.ttl <= 3600:
+            raise SystemExit(f"[etcd] ttl must be 1..3600 seconds, got {settings.ttl}")
+        return settings
+
+    def role_args(self, endpoints: list[str]) -> list[str]:
+        """The flags every role takes to use this etcd."""
+        return [
+            "--etcd",
+            ",".join(endpoints),
+            "--etcd-prefix",
+            self.prefix,
+            "--etcd-ttl",
+            str(self.ttl),
+        ]

@@ -5,6 +5,9 @@ etcd outage stops nothing that was running, and registration and failover resume
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -308,3 +311,100 @@ def test_etcd_outage_stops_nothing_and_registration_and_failover_resume(
     with EtcdClient(etcd_server.endpoint) as etcd:
         kv = etcd.leader(election_name("/kvcache"))
     assert kv is not None and b.address.encode() in kv.value
+
+
+@pytest.mark.slow
+def test_up_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path):
+    """``kvcache up --etcd`` with two conductors and its own etcd; ``bench live`` replays trace
+    requests while the leading conductor is SIGKILLed: none fails; ``kvcache down`` stops all,
+    etcd last."""
+    state_dir = tmp_path / "state"
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        f'[cluster]\nstate_dir = "{state_dir}"\n[conductor]\nreplicas = 2\n'
+        '[etcd]\nttl = 2\n[defaults]\ndram = "256MiB"\n'
+    )
+
+    def kvcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "kvcache.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[cluster]\nstate_dir = "{state_dir}"\n[conductor]\nreplicas = 2\n')
+    r = kvcache("up", "--config", str(bad), "--detach")
+    assert r.returncode != 0 and "[etcd] enabled" in r.stderr and "Traceback" not in r.stderr
+
+    r = kvcache("up", "--config", str(config), "--etcd", "--detach")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cluster_json = state_dir / "cluster.json"
+    state = json.loads(cluster_json.read_text())
+    try:
+        assert len(state["conductors"]) == 2 and state["etcd"]["pid"]
+        a, b = (c["address"] for c in state["conductors"])
+        leader = wait_until(lambda: [c for c in (a, b) if _serving(c)], 30, "a leader")[0]
+        pid = next(c["pid"] for c in state["conductors"] if c["address"] == leader)
+        live = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvcache.cli",
+                "bench",
+                "live",
+                "--cluster",
+                str(cluster_json),
+                "--requests",
+                "40",
+                "--speedup",
+                "1",
+                "--out",
+                str(tmp_path / "live"),
+                "--no-progress",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        time.sleep(KILL_AT_S)  # into the replay (about 14 s of arrivals)
+        os.kill(pid, signal.SIGKILL)
+        out, _ = live.communicate(timeout=300)
+        assert live.returncode == 0, out
+        report = json.loads((tmp_path / "live" / "live.json").read_text())
+        assert report["summary"]["failed"] == 0 and report["summary"]["scheduled"] > 0, out
+        # arrivals counted from the replay's start, after the process started: these came
+        # after the kill, and the standby placed them
+        late = [r for r in report["requests"] if r["arrival_s"] > KILL_AT_S + 1]
+        assert late and all(r["status"] in ("ok", "rejected") for r in late)
+        assert _leader_address(a, b) != leader
+    finally:
+        down = kvcache("down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not any(_alive(p) for p in state["pids"])
+
+
+KILL_AT_S = 5.0
+
+
+def _leader_address(*addresses: str) -> str:
+    alive = []
+    for address in addresses:
+        try:
+            if _serving(address):
+                alive.append(address)
+        except grpc.RpcError:
+            pass
+    return alive[0] if len(alive) == 1 else ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
