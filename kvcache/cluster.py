@@ -293,7 +293,7 @@ class Cluster:
         endpoints, pid = cfg.etcd.endpoints, None
         if not endpoints:
             server = start_etcd(os.path.join(cfg.state_dir, "etcd"), cfg.host)
-            self.procs.append(server.as_service())
+            self.procs.append(server.process)
             endpoints, pid = [server.endpoint], server.pid
         state = {"endpoints": endpoints, "prefix": cfg.etcd.prefix, "pid": pid}
         return cfg.etcd.role_args(endpoints), state

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -41,37 +40,24 @@ def _free_port(host: str) -> int:
 
 @dataclass
 class EtcdServer:
-    """One etcd member: ``endpoint`` is its client URL (what ``--etcd`` takes)."""
+    """One etcd member: ``endpoint`` is its client URL (what ``--etcd`` takes); ``process``
+    stops (SIGTERM: etcd syncs and exits) and kills it like any role's process."""
 
-    proc: subprocess.Popen[bytes]
+    process: ServiceProcess
     endpoint: str
     peer_url: str
     data_dir: str
-    log_path: str
     name: str
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.process.pid
 
     def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM (etcd syncs and exits), SIGKILL if it does not in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return self.process.stop(timeout_s)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.process.kill()
 
     def restart(self, timeout_s: float = 30.0) -> "EtcdServer":
         """The same member again (same ports, same data): an outage that ends."""
@@ -81,20 +67,9 @@ class EtcdServer:
             client_url=self.endpoint,
             peer_url=self.peer_url,
             name=self.name,
-            log_path=self.log_path,
+            log_path=self.process.log_path,
             timeout_s=timeout_s,
         )
-
-    def as_service(self) -> ServiceProcess:
-        """For launchers that stop their processes by role (``kvcache up``)."""
-        return ServiceProcess("etcd", self.proc, {"address": self.endpoint}, self.log_path)  # type: ignore[arg-type]
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
 
 
 def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
@@ -147,13 +122,14 @@ def start_etcd(
         "stderr",
     ]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file)
-    server = EtcdServer(proc, client_url, peer_url, data_dir, log_path, name)
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+    process = ServiceProcess("etcd", proc, {"address": client_url}, log_path)
+    server = EtcdServer(process, client_url, peer_url, data_dir, name)
     deadline = time.monotonic() + timeout_s
     while not healthy(client_url, timeout_s=0.5):
         if proc.poll() is not None or time.monotonic() > deadline:
             server.kill()
-            tail = server.log()[-2000:]
+            tail = process.log()[-2000:]
             raise RuntimeError(
                 f"etcd did not become healthy at {client_url} "
                 f"(exit code {proc.returncode}); its log {log_path} ends:\n{tail}"
