@@ -185,7 +185,7 @@ class ConductorClient:
                 backoff = min(backoff * 2, 0.5)
                 leader = self._lookup_leader()
             if leader and leader != self.address:
-                self.failovers += 1
+                self.failovers += bool(self.address)  # the first lookup is no failover
                 self._use(leader)
 
     def _lookup_leader(self) -> str:
