@@ -134,8 +134,14 @@ def load_config(path: str | None) -> ClusterConfig:
         conductor_args=list(data["conductor"].get("args", [])),
         tls=bool(c.get("tls", False)),
         etcd=EtcdSettings.from_table(data["etcd"]),
-        replicas=int(data["conductor"].get("replicas", 1)),
+        replicas=_replicas(data["conductor"].get("replicas", 1)),
     )
+
+
+def _replicas(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SystemExit(f"[conductor] replicas must be a whole number, got {value!r}")
+    return value
 
 
 def free_port(host: str) -> int:

@@ -333,11 +333,6 @@ def test_up_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path):
             timeout=timeout,
         )
 
-    bad = tmp_path / "bad.toml"
-    bad.write_text(f'[cluster]\nstate_dir = "{state_dir}"\n[conductor]\nreplicas = 2\n')
-    r = kvcache("up", "--config", str(bad), "--detach")
-    assert r.returncode != 0 and "[etcd] enabled" in r.stderr and "Traceback" not in r.stderr
-
     r = kvcache("up", "--config", str(config), "--etcd", "--detach")
     assert r.returncode == 0, r.stdout + r.stderr
     cluster_json = state_dir / "cluster.json"
@@ -408,3 +403,26 @@ def _alive(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:
         return True
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[conductor]\nreplicas = 2\n", "[etcd] enabled"),
+        ('[conductor]\nreplicas = "two"\n', "whole number"),
+        ("[etcd]\nbogus = 1\n", "unknown keys ['bogus']"),
+        ('[etcd]\nenabled = true\nendpoints = ["ftp://h:1"]\n', "http(s)://HOST:PORT"),
+        ("[etcd]\nttl = 0\n", "ttl must be 1..3600"),
+    ],
+)
+def test_cluster_config_errors_name_the_key(tmp_path, toml, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(f'[cluster]\nstate_dir = "{tmp_path / "state"}"\n' + toml)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "up", "--config", str(config), "--detach"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "state" / "cluster.json").exists()
