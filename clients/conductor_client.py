@@ -24,7 +24,7 @@ from kvstore.errors import KVStoreError
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
-from rpc.channel import make_channel
+from rpc.channel import check_health, make_channel
 from rpc.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
 from rpc.membership import LEADER_METADATA, ConductorRecord, election_name
 from rpc.status import KVCacheRpcError
@@ -66,6 +66,7 @@ class ConductorClient:
         self._lock = threading.Lock()
         self.address = ""
         self.stub: Any = None
+        self._channel: grpc.Channel | None = None
         if self.addresses:
             self._use(self.addresses[0])
 
@@ -131,6 +132,16 @@ class ConductorClient:
         reply = self._call("Locate", selector_to_pb(namespace, keys, tokens, salt))
         return {n.node_id: n.blocks for n in reply.nodes}
 
+    def health(self) -> str:
+        """gRPC health: "SERVING", "NOT_SERVING", or why the check failed ("UNAVAILABLE")."""
+        if self._channel is None:  # only etcd given, no call made yet: find the leader
+            leader = self._lookup_leader()
+            if not leader:
+                return "UNAVAILABLE"
+            self._use(leader)
+        assert self._channel is not None
+        return check_health(self._channel, min(self.timeout_s, 5.0))
+
     def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
@@ -151,7 +162,7 @@ class ConductorClient:
                 )
             # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
             self.stub = pbg.ConductorServiceStub(channel)  # type: ignore[no-untyped-call]
-            self.address = address
+            self.address, self._channel = address, channel
 
     def _call(self, name: str, request: Any) -> Any:
         """One RPC to the leader, following redirects and failovers (module docstring)."""

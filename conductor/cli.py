@@ -33,7 +33,15 @@ from rpc.membership import (
     etcd_settings,
     nodes_prefix,
 )
-from rpc.server import Auth, Service, add_server_args, add_token_file_arg, serve, tls_from_args
+from rpc.server import (
+    Auth,
+    Service,
+    add_server_args,
+    add_token_file_arg,
+    address_arg,
+    serve,
+    tls_from_args,
+)
 
 from .core import Conductor
 from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
@@ -146,6 +154,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise",
         default=None,
+        type=address_arg,
         help="the address clients reach this conductor at, published in the etcd election "
         "(default: the address it listens on)",
     )
@@ -238,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         return [SERVICE_NAME]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        servicer.address = address
         if etcd:
             record = ConductorRecord(
                 address=args.advertise or address,
@@ -272,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
             on_serving=on_serving,

@@ -16,10 +16,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from rpc.etcd import check_prefix, parse_endpoints
 from rpc.launch import ServiceProcess
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
@@ -138,49 +137,14 @@ def start_etcd(
     return server
 
 
-# ---- `kvcache up`'s [etcd] table --------------------------------------------------------------
-
-
-@dataclass
-class EtcdSettings:
-    """``[etcd]`` of the cluster TOML: ``enabled``, ``endpoints`` (none: start our own),
-    ``prefix``, ``ttl``."""
-
-    enabled: bool = False
-    endpoints: list[str] = field(default_factory=list)
-    prefix: str = "/kvcache"
-    ttl: int = 5
-
-    @classmethod
-    def from_table(cls, table: dict[str, Any]) -> "EtcdSettings":
-        unknown = set(table) - {"enabled", "endpoints", "prefix", "ttl"}
-        if unknown:
-            raise SystemExit(
-                f"[etcd] has unknown keys {sorted(unknown)}; known: enabled, endpoints, prefix, ttl"
-            )
-        endpoints = table.get("endpoints", [])
-        if isinstance(endpoints, str):
-            endpoints = [endpoints]
-        try:
-            settings = cls(
-                enabled=bool(table.get("enabled", False)),
-                endpoints=parse_endpoints(endpoints) if endpoints else [],
-                prefix=check_prefix(str(table.get("prefix", "/kvcache"))),
-                ttl=int(table.get("ttl", 5)),
-            )
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"[etcd]: {e}") from None
-        if not 1 <= settings.ttl <= 3600:
-            raise SystemExit(f"[etcd] ttl must be 1..3600 seconds, got {settings.ttl}")
-        return settings
-
-    def role_args(self, endpoints: list[str]) -> list[str]:
-        """The flags every role takes to use this etcd."""
-        return [
-            "--etcd",
-            ",".join(endpoints),
-            "--etcd-prefix",
-            self.prefix,
-            "--etcd-ttl",
-            str(self.ttl),
-        ]
+def etcd_role_args(etcd: dict[str, Any], cfg: Any) -> list[str]:
+    """The flags every role of a ``kvcache up`` cluster takes to use ``etcd`` (cluster.json's
+    entry: endpoints, prefix) with the config's ``[etcd] ttl``."""
+    return [
+        "--etcd",
+        ",".join(etcd["endpoints"]),
+        "--etcd-prefix",
+        etcd["prefix"],
+        "--etcd-ttl",
+        str(cfg.get("etcd", "ttl")),
+    ]

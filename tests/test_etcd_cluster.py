@@ -408,11 +408,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     "toml, message",
     [
-        ("[conductor]\nreplicas = 2\n", "[etcd] enabled"),
-        ('[conductor]\nreplicas = "two"\n', "whole number"),
-        ("[etcd]\nbogus = 1\n", "unknown keys ['bogus']"),
+        ("[conductor]\nreplicas = 2\n", "needs [etcd] enabled = true"),
+        ('[conductor]\nreplicas = "two"\n', "replicas must be an integer"),
+        ("[conductor]\nreplicas = 0\n", "at least 1 conductor"),
+        ("[etcd]\nbogus = 1\n", "unknown key 'bogus' in [etcd]"),
         ('[etcd]\nenabled = true\nendpoints = ["ftp://h:1"]\n', "http(s)://HOST:PORT"),
-        ("[etcd]\nttl = 0\n", "ttl must be 1..3600"),
+        ('[etcd]\nprefix = "kv"\n', "must start with '/'"),
+        ("[etcd]\nttl = 0\n", "1..3600 seconds"),
     ],
 )
 def test_cluster_config_errors_name_the_key(tmp_path, toml, message):
