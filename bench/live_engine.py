@@ -65,9 +65,23 @@ class ClusterInfo:
     nodes: list[ClusterNode]
     source: str
     tls_ca: str | None = None  # the cluster's CA (PEM) when its services serve TLS
+    conductors: tuple[str, ...] = ()  # every conductor (with etcd: a leader and standbys)
+    etcd: tuple[str, ...] = ()  # etcd endpoints, where the leader is found
+    etcd_prefix: str = "/kvcache"
 
     def by_messenger(self) -> dict[str, ClusterNode]:
         return {n.messenger: n for n in self.nodes}
+
+    def conductor_client(self, timeout_s: float = 10.0) -> ConductorClient:
+        """A client of the leading conductor that follows a failover."""
+        return ConductorClient(
+            list(self.conductors) or self.conductor,
+            self.token,
+            self.tls_ca,
+            timeout_s=timeout_s,
+            etcd=list(self.etcd) or None,
+            etcd_prefix=self.etcd_prefix,
+        )
 
 
 def load_cluster(path: str) -> ClusterInfo:
@@ -103,6 +117,9 @@ def load_cluster(path: str) -> ClusterInfo:
             nodes=nodes,
             source=path,
             tls_ca=state.get("tls_ca"),
+            conductors=tuple(c["address"] for c in state.get("conductors") or ()),
+            etcd=tuple((state.get("etcd") or {}).get("endpoints") or ()),
+            etcd_prefix=(state.get("etcd") or {}).get("prefix") or "/kvcache",
         )
     except (KeyError, TypeError) as e:
         raise LiveError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
@@ -220,9 +237,7 @@ class Engine:
         self.cluster = cluster
         self.options = options
         self.kv = SyntheticKV(layout)
-        self.conductor = ConductorClient(
-            cluster.conductor, cluster.token, cluster.tls_ca, timeout_s=30.0
-        )
+        self.conductor = cluster.conductor_client(timeout_s=30.0)
         self._nodes: dict[str, KVStoreClient] = {}
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()

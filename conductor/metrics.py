@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -100,6 +100,15 @@ class ConductorMetrics:
             "Nodes dropped because their lease lapsed",
             registry=r,
         )
+        self.redirects = Counter(
+            "kvcache_conductor_redirects",
+            "Schedule / Complete calls a standby refused, naming the leader",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "kvcache_conductor_leader", "1 while this conductor leads, 0 standing by", registry=r
+        )
+        self.leader.set(1)
         r.register(_StateCollector(conductor))
 
     def totals(self) -> tuple[int, int]:

@@ -402,6 +402,9 @@ class Service:
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
     on_stopping: Callable[[], None] = lambda: None  # before the server drains
+    # Given the health servicer before the server starts (e.g. to report a standby's
+    # service NOT_SERVING while the process itself is healthy).
+    on_health: Callable[[health.HealthServicer], None] = lambda servicer: None
     close: Callable[[], None] = lambda: None  # after it stopped, or when bind failed
 
 
@@ -410,6 +413,7 @@ def serve(service: Service) -> int:
     NOT_SERVING, ``on_stopping``, 2 s grace for calls in flight, ``close``). Returns 0."""
     server = make_server(service.auth, max_workers=service.workers)
     health_servicer = add_health_and_reflection(server, service.add(server))
+    service.on_health(health_servicer)
     try:
         port = bind(server, service.listen, service.tls)
     except (OSError, RuntimeError) as e:
