@@ -46,11 +46,18 @@ class TierMovement(BlockStore):
                     f"leased to writers{quarantine}. Release leases or add capacity"
                 )
             victims: list[int] = []
+            tree = self._tree
+            parents: list[Handle] = []
             for _ in range(need):
                 slot = ts.policy.pop_victim()
                 assert slot is not None, "need <= len(policy) was checked above"
                 victims.append(slot)
-            self._evict(ts, victims)
+                if tree is not None:
+                    # NOTE: a victim leaves its parent's children at once, so that the next pop
+                    # sees the parent as the leaf it now is (a cold chain goes tail first in
+                    # one batch); a demoted victim rejoins it from its new page.
+                    parents.append(tree.unlink(slot << 2 | ts.tier))
+            self._evict(ts, victims, parents)
         free = ts.free
         out = free[-n:].tolist()
         del free[-n:]
@@ -65,8 +72,9 @@ class TierMovement(BlockStore):
                 return self._tiers[Tier(t)]
         return None
 
-    def _evict(self, ts: TierState, victims: list[int]) -> None:
-        """Move victim slots' blocks to the next tier if there is room, else drop them."""
+    def _evict(self, ts: TierState, victims: list[int], parents: list[Handle]) -> None:
+        """Move victim slots' blocks to the next tier if there is room, else drop them.
+        ``parents``: with the prefix tree, each victim's parent (the victims are unlinked)."""
         keys = [_committed_key(ts, s) for s in victims]
         index = self._index
         dst = self._next_tier(ts.tier)
@@ -81,11 +89,11 @@ class TierMovement(BlockStore):
                         dst.free.extend(dslots)  # the victims are dropped below instead
                         room, dslots = 0, []
                 tree = self._tree
-                for key, vslot, dslot in zip(keys, victims, dslots):
+                for i, (key, vslot, dslot) in enumerate(zip(keys, victims, dslots)):
                     index.put(key, dslot << 2 | dst.tier)
                     dst.hold(dslot, key)
                     if tree is not None:
-                        tree.move(vslot << 2 | ts.tier, dslot << 2 | dst.tier)
+                        tree.move(vslot << 2 | ts.tier, dslot << 2 | dst.tier, parents[i])
                     self._events.append(EventKind.STORED, key, dst.tier)
                 dst.policy.insert_many(dslots, fresh=True)
                 moved = victims[:room]

@@ -57,6 +57,12 @@ class PrefixTree:
         if pt == t:
             self.tkids[pt][ps] += 1
 
+    def unlink(self, h: Handle) -> Handle:
+        """Take ``h`` out of its parent's children (it keeps its own); returns the parent."""
+        p = self.parent[h & 3][h >> 2]
+        self._unlink(h)
+        return p
+
     def _unlink(self, h: Handle) -> None:
         """Take ``h`` out of its parent's children."""
         t, s = h & 3, h >> 2
@@ -75,10 +81,11 @@ class PrefixTree:
             self.tkids[t][p >> 2] -= 1
         self.parent[t][s] = self.nsib[t][s] = self.psib[t][s] = -1
 
-    def move(self, old: Handle, new: Handle) -> None:
-        """The block at ``old`` now lives at ``new`` (another tier or slot)."""
+    def move(self, old: Handle, new: Handle, parent: Handle | None = None) -> None:
+        """The block at ``old`` now lives at ``new`` (another tier or slot). ``parent``: its
+        parent, where ``unlink`` took it out already."""
         ot, os_, nt, ns = old & 3, old >> 2, new & 3, new >> 2
-        p = self.parent[ot][os_]
+        p = self.parent[ot][os_] if parent is None else parent
         self._unlink(old)
         self.link(new, p)
         # Its children follow: their parent is the new handle; count those in the new tier.
