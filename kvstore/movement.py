@@ -47,7 +47,7 @@ class TierMovement(BlockStore):
                 )
             victims: list[int] = []
             tree = self._tree
-            parents: list[Handle] = []
+            parents: list[BlockKey | None] = []
             for _ in range(need):
                 slot = ts.policy.pop_victim()
                 assert slot is not None, "need <= len(policy) was checked above"
@@ -55,8 +55,10 @@ class TierMovement(BlockStore):
                 if tree is not None:
                     # NOTE: a victim leaves its parent's children at once, so that the next pop
                     # sees the parent as the leaf it now is (a cold chain goes tail first in
-                    # one batch); a demoted victim rejoins it from its new page.
-                    parents.append(tree.unlink(slot << 2 | ts.tier))
+                    # one batch); a demoted victim rejoins it from its new page. The parent is
+                    # remembered by key: making room below may move or drop it meanwhile.
+                    p = tree.unlink(slot << 2 | ts.tier)
+                    parents.append(self._ts(p).key_at(p >> 2) if p >= 0 else None)
             self._evict(ts, victims, parents)
         free = ts.free
         out = free[-n:].tolist()
@@ -72,9 +74,10 @@ class TierMovement(BlockStore):
                 return self._tiers[Tier(t)]
         return None
 
-    def _evict(self, ts: TierState, victims: list[int], parents: list[Handle]) -> None:
+    def _evict(self, ts: TierState, victims: list[int], parents: list[BlockKey | None]) -> None:
         """Move victim slots' blocks to the next tier if there is room, else drop them.
-        ``parents``: with the prefix tree, each victim's parent (the victims are unlinked)."""
+        ``parents``: with the prefix tree, each victim's parent's key (the victims are
+        unlinked); a demoted victim whose parent left meanwhile becomes a root."""
         keys = [_committed_key(ts, s) for s in victims]
         index = self._index
         dst = self._next_tier(ts.tier)
@@ -93,7 +96,9 @@ class TierMovement(BlockStore):
                     index.put(key, dslot << 2 | dst.tier)
                     dst.hold(dslot, key)
                     if tree is not None:
-                        tree.move(vslot << 2 | ts.tier, dslot << 2 | dst.tier, parents[i])
+                        pkey = parents[i]
+                        up = index.get(pkey) if pkey is not None else -1
+                        tree.move(vslot << 2 | ts.tier, dslot << 2 | dst.tier, up)
                     self._events.append(EventKind.STORED, key, dst.tier)
                 dst.policy.insert_many(dslots, fresh=True)
                 moved = victims[:room]

@@ -499,11 +499,16 @@ class TieredStore(LeaseBook, TierMovement):
         """Drop blocks; a pinned block goes when its last pin is released. Returns how many."""
         checked = check_keys(keys)
         n = 0
+        unique = list(dict.fromkeys(checked))
         with self._lock:
-            for key, h in zip(checked, self._index.get_many(checked)):
-                if h >= 0 and self._index.get(key) == h:  # NOTE: a key listed twice goes once
+            for key, h in zip(unique, self._index.get_many(unique)):
+                if h < 0:
+                    continue
+                n += 1
+                # NOTE: one named earlier may have taken this one with it (prefix policy: the
+                # descendants of a removed block go too); it still counts as removed.
+                if self._index.get(key) == h:
                     self._discard(key, h)
-                    n += 1
         return n
 
     def take_events(self, max_events: int | None = None) -> list[BlockEvent]:

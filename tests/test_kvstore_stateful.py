@@ -622,3 +622,27 @@ def test_check_invariants_reports_broken_state(tmp_path: Path, corrupt: object, 
         with pytest.raises(InvariantViolation, match=match):
             store.check_invariants()
         store.release(lease.lease_id)
+
+
+# ---- prefix-policy cases the machine found -------------------------------------------------
+
+
+def test_prefix_demotion_relinks_its_parent_by_key_not_by_a_stale_page(tmp_path: Path) -> None:
+    """GPU victims demoted into a DRAM tier that had to drop their parent to make room: their
+    parent's page was reused for one of them (the stale handle made a block its own parent)."""
+    cfg = dict(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU, dram_pages=2)
+    cfg.update(gpu_policy="prefix", dram_policy="prefix", quarantine_s=0.0)
+    with make_store(tmp_path, **cfg) as store:
+        for i in range(6):
+            store.put([key(i)], [page(i)])
+        for ids in ([0], [1], [4, 3], [2], [0]):
+            store.put([key(i) for i in ids], [page(i) for i in ids])
+            store.check_invariants()
+
+
+def test_prefix_remove_counts_descendants_it_took_along(tmp_path: Path) -> None:
+    with make_store(tmp_path, dram_pages=4, dram_policy="prefix") as store:
+        store.put([key(7), key(5), key(9)], [page(i) for i in (7, 5, 9)])  # chain 7 -> 5 -> 9
+        assert store.remove([key(7), key(9), key(3)]) == 2  # 9 went with 7: still removed
+        assert store.contains([key(5)]) == [False]  # the orphan in between went too
+        store.check_invariants()
