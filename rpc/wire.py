@@ -44,10 +44,6 @@ def tier_or_none_from_pb(value: int) -> Tier | None:
 _TIER_OF_CODE: tuple[Tier | None, ...] = (None, Tier.GPU, Tier.DRAM, Tier.SSD)
 
 
-def tier_codes(tiers: Sequence[Tier | None]) -> bytes:
-    return bytes([0 if t is None else t + 1 for t in tiers])
-
-
 def tiers_from_codes(codes: bytes) -> list[Tier | None]:
     if max(codes, default=0) > 3:
         raise InvalidArgument(f"tier code {max(codes)} is not GPU, DRAM or SSD")
