@@ -222,7 +222,8 @@ class GlobalIndex:
             v = get(key, 0)
             held = (v | (v >> 1)) & alive
             if held != alive:
-                gone = alive & ~held
+                # NOTE: most nodes lack the first key: they leave at i == 0 with nothing to name.
+                gone = alive & ~held if i else 0
                 while gone:
                     low = gone & -gone
                     out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
@@ -232,11 +233,12 @@ class GlobalIndex:
                     break
         else:
             i = len(keys)
-        while alive:
-            low = alive & -alive
-            out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
-            alive ^= low
-        return {n: k for n, k in out.items() if k}
+        if i:
+            while alive:
+                low = alive & -alive
+                out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
+                alive ^= low
+        return out
 
     def holders(self, key: bytes) -> dict[str, Tier]:
         """Nodes holding ``key`` and the tier each holds it in."""
