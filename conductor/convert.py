@@ -16,7 +16,7 @@ def plan_to_pb(plan: TransferPlan) -> pb.TransferPlan:
         dst_address=plan.dst.address,
         dst_messenger=plan.dst.messenger_address,
         namespace=plan.namespace,
-        keys=plan.keys,
+        key_bytes=b"".join(plan.keys),  # packed: one field, not one per key
         first_block=plan.first_block,
         bytes=plan.nbytes,
         est_seconds=plan.est_seconds,
