@@ -23,6 +23,7 @@ Not thread-safe: the owner (``conductor.core.Conductor``) serialises calls with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Sequence
 
 from kvstore.errors import FailedPrecondition, NotFound
@@ -213,13 +214,15 @@ class GlobalIndex:
     def prefix_lengths(self, keys: Sequence[bytes]) -> dict[str, int]:
         """For every node holding at least the first key: how many leading ``keys`` it holds
         (in any tier). O(len of the longest held prefix)."""
-        get = self._map.get
         alive = self._live_low
         node_of = self._node_of_slot
         out: dict[str, int] = {}
         i = 0
-        for i, key in enumerate(keys):
-            v = get(key, 0)
+        last = -1
+        for i, v in enumerate(map(self._map.get, keys, repeat(0))):
+            if v == last:
+                continue  # NOTE: a chain's blocks mostly sit alike on the same nodes: same value
+            last = v
             held = (v | (v >> 1)) & alive
             if held != alive:
                 # NOTE: most nodes lack the first key: they leave at i == 0 with nothing to name.

@@ -10,6 +10,8 @@ import os
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor import (
     FittedCostModel,
@@ -201,6 +203,34 @@ def test_index_prefix_lengths_follow_stored_and_evicted_events():
     assert idx.blocks("a") == 4 and idx.blocks("b") == 3
     assert idx.prefix_lengths(chain(3, start=100)) == {}
     assert idx.prefix_lengths([]) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(st.sets(st.integers(0, 11)), min_size=1, max_size=5),
+    tiers=st.lists(st.sampled_from([Tier.GPU, Tier.DRAM, Tier.SSD]), min_size=12, max_size=12),
+    query=st.lists(st.integers(0, 13), max_size=14),
+)
+def test_index_prefix_lengths_match_a_walk_of_each_node(held, tiers, query):
+    """Against the definition: per node, the leading query keys it holds (any tier), nodes
+    holding none left out; nodes listed by prefix length (shortest first) then slot."""
+    keys = chain(14)
+    idx = GlobalIndex()
+    for n, blocks in enumerate(held):
+        idx.add_node(f"n{n}")
+        idx.apply_events(
+            f"n{n}",
+            [ev(i + 1, EventKind.STORED, keys[b], tiers[b]) for i, b in enumerate(sorted(blocks))],
+        )
+    asked = [keys[b] for b in query]
+    expected = {}
+    for n, blocks in enumerate(held):
+        length = next((i for i, b in enumerate(query) if b not in blocks), len(query))
+        if length:
+            expected[f"n{n}"] = length
+    got = idx.prefix_lengths(asked)
+    assert got == expected
+    assert list(got) == sorted(expected, key=lambda n: (expected[n], int(n[1:])))
 
 
 def test_index_gap_raises_after_applying_what_came_before():
