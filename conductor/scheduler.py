@@ -35,6 +35,7 @@ gRPC service needs; a simulation calls the scheduler directly::
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from abc import ABC, abstractmethod
@@ -405,6 +406,7 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
+        self._first_deadline = math.inf  # no pending entry expires before this (a lower bound)
         self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
         self._new_samples = 0
         self._base_cost_model = cost_model  # what refits keep transfer / decode estimates from
@@ -529,6 +531,9 @@ class Scheduler:
         context = request.prompt_tokens + request.output_tokens
         decode.node.decode_requests += 1
         decode.node.decode_tokens += context
+        deadline = node.prefill_busy_until + self.config.stale_after_s
+        if deadline < self._first_deadline:
+            self._first_deadline = deadline
         self._pending[request.request_id] = _Pending(
             prefill_node=node.node_id,
             prefill_generation=node.generation,
@@ -538,7 +543,7 @@ class Scheduler:
             reuse_tokens=chosen.reuse_blocks * request.block_tokens,
             prefill_s=chosen.prefill_s,
             context_tokens=context,
-            deadline=node.prefill_busy_until + self.config.stale_after_s,
+            deadline=deadline,
         )
 
         transfer = None
@@ -628,9 +633,12 @@ class Scheduler:
         """Complete ledger entries nobody completed within ``stale_after_s`` of their expected
         prefill end (a lost client must not inflate queue estimates forever)."""
         now = self.clock() if now is None else now
+        if not self._first_deadline < now:
+            return []  # NOTE: the upkeep calls this 4x a second, under the conductor's lock
         stale = [rid for rid, p in self._pending.items() if p.deadline < now]
         for rid in stale:
             self.complete(rid, now)
+        self._first_deadline = min((p.deadline for p in self._pending.values()), default=math.inf)
         return stale
 
     def pending(self) -> int:

@@ -59,7 +59,6 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         self.conductor = conductor
         self.auth = auth
         self.metrics = metrics or ConductorMetrics(conductor)
-        self._decisions: dict[tuple[str, bool], object] = {}
         self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
@@ -149,18 +148,21 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             raise InvalidArgument(
                 f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
             )
-        outcomes = []
+        # NOTE: outcomes are added to the reply in place: a list of messages passed to the
+        # constructor is copied once more, per outcome.
+        reply = pb.ScheduleBatchReply()
+        add = reply.outcomes.add
         for item in request.requests:
             try:
-                outcomes.append(pb.ScheduleOutcome(reply=self._schedule(item, tenant)))
+                add(reply=self._schedule(item, tenant))
             except (KVStoreError, ValueError) as e:
                 code = (
                     status_for(e)
                     if isinstance(e, KVStoreError)
                     else grpc.StatusCode.INVALID_ARGUMENT
                 )
-                outcomes.append(pb.ScheduleOutcome(code=code.value[0], message=str(e)))
-        return pb.ScheduleBatchReply(outcomes=outcomes)
+                add(code=code.value[0], message=str(e))
+        return reply
 
     def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
         if len(request.request_id) > MAX_REQUEST_ID:
@@ -200,16 +202,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         except NoNodeAvailable:
             self.metrics.rejections.labels("no_node").inc()
             raise
-        m = self.metrics
-        label = (decision.policy, decision.transfer is not None)
-        counter = self._decisions.get(label)
-        if counter is None:
-            counter = self._decisions[label] = m.decisions.labels(
-                decision.policy, "yes" if label[1] else "no"
-            )
-        counter.inc()  # type: ignore[attr-defined]
-        m.prompt_blocks.inc(decision.total_blocks)
-        m.reused_blocks.inc(decision.reuse_blocks)
+        self.metrics.decided(decision)
         return decision_to_pb(decision, rid)
 
     @observed

@@ -457,6 +457,14 @@ def test_stale_ledger_entries_expire():
     assert c.sched.expire_stale() == []
     c.now = 100.0
     assert c.sched.expire_stale() == ["lost"] and c.sched.pending() == 0
+    # The earliest deadline gone (completed) leaves the next one to expire on time.
+    c.schedule("done", chain(4))
+    c.now = 200.0
+    c.schedule("late", chain(4, start=50))
+    c.sched.complete("done")
+    assert c.sched.expire_stale() == [] and c.sched.is_pending("late")
+    c.now = 400.0
+    assert c.sched.expire_stale() == ["late"] and c.sched.pending() == 0
 
 
 def test_random_and_load_policies():
