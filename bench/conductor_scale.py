@@ -45,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.report import Column, Progress, parse_count, print_table, write_json
 from bench.rpc_floor import KINDS as FLOOR_KINDS
+from conductor.cli import DEFAULT_WORKERS
 from conductor.index import GlobalIndex
 from conductor.registry import NodeDescriptor, Registry, Role
 from conductor.scheduler import POLICIES, Request, Scheduler
@@ -94,15 +95,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-requests",
         type=parse_count,
-        default=4000,
+        default=1600,
         help="calls of each kind per repetition through gRPC (all threads together)",
     )
     parser.add_argument(
         "--reps",
         type=int,
-        default=5,
+        default=15,
         help="repetitions of the gRPC runs (empty RPC, Schedule, ScheduleBatch and the bare "
-        "servers' empty RPC, interleaved); figures are their medians",
+        "servers' empty RPC, interleaved); figures are their medians. Many short runs: the "
+        "load of a shared machine changes less within one repetition",
     )
     parser.add_argument("--threads", type=int, default=8, help="gRPC client threads")
     parser.add_argument(
@@ -112,7 +114,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--skip-grpc", action="store_true", help="in-process only (no conductor process)"
     )
     parser.add_argument("--skip-in-process", action="store_true", help="the conductor process only")
-    parser.add_argument("--workers", type=int, default=8, help="the conductor's gRPC threads")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help="the conductor's gRPC threads (and the bare servers'); default: the conductor's",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", default="out/bench", help="directory for conductor.json")

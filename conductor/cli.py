@@ -31,6 +31,10 @@ from .transfer import RecordingTransferHook, TransferHook
 from .vllm_events import VllmEventFeed, parse_vllm_events
 
 log = logging.getLogger("kvcache.conductor")
+DEFAULT_WORKERS = 4
+# NOTE: every node's heartbeats and every front end's calls may arrive at once; a few handler
+# threads serve them in turn (kvcache bench conductor), so the limit is not tied to the threads.
+MAX_CONCURRENT_RPCS = 1024
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,9 +106,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=int,
-        default=8,
-        help="gRPC handler threads (default 8; Python runs one at a time, so "
-        "more threads mostly add GIL hand-offs)",
+        default=DEFAULT_WORKERS,
+        help=f"gRPC handler threads (default {DEFAULT_WORKERS}; Python runs one at a time, so "
+        "more threads mostly add GIL hand-offs); calls beyond them wait, up to "
+        f"{MAX_CONCURRENT_RPCS} in flight",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     parser.add_argument(
@@ -215,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             registry=metrics.registry,
             workers=args.workers,
+            max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
             on_stopping=lambda: _stop_all(feeds),
             close=servicer.close,

@@ -62,7 +62,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
-        self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
+        # Per registry version: namespace -> (layout, page bytes) of the nodes serving it.
+        self._layouts: tuple[int, dict[str, tuple[KVLayout, int]]] = (-1, {})
         self._stop = threading.Event()
         self._upkeep = threading.Thread(target=self._maintain, name="conductor-upkeep", daemon=True)
         self._upkeep.start()
@@ -168,7 +169,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
-        layout = self._layout(sel.namespace)
+        layout, page_bytes = self._layout(sel.namespace)
         keys, prompt = self._keys(sel, layout, tenant)
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
@@ -193,7 +194,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     namespace=sel.namespace,
                     ttft_slo_s=request.ttft_slo_s or None,
                     tbt_slo_s=request.tbt_slo_s or None,
-                    block_bytes=layout.page_bytes,
+                    block_bytes=page_bytes,
                 )
             )
         except SLORejected as e:
@@ -255,7 +256,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @observed
     def Locate(self, request, context):
         tenant = self._tenant(context)
-        layout = self._layout(request.namespace)
+        layout, _ = self._layout(request.namespace)
         keys, _ = self._keys(request, layout, tenant)
         found = self.conductor.locate(keys)
         return pb.LocateReply(
@@ -268,7 +269,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _layout(self, namespace: str) -> KVLayout:
+    def _layout(self, namespace: str) -> tuple[KVLayout, int]:
+        """The layout registered for ``namespace`` and its page bytes."""
         if not namespace:
             raise InvalidArgument(
                 "blocks.namespace is required (the model layout fingerprint, "
@@ -279,15 +281,19 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if version != registry.version:
             with self.conductor.lock:
                 version = registry.version
-                layouts = {l.namespace: l for s in registry.nodes() for l in s.descriptor.layouts}
+                layouts = {
+                    l.namespace: (l, l.page_bytes)
+                    for s in registry.nodes()
+                    for l in s.descriptor.layouts
+                }
             self._layouts = (version, layouts)
-        layout = layouts.get(namespace)
-        if layout is None:
+        served = layouts.get(namespace)
+        if served is None:
             raise NoNodeAvailable(
                 f"no registered node serves namespace {namespace!r}; "
                 f"served: {', '.join(sorted(layouts)) or 'none'}"
             )
-        return layout
+        return served
 
     @staticmethod
     def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
@@ -302,7 +308,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.token_bytes,
             sel.key_bytes,
         )
-        return scope_keys(raw, tenant), prompt
+        return (scope_keys(raw, tenant) if tenant else raw), prompt
 
     def _maintain(self) -> None:
         """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""

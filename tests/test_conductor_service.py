@@ -139,6 +139,19 @@ def test_health_reflection_and_bad_requests(start_conductor):
     assert c.alive()
 
 
+def test_calls_in_flight_wait_for_the_few_handler_threads(start_conductor):
+    """A handful of handler threads serve the calls in turn: 300 at once (every node's
+    heartbeat and every front end's call may come together) are served, none refused."""
+    c = start_conductor("--workers", "2")
+    channel = make_channel(c.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        calls = [stub.Check.future(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(300)]
+        assert {f.result().status for f in calls} == {health_pb2.HealthCheckResponse.SERVING}
+    finally:
+        channel.close()
+
+
 def test_auth_token_and_tenant_permissions(start_conductor):
     c = start_conductor("--token", "admin-secret", "--tenant-token", "t1=alice")
     no_token = pbg.ConductorServiceStub(make_channel(c.address))
