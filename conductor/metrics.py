@@ -96,6 +96,22 @@ class ConductorMetrics:
         """Count a placed request (decisions by policy and transfer, prompt and reused blocks)."""
         self._decisions.add(decision)
 
+    def totals(self) -> tuple[int, int]:
+        """(requests placed, requests rejected) since start: read from the counters, off the
+        hot path (ListNodes, for 'kvcache status')."""
+
+        def total(counter: Counter) -> int:
+            return int(
+                sum(
+                    s.value
+                    for m in counter.collect()
+                    for s in m.samples
+                    if s.name.endswith("_total")
+                )
+            )
+
+        return self._decisions.placed(), total(self.rejections)
+
 
 class _DecisionCounts(Collector):
     """The counters every ``Schedule`` updates, under one lock (three labelled ``Counter``
@@ -106,6 +122,10 @@ class _DecisionCounts(Collector):
         self._decisions: dict[tuple[str, bool], int] = {}
         self._prompt_blocks = 0
         self._reused_blocks = 0
+
+    def placed(self) -> int:
+        with self._lock:
+            return sum(self._decisions.values())
 
     def add(self, d: Decision) -> None:
         key = (d.policy, d.transfer is not None)
