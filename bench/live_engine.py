@@ -38,6 +38,7 @@ from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
 from proto import messenger_pb2 as mpb
+from rpc.wire import transfer_keys
 
 from .trace import TraceRequest
 
@@ -367,22 +368,23 @@ class Engine:
         return write.keys
 
     def _await_plan(self, plan: cpb.TransferPlan, out: RequestOutcome) -> set[bytes]:
-        """The conductor's hook asked the destination messenger to fetch ``plan.keys``; its
+        """The conductor's hook asked the destination messenger to fetch the plan's keys; its
         batch id is not returned to us, so we submit the same keys there: the messenger joins a
         fetch in flight (or reports keys already present) and gives us a batch to wait on.
         Returns the keys that are there now."""
-        out.plan_blocks += len(plan.keys)
-        if not plan.keys:
+        keys = transfer_keys(plan)
+        out.plan_blocks += len(keys)
+        if not keys:
             return set()
         messenger = self.messenger(plan.dst_messenger)
         timeout = self.options.transfer_timeout_s
-        batch = messenger.submit(plan.namespace, [(k, plan.src_messenger) for k in plan.keys])
+        batch = messenger.submit(plan.namespace, [(k, plan.src_messenger) for k in keys])
         status = messenger.status(batch.batch_id, wait=True, timeout_s=timeout)
         if not status.finished:
             messenger.cancel(batch.batch_id)
             raise LiveError(
                 f"planned transfer {plan.src_node} -> {plan.dst_node} of "
-                f"{len(plan.keys)} blocks not done after {timeout:g} s"
+                f"{len(keys)} blocks not done after {timeout:g} s"
             )
         landed = set()
         for e in status.entries:

@@ -58,6 +58,10 @@ from .vllm_events import VllmEventFeed, parse_vllm_events
 
 log = logging.getLogger("kvcache.conductor")
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+DEFAULT_WORKERS = 4
+# NOTE: every node's heartbeats and every front end's calls may arrive at once; a few handler
+# threads serve them in turn (kvcache bench conductor), so the limit is not tied to the threads.
+MAX_CONCURRENT_RPCS = 1024
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -129,9 +133,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=int,
-        default=8,
-        help="gRPC handler threads (default 8; Python runs one at a time, so "
-        "more threads mostly add GIL hand-offs)",
+        default=DEFAULT_WORKERS,
+        help=f"gRPC handler threads (default {DEFAULT_WORKERS}; Python runs one at a time, so "
+        "more threads mostly add GIL hand-offs); calls beyond them wait, up to "
+        f"{MAX_CONCURRENT_RPCS} in flight",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     parser.add_argument(
@@ -285,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
+            max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
             on_stopping=on_stopping,
             on_health=on_health,

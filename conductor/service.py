@@ -71,11 +71,11 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         self.membership_source = membership_source  # "etcd ...": the registry RPCs are off
         self.auth = auth
         self.metrics = metrics or ConductorMetrics(conductor)
-        self._decisions: dict[tuple[str, bool], object] = {}
         self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
-        self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
+        # Per registry version: namespace -> (layout, page bytes) of the nodes serving it.
+        self._layouts: tuple[int, dict[str, tuple[KVLayout, int]]] = (-1, {})
         self.started = time.monotonic()
         self.address = ""  # where it serves, once it does (the leader while it runs alone)
         self._stop = threading.Event()
@@ -195,24 +195,27 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             raise InvalidArgument(
                 f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
             )
-        outcomes = []
+        # NOTE: outcomes are added to the reply in place: a list of messages passed to the
+        # constructor is copied once more, per outcome.
+        reply = pb.ScheduleBatchReply()
+        add = reply.outcomes.add
         for item in request.requests:
             try:
-                outcomes.append(pb.ScheduleOutcome(reply=self._schedule(item, tenant)))
+                add(reply=self._schedule(item, tenant))
             except (KVStoreError, ValueError) as e:
                 code = (
                     status_for(e)
                     if isinstance(e, KVStoreError)
                     else grpc.StatusCode.INVALID_ARGUMENT
                 )
-                outcomes.append(pb.ScheduleOutcome(code=code.value[0], message=str(e)))
-        return pb.ScheduleBatchReply(outcomes=outcomes)
+                add(code=code.value[0], message=str(e))
+        return reply
 
     def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
-        layout = self._layout(sel.namespace)
+        layout, page_bytes = self._layout(sel.namespace)
         keys, prompt = self._keys(sel, layout, tenant)
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
@@ -237,7 +240,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     namespace=sel.namespace,
                     ttft_slo_s=request.ttft_slo_s or None,
                     tbt_slo_s=request.tbt_slo_s or None,
-                    block_bytes=layout.page_bytes,
+                    block_bytes=page_bytes,
                 )
             )
         except SLORejected as e:
@@ -246,16 +249,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         except NoNodeAvailable:
             self.metrics.rejections.labels("no_node").inc()
             raise
-        m = self.metrics
-        label = (decision.policy, decision.transfer is not None)
-        counter = self._decisions.get(label)
-        if counter is None:
-            counter = self._decisions[label] = m.decisions.labels(
-                decision.policy, "yes" if label[1] else "no"
-            )
-        counter.inc()  # type: ignore[attr-defined]
-        m.prompt_blocks.inc(decision.total_blocks)
-        m.reused_blocks.inc(decision.reuse_blocks)
+        self.metrics.decided(decision)
         return decision_to_pb(decision, rid)
 
     @observed
@@ -322,7 +316,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @observed
     def Locate(self, request, context):
         tenant = self._tenant(context)
-        layout = self._layout(request.namespace)
+        layout, _ = self._layout(request.namespace)
         keys, _ = self._keys(request, layout, tenant)
         found = self.conductor.locate(keys)
         return pb.LocateReply(
@@ -335,7 +329,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _layout(self, namespace: str) -> KVLayout:
+    def _layout(self, namespace: str) -> tuple[KVLayout, int]:
+        """The layout registered for ``namespace`` and its page bytes."""
         if not namespace:
             raise InvalidArgument(
                 "blocks.namespace is required (the model layout fingerprint, "
@@ -346,15 +341,19 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if version != registry.version:
             with self.conductor.lock:
                 version = registry.version
-                layouts = {l.namespace: l for s in registry.nodes() for l in s.descriptor.layouts}
+                layouts = {
+                    l.namespace: (l, l.page_bytes)
+                    for s in registry.nodes()
+                    for l in s.descriptor.layouts
+                }
             self._layouts = (version, layouts)
-        layout = layouts.get(namespace)
-        if layout is None:
+        served = layouts.get(namespace)
+        if served is None:
             raise NoNodeAvailable(
                 f"no registered node serves namespace {namespace!r}; "
                 f"served: {', '.join(sorted(layouts)) or 'none'}"
             )
-        return layout
+        return served
 
     @staticmethod
     def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
@@ -369,7 +368,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.token_bytes,
             sel.key_bytes,
         )
-        return scope_keys(raw, tenant), prompt
+        return (scope_keys(raw, tenant) if tenant else raw), prompt
 
     def _maintain(self) -> None:
         """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""
