@@ -126,6 +126,10 @@ class TorchKVClient:
         self.namespace = layout.namespace
         self.salt = salt.encode() if isinstance(salt, str) else salt
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: no CUDA device here; use device='cpu'")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
         self.lease_ttl_s = lease_ttl_s
         self.fetch_blocks = fetch_blocks
         self.prefetch_layers = prefetch_layers
@@ -246,6 +250,8 @@ class TorchKVClient:
 
     def copier(self, device: torch.device) -> CpuCopier:
         """This client's copier for ``device`` (made on first use, then shared by requests)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         with self._copiers_lock:
             copier = self._copiers.get(device)
             if copier is None:

@@ -236,12 +236,22 @@ class PagedLayout:
 
     block_table: Sequence[int] | torch.Tensor
     _ids: tuple[int, ...] = field(init=False, repr=False)
+    _on_device: dict[torch.device, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         table = self.block_table
         if isinstance(table, torch.Tensor):
             table = table.reshape(-1).tolist()  # once per request, not per token
         object.__setattr__(self, "_ids", tuple(int(b) for b in table))
+        object.__setattr__(self, "_on_device", {})
+
+    def _ids_on(self, device: torch.device) -> torch.Tensor:
+        """The block table as a tensor on ``device``, made once per layout: a copy from a Python
+        list to a GPU synchronizes its stream, which must not happen per layer."""
+        ids = self._on_device.get(device)
+        if ids is None:
+            ids = self._on_device[device] = torch.tensor(self._ids, device=device)
+        return ids
 
     def check(
         self,
@@ -279,15 +289,13 @@ class PagedLayout:
         return a[i : stop if stop >= 0 else None : run.step, :rows]
 
     def gather(self, t: torch.Tensor, first: int, n: int, block_tokens: int) -> torch.Tensor:
-        ids = torch.tensor(self._ids[first : first + n], device=t.device)
-        return t.index_select(0, ids)
+        return t.index_select(0, self._ids_on(t.device)[first : first + n])
 
     def scatter(self, t: torch.Tensor, src: torch.Tensor, num_tokens: int) -> None:
         bt = t.shape[1]
         full, rest = divmod(num_tokens, bt)
         if full:
-            ids = torch.tensor(self._ids[:full], device=t.device)
-            t.index_copy_(0, ids, src[:full])
+            t.index_copy_(0, self._ids_on(t.device)[:full], src[:full])
         if rest:
             t[self._ids[full], :rest].copy_(src[full, :rest], non_blocking=True)
 

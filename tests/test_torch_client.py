@@ -197,6 +197,14 @@ def test_prefetch_loads_the_next_layer_while_the_caller_computes(connect):
             assert changed.wait_for(lambda: 2 in loaded, timeout=10)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_a_clear_error(node):
+    with pytest.raises(ValueError, match="no CUDA device here"):
+        TorchKVClient.connect(node.address, LAYOUT, device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        TorchKVClient.connect(node.address, LAYOUT, device="meta")
+
+
 def test_layout_mismatch_is_a_clear_error(node):
     other = KVLayout(
         model="unit", num_layers=4, kv_heads=2, head_dim=16, dtype="float32", block_tokens=BT

@@ -155,3 +155,35 @@ def test_a_page_of_the_wrong_size_is_refused():
     lay = layout()
     with pytest.raises(ValueError, match="contiguous bytes"):
         page_runs([0], [np.zeros(lay.page_bytes - 1, np.uint8)], lay, HFLayout())
+
+
+@pytest.mark.parametrize("tl_name", ["hf", "paged descending", "paged shuffled"])
+def test_gather_and_scatter_move_every_block_in_one_call(tl_name):
+    """The CUDA copier's device side (one kernel per layer), checked here on CPU tensors."""
+    lay = layout()
+    n, first = 4, 1
+    tl = tensor_layouts(n, first)[tl_name]
+    if isinstance(tl, HFLayout):
+        shape: tuple[int, ...] = (1, lay.kv_heads, n * BT, lay.head_dim)
+    else:
+        shape = (first + n + 3, BT, lay.kv_heads, lay.head_dim)
+    k = random_kv(shape, lay, 30)
+    got = tl.gather(k, first, n, BT)
+    assert got.shape == (n, BT, lay.kv_heads, lay.head_dim)
+    for i in range(n):
+        assert same(got[i], block_of(k, tl, first + i))
+
+    # a load fills tokens [0, 3 * BT + 2) from request block 0 on
+    dst_tl = HFLayout() if isinstance(tl, HFLayout) else PagedLayout(tl._ids[first:])
+    out = torch.zeros_like(k)
+    tokens = 3 * BT + 2
+    dst_tl.scatter(out, got, tokens)
+    for i in range(4):
+        rows = BT if i < 3 else 2
+        assert same(block_of(out, dst_tl, i, rows), got[i, :rows])
+    if isinstance(dst_tl, HFLayout):
+        assert not out[0, :, tokens:].any()
+    else:
+        assert not out[dst_tl.index(3), 2:].any()
+        rest = [b for b in range(shape[0]) if b not in dst_tl._ids[:4]]
+        assert not out[rest].any()
