@@ -180,7 +180,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                     except KVStoreError:
                         pass  # expired already
                     raise
-            return store.commit(lease_id)
+            return store.commit(lease_id, written_in_place=True)  # by the client, or fill
 
         res = self._end_lease(request, context, commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
@@ -338,7 +338,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                     f"Put stream ended after {pos} bytes; {len(sel.keys)} pages need {total}"
                 )
             self.metrics.stream_bytes.labels("put").inc(pos)
-            res = store.commit(lease.lease_id)
+            res = store.commit(lease.lease_id, written_in_place=True)
         except BaseException:
             try:
                 store.abort(lease.lease_id)
