@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -14,7 +15,7 @@ from clients.torch_layout import PagedLayout
 from clients.torch_transfer import PinnedRing
 from kvstore.layout import KVLayout
 
-from torch_helpers import BLOCK_TOKENS, prompt, start_node_for
+from torch_helpers import BLOCK_TOKENS, layout_spec, prompt, start_node_for
 
 BT = BLOCK_TOKENS
 LAYOUT = KVLayout(
@@ -382,6 +383,34 @@ def test_cuda_requests_share_one_side_stream_and_pinned_staging(connect):
     with kv.load(tokens) as load:
         for l, k, _v in load:
             torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+
+
+def test_a_restarted_node_gets_the_layers_in_its_new_shared_memory(start_kvcache):
+    """The client writes where each lease's reply says the pages are: after the node restarts at
+    the same address (a new segment), a store lands in the new node's memory, not in the dead
+    node's segment the client mapped first."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    spec = ["node", "--listen", address, "--dram", "16MiB", "--layout", layout_spec(LAYOUT)]
+    node = start_kvcache(*spec)
+    kv = TorchKVClient.connect(address, LAYOUT)
+    try:
+        store_all(kv, prompt(2 * BT, seed=29), hf_kv(2 * BT, seed=30))  # maps the first segment
+        node.kill()
+        start_kvcache(*spec)
+        tokens = prompt(3 * BT, seed=31)
+        layers = hf_kv(tokens.numel(), seed=32)
+        store_all(kv, tokens, layers)
+        with KVStoreClient(address, use_shm=False) as raw:
+            pages = raw.get(LAYOUT.namespace, tokens=tokens.numpy())
+        assert all(p is not None for p in pages)
+        got = np.stack(pages).view(np.float32).reshape(3, *LAYOUT.page_shape)
+        for l, (k, _) in enumerate(layers):
+            want = k[0].reshape(LAYOUT.kv_heads, 3, BT, LAYOUT.head_dim).permute(1, 2, 0, 3)
+            np.testing.assert_array_equal(got[:, l, 0], want.numpy())
+    finally:
+        kv.close()
 
 
 def test_tenants_round_trip_through_their_own_segments(start_kvcache):
