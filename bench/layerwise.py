@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bench.report import Column, print_table, write_json
+from bench.report import MET, Column, print_table, targets_summary, write_json
 from bench.store import bench_layout, gbps, prefaulted
 from rpc.launch import start_service
 
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     print()
     print_table(
-        [asdict(r) | {"met": {True: "yes", False: "MISSED", None: ""}[r.met]} for r in rows],
+        [asdict(r) | {"met": MET[r.met]} for r in rows],
         [
             Column("device", "device"),
             Column("op", "operation"),
@@ -338,10 +338,7 @@ def run(args: argparse.Namespace) -> int:
             "missed": missed,
         },
     )
-    print(
-        f"{sum(r.met is True for r in rows)}/{sum(r.met is not None for r in rows)} targets met"
-        f"{'; missed: ' + ', '.join(missed) if missed else ''}. {elapsed:.1f} s. Wrote {path}"
-    )
+    print(f"{targets_summary([r.met for r in rows], missed)}. {elapsed:.1f} s. Wrote {path}")
     return 0
 
 

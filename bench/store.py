@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.report import Column, print_table, write_json
+from bench.report import MET, Column, print_table, targets_summary, write_json
 from kvstore import KVLayout, StoreConfig, TieredStore, block_keys, make_policy, root_key
 from kvstore.ssd import SsdPool
 
@@ -479,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
         figures += step()
         print(f"  {label}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    rows = [asdict(f) | {"met": {True: "yes", False: "MISSED", None: ""}[f.met]} for f in figures]
+    rows = [asdict(f) | {"met": MET[f.met]} for f in figures]
     print()
     print_table(
         rows,
@@ -516,12 +516,7 @@ def run(args: argparse.Namespace) -> int:
             "missed": missed,
         },
     )
-    print(
-        f"{sum(f.met is True for f in figures)}/{sum(f.met is not None for f in figures)} "
-        "targets met"
-        f"{'; missed: ' + ', '.join(missed) if missed else ''}. {elapsed:.1f} s. "
-        f"Wrote {path}"
-    )
+    print(f"{targets_summary([f.met for f in figures], missed)}. {elapsed:.1f} s. Wrote {path}")
     return 1 if missed and args.strict else 0
 
 
