@@ -16,11 +16,11 @@ On the host, pages are grouped into ``PageRun``s: request blocks that follow eac
 caller's tensors and whose pages lie a constant stride apart in memory (the node hands out page
 slots in runs) form one strided numpy array, so one layer of a whole run moves in one
 ``np.copyto`` per K and V instead of two torch calls per block (whose fixed cost was several times
-that of copying one layer's 16-32 KiB). Both layouts expose ``blocks(a, first, n, rows)``: the
-``[n, rows, kv_heads, head_dim]`` view of request blocks ``[first, first + n)`` (tokens ``:rows``
-of each) in the caller's tensor as numpy, and, on CUDA, ``gather`` / ``scatter`` move all of a
-request's blocks between the caller's tensor and a ``[blocks, block_tokens, kv_heads, head_dim]``
-staging tensor in one kernel. Never a copy per token.
+that of copying one layer's 16-32 KiB). Both layouts expose ``blocks(a, run, rows, bt)``: the
+``[n, rows, kv_heads, head_dim]`` view of a run's request blocks (tokens ``:rows`` of each) in the
+caller's tensor as numpy, and, for CUDA, ``gather`` / ``scatter``, which move all of a request's
+blocks between the caller's tensor and a ``[blocks, block_tokens, kv_heads, head_dim]`` staging
+tensor in one kernel. Never a copy per token.
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ class HFLayout:
         ``[n, rows, kv_heads, head_dim]`` view of ``a`` (the caller's tensor as numpy)."""
         n, s = len(run), run.first * block_tokens - self.start
         if rows < block_tokens:  # the partial last block of a load: a run of its own
+            assert n == 1, "page_runs gives a partial block a run of its own"
             x = a[0, :, s : s + rows][:, None]
         else:
             x = a[0, :, s : s + n * block_tokens]
