@@ -79,8 +79,8 @@ def as_uint8_rows(
         raise InvalidArgument(
             f"{what} has shape {tuple(data.shape)}; expected {rows} rows (one per page)"
         )
+    _check_dtype(data, dtype_name, what)
     if _is_torch(data):
-        _check_dtype(data, dtype_name, what)
         import torch
 
         t = data.detach().reshape(rows, -1)
@@ -89,7 +89,6 @@ def as_uint8_rows(
         t = t.view(torch.uint8)
         out: ByteView = t.numpy() if t.device.type == "cpu" else t
     else:
-        _check_dtype(data, dtype_name, what)
         a = data.reshape(rows, -1)  # NOTE: a view unless rows are not contiguous (then a copy)
         if a.shape[1] and a.strides[1] != a.itemsize:
             a = np.ascontiguousarray(a)
