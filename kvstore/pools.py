@@ -36,6 +36,15 @@ class PagePool(ABC):
         for slot, data in zip(slots, datas):
             copy_bytes(self.page_view(slot), data)
 
+    def write_range(self, slots: Sequence[int], offset: int, rows: ByteView) -> None:
+        """Copy ``rows[i]`` (``[len(slots), size]`` uint8) into bytes ``[offset, offset + size)``
+        of page ``slots[i]``: one layer of a batch of pages."""
+        size = rows.shape[1]
+        for slot, row in zip(slots, rows):
+            view = self.page_view(slot)
+            if view is not None:
+                copy_bytes(view[offset : offset + size], row)
+
     def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         """Copy a page into ``out``; False when the page is gone or corrupt (SSD)."""
         copy_bytes(out, self.page_view(slot))
@@ -98,6 +107,14 @@ class SharedDramPool(PagePool):
         super().write_pages(slots, keys, datas)
         for slot in slots:
             self.seal(slot)
+
+    def write_range(self, slots: Sequence[int], offset: int, rows: ByteView) -> None:
+        if not isinstance(rows, np.ndarray):
+            super().write_range(slots, offset, rows)  # a device tensor: copied page by page
+            return
+        # NOTE: one fancy-indexed assignment for the batch, not a Python call per page: one
+        # layer's 32 KiB slices of a 1 MiB page cost about what the call around them costs.
+        self._pages[np.asarray(slots, dtype=np.intp), offset : offset + rows.shape[1]] = rows
 
     def seal(self, slot: int) -> None:
         self._sums[slot] = xxhash.xxh3_64_intdigest(self._pages[slot])
