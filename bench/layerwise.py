@@ -76,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="cpu,cuda",
         help="comma-separated: cpu, cuda (cuda is skipped without a GPU)",
     )
+    parser.add_argument(
+        "--dram-checksums",
+        choices=["on", "off"],
+        default="on",
+        help="the node's DRAM page checksums (default on, as a node runs; off: what they cost)",
+    )
     parser.add_argument("--out", default="out/bench", help="directory for layerwise.json")
 
 
@@ -108,8 +114,9 @@ class _Rig:
         # Room for the loaded request and two put rounds: each put evicts an older one.
         self.dram_pages = 3 * n + 8
         dram = self.dram_pages * L.page_bytes
+        extra = ["--no-dram-checksums"] if args.dram_checksums == "off" else []
         self.node = start_service(
-            ["node", "--listen", "127.0.0.1:0", "--dram", str(dram), "--layout", spec],
+            ["node", "--listen", "127.0.0.1:0", "--dram", str(dram), "--layout", spec, *extra],
             log_dir=tmp,
         )
         try:

@@ -71,7 +71,8 @@ class SharedDramPool(PagePool):
 
     Every committed page carries an xxh3-64 checksum (``seal``, at commit and when a page moves
     in); ``read_page_into`` checks it, so a page scribbled on after its commit (a same-host writer
-    keeps its view of the shared slab) is reported corrupt instead of served.
+    keeps its view of the shared slab) is reported corrupt instead of served. ``checksums=False``
+    skips them (the commit's pass over every page's bytes), and with them that protection.
     """
 
     tier = Tier.DRAM
@@ -83,8 +84,10 @@ class SharedDramPool(PagePool):
         shm_name: str | None = None,
         reserve: bool = False,
         private: bool = False,
+        checksums: bool = True,
     ) -> None:
         self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.checksums = checksums
         size = num_pages * page_bytes
         self.slab: SharedSlab | MemfdSegment
         if private:
@@ -117,6 +120,9 @@ class SharedDramPool(PagePool):
         self._pages[np.asarray(slots, dtype=np.intp), offset : offset + rows.shape[1]] = rows
 
     def seal(self, slot: int) -> None:
+        if not self.checksums:
+            self._sealed[slot] = False  # NOTE: a slot's previous occupant may have been sealed
+            return
         self._sums[slot] = xxhash.xxh3_64_intdigest(self._pages[slot])
         self._sealed[slot] = True
 

@@ -128,6 +128,7 @@ class TieredStore(LeaseBook, TierMovement):
                 shm_name=cfg.shm_name,
                 reserve=cfg.reserve_shm,
                 private=cfg.private_dram,
+                checksums=cfg.dram_checksums,
             )
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")
