@@ -7,16 +7,17 @@
   (which returns new arrays), against the same memcpy. Target >= 0.5.
 - **SSD tier**: the lmdb pool's batched checksummed writes and verified reads, MB/s and the
   ratio to memcpy.
-- **hashing**: block keys of a 128k-token prompt (int64 token ids, 256-token blocks) against one
-  xxh3-128 call over the same bytes. Target < 2 ms.
+- **hashing**: block keys of a 128k-token prompt (int64 token ids) at 256-token blocks and at
+  vLLM's 16-token blocks, against one xxh3-128 call over the same bytes. Targets < 2 ms and
+  < 1 ms (the C chain of ``kvstore/_native.c``; the name says when the Python loop ran).
 - **lookup**: longest cached prefix of a 500-block request in an index of 100k blocks, against
   500 plain ``dict.get`` calls. Target < 1 ms.
 - **eviction policies**: ns per operation (insert, touch in random order, pin = remove from the
-  middle, pop victim) of LRU and LFU at 100k slots, against the same at 1k slots: O(1) per
-  operation means a ratio near 1 (less what cache misses cost on the larger arrays).
-- **index memory**: Python-side bytes per cached block over 1M blocks (metadata-only store,
-  ``tracemalloc``), everything the store allocates for them: the index, per-page tier state,
-  policy links and the keys it keeps alive. Target <= 256 B.
+  middle, pop victim) of LRU, LFU and prefix at 100k slots, against the same at 1k slots: O(1)
+  per operation means a ratio near 1 (less what cache misses cost on the larger arrays).
+- **index memory**: bytes per cached block over 1M blocks (metadata-only store,
+  ``tracemalloc``, which sees the C index's table too), everything the store allocates for them:
+  the index, per-page tier state, policy links and the keys it keeps. Target <= 128 B.
 
 Every figure is the best of ``--repeats`` runs, reference and subject interleaved, after an
 untimed warm-up pass that also prefaults every buffer (no first-touch page faults are timed).
@@ -36,8 +37,10 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.report import Column, print_table, write_json
+from bench.report import MET, Column, print_table, targets_summary, write_json
 from kvstore import KVLayout, StoreConfig, TieredStore, block_keys, make_policy, root_key
+from kvstore.index import INDEX_IMPL
+from kvstore.keys import CHAIN_IMPL
 from kvstore.ssd import SsdPool
 
 MIB = 1 << 20
@@ -149,13 +152,18 @@ def gbps(nbytes: int, secs: float) -> float:
 def bench_dram(layout: KVLayout, args) -> list[Figure]:
     page, n, batch = layout.page_bytes, args.pages, args.batch
     nbytes = n * page
-    src = random_pages(min(n, 64), page, seed=1)  # the writer's pages (prefaulted)
+    src = random_pages(max(min(n, 64), batch), page, seed=1)  # the writer's pages (prefaulted)
     ref_dst = prefaulted(n, page)  # same shape as the DRAM slab
     out = prefaulted(len(src), page)  # the reader's buffers
 
     def memcpy_in():
         for i in range(n):
             np.copyto(ref_dst[i], src[i % len(src)])
+
+    def src_batch(b: int, size: int) -> np.ndarray:
+        """``size`` adjacent source pages (a view), cycling through ``src``."""
+        first = (b // batch) * batch % (len(src) - size + 1)
+        return src[first : first + size]
 
     def memcpy_out():
         for i in range(n):
@@ -180,12 +188,10 @@ def bench_dram(layout: KVLayout, args) -> list[Figure]:
             lb = layout.layer_bytes
             for b in range(0, n, batch):
                 lease = store.allocate(keys[b : b + batch])
+                rows = src_batch(b, len(lease.keys))
                 for layer in range(layout.num_layers):
-                    off = layer * lb
-                    for j in range(len(lease.keys)):
-                        store.write(
-                            lease.lease_id, j, src[(b + j) % len(src), off : off + lb], layer=layer
-                        )
+                    # one call per layer for the whole batch: the pages' slices of that layer
+                    store.write_layer(lease.lease_id, layer, rows[:, layer * lb : (layer + 1) * lb])
                 store.commit(lease.lease_id)
 
         def acquire_round():
@@ -207,7 +213,7 @@ def bench_dram(layout: KVLayout, args) -> list[Figure]:
         read_round()
         memcpy_out()
         ref_in, t_put = best_pair(memcpy_in, put_round, args.repeats)
-        _, t_layer = best_pair(memcpy_in, put_layerwise_round, max(2, args.repeats // 2))
+        _, t_layer = best_pair(memcpy_in, put_layerwise_round, args.repeats)
         ref_out, t_acq = best_pair(memcpy_out, acquire_round, args.repeats)
         _, t_read = best_pair(memcpy_out, read_round, args.repeats)
         assert store.stats().blocks == n
@@ -218,7 +224,12 @@ def bench_dram(layout: KVLayout, args) -> list[Figure]:
     figs = []
     for name, secs, ref, target in (
         ("put: allocate+copy+commit", t_put, ref_in_g, 0.5),
-        (f"put layer-wise ({layout.num_layers} write(layer) per page)", t_layer, ref_in_g, None),
+        (
+            f"put layer-wise ({layout.num_layers} write_layer per batch of {batch} pages)",
+            t_layer,
+            ref_in_g,
+            0.8,
+        ),
         ("read: acquire+copy_out+release", t_acq, ref_out_g, 0.5),
         ("read(): new arrays", t_read, ref_out_g, 0.5),
     ):
@@ -302,24 +313,24 @@ def bench_hashing(args) -> list[Figure]:
     raw = tokens.astype("<u4").tobytes()
     root = root_key("bench-store", b"tenant")
     figs = []
-    for bt in (256, 16):
+    for bt, target_ms in ((256, 2.0), (16, 1.0)):
         ref, ours = best_pair(
             lambda: xxhash.xxh3_128_digest(raw),
             lambda bt=bt: block_keys(tokens, bt, root),
             max(args.repeats, 20),
         )
         ms = ours * 1e3
-        is_target = bt == 256
         figs.append(
             Figure(
                 "hashing",
-                f"block keys, {args.tokens} tokens, {bt}-token blocks ({args.tokens // bt} keys)",
+                f"block keys, {args.tokens} tokens, {bt}-token blocks ({args.tokens // bt} keys, "
+                f"{CHAIN_IMPL} chain)",
                 ms,
                 "ms",
                 ref * 1e3,
                 ref / ours,
-                "< 2 ms" if is_target else "",
-                ms < 2 if is_target else None,
+                f"< {target_ms:g} ms",
+                ms < target_ms,
             )
         )
     return figs
@@ -391,7 +402,7 @@ def policy_ns_per_op(name: str, capacity: int) -> float:
 
 def bench_policies(args) -> list[Figure]:
     figs = []
-    for name in ("lru", "lfu"):
+    for name in ("lru", "lfu", "prefix"):
         small = min(policy_ns_per_op(name, 1_000) for _ in range(20))
         large = min(policy_ns_per_op(name, 100_000) for _ in range(2))
         figs.append(
@@ -430,14 +441,14 @@ def bench_index_memory(args) -> list[Figure]:
     return [
         Figure(
             "index memory",
-            f"Python-side bytes per cached block ({n} blocks, "
-            f"{(empty - base) / n:.0f} B/page preallocated)",
+            f"bytes per cached block ({n} blocks, {(empty - base) / n:.0f} B/page "
+            f"preallocated, {INDEX_IMPL} index)",
             per_block,
             "B",
             None,
             None,
-            "<= 256 B",
-            per_block <= 256,
+            "<= 128 B",
+            per_block <= 128,
         )
     ]
 
@@ -471,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
         figures += step()
         print(f"  {label}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    rows = [asdict(f) | {"met": {True: "yes", False: "MISSED", None: ""}[f.met]} for f in figures]
+    rows = [asdict(f) | {"met": MET[f.met]} for f in figures]
     print()
     print_table(
         rows,
@@ -508,12 +519,7 @@ def run(args: argparse.Namespace) -> int:
             "missed": missed,
         },
     )
-    print(
-        f"{sum(f.met is True for f in figures)}/{sum(f.met is not None for f in figures)} "
-        "targets met"
-        f"{'; missed: ' + ', '.join(missed) if missed else ''}. {elapsed:.1f} s. "
-        f"Wrote {path}"
-    )
+    print(f"{targets_summary([f.met for f in figures], missed)}. {elapsed:.1f} s. Wrote {path}")
     return 1 if missed and args.strict else 0
 
 

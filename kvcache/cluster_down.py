@@ -92,14 +92,16 @@ def _exists(pid: int) -> bool:
 
 
 def stop_stages(state: dict) -> list[list[int]]:
-    """Messengers, then node servers, then the conductor; each stage stops in parallel (every
-    server takes its gRPC grace period, so one by one would add those up)."""
+    """Messengers, then node servers, then the conductors, then our etcd; each stage stops in
+    parallel (every server takes its gRPC grace period, so one by one would add those up)."""
     nodes = state.get("nodes", [])
     messengers = [n["pids"][1] for n in nodes if len(n.get("pids", [])) > 1]
     servers = [n["pids"][0] for n in nodes if n.get("pids")]
-    staged = set(messengers) | set(servers)
+    etcd = [(state.get("etcd") or {}).get("pid")]
+    etcd = [p for p in etcd if p]  # last: the conductors hand over their leases first
+    staged = set(messengers) | set(servers) | set(etcd)
     rest = [p for p in reversed(state.get("pids", [])) if p not in staged]
-    return [s for s in (messengers, servers, rest) if s]
+    return [s for s in (messengers, servers, rest, etcd) if s]
 
 
 def _checked(state: dict) -> tuple[set[int], list[str]]:

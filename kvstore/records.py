@@ -33,6 +33,9 @@ class StoreConfig:
     shm_name: str | None = None
     reserve_shm: bool = False
     private_dram: bool = False  # DRAM pages in an anonymous memfd, not a /dev/shm name
+    # xxh3-64 of every DRAM page at commit, verified by copy-outs and moves (and handed to
+    # same-host readers); off: commits skip that pass over the bytes, and scribbles go unnoticed
+    dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged lmdb file at start: "refuse", or "move-aside"
     metadata_only: bool = False
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -47,7 +50,16 @@ class StoreConfig:
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     hits: int  # length of the cached prefix, in blocks
-    tiers: list[Tier]  # tier of each hit block
+    tier_codes: bytes  # tier of each hit block as one byte, Tier + 1 (the wire's Tier numbers)
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tier of each hit block."""
+        of = _TIER_OF_CODE
+        return [of[c] for c in self.tier_codes]
+
+
+_TIER_OF_CODE = {1: Tier.GPU, 2: Tier.DRAM, 3: Tier.SSD}
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ class NodeConfig:
     gpu_policy: str = "lru"
     promote_on_hit: bool = True
     reserve_shm: bool = False
+    dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
     write_quarantine_s: float | None = None  # None: 3 x lease_ttl_s (see StoreConfig)
@@ -106,6 +107,10 @@ class NodeConfig:
     role: str = "both"
     messenger: str = ""
     advertise: str | None = None  # address others use to reach this node (default: listen)
+    # registration in etcd instead (rpc/membership.py): endpoints, key prefix, lease TTL
+    etcd: str | None = None
+    etcd_prefix: str = "/kvcache"
+    etcd_ttl_s: int = 5
 
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
         """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""
