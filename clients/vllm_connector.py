@@ -33,6 +33,9 @@ A block that cannot be loaded (gone, corrupt on SSD, node down) is reported thro
 ``get_block_ids_with_load_errors`` and vLLM recomputes it: set ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default ``"fail"`` fails such requests instead).
 
+``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` (a prefill engine of a disaggregated
+deployment) only stores, ``kv_consumer`` (a decode engine) only loads.
+
 Extra config (``kv_connector_extra_config``): ``node`` (address, required), ``token`` or
 ``token_file`` (bearer token; its tenant scopes every key), ``tls_ca_file``, ``block_tokens``
 (default: the node's layout for this model when it serves one, else 256), ``model`` (the layout's
@@ -184,6 +187,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.config = ConnectorConfig.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config or {})
         )
+        # kv_role: a kv_producer (prefill engine) only stores, a kv_consumer (decode engine)
+        # only loads, kv_both does both.
+        self.loads = bool(self._kv_transfer_config.is_kv_consumer)
+        self.saves = bool(self._kv_transfer_config.is_kv_producer) and self.config.save != "none"
         self.vblock_tokens = vllm_config.cache_config.block_size
         self.client = KVStoreClient(
             self.config.node, token=self.config.token, tls_ca_file=self.config.tls_ca_file
@@ -267,8 +274,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int, bool]:
-        st = self._request(request)
-        if not st.keys:
+        st = self._request(request)  # a producer needs it too: it plans the saves
+        if not st.keys or not self.loads:
             return 0, False
         t0 = time.perf_counter()
         try:
@@ -363,7 +370,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, meta: KVCacheConnectorMetadata, req_id: str, st: _Request, computed: int
     ) -> None:
         """Save the request's prompt blocks completed by this step (full pages only)."""
-        if self.config.save == "none":
+        if not self.saves:
             return
         done = min(computed, len(st.tokens)) // self.layout.block_tokens
         done = min(done, len(st.block_ids) // self.ratio)
