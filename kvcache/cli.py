@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("node.cli", "run a node server (tiered KV block pools, gRPC)"),
     "conductor": ("conductor.cli", "run the global scheduler (gRPC)"),
     "messenger": ("messenger.cli", "run a node's block mover (TCP / RDMA data plane)"),
+    "router": ("router.cli", "serve OpenAI completions disaggregated over vLLM engines (HTTP)"),
     "up": ("kvcache.cluster", "start a local cluster on loopback"),
     "down": ("kvcache.cluster_down", "stop a local cluster started by 'kvcache up'"),
     "bench": ("bench.cli", "benchmarks: hitrate, schedule, live, store, node, transfer, ..."),
