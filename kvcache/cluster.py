@@ -22,6 +22,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
+from kvcache.engines import Serving, ServingConfig, parse_serving
 from kvstore.shm import pid_alive
 from rpc.launch import ServiceProcess, start_service
 from rpc.server import wait_for_signal
@@ -81,10 +82,12 @@ class ClusterConfig:
     nodes: list[NodeSpec]
     conductor_args: list[str] = field(default_factory=list)
     tls: bool = False
+    serving: ServingConfig | None = None  # [[engines]] and [router] (kvcache/engines.py)
 
 
 def load_config(path: str | None) -> ClusterConfig:
     data = tomllib.loads(DEFAULT_CONFIG)
+    user: dict = {}
     if path:
         with open(path, "rb") as f:
             user = tomllib.load(f)
@@ -118,6 +121,7 @@ def load_config(path: str | None) -> ClusterConfig:
         nodes=nodes,
         conductor_args=list(data["conductor"].get("args", [])),
         tls=bool(c.get("tls", False)),
+        serving=parse_serving(user, {n.id: n.role for n in nodes}),
     )
 
 
@@ -133,6 +137,7 @@ class Cluster:
     detach: bool = False
     procs: list[ServiceProcess] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    serving: Serving | None = None
 
     def start(self) -> dict:
         cfg = self.config
@@ -140,6 +145,7 @@ class Cluster:
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
         auth: list[str] = []
+        token_file = None
         if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
             token_file = os.path.join(cfg.state_dir, "token")
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -157,6 +163,11 @@ class Cluster:
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
             tls_ca = files.ca_cert
             ca = [tls_ca]
+        if cfg.serving is not None:  # engine ports first: the conductor scrapes their load
+            self.serving = Serving(cfg.serving, cfg.host)
+            conductor_args = [*cfg.conductor_args, *self.serving.plan(free_port)]
+        else:
+            conductor_args = cfg.conductor_args
         try:
             conductor = self._start(
                 [
@@ -168,7 +179,7 @@ class Cluster:
                     *auth,
                     *serve_tls,
                     *(["--node-tls-ca", *ca] if ca else []),
-                    *cfg.conductor_args,
+                    *conductor_args,
                 ],
                 logs,
             )
@@ -248,10 +259,20 @@ class Cluster:
                         "messenger_metrics_port": messenger.info.get("metrics_port"),
                     }
                 )
+            if self.serving is not None:
+                layouts = {n.id: n.layout for n in cfg.nodes}
+                nodes = {n["id"]: {**n, "layout": layouts[n["id"]]} for n in state["nodes"]}
+                state.update(
+                    self.serving.start(
+                        nodes, logs, conductor.address, token_file, tls_ca, self.detach
+                    )
+                )
         except BaseException:
             self.stop()
             raise
-        state["pids"] = [p.pid for p in self.procs]
+        state["pids"] = [p.pid for p in self.procs] + [e["pid"] for e in state.get("engines", [])]
+        if "router" in state:
+            state["pids"].append(state["router"]["pid"])
         self.state = state
         path = os.path.join(cfg.state_dir, "cluster.json")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
@@ -267,7 +288,7 @@ class Cluster:
     def stop(self, timeout_s: float = 15.0) -> list[int]:
         """Stop messengers, then node servers, then the conductor, each stage in parallel (one
         by one, their gRPC grace periods would add up); returns exit codes."""
-        codes = []
+        codes = self.serving.stop(timeout_s) if self.serving is not None else []
         for role in ("messenger", "node", "conductor"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
             for sp in stage:
@@ -291,6 +312,10 @@ def print_state(state: dict, path: str) -> None:
     print(f"conductor  {state['conductor']['address']}")
     for n in state["nodes"]:
         print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
+    for e in state.get("engines", []):
+        print(f"engine     {e['node']:<10} {e['kv_role']:<8} {e['url']}  ({e['model']})")
+    if "router" in state:
+        print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
     print(f"state      {path}")
 
 
@@ -309,6 +334,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the embedded default config and exit"
     )
+    parser.add_argument(
+        "--policy", default=None, help="the conductor's scheduling policy (overrides the config)"
+    )
     parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -319,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.config)
     cfg.tls = cfg.tls or args.tls
+    cfg.policy = args.policy or cfg.policy
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).

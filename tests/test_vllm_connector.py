@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from bench.vllm_ttft import MODELS, make_model
+from bench.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
 from kvstore.layout import KVLayout
