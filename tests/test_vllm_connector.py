@@ -45,6 +45,11 @@ def generate(
         "connector": connector,
         "runs": [{"prompts": prompts, "max_tokens": max_tokens}],
     }
+    return run_engine(spec)[0]["outputs"]
+
+
+def run_engine(spec: dict) -> list[dict]:
+    """bench.vllm_engine in a process of its own; its runs."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.vllm_engine"],
         input=json.dumps(spec),
@@ -53,7 +58,7 @@ def generate(
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"][0]["outputs"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"]
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +156,32 @@ def test_tenants_do_not_hit_each_others_blocks(model, reference, start_node):
     with KVStoreClient(node.address, token="admin") as c:
         (ns,) = c.stats().namespaces
         assert ns.write_leases == 0 and ns.read_leases == 0, ns  # committed and released
+
+
+def test_a_producer_only_stores_and_a_consumer_only_loads(model, reference, start_node):
+    """kv_role: a disaggregated prefill engine (kv_producer) stores what it computes and loads
+    nothing; a decode engine (kv_consumer) loads and stores nothing. Without vLLM's prefix
+    cache, so that a second run of a prompt asks the connector again."""
+    node = start_node(dram="16MiB", layout=LAYOUT_FLAG)
+    other = [int(x) for x in np.random.default_rng(6).integers(1, 500, 200)]  # 3 full blocks
+
+    def runs(kv_role: str, *prompts: list[int]) -> list[dict]:
+        spec = {
+            "model": model,
+            "connector": {"node": node.address},
+            "kv_role": kv_role,
+            "prefix_caching": False,
+            "runs": [{"prompts": [p], "max_tokens": 8} for p in prompts],
+        }
+        return [r["outputs"][0] for r in run_engine(spec)]
+
+    stored, again = runs("kv_producer", PROMPT, PROMPT)
+    assert stored["tokens"] == again["tokens"] == reference
+    assert stored["cached"] == again["cached"] == 0, "a producer loaded"
+    with KVStoreClient(node.address) as kv:
+        assert kv.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    fresh, loaded = runs("kv_consumer", other, PROMPT)
+    assert fresh["cached"] == 0
+    assert loaded["cached"] == 4 * 64 and loaded["tokens"] == reference
+    with KVStoreClient(node.address) as kv:
+        assert kv.lookup(LAYOUT.namespace, tokens=other).hit_blocks == 0, "a consumer stored"
