@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick check bench proto clean
+.PHONY: demo serve-demo test test-quick check bench proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,27 @@ demo: $(STAMP)
 	else status=1; fi; \
 	trap - INT TERM; \
 	echo "demo: report in $(DEMO_OUT)/live.json, plot in $(DEMO_OUT)/live.png (exit $$status)"; \
+	exit $$status
+
+# The serving demo: configs/serve.toml's cluster (2 prefill + 1 decode node, each with a real
+# vLLM server running a random tiny Llama made here, and `kvcache router` on port 8000), then the
+# OpenAI client example and SERVE_REQUESTS requests of the conversation trace through the router;
+# the cluster is stopped whatever happens. `kvcache up --config configs/serve.toml` keeps it up.
+SERVE_STATE := out/serve
+SERVE_REQUESTS ?= 60
+
+serve-demo: $(STAMP)
+	$(PY) -m bench.models tiny $(SERVE_STATE)/tiny-llama
+	@status=0; \
+	trap '$(KVCACHE) down --state-dir $(SERVE_STATE); exit 130' INT TERM; \
+	if $(KVCACHE) up --config configs/serve.toml --detach; then \
+	  $(PY) examples/openai_client.py http://127.0.0.1:8000/v1 || status=$$?; \
+	  $(KVCACHE) bench serve --cluster $(SERVE_STATE)/cluster.json \
+	    --requests $(SERVE_REQUESTS) --out out/serve-demo || status=$$?; \
+	  $(KVCACHE) down --state-dir $(SERVE_STATE) || status=$$?; \
+	else status=1; fi; \
+	trap - INT TERM; \
+	echo "serve-demo: report in out/serve-demo/serve.json (exit $$status)"; \
 	exit $$status
 
 # Every test (about 2 minutes here); `make test-quick` leaves out the ones marked slow.

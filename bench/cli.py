@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "a local cluster under load while processes are killed: no page lost"),
     "torch": ("bench.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
     "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),
+    "serve": ("bench.serve", "the trace through the router and vLLM engines, per policy"),
 }
 
 
