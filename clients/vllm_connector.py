@@ -562,6 +562,7 @@ class _Step:
         self.load_plan: tuple[_Pages, _RowMap] | None = None
         self.save_plan: tuple[_Pages, _RowMap] | None = None
         self.save_keys: list[bytes] = []
+        self._slots: list[int] = []  # per saved key: its index among the unique keys, or -1
         self.saved_layers: set[int] = set()
         self.streamed_out: np.ndarray | None = None
         self._allocating: Future[WriteLease] | None = None
@@ -652,7 +653,14 @@ class _Step:
 
     def _send_allocate(self, saves: list[_Transfer]) -> None:
         conn = self.conn
-        keys = [k for t in saves for k in t.keys]
+        # Requests of one step that share a prefix save the same blocks: each key is written
+        # once, by its first request (``_slots``: the key's place among the unique keys, -1
+        # for a repeat); the node refuses an Allocate that names a key twice.
+        unique: dict[bytes, int] = {}
+        for t in saves:
+            for k in t.keys:
+                self._slots.append(-1 if k in unique else unique.setdefault(k, len(unique)))
+        keys = list(unique)
         self.saves = saves
         try:
             shm = conn.client.shm_available(conn.namespace)
@@ -661,10 +669,11 @@ class _Step:
                     conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s
                 )
             elif shm:
-                self._allocating = Future()
-                self._allocating.set_result(
-                    conn.client.allocate(conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s)
+                lease = conn.client.allocate(
+                    conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s
                 )
+                self._allocating = Future()
+                self._allocating.set_result(lease)
         except KVCacheRpcError as e:  # a cache: a failed save only costs a future hit
             log.warning("kvcache save of %d pages skipped (%s)", len(keys), e)
             return
@@ -672,9 +681,9 @@ class _Step:
             page_bytes = conn.layout.page_bytes
             self.streamed_out = np.zeros((len(keys), page_bytes), np.uint8)
             self.save_keys = keys
-            offsets = [i * page_bytes for i in range(len(keys))]
             self._plan_saves(
-                _Pages(self.streamed_out.reshape(-1), self.vblock_bytes, conn._word), offsets
+                _Pages(self.streamed_out.reshape(-1), self.vblock_bytes, conn._word),
+                [j * page_bytes if j >= 0 else -1 for j in self._slots],
             )
 
     def _take_saves(self) -> None:
@@ -693,7 +702,8 @@ class _Step:
             self.conn.stats.allocate_s += time.perf_counter() - t0
         assert self.write.slab is not None
         pages = _Pages(self.write.slab.array, self.vblock_bytes, self.conn._word)
-        self._plan_saves(pages, list(self.write.offsets))
+        offsets = self.write.offsets
+        self._plan_saves(pages, [offsets[j] if j >= 0 else -1 for j in self._slots])
 
     def _plan_saves(self, pages: _Pages, offsets: list[int]) -> None:
         src: list[int] = []
