@@ -73,7 +73,7 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow"
 
-# Lint, format, types (strict on kvstore/, rpc/, clients/) and the layer contract.
+# Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

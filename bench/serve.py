@@ -71,22 +71,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="replay once against this running cluster (its cluster.json) instead",
     )
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
-    parser.add_argument("--requests", type=int, default=300, help="first N requests (default 300)")
+    parser.add_argument("--requests", type=int, default=200, help="first N requests (default 200)")
     parser.add_argument(
-        "--rate", type=float, default=3.0, help="mean arrivals per second (default %(default)s)"
+        "--rate", type=float, default=1.0, help="mean arrivals per second (default %(default)s)"
     )
     parser.add_argument(
         "--tokens-per-block",
         type=int,
-        default=64,
+        default=32,
         help="tokens per 512-token trace block (default %(default)s: one block of the serving "
         "demo's layout, so the trace's shared blocks are shared kvcache blocks)",
     )
     parser.add_argument(
-        "--max-prompt", type=int, default=1536, help="prompt tokens at most (default 1536)"
+        "--max-prompt", type=int, default=1024, help="prompt tokens at most (default 1024)"
     )
     parser.add_argument(
-        "--max-output", type=int, default=64, help="output tokens at most (default 64)"
+        "--max-output", type=int, default=32, help="output tokens at most (default 32)"
     )
     parser.add_argument(
         "--vocab", type=int, default=MODELS["tiny"]["vocab_size"], help="model vocabulary size"
