@@ -87,13 +87,14 @@ def load_cluster(path: str) -> ClusterInfo:
         for n in state["nodes"]:
             host = n["messenger"].rpartition(":")[0]
             port = n.get("messenger_metrics_port")
+            metrics = n.get("messenger_metrics") or (f"{host}:{port}" if port else None)
             nodes.append(
                 ClusterNode(
                     id=n["id"],
                     role=n["role"],
                     address=n["address"],
                     messenger=n["messenger"],
-                    messenger_metrics=f"{host}:{port}" if port else None,
+                    messenger_metrics=metrics,  # where --metrics-host put it
                 )
             )
         return ClusterInfo(

@@ -724,6 +724,11 @@ def rows(results: Sequence[PolicyResult]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     try:
         trace = trace_from_args(args)
+        if trace.arrivals == "none" and len(trace):
+            raise ValueError(
+                f"{trace.source} has no timestamps and scheduling needs arrival times: give "
+                "--rate REQUESTS_PER_S for Poisson arrivals"
+            )
         policies = _policies(args.policies)
         spec = _spec(args, trace)
     except (TraceError, ValueError) as e:

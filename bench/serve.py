@@ -264,31 +264,25 @@ async def _warm_up(url: str, model: str, vocab: int, engines: int) -> None:
 # ---- a cluster per policy ----------------------------------------------------------------------
 
 
-def _cluster_up(config: str, policy: str) -> str:
-    """``kvcache up --config C --policy P --detach``; returns its cluster.json."""
+def _cluster_up(config: str, policy: str, state_dir: str) -> str:
+    """``kvcache up --config C --policy P --state-dir D --detach``; returns its cluster.json.
+    Builds the random tiny Llama where the config's engines expect a model and find none."""
     with open(config, "rb") as f:
         data = tomllib.load(f)
-    state_dir = data.get("cluster", {}).get("state_dir", os.path.join("out", "cluster"))
-    models = {
-        e.get("model", data.get("engine_defaults", {}).get("model"))
-        for e in data.get("engines", [])
-    }
-    for path in sorted(m for m in models if m and not os.path.exists(m)):
-        print(f"serve: building the random tiny Llama at {path}", flush=True)
-        make_model(path, MODELS["tiny"], max_len=4096, tokenizer=True)
+    base = os.path.dirname(os.path.abspath(config))  # relative paths in it are relative to it
+    default = data.get("engine_defaults", {}).get("model")
+    models = {e.get("model", default) for e in data.get("engines", [])}
+    for model in sorted(m for m in models if m):
+        path = os.path.join(base, model)
+        if not os.path.exists(path):
+            print(f"serve: building the random tiny Llama at {path}", flush=True)
+            make_model(path, MODELS["tiny"], max_len=4096, tokenizer=True)
     print(f"serve: starting the cluster of {config} with policy {policy} ...", flush=True)
     t = time.perf_counter()
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "kvcache.cli",
-            "up",
-            "--config",
-            config,
-            "--policy",
-            policy,
-            "--detach",
+            *(sys.executable, "-m", "kvcache.cli", "up", "--config", config),
+            *("--policy", policy, "--state-dir", state_dir, "--detach"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -479,7 +473,9 @@ def run(args: argparse.Namespace) -> int:
     targets = [(None, args.cluster)] if args.cluster else [(p, None) for p in policies]
     try:
         for policy, cluster in targets:
-            state_file = cluster or _cluster_up(args.config, policy or "")
+            state_file = cluster or _cluster_up(
+                args.config, policy or "", os.path.join(args.out, "serve-cluster")
+            )
             try:
                 name, outcomes, wall, moved, block_tokens = _run_policy(
                     state_file, args, prompts, outputs, arrivals

@@ -1,10 +1,18 @@
-"""Mooncake-format request traces: reading, writing and synthetic generation.
+"""Request traces: reading (Mooncake's format and your own requests), writing, synthetic ones.
 
-One request per line: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [...]}`` where ``hash_ids[i]`` names the prefix up to the end of block ``i``
-(``block_tokens`` tokens per block; the last block may be partial). Equal ids at the same position
-mean a shared prefix, so a trace replays through the real kvstore by chaining the ids into block
-keys (``kvstore.keys.keys_from_block_ids``).
+One request per line (docs/traces.md), in one of three forms:
+
+- Mooncake's: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+  "hash_ids": [...]}`` where ``hash_ids[i]`` names the prefix up to the end of block ``i``
+  (``block_tokens`` tokens per block; the last block may be partial);
+- token ids: ``{"input_ids": [...], "output_length": n, "timestamp": ms}``;
+- text: ``{"prompt": "...", ...}``, tokenized by a local Hugging Face tokenizer (``--tokenizer``).
+
+``timestamp`` is optional in the last two (every line has one, or none does: then ``--rate``
+gives Poisson arrivals), ``output_length`` too (``--output-length``). Token ids become hash ids by
+the block-key chain itself (``kvstore.keys.block_keys``), so equal prefixes get equal ids; a trace
+replays through the real kvstore by chaining the ids into block keys
+(``kvstore.keys.keys_from_block_ids``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvstore.keys import BlockKey, keys_from_block_ids, root_key
+from kvstore.keys import BlockKey, block_keys, keys_from_block_ids, root_key
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +59,15 @@ class TraceRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class Trace:
-    """Requests in timestamp order. ``reordered``: how many lines arrived out of order."""
+    """Requests in timestamp order. ``reordered``: how many lines arrived out of order;
+    ``arrivals``: "recorded" (the trace's timestamps), "poisson" (made with --rate) or "none"
+    (no timestamps: file order, all at time 0)."""
 
     requests: list[TraceRequest]
     block_tokens: int
     source: str
     reordered: int = 0
+    arrivals: str = "recorded"
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -93,18 +104,37 @@ def _field_int(obj: dict, name: str, where: str, minimum: int = 0) -> int:
 
 
 def parse_request(line: str, where: str, block_tokens: int) -> TraceRequest:
-    """One trace line -> a request; ``where`` ("file:line") prefixes every error."""
+    """One Mooncake-format trace line -> a request; ``where`` ("file:line") prefixes every
+    error."""
+    obj = _json_object(line, where)
+    ts = _timestamp(obj, where)
+    if ts is None:
+        raise TraceError(f"{where}: missing field 'timestamp' (milliseconds)")
+    return _mooncake(obj, ts, where, block_tokens)
+
+
+def _json_object(line: str, where: str) -> dict:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    ts = obj.get("timestamp")
+    return obj
+
+
+def _timestamp(obj: dict, where: str) -> float | None:
+    if "timestamp" not in obj:
+        return None
+    ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise TraceError(
             f"{where}: 'timestamp' must be a non-negative number of milliseconds, got {ts!r}"
         )
+    return float(ts)
+
+
+def _mooncake(obj: dict, ts: float, where: str, block_tokens: int) -> TraceRequest:
     input_length = _field_int(obj, "input_length", where)
     output_length = _field_int(obj, "output_length", where)
     ids = obj.get("hash_ids")
@@ -118,30 +148,162 @@ def parse_request(line: str, where: str, block_tokens: int) -> TraceRequest:
             f"{where}: {len(ids)} hash_ids, but input_length {input_length} in blocks of "
             f"{block_tokens} tokens needs {expected}; is --trace-block-tokens right?"
         )
-    return TraceRequest(float(ts), input_length, output_length, tuple(ids))
+    return TraceRequest(ts, input_length, output_length, tuple(ids))
 
 
-def load_trace(path: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
-    """Read a Mooncake-format JSONL trace. Blank lines are skipped; out-of-order timestamps are
-    sorted (stable) with a warning; any malformed line raises ``TraceError`` naming its line."""
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """A request before its hash ids are known: token ids, or text still to tokenize."""
+
+    where: str
+    timestamp_ms: float | None
+    output_length: int
+    tokens: np.ndarray | None = None
+    prompt: str | None = None
+    request: TraceRequest | None = None  # Mooncake's form, complete already
+
+
+def _parse_line(line: str, where: str, block_tokens: int, default_output: int) -> _Line:
+    obj = _json_object(line, where)
+    ts = _timestamp(obj, where)
+    if "hash_ids" in obj:
+        if ts is None:
+            raise TraceError(f"{where}: missing field 'timestamp' (Mooncake's form needs it)")
+        return _Line(where, ts, 0, request=_mooncake(obj, ts, where, block_tokens))
+    out = default_output
+    if "output_length" in obj:
+        out = _field_int(obj, "output_length", where)
+    if "input_ids" in obj:
+        ids = obj["input_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 32 for i in ids
+        ):
+            raise TraceError(f"{where}: 'input_ids' must be a list of token ids (0 <= id < 2**32)")
+        return _Line(where, ts, out, tokens=np.asarray(ids, dtype=np.uint32))
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise TraceError(f"{where}: 'prompt' must be a string")
+        return _Line(where, ts, out, prompt=obj["prompt"])
+    raise TraceError(
+        f"{where}: a request needs 'input_ids' (token ids), 'prompt' (text, with --tokenizer) "
+        "or 'hash_ids' (Mooncake's form)"
+    )
+
+
+class _TokenNamer:
+    """Token ids -> hash ids: a full block's id is its chained block key's (so equal prefixes
+    get equal ids, as in Mooncake's traces), a trailing partial block's is its parent key's plus
+    its tokens."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._root = root_key(TRACE_NAMESPACE + "/tokens")
+        self._ids: dict[bytes, int] = {}
+
+    def hash_ids(self, tokens: np.ndarray) -> tuple[int, ...]:
+        keys = block_keys(tokens, self.block_tokens, self._root)
+        names = list(keys)
+        tail = tokens[len(keys) * self.block_tokens :]
+        if tail.size:
+            parent = keys[-1] if keys else self._root
+            names.append(b"partial" + parent + tail.astype("<u4").tobytes())
+        return tuple(self._ids.setdefault(k, len(self._ids)) for k in names)
+
+
+def load_tokenizer(path: str):
+    """A local Hugging Face tokenizer (a directory holding tokenizer.json, or the file): read
+    with the ``tokenizers`` library from disk only, never from the hub."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise TraceError(
+            f"--tokenizer {path}: no tokenizer.json there (give a local Hugging Face tokenizer "
+            "directory, as save_pretrained writes it, or its tokenizer.json; nothing is "
+            "downloaded)"
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TraceError(
+            "--tokenizer needs the 'tokenizers' package: pip install 'kvcache[hf]'"
+        ) from None
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # the library raises its own exception types for a bad file
+        raise TraceError(
+            f"--tokenizer {file}: not a tokenizer file the library reads ({e})"
+        ) from None
+
+
+def load_trace(
+    path: str,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    tokenizer: str | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    output_length: int = 256,
+) -> Trace:
+    """Read a JSONL trace in any of the module's forms. Blank lines are skipped; out-of-order
+    timestamps are sorted (stable) with a warning; any malformed line raises ``TraceError``
+    naming its line. ``rate``: requests/s of Poisson arrivals for a trace without timestamps;
+    ``output_length``: for requests that do not say."""
     if block_tokens <= 0:
         raise TraceError(f"block_tokens must be positive, got {block_tokens}")
-    requests: list[TraceRequest] = []
-    reordered = 0
-    last = -math.inf
+    if rate is not None and not 0 < rate < math.inf:
+        raise TraceError(f"--rate must be a positive number of requests per second, got {rate}")
+    if output_length < 0:
+        raise TraceError(f"--output-length must be >= 0, got {output_length}")
+    tok = load_tokenizer(tokenizer) if tokenizer else None  # a wrong path fails even unused
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise TraceError(f"cannot open trace {path!r}: {e.strerror}") from None
+    lines: list[_Line] = []
     with f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            req = parse_request(line, f"{path}:{lineno}", block_tokens)
-            if req.timestamp_ms < last:
-                reordered += 1
-            last = max(last, req.timestamp_ms)
-            requests.append(req)
+            if line.strip():
+                lines.append(_parse_line(line, f"{path}:{lineno}", block_tokens, output_length))
+    timed = [ln.timestamp_ms is not None for ln in lines]
+    if lines and any(timed) and not all(timed):
+        odd = lines[timed.index(not timed[0])]
+        raise TraceError(
+            f"{odd.where}: {'no' if timed[0] else 'a'} 'timestamp', unlike {lines[0].where}: "
+            "give every request a timestamp, or none (and --rate for Poisson arrivals)"
+        )
+    has_times = bool(lines) and timed[0]
+    if has_times and rate is not None:
+        raise TraceError(
+            f"{path}: --rate makes arrivals for a trace without timestamps; this one has its own"
+        )
+    prompts = [ln for ln in lines if ln.prompt is not None]
+    encoded: dict[int, np.ndarray] = {}
+    if prompts:
+        if tok is None:
+            raise TraceError(
+                f"{prompts[0].where}: 'prompt' is text: give --tokenizer PATH (a local Hugging "
+                "Face tokenizer directory) to turn it into token ids"
+            )
+        for ln, enc in zip(prompts, tok.encode_batch([ln.prompt for ln in prompts])):
+            encoded[id(ln)] = np.asarray(enc.ids, dtype=np.uint32)
+    namer = _TokenNamer(block_tokens)
+    if not has_times and rate is not None:
+        gaps = np.random.default_rng(seed).exponential(1000.0 / rate, size=len(lines))
+        times = np.cumsum(gaps) - (gaps[0] if len(lines) else 0.0)
+    requests: list[TraceRequest] = []
+    for i, ln in enumerate(lines):
+        if ln.request is not None:
+            requests.append(ln.request)
+            continue
+        toks = ln.tokens if ln.tokens is not None else encoded[id(ln)]
+        if ln.timestamp_ms is not None:
+            ts = ln.timestamp_ms
+        else:
+            ts = round(float(times[i]), 3) if rate is not None else 0.0
+        requests.append(TraceRequest(ts, int(toks.size), ln.output_length, namer.hash_ids(toks)))
+    reordered, last = 0, -math.inf
+    for r in requests:
+        if r.timestamp_ms < last:
+            reordered += 1
+        last = max(last, r.timestamp_ms)
     if reordered:
         log.warning(
             "%s: %d requests are out of timestamp order; replaying them sorted by timestamp",
@@ -149,7 +311,14 @@ def load_trace(path: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
             reordered,
         )
         requests.sort(key=lambda r: r.timestamp_ms)
-    return Trace(requests=requests, block_tokens=block_tokens, source=path, reordered=reordered)
+    arrivals = "recorded" if has_times else ("poisson" if rate is not None else "none")
+    return Trace(
+        requests=requests,
+        block_tokens=block_tokens,
+        source=path,
+        reordered=reordered,
+        arrivals=arrivals,
+    )
 
 
 def write_trace(path: str, trace: Trace) -> None:
@@ -301,7 +470,27 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("trace")
     src.add_argument(
-        "--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)"
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="JSONL trace: Mooncake's hash_ids, or your requests' input_ids or prompt text "
+        "(docs/traces.md; default: %(default)s)",
+    )
+    src.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a local Hugging Face tokenizer directory (or its tokenizer.json) for a trace of "
+        "'prompt' text; nothing is downloaded",
+    )
+    src.add_argument(
+        "--rate",
+        type=float,
+        help="requests/s of Poisson arrivals, for a trace without timestamps",
+    )
+    src.add_argument(
+        "--output-length",
+        type=int,
+        default=256,
+        help="output tokens of a request whose line does not say (default: %(default)s)",
     )
     src.add_argument(
         "--trace-block-tokens",
@@ -338,6 +527,8 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
 def trace_from_args(args: argparse.Namespace) -> Trace:
     """The trace the options name (``TraceError`` / ``ValueError`` on bad input)."""
     if args.synthetic:
+        if args.rate is not None or args.tokenizer:
+            raise ValueError("--rate and --tokenizer are for a --trace file, not --synthetic")
         spec = SyntheticSpec(
             requests=args.synthetic_requests,
             block_tokens=args.trace_block_tokens,
@@ -348,7 +539,14 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
         )
         trace = synthetic_trace(spec)
     else:
-        trace = load_trace(args.trace, args.trace_block_tokens)
+        trace = load_trace(
+            args.trace,
+            args.trace_block_tokens,
+            tokenizer=args.tokenizer,
+            rate=args.rate,
+            seed=args.seed,
+            output_length=args.output_length,
+        )
     if args.requests < 0:
         raise ValueError(f"--requests must be >= 0, got {args.requests}")
     if args.requests:
@@ -364,4 +562,7 @@ def describe(trace: Trace) -> str:
         f"{trace.block_tokens} tokens, {trace.total_input_tokens:,} input tokens over "
         f"{trace.duration_s:,.0f} s"
         + (f" ({trace.reordered} reordered)" if trace.reordered else "")
+        + {"recorded": "", "poisson": " (Poisson arrivals, --rate)", "none": " (no timestamps)"}[
+            trace.arrivals
+        ]
     )

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
-from rpc.channel import make_channel
+from rpc.channel import check_health, make_channel
 from rpc.status import call
 from rpc.wire import selector_to_pb
 
@@ -115,6 +115,10 @@ class ConductorClient:
             timeout=self.timeout_s,
         )
         return {n.node_id: n.blocks for n in reply.nodes}
+
+    def health(self) -> str:
+        """gRPC health: "SERVING", "NOT_SERVING", or why the check failed ("UNAVAILABLE")."""
+        return check_health(self._channel, min(self.timeout_s, 5.0))
 
     def close(self) -> None:
         self._channel.close()

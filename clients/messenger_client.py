@@ -8,7 +8,7 @@ import grpc
 
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
-from rpc.channel import make_channel
+from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError, call
 
 
@@ -77,6 +77,15 @@ class MessengerClient:
     def cancel(self, batch_id: str) -> pb.TransferStatusReply:
         reply: pb.TransferStatusReply = self._call("Cancel", pb.CancelRequest(batch_id=batch_id))
         return reply
+
+    def stats(self) -> pb.MessengerStats:
+        """Transfers in flight and byte totals since start (admin token)."""
+        reply: pb.MessengerStats = self._call("Stats", pb.MessengerStatsRequest())
+        return reply
+
+    def health(self) -> str:
+        """gRPC health: "SERVING", "NOT_SERVING", or why the check failed ("UNAVAILABLE")."""
+        return check_health(self._channel, min(self.timeout_s, 5.0))
 
     def close(self) -> None:
         self._channel.close()

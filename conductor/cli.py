@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         return [SERVICE_NAME]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        servicer.address = address
         log.info(
             "conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)",
             address,
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
             on_serving=on_serving,

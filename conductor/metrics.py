@@ -116,3 +116,19 @@ class ConductorMetrics:
             registry=r,
         )
         r.register(_StateCollector(conductor))
+
+    def totals(self) -> tuple[int, int]:
+        """(requests placed, requests rejected) since start: read from the counters, off the
+        hot path (ListNodes, for 'kvcache status')."""
+
+        def total(counter: Counter) -> int:
+            return int(
+                sum(
+                    s.value
+                    for m in counter.collect()
+                    for s in m.samples
+                    if s.name.endswith("_total")
+                )
+            )
+
+        return total(self.decisions), total(self.rejections)

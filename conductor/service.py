@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import grpc
@@ -64,6 +65,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
         self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
+        self.started = time.monotonic()
+        self.address = ""  # where it serves, once it does (the leader while it runs alone)
         self._stop = threading.Event()
         self._upkeep = threading.Thread(target=self._maintain, name="conductor-upkeep", daemon=True)
         self._upkeep.start()
@@ -237,10 +240,15 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         c = self.conductor
         with c.lock:
             keys, pending = len(c.index), c.scheduler.pending()
+        decisions, rejections = self.metrics.totals()
         return pb.ListNodesReply(
             policy=c.scheduler.policy.name,
             indexed_keys=keys,
             pending_requests=pending,
+            decisions=decisions,
+            rejections=rejections,
+            uptime_s=time.monotonic() - self.started,
+            leader=self.address,
             nodes=[
                 pb.NodeStatus(
                     node=descriptor_to_pb(v.descriptor),
@@ -307,6 +315,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.keys,
             sel.token_ids,
             sel.token_bytes,
+            sel.key_bytes,
         )
         return scope_keys(raw, tenant), prompt
 

@@ -1,4 +1,5 @@
-"""``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults).
+"""``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults; the
+schema, precedence and errors are ``cluster_config``'s).
 
 One conductor, then per node a node server and its messenger, each a separate process. Ports are
 chosen up front so that every process can be told its peers' addresses; the launcher waits for each
@@ -19,110 +20,27 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 
-from kvcache.engines import Serving, ServingConfig, parse_serving
 from kvstore.shm import pid_alive
-from rpc.launch import ServiceProcess, start_service
+from rpc.launch import ServiceProcess, process_identity, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 
+from .cluster_config import (
+    ClusterConfig,
+    ConfigError,
+    NodeSpec,
+    add_flags,
+    from_args,
+    load_config,
+    render,
+)
+from .engines import Serving, serving_config
+
+__all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
+
 log = logging.getLogger("kvcache.cluster")
-
-DEFAULT_CONFIG = """
-[cluster]
-host = "127.0.0.1"
-state_dir = "out/cluster"
-# token = "secret"          # require a bearer token on every service
-transport = "tcp"            # messenger transport: tcp | rdma | auto
-tls = false                  # TLS on every gRPC link, from a local CA made in state_dir/tls
-
-[conductor]
-policy = "global-cache"
-
-[defaults]
-# 512-token blocks (the Mooncake trace's) and 256 KiB pages (4 layers x K|V x 512 tokens x 1 head
-# x 32 dims x fp16): `make demo` moves a few hundred trace requests' pages through shared memory
-# and the messengers' TCP in a few minutes on a 2-core machine. 1 GiB = 4096 pages per node.
-layout = "model=demo,num_layers=4,kv_heads=1,head_dim=32,dtype=float16,block_tokens=512"
-dram = "1GiB"
-ssd = "0"
-
-[[node]]
-id = "prefill-0"
-role = "prefill"
-
-[[node]]
-id = "prefill-1"
-role = "prefill"
-
-[[node]]
-id = "decode-0"
-role = "decode"
-"""
-
-
-@dataclass
-class NodeSpec:
-    id: str
-    role: str
-    layout: str
-    dram: str
-    ssd: str = "0"
-
-
-@dataclass
-class ClusterConfig:
-    host: str
-    state_dir: str
-    token: str | None
-    transport: str
-    policy: str
-    nodes: list[NodeSpec]
-    conductor_args: list[str] = field(default_factory=list)
-    tls: bool = False
-    serving: ServingConfig | None = None  # [[engines]] and [router] (kvcache/engines.py)
-
-
-def load_config(path: str | None) -> ClusterConfig:
-    data = tomllib.loads(DEFAULT_CONFIG)
-    user: dict = {}
-    if path:
-        with open(path, "rb") as f:
-            user = tomllib.load(f)
-        for section in ("cluster", "conductor", "defaults"):
-            data[section].update(user.get(section, {}))
-        if "node" in user:
-            data["node"] = user["node"]
-    defaults = data["defaults"]
-    nodes = []
-    for n in data["node"]:
-        if "id" not in n or "role" not in n:
-            raise SystemExit(f"every [[node]] needs id and role, got {n}")
-        nodes.append(
-            NodeSpec(
-                id=n["id"],
-                role=n["role"],
-                layout=n.get("layout", defaults["layout"]),
-                dram=str(n.get("dram", defaults["dram"])),
-                ssd=str(n.get("ssd", defaults.get("ssd", "0"))),
-            )
-        )
-    if len({n.id for n in nodes}) != len(nodes):
-        raise SystemExit("node ids must be unique")
-    c = data["cluster"]
-    return ClusterConfig(
-        host=c["host"],
-        state_dir=c["state_dir"],
-        token=c.get("token") or None,
-        transport=c.get("transport", "tcp"),
-        policy=data["conductor"]["policy"],
-        nodes=nodes,
-        conductor_args=list(data["conductor"].get("args", [])),
-        tls=bool(c.get("tls", False)),
-        serving=parse_serving(user, {n.id: n.role for n in nodes}),
-    )
 
 
 def free_port(host: str) -> int:
@@ -137,10 +55,11 @@ class Cluster:
     detach: bool = False
     procs: list[ServiceProcess] = field(default_factory=list)
     state: dict = field(default_factory=dict)
-    serving: Serving | None = None
+    serving: Serving | None = None  # [[engines]] and [router] (kvcache/engines.py)
 
     def start(self) -> dict:
         cfg = self.config
+        wanted = serving_config(cfg)  # ConfigError before any process starts
         os.makedirs(cfg.state_dir, exist_ok=True)
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
@@ -163,11 +82,10 @@ class Cluster:
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
             tls_ca = files.ca_cert
             ca = [tls_ca]
-        if cfg.serving is not None:  # engine ports first: the conductor scrapes their load
-            self.serving = Serving(cfg.serving, cfg.host)
-            conductor_args = [*cfg.conductor_args, *self.serving.plan(free_port)]
-        else:
-            conductor_args = cfg.conductor_args
+        conductor_args = cfg.conductor_args
+        if wanted is not None:  # engine ports first: the conductor scrapes their load
+            self.serving = Serving(wanted, cfg.host)
+            conductor_args = [*conductor_args, *self.serving.plan(free_port)]
         try:
             conductor = self._start(
                 [
@@ -179,6 +97,7 @@ class Cluster:
                     *auth,
                     *serve_tls,
                     *(["--node-tls-ca", *ca] if ca else []),
+                    *self._metrics(cfg.get("conductor", "metrics_port")),
                     *conductor_args,
                 ],
                 logs,
@@ -188,6 +107,7 @@ class Cluster:
                     "address": conductor.address,
                     "pid": conductor.pid,
                     "log": conductor.log_path,
+                    "metrics": self._metrics_address(conductor),
                 },
                 "nodes": [],
                 "token": cfg.token,
@@ -216,6 +136,7 @@ class Cluster:
                     *auth,
                     *serve_tls,
                     *(["--conductor-tls-ca", *ca] if ca else []),
+                    *self._metrics(spec.settings.get("metrics_port", 0)),
                 ]
                 if cfg.token:
                     node_args += ["--conductor-token-file", token_file]
@@ -238,8 +159,7 @@ class Cluster:
                         messenger_addr,
                         "--transport",
                         cfg.transport,
-                        "--metrics-port",
-                        "0",
+                        *self._metrics(spec.settings.get("messenger_metrics_port", 0)),
                         *auth,
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
@@ -257,6 +177,8 @@ class Cluster:
                         "logs": [node.log_path, messenger.log_path],
                         "data_address": messenger.info.get("data_address"),
                         "messenger_metrics_port": messenger.info.get("metrics_port"),
+                        "metrics": self._metrics_address(node),
+                        "messenger_metrics": self._metrics_address(messenger),
                     }
                 )
             if self.serving is not None:
@@ -270,15 +192,39 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        state["pids"] = [p.pid for p in self.procs] + [e["pid"] for e in state.get("engines", [])]
+        roles = [(p.pid, p.role) for p in self.procs]
+        roles += [(e["pid"], "engine") for e in state.get("engines", [])]
         if "router" in state:
-            state["pids"].append(state["router"]["pid"])
+            roles.append((state["router"]["pid"], "router"))
+        state["pids"] = [pid for pid, _ in roles]
+        # NOTE: `kvcache down` signals a pid only while it is still the process started here
+        # (a pid is reused once its process is gone).
+        state["processes"] = [
+            {"pid": pid, "role": role, **process_identity(pid)} for pid, role in roles
+        ]
         self.state = state
         path = os.path.join(cfg.state_dir, "cluster.json")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
         with os.fdopen(fd, "w") as f:
             json.dump(state, f, indent=2)
+        write_prometheus_targets(state, os.path.join(cfg.state_dir, "prometheus-targets.json"))
         return state
+
+    def _metrics(self, port: int) -> list[str]:
+        """Every process serves Prometheus metrics (port 0: any free one, in cluster.json)."""
+        return [
+            "--metrics-host",
+            self.config.get("cluster", "metrics_host"),
+            "--metrics-port",
+            str(port),
+        ]
+
+    def _metrics_address(self, sp: ServiceProcess) -> str | None:
+        port = sp.info.get("metrics_port")
+        host = self.config.get("cluster", "metrics_host")
+        if host in ("0.0.0.0", "::", ""):
+            host = self.config.host  # bound everywhere: reachable where the process serves
+        return f"{host}:{port}" if port else None
 
     def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
         sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
@@ -286,8 +232,9 @@ class Cluster:
         return sp
 
     def stop(self, timeout_s: float = 15.0) -> list[int]:
-        """Stop messengers, then node servers, then the conductor, each stage in parallel (one
-        by one, their gRPC grace periods would add up); returns exit codes."""
+        """Stop the router and engines, then messengers, then node servers, then the conductor,
+        each stage in parallel (one by one, their gRPC grace periods would add up); returns exit
+        codes."""
         codes = self.serving.stop(timeout_s) if self.serving is not None else []
         for role in ("messenger", "node", "conductor"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
@@ -308,6 +255,22 @@ class Cluster:
         return codes
 
 
+def write_prometheus_targets(state: dict, path: str) -> None:
+    """Every metrics endpoint, labelled with its role and node, for a Prometheus
+    ``file_sd_configs`` job (docs/operations.md)."""
+    targets = [{"targets": [state["conductor"]["metrics"]], "labels": {"role": "conductor"}}]
+    for n in state["nodes"]:
+        for role, key in (("node", "metrics"), ("messenger", "messenger_metrics")):
+            targets.append({"targets": [n[key]], "labels": {"role": role, "node_id": n["id"]}})
+    for e in state.get("engines", []):  # vLLM's own /metrics
+        address = e["url"].split("://", 1)[-1]
+        targets.append({"targets": [address], "labels": {"role": "engine", "node_id": e["node"]}})
+    if "router" in state:
+        targets.append({"targets": [state["router"]["address"]], "labels": {"role": "router"}})
+    with open(path, "w") as f:
+        json.dump([t for t in targets if t["targets"][0]], f, indent=2)
+
+
 def print_state(state: dict, path: str) -> None:
     print(f"conductor  {state['conductor']['address']}")
     for n in state["nodes"]:
@@ -317,46 +280,58 @@ def print_state(state: dict, path: str) -> None:
     if "router" in state:
         print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
     print(f"state      {path}")
+    print(f"status     kvcache status --cluster {path}")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="cluster TOML (default: the embedded one below)\n")
+    add_flags(parser)
     parser.add_argument(
         "--detach",
         action="store_true",
         help="return once the cluster is up; stop it with 'kvcache down'",
     )
     parser.add_argument(
-        "--tls",
+        "--print-config",
         action="store_true",
-        help="TLS on every gRPC link, with a local CA made in <state_dir>/tls (config: tls = true)",
+        help="print the merged config (flags > $KVCACHE_* > --config file > defaults, each "
+        "value's source as a comment) and exit",
     )
-    parser.add_argument(
-        "--print-config", action="store_true", help="print the embedded default config and exit"
+    parser.epilog = (
+        "Config precedence: flags (--set, --state-dir, ...) > environment ($KVCACHE_<KEY> for "
+        "[cluster] keys, $KVCACHE_<SECTION>_<KEY> otherwise) > --config file > defaults. "
+        "'kvcache up --print-config' shows the result."
     )
-    parser.add_argument(
-        "--policy", default=None, help="the conductor's scheduling policy (overrides the config)"
-    )
-    parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(args)
+        serving_config(cfg)  # [[engines]] / [router] mistakes before anything starts
+    except ConfigError as e:
+        print(f"kvcache up: {e}", file=sys.stderr)
+        return 2
     if args.print_config:
-        print(DEFAULT_CONFIG.strip())
+        print(render(cfg), end="")
         return 0
-    cfg = load_config(args.config)
-    cfg.tls = cfg.tls or args.tls
-    cfg.policy = args.policy or cfg.policy
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).
         cfg.token = secrets.token_urlsafe(32)
     state_file = os.path.join(cfg.state_dir, "cluster.json")
     if os.path.exists(state_file) and _any_alive(state_file):
-        raise SystemExit(f"a cluster from {state_file} is still running; 'kvcache down' first")
+        print(
+            f"kvcache up: a cluster from {state_file} is still running; "
+            f"'kvcache down --state-dir {cfg.state_dir}' first",
+            file=sys.stderr,
+        )
+        return 1
     cluster = Cluster(cfg, detach=args.detach)
-    state = cluster.start()
+    try:
+        state = cluster.start()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        # A process that failed to start: its own message (the last lines of its log) says why.
+        print(f"kvcache up: the cluster did not start: {e}", file=sys.stderr)
+        return 1
     print_state(state, state_file)
     sys.stdout.flush()
     if args.detach:

@@ -5,6 +5,12 @@ messengers, then the node servers, then the conductor (each stage at once; each
 process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked), SIGKILL for any
 that does not exit in time, then a check that
 no shared-memory segment of the cluster is left behind.
+
+The state dir comes from ``--state-dir``, else from the cluster config (``--config``,
+``$KVCACHE_STATE_DIR``, the defaults: see ``cluster_config``), as ``kvcache up`` found it. A pid is
+signalled only while it is still the process ``kvcache up`` started (start time and command line,
+recorded in cluster.json): a pid reused by another program is left alone. Exits 1 when there was
+nothing to stop.
 """
 
 from __future__ import annotations
@@ -13,16 +19,46 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 from kvstore.shm import SharedSlab, pid_alive
+from rpc.launch import still_same_process
+
+from .cluster_config import ENV_PREFIX, ConfigError, load_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--state-dir", default="out/cluster", help="the cluster's state_dir (holds cluster.json)"
+        "--state-dir",
+        help="the cluster's state_dir (holds cluster.json; default: the config's, as "
+        "'kvcache up' resolved it)",
+    )
+    parser.add_argument(
+        "--config",
+        default=os.environ.get(ENV_PREFIX + "CONFIG") or None,
+        help="the cluster TOML 'kvcache up' was given (its state_dir; default: $KVCACHE_CONFIG)",
     )
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds to wait per process")
+
+
+def state_dir_of(args: argparse.Namespace) -> tuple[str, str]:
+    """(absolute state dir, where it came from)."""
+    if args.state_dir:
+        return os.path.abspath(args.state_dir), "--state-dir"
+    cfg = load_config(args.config)
+    return cfg.state_dir, cfg.sources["cluster.state_dir"]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process that exited but whose parent has not reaped it yet,
+    e.g. a test's child, counts as stopped)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def stop_pids(pids: list[int], timeout_s: float, groups: frozenset[int] = frozenset()) -> bool:
@@ -40,16 +76,27 @@ def stop_pids(pids: list[int], timeout_s: float, groups: frozenset[int] = frozen
         send(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     delay = 0.01
-    left = [p for p in pids if pid_alive(p)]
+    left = [p for p in pids if _running(p)]
     while left and time.monotonic() < deadline:
         time.sleep(delay)  # not our children: no wait() to block on
         delay = min(delay * 2, 0.2)
-        left = [p for p in left if pid_alive(p)]
+        left = [p for p in left if _running(p)]
     for pid in left:
         send(pid, signal.SIGKILL)
     for pid in groups & set(pids):  # children the group leader left behind
         send(pid, signal.SIGKILL)
+    # Exited processes are zombies until their parent (init, once 'kvcache up' is gone) reaps
+    # them: give it a moment, so that a caller finds them gone.
+    reap_by = time.monotonic() + 2.0
+    while any(_exists(p) for p in pids) and time.monotonic() < reap_by:
+        time.sleep(0.02)
     return not left
+
+
+def _exists(pid: int) -> bool:
+    import psutil
+
+    return bool(psutil.pid_exists(pid))
 
 
 def stop_stages(state: dict) -> list[list[int]]:
@@ -71,16 +118,58 @@ def engine_groups(state: dict) -> frozenset[int]:
     return frozenset(e["pid"] for e in state.get("engines", []))
 
 
+def _checked(state: dict) -> tuple[set[int], list[str]]:
+    """The pids still running what ``kvcache up`` started, and notes on the others."""
+    known = {int(p["pid"]): p for p in state.get("processes", [])}
+    ok: set[int] = set()
+    notes = []
+    for pid in state.get("pids", []):
+        proc = known.get(pid)
+        if proc is None:  # a cluster.json from before identities were recorded
+            proc = {"role": "process", "started": None}
+        why = (
+            still_same_process(pid, proc)
+            if proc.get("started") is not None
+            else (None if pid_alive(pid) else "exited")
+        )
+        if why is None:
+            ok.add(pid)
+        elif why != "exited":
+            notes.append(f"pid {pid} ({proc['role']}) is {why}: not signalled")
+        else:
+            notes.append(f"pid {pid} ({proc['role']}) had exited already")
+    return ok, notes
+
+
 def run(args: argparse.Namespace) -> int:
-    path = os.path.join(args.state_dir, "cluster.json")
+    try:
+        state_dir, source = state_dir_of(args)
+    except ConfigError as e:
+        print(f"kvcache down: {e}", file=sys.stderr)
+        return 2
+    path = os.path.join(state_dir, "cluster.json")
     if not os.path.exists(path):
-        print(f"no cluster state at {path}; nothing to stop")
-        return 0
-    with open(path) as f:
-        state = json.load(f)
+        print(
+            f"kvcache down: no cluster state at {path} (state dir from {source}); nothing was "
+            "stopped. Name the cluster's state dir as 'kvcache up' printed it "
+            "(--state-dir DIR) or the config it was started with (--config FILE).",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"kvcache down: cannot read {path}: {e}", file=sys.stderr)
+        return 1
+    running, notes = _checked(state)
+    for note in notes:
+        print(f"kvcache down: {note}", file=sys.stderr)
     clean = True
     for stage in stop_stages(state):
-        clean &= stop_pids(stage, args.timeout, engine_groups(state))
+        stage = [p for p in stage if p in running]
+        if stage:
+            clean &= stop_pids(stage, args.timeout, engine_groups(state))
     leftovers = []
     for node in state.get("nodes", []):
         for name in node.get("shm", {}).values():
@@ -88,10 +177,14 @@ def run(args: argparse.Namespace) -> int:
                 leftovers.append(name)
                 SharedSlab.remove(name)
     os.remove(path)
-    print(
-        f"cluster stopped ({len(state.get('pids', []))} processes"
-        f"{'' if clean else ', some needed SIGKILL'})"
-    )
+    if not running:
+        print(
+            f"kvcache down: no process of the cluster in {state_dir} was running; removed its "
+            "stale state",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"cluster stopped ({len(running)} processes{'' if clean else ', some needed SIGKILL'})")
     if leftovers:
         print(f"removed leftover shared memory: {', '.join(leftovers)}")
     return 0 if clean and not leftovers else 1

@@ -1,16 +1,19 @@
 """Engines and the router in a ``kvcache up`` cluster: real vLLM servers beside their nodes.
 
     [engine_defaults]                     # shared by every [[engines]] entry
-    model = "out/serve/tiny-llama"        # a local model directory
+    model = "../out/serve/tiny-llama"     # a model directory (relative: to the config file)
     served_model_name = "tiny-llama"
     args = ["--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", "67108864"]
+    env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
 
     [[engines]]
     node = "prefill-0"                    # the node it stores to and loads from
     kv_role = "both"                      # producer | consumer | both (default: by node role)
 
-    [router]                              # optional: `kvcache router` in front of the engines
-    listen = "127.0.0.1:8000"
+    [router]                              # `kvcache router` in front of the engines
+    listen = "127.0.0.1:8000"             # (empty, the default: no router)
+
+The keys and their types are in ``cluster_config``'s schema.
 
 Each engine is vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; vLLM's
 ``vllm serve`` command) with our connector (``clients.vllm_connector``) pointed at its node, the
@@ -40,11 +43,10 @@ from kvstore.errors import KVStoreError
 from node.config import parse_layout
 from rpc.launch import ServiceProcess, start_service
 
+from .cluster_config import ClusterConfig, ConfigError
+
 KV_ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
 DEFAULT_KV_ROLE = {"prefill": "both", "decode": "consumer", "both": "both"}
-ENGINE_KEYS = {"node", "model", "served_model_name", "kv_role", "port", "args", "env"}
-DEFAULT_KEYS = ENGINE_KEYS - {"node", "port"} | {"start_timeout_s"}
-ROUTER_KEYS = {"listen", "args"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,86 +68,64 @@ class ServingConfig:
     start_timeout_s: float = 300.0
 
 
-def parse_serving(data: dict[str, Any], node_roles: dict[str, str]) -> ServingConfig | None:
-    """``[engine_defaults]``, ``[[engines]]`` and ``[router]`` of a cluster TOML; None when it
-    has no engines. ``SystemExit`` naming the key or value to fix."""
-    entries = data.get("engines", [])
-    defaults = data.get("engine_defaults", {})
-    router = data.get("router")
-    if not entries:
-        if router is not None or defaults:
-            raise SystemExit("cluster config: [router] / [engine_defaults] need [[engines]]")
+def serving_config(cfg: ClusterConfig) -> ServingConfig | None:
+    """The ``[[engines]]`` of a cluster config with ``[engine_defaults]`` filled in, and its
+    ``[router]``; None without engines. ``ConfigError`` naming what to fix (the keys and types
+    themselves are checked by the schema, ``cluster_config``)."""
+    rows = cfg.tables.get("engines", [])
+    defaults = cfg.settings.get("engine_defaults", {})
+    router = cfg.settings.get("router", {})
+    where = cfg.path or "the config"
+    if not rows:
+        if router.get("listen"):
+            raise ConfigError(f"{where}: [router] listen needs [[engines]] to route to")
         return None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise SystemExit("cluster config: engines must be [[engines]] tables")
-    _known(defaults, DEFAULT_KEYS, "[engine_defaults]")
+    roles = {n.id: n.role for n in cfg.nodes}
+    base = os.path.dirname(os.path.abspath(cfg.path)) if cfg.path else os.getcwd()
     specs = []
-    for i, entry in enumerate(entries):
-        where = f"[[engines]] #{i + 1}"
-        _known(entry, ENGINE_KEYS, where)
-        merged = {**{k: v for k, v in defaults.items() if k != "start_timeout_s"}, **entry}
-        node = merged.get("node")
-        if node not in node_roles:
-            raise SystemExit(
-                f"cluster config: {where}: node {node!r} is not a [[node]] id "
-                f"({', '.join(node_roles)})"
-            )
-        model = merged.get("model")
-        if not isinstance(model, str) or not model:
-            raise SystemExit(f"cluster config: {where}: 'model' (a model directory) is required")
-        kv_role = merged.get("kv_role", DEFAULT_KV_ROLE[node_roles[node]])
-        if kv_role not in KV_ROLES:
-            raise SystemExit(
-                f"cluster config: {where}: kv_role {kv_role!r}; use one of {', '.join(KV_ROLES)}"
-            )
-        args = merged.get("args", [])
-        env = merged.get("env", {})
-        port = merged.get("port", 0)
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise SystemExit(f"cluster config: {where}: 'args' must be a list of strings")
-        if not isinstance(env, dict):
-            raise SystemExit(f"cluster config: {where}: 'env' must be a table")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise SystemExit(f"cluster config: {where}: 'port' must be 0-65535")
+    for i, row in enumerate(rows):
+        at = f"{where}: [[engines]] #{i + 1} (node {row['node']!r})"
+        if row["node"] not in roles:
+            raise ConfigError(f"{at}: not a [[node]] id ({', '.join(roles)})")
+        value = {k: defaults.get(k) if row.get(k) is None else row[k] for k in defaults}
+        model = value["model"]
+        if not model:
+            raise ConfigError(f"{at}: no model (a model directory, in it or [engine_defaults])")
+        from_file = (
+            row.get("model") is not None or cfg.sources.get("engine_defaults.model") == cfg.path
+        )
+        if not os.path.isabs(model) and from_file:  # relative to the file, as state_dir is
+            model = os.path.normpath(os.path.join(base, model))
+        env = []
+        for item in value["env"]:
+            name, sep, val = item.partition("=")
+            if not sep or not name:
+                raise ConfigError(f"{at}: env entries are NAME=VALUE, got {item!r}")
+            env.append((name, val))
         specs.append(
             EngineSpec(
-                node=node,
+                node=row["node"],
                 model=model,
-                served_model_name=str(
-                    merged.get("served_model_name") or os.path.basename(model.rstrip("/"))
-                ),
-                kv_role=kv_role,
-                port=port,
-                args=tuple(args),
-                env=tuple((str(k), str(v)) for k, v in env.items()),
+                served_model_name=value["served_model_name"] or os.path.basename(model.rstrip("/")),
+                kv_role=value["kv_role"] or DEFAULT_KV_ROLE[roles[row["node"]]],
+                port=row["port"],
+                args=tuple(value["args"]),
+                env=tuple(env),
             )
         )
-    if len({s.node for s in specs}) != len(specs):
-        raise SystemExit("cluster config: one [[engines]] entry per node")
+    nodes = [s.node for s in specs]
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError(f"{where}: one [[engines]] entry per node ({', '.join(nodes)})")
     if len({s.served_model_name for s in specs}) != 1:
-        raise SystemExit("cluster config: every engine must serve the same served_model_name")
-    timeout = defaults.get("start_timeout_s", 300.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise SystemExit("cluster config: [engine_defaults] start_timeout_s must be positive")
-    if router is not None:
-        _known(router, ROUTER_KEYS, "[router]")
-        router_args = router.get("args", [])
-        if not isinstance(router_args, list) or not all(isinstance(a, str) for a in router_args):
-            raise SystemExit("cluster config: [router] 'args' must be a list of strings")
+        raise ConfigError(f"{where}: every engine must serve the same served_model_name")
+    if not defaults["start_timeout_s"] > 0:
+        raise ConfigError(f"{where}: [engine_defaults] start_timeout_s must be positive")
     return ServingConfig(
         engines=tuple(specs),
-        router_listen=str(router.get("listen", "127.0.0.1:8000")) if router is not None else None,
-        router_args=tuple(router.get("args", [])) if router is not None else (),
-        start_timeout_s=float(timeout),
+        router_listen=router["listen"] or None,
+        router_args=tuple(router["args"]),
+        start_timeout_s=float(defaults["start_timeout_s"]),
     )
-
-
-def _known(table: Any, keys: set[str], where: str) -> None:
-    if not isinstance(table, dict):
-        raise SystemExit(f"cluster config: {where} must be a table")
-    unknown = sorted(set(table) - keys)
-    if unknown:
-        raise SystemExit(f"cluster config: {where}: unknown keys {unknown}; known: {sorted(keys)}")
 
 
 @dataclass
@@ -266,7 +246,7 @@ class Serving:
         try:
             layout = parse_layout(node["layout"])
         except KVStoreError as e:
-            raise SystemExit(f"node {spec.node}: {e}") from None
+            raise ConfigError(f"node {spec.node}: {e}") from None
         extra: dict[str, Any] = {
             "node": node["address"],
             "model": layout.model,

@@ -272,8 +272,10 @@ class TieredStore(LeaseBook, TierMovement):
         offset = self.layout.layer_offset(layer)
         return view[offset : offset + self.layout.layer_bytes]
 
-    def commit(self, lease_id: int) -> CommitResult:
-        """Publish a lease's pages. Keys another writer published first keep the first copy."""
+    def commit(self, lease_id: int, written_in_place: bool = False) -> CommitResult:
+        """Publish a lease's pages. Keys another writer published first keep the first copy.
+        ``written_in_place``: the pages were filled through ``page_view`` (a same-host client's
+        shared memory, a stream), not ``write``: count their bytes as written now."""
         with self._lock:
             self._expire_locked()
             state = self._write_leases.pop(lease_id, None)
@@ -314,6 +316,8 @@ class TieredStore(LeaseBook, TierMovement):
                 ts.pool.seal(slot)  # the page's checksum: checked by copy-outs and moves
                 self._publish(ts, key, slot)
                 stored += 1
+            if written_in_place:
+                self._n.bytes_written += (stored + dup) * self.layout.page_bytes
             return CommitResult(stored, dup)
 
     def abort(self, lease_id: int) -> None:

@@ -20,11 +20,13 @@ from clients.node_client import KVCacheRpcError, KVStoreClient
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 from rpc.channel import make_channel
+from rpc.logs import set_identity
 from rpc.server import (
     Auth,
     Service,
     add_server_args,
     add_token_file_arg,
+    address_arg,
     host_of,
     serve,
     tls_from_args,
@@ -43,7 +45,9 @@ log = logging.getLogger("kvcache.messenger")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
-    parser.add_argument("--node", required=True, help="this host's node server (host:port)")
+    parser.add_argument(
+        "--node", required=True, type=address_arg, help="this host's node server (host:port)"
+    )
     parser.add_argument(
         "--node-token",
         default=None,
@@ -59,6 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-listen",
         default=None,
+        type=address_arg,
         help="host:port of the data port peers pull from (default: --listen's host, any free port)",
     )
     parser.add_argument(
@@ -198,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     auth = Auth.from_args(args.token, args.tenant_token)
     client = _connect_node(args)
+    set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
     node = NodeAccess(client)
     source = NodePageSource(node, pin_ttl_s=args.pin_ttl)
     data_host, data_port = host_of(args.listen), 0
@@ -260,9 +266,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def add(server: grpc.Server) -> list[str]:
-        pbg.add_MessengerServiceServicer_to_server(
-            MessengerServicer(mover, info, auth, metrics), server
-        )
+        servicer = MessengerServicer(mover, info, auth, metrics)
+        servicer.data_server = data
+        pbg.add_MessengerServiceServicer_to_server(servicer, server)
         return [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
@@ -296,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             registry=metrics.registry,
             on_serving=on_serving,
             close=close,

@@ -245,6 +245,12 @@ class Mover:
             self._changed.notify_all()
             return self._snapshot_locked(batch)
 
+    def in_flight(self) -> tuple[int, int]:
+        """(batches not finished, keys being fetched now)."""
+        with self._lock:
+            batches = sum(1 for b in self._batches.values() if b.finished_at is None)
+            return batches, len(self._inflight)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

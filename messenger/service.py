@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -65,6 +68,14 @@ class MessengerMetrics:
             registry=self.registry,
         )
         self.registry.register(_DataServerCollector(data_server))
+        # Plain totals for the Stats RPC (kvcache status), beside the Prometheus series.
+        self._lock = threading.Lock()
+        self.entries_done = self.entries_failed = self.bytes_received = 0
+
+    def totals(self) -> tuple[int, int, int]:
+        """(entries done, entries failed, page bytes received) since start."""
+        with self._lock:
+            return self.entries_done, self.entries_failed, self.bytes_received
 
     def on_job(self, seconds: float, pages: int) -> None:
         self.job_seconds.observe(seconds)
@@ -73,6 +84,12 @@ class MessengerMetrics:
         self.entries.labels(result.outcome.value).inc()
         if nbytes:
             self.bytes.inc(nbytes)
+        with self._lock:
+            if result.ok:
+                self.entries_done += 1
+            else:
+                self.entries_failed += 1
+            self.bytes_received += nbytes
 
 
 class _DataServerCollector(Collector):
@@ -81,11 +98,14 @@ class _DataServerCollector(Collector):
 
     def collect(self):
         s = self._server.stats
-        sent = CounterMetricFamily(
-            "kvcache_messenger_sent", "Pages and bytes served to peers", labels=["unit"]
+        sent_pages = CounterMetricFamily(
+            "kvcache_messenger_sent_pages", "Pages served to peers on the data port"
         )
-        sent.add_metric(["pages"], s.pages_sent)
-        sent.add_metric(["bytes"], s.bytes_sent)
+        sent_pages.add_metric([], s.pages_sent)
+        sent_bytes = CounterMetricFamily(
+            "kvcache_messenger_sent_bytes", "Bytes served to peers on the data port"
+        )
+        sent_bytes.add_metric([], s.bytes_sent)
         dropped = CounterMetricFamily(
             "kvcache_messenger_dropped_connections",
             "Data-port connections dropped for protocol violations",
@@ -110,7 +130,7 @@ class _DataServerCollector(Collector):
             "kvcache_messenger_open_connections", "Data-port connections open now"
         )
         open_.add_metric([], self._server.open_connections())
-        yield from (sent, dropped, refused, timed_out, accept_errors, open_)
+        yield from (sent_pages, sent_bytes, dropped, refused, timed_out, accept_errors, open_)
 
 
 def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:
@@ -155,6 +175,8 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         self.info = info
         self.auth = auth or Auth()
         self.metrics = metrics  # RPC latency and errors (rpc.status.observed), when given
+        self.data_server: DataServer | None = None  # for Stats: bytes sent, connections
+        self.started = time.monotonic()
 
     @observed
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
@@ -188,3 +210,20 @@ class MessengerServicer(pbg.MessengerServiceServicer):
 
     def GetInfo(self, request, context) -> pb.MessengerInfo:
         return self.info
+
+    @observed
+    def Stats(self, request, context) -> pb.MessengerStats:
+        self.auth.require_admin(context, "Stats")
+        batches, entries = self.mover.in_flight()
+        reply = pb.MessengerStats(
+            batches_in_flight=batches,
+            entries_in_flight=entries,
+            uptime_s=time.monotonic() - self.started,
+        )
+        if self.metrics is not None:
+            reply.entries_done, reply.entries_failed, reply.bytes_received = self.metrics.totals()
+        if self.data_server is not None:
+            s = self.data_server.stats
+            reply.bytes_sent, reply.pages_sent = s.bytes_sent, s.pages_sent
+            reply.open_connections = self.data_server.open_connections()
+        return reply

@@ -14,7 +14,16 @@ import grpc
 from kvstore.errors import KVStoreError
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
-from rpc.server import Auth, Service, add_server_args, add_token_file_arg, serve, tls_from_args
+from rpc.logs import set_identity
+from rpc.server import (
+    Auth,
+    Service,
+    add_server_args,
+    add_token_file_arg,
+    address_arg,
+    serve,
+    tls_from_args,
+)
 
 from .agent import NodeAgent, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
@@ -97,7 +106,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "before it is cut with DEADLINE_EXCEEDED (default 30); an Events feed waiting for "
         "events is not idle",
     )
-    parser.add_argument("--conductor", help="conductor address to register with (optional)")
+    parser.add_argument(
+        "--conductor", type=address_arg, help="conductor address to register with (optional)"
+    )
     parser.add_argument("--conductor-token", help="bearer token for the conductor")
     add_token_file_arg(
         parser, "--conductor-token-file", "conductor_token", "--conductor-token, from a file"
@@ -106,8 +117,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--conductor-tls-ca", help="CA certificate (PEM) to verify a conductor serving TLS"
     )
     parser.add_argument("--role", choices=["prefill", "decode", "both"])
-    parser.add_argument("--messenger", help="this node's messenger gRPC address, for the conductor")
-    parser.add_argument("--advertise", help="address others use to reach this node")
+    parser.add_argument(
+        "--messenger",
+        type=address_arg,
+        help="this node's messenger gRPC address, for the conductor",
+    )
+    parser.add_argument(
+        "--advertise", type=address_arg, help="address others use to reach this node"
+    )
 
 
 def build_config(args: argparse.Namespace) -> NodeConfig:
@@ -131,6 +148,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
         "conductor": args.conductor,
         "conductor_token": args.conductor_token,
         "conductor_tls_ca": args.conductor_tls_ca,
@@ -149,6 +167,12 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     if args.listen == "127.0.0.1:0" and "listen" in values:
         flags["listen"] = None
     values.update({k: v for k, v in flags.items() if v is not None})
+    for key in ("listen", "conductor", "messenger", "advertise"):  # a TOML file's too
+        if values.get(key):
+            try:
+                values[key] = address_arg(values[key])
+            except argparse.ArgumentTypeError as e:
+                raise KVStoreError(f"{key}: {e}") from None
     for key in ("dram", "gpu", "ssd"):
         if key in values:
             values[key] = parse_size(values[key])
@@ -181,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         node = Node(cfg)
     except (KVStoreError, TypeError, ValueError, OSError) as e:
         raise SystemExit(f"kvcache node: {e}") from None
+    set_identity(node_id=node.node_id)
     metrics = NodeMetrics(lambda: node.stores)
     servicer = NodeServicer(
         node,
@@ -225,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
             tls=tls,
             add=add,
             metrics_port=cfg.metrics_port,
+            metrics_host=cfg.metrics_host,
             registry=metrics.registry,
             on_serving=on_serving,
             on_stopping=on_stopping,

@@ -97,6 +97,7 @@ class NodeConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     max_keys_per_request: int = 65536
     # registration with a conductor (optional)
     conductor: str | None = None

@@ -44,6 +44,14 @@ class _StoreCollector(Collector):
         pages = GaugeMetricFamily(
             "kvcache_store_pages", "Pages per tier by state", labels=["namespace", "tier", "state"]
         )
+        written = CounterMetricFamily(
+            "kvcache_store_written_bytes",
+            "Page bytes written into the store (committed pages of clients, streams, messengers)",
+            labels=["namespace"],
+        )
+        read = CounterMetricFamily(
+            "kvcache_store_read_bytes", "Page bytes copied out (streamed Get)", labels=["namespace"]
+        )
         for ns, store in self._stores().items():
             s = store.stats()
             misses.add_metric([ns], s.misses)
@@ -51,6 +59,8 @@ class _StoreCollector(Collector):
             moves.add_metric([ns, "promote"], s.promotions)
             corrupt.add_metric([ns], s.corrupt_pages)
             demotion_failures.add_metric([ns], s.demotion_failures)
+            written.add_metric([ns], s.bytes_written)
+            read.add_metric([ns], s.bytes_read)
             for t in s.tiers:
                 tier = t.tier.name.lower()
                 hits.add_metric([ns, tier], t.hits)
@@ -63,7 +73,17 @@ class _StoreCollector(Collector):
                     ("pinned", t.pinned_blocks),
                 ):
                     pages.add_metric([ns, tier, state], value)
-        yield from (hits, misses, evictions, moves, corrupt, demotion_failures, pages)
+        yield from (
+            hits,
+            misses,
+            evictions,
+            moves,
+            corrupt,
+            demotion_failures,
+            pages,
+            written,
+            read,
+        )
 
 
 class NodeMetrics:

@@ -240,16 +240,24 @@ class NodeStatus(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., lease_remaining_s: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., resyncing: bool = ..., queue_s: _Optional[float] = ..., prefill_pending: _Optional[int] = ..., decode_requests: _Optional[int] = ..., decode_tokens: _Optional[int] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
-    __slots__ = ("nodes", "policy", "indexed_keys", "pending_requests")
+    __slots__ = ("nodes", "policy", "indexed_keys", "pending_requests", "decisions", "rejections", "uptime_s", "leader")
     NODES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
     PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     policy: str
     indexed_keys: int
     pending_requests: int
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., indexed_keys: _Optional[int] = ..., pending_requests: _Optional[int] = ...) -> None: ...
+    decisions: int
+    rejections: int
+    uptime_s: float
+    leader: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., indexed_keys: _Optional[int] = ..., pending_requests: _Optional[int] = ..., decisions: _Optional[int] = ..., rejections: _Optional[int] = ..., uptime_s: _Optional[float] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
     __slots__ = ("node_id", "blocks", "tiers")

@@ -115,3 +115,29 @@ class MessengerInfo(_message.Message):
     lanes: int
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, node: _Optional[str] = ..., data_address: _Optional[str] = ..., transport: _Optional[str] = ..., lanes: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MessengerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MessengerStats(_message.Message):
+    __slots__ = ("batches_in_flight", "entries_in_flight", "entries_done", "entries_failed", "bytes_received", "bytes_sent", "pages_sent", "open_connections", "uptime_s")
+    BATCHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_DONE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    batches_in_flight: int
+    entries_in_flight: int
+    entries_done: int
+    entries_failed: int
+    bytes_received: int
+    bytes_sent: int
+    pages_sent: int
+    open_connections: int
+    uptime_s: float
+    def __init__(self, batches_in_flight: _Optional[int] = ..., entries_in_flight: _Optional[int] = ..., entries_done: _Optional[int] = ..., entries_failed: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., pages_sent: _Optional[int] = ..., open_connections: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...

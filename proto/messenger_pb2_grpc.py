@@ -54,6 +54,11 @@ class MessengerServiceStub(object):
                 request_serializer=proto_dot_messenger__pb2.MessengerInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_messenger__pb2.MessengerInfo.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/kvcache.v1.MessengerService/Stats',
+                request_serializer=proto_dot_messenger__pb2.MessengerStatsRequest.SerializeToString,
+                response_deserializer=proto_dot_messenger__pb2.MessengerStats.FromString,
+                _registered_method=True)
 
 
 class MessengerServiceServicer(object):
@@ -89,6 +94,13 @@ class MessengerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Transfers in flight and byte totals since start (admin token): rates come from two calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MessengerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_MessengerServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=proto_dot_messenger__pb2.MessengerInfoRequest.FromString,
                     response_serializer=proto_dot_messenger__pb2.MessengerInfo.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=proto_dot_messenger__pb2.MessengerStatsRequest.FromString,
+                    response_serializer=proto_dot_messenger__pb2.MessengerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class MessengerService(object):
             '/kvcache.v1.MessengerService/GetInfo',
             proto_dot_messenger__pb2.MessengerInfoRequest.SerializeToString,
             proto_dot_messenger__pb2.MessengerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.MessengerService/Stats',
+            proto_dot_messenger__pb2.MessengerStatsRequest.SerializeToString,
+            proto_dot_messenger__pb2.MessengerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -98,3 +98,16 @@ def make_channel(
     if token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
     return channel
+
+
+def check_health(channel: grpc.Channel, timeout_s: float = 5.0) -> str:
+    """The server's gRPC health ("SERVING", "NOT_SERVING" while it stops, ...), or the status
+    code name of the failed check ("UNAVAILABLE": nothing answers there)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.RpcError as e:
+        return str(e.code().name)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

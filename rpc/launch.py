@@ -68,6 +68,36 @@ class ServiceProcess:
             return ""
 
 
+def process_identity(pid: int) -> dict[str, Any]:
+    """What tells process ``pid`` from a later one that reuses its pid: its start time (seconds
+    since the epoch) and its command line."""
+    import psutil
+
+    p = psutil.Process(pid)
+    return {"started": p.create_time(), "cmdline": p.cmdline()}
+
+
+def still_same_process(pid: int, identity: dict[str, Any]) -> str | None:
+    """None when ``pid`` still runs the process ``identity`` (from ``process_identity``)
+    describes; otherwise why not ("exited", or what runs under that pid now)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        started, cmdline = p.create_time(), p.cmdline()
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return "exited"
+    except psutil.NoSuchProcess:
+        return "exited"
+    except psutil.AccessDenied:
+        return "now another user's process"
+    if abs(started - float(identity.get("started", 0.0))) > 0.05 or cmdline != identity.get(
+        "cmdline"
+    ):
+        return f"now another process ({' '.join(cmdline)[:80] or '?'})"
+    return None
+
+
 def start_service(
     args: list[str],
     timeout_s: float = 60.0,

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .channel import CHANNEL_OPTIONS
+from .logs import CURRENT, RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,62 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return self._deny_unary
 
 
+class _LogContextInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Runs each RPC's handler with its ``rpc.logs.RequestContext`` set, so that its log lines
+    carry the request id (the context is built here, the id only when a line is logged)."""
+
+    def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method, metadata = details.method, details.invocation_metadata
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                token = CURRENT.set(RequestContext(method, metadata, request))
+                try:
+                    return inner(request, context)
+                finally:
+                    CURRENT.reset(token)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            return handler._replace(
+                unary_stream=_streaming(handler.unary_stream, method, metadata, True)
+            )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            def stream_unary(requests: Any, context: grpc.ServicerContext) -> Any:
+                token = CURRENT.set(RequestContext(method, metadata))
+                try:
+                    return inner_su(requests, context)
+                finally:
+                    CURRENT.reset(token)
+
+            return handler._replace(stream_unary=stream_unary)
+        return handler._replace(
+            stream_stream=_streaming(handler.stream_stream, method, metadata, False)
+        )
+
+
+def _streaming(inner: Callable[..., Any], method: str, metadata: Any, unary_request: bool) -> Any:
+    def replies(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
+        # NOTE: set while the generator runs in the worker that drains it; a stream abandoned
+        # and closed from another thread cannot reset it there, and need not.
+        token = CURRENT.set(RequestContext(method, metadata, request if unary_request else None))
+        try:
+            yield from inner(request, context)
+        finally:
+            try:
+                CURRENT.reset(token)
+            except ValueError:
+                pass
+
+    return replies
+
+
 @dataclass(frozen=True, kw_only=True)
 class TlsConfig:
     cert_file: str
@@ -114,7 +171,7 @@ class TlsConfig:
 def make_server(auth: Auth, max_workers: int = 32) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[_AuthInterceptor(auth)],
+        interceptors=[_LogContextInterceptor(), _AuthInterceptor(auth)],
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_workers * 8,
     )
@@ -195,11 +252,27 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
+def address_arg(text: str) -> str:
+    """argparse type of every HOST:PORT option: a missing port is an error, not gRPC's default
+    (443), and an IPv6 host goes in brackets."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT (e.g. 127.0.0.1:7000; port 0: any free port), got {text!r}"
+        )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(
+            f"an IPv6 host goes in brackets, e.g. [{host}]:{port}; got {text!r}"
+        )
+    return f"{host}:{port}"
+
+
 def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.0.0.1:0") -> None:
     """The options every kvcache server takes."""
     parser.add_argument(
         "--listen",
         default=default_listen,
+        type=address_arg,
         help="host:port to serve gRPC on (port 0: pick a free one)",
     )
     parser.add_argument(
@@ -232,6 +305,11 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         default=None,
         help="serve Prometheus metrics over HTTP on this port (0: any free port)",
     )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default: %(default)s; 0.0.0.0: every one)",
+    )
 
 
 def tls_from_args(args: Any) -> TlsConfig | None:
@@ -241,13 +319,31 @@ def tls_from_args(args: Any) -> TlsConfig | None:
 
 
 def start_metrics(port: int | None, host: str = "127.0.0.1", registry: Any = None) -> int | None:
-    """Serve a Prometheus registry (default: the process's) over HTTP; returns the bound port."""
+    """Serve a Prometheus registry (default: the process's) over HTTP; returns the bound port.
+    ``OSError`` when the port cannot be bound (in use, not allowed)."""
     if port is None:
         return None
     from prometheus_client import REGISTRY, start_http_server
 
     server, _thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
     return int(server.server_port)
+
+
+def add_process_metrics(registry: Any, role: str) -> None:
+    """``process_*`` (CPU, memory, open files, start time), ``python_info`` and
+    ``kvcache_build_info`` on a service's own registry (the default one has the first two)."""
+    from prometheus_client import REGISTRY, Info, PlatformCollector, ProcessCollector
+
+    from .build import build_labels
+
+    if registry is not None and registry is not REGISTRY:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+    Info(
+        "kvcache_build",
+        "Version of kvcache and of the libraries it serves with",
+        registry=registry or REGISTRY,
+    ).info({**build_labels(), "role": role})
 
 
 def announce_ready(role: str, **fields: Any) -> None:
@@ -299,6 +395,7 @@ class Service:
     tls: TlsConfig | None
     add: Callable[[grpc.Server], Sequence[str]]  # adds servicers, returns service names
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     registry: Any = None  # prometheus CollectorRegistry
     workers: int = 32
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
@@ -320,9 +417,20 @@ def serve(service: Service) -> int:
         raise SystemExit(
             f"kvcache {service.role}: cannot listen on {service.listen}: {e}"
         ) from None
+    if service.metrics_port is not None:
+        add_process_metrics(service.registry, service.role)
+    try:
+        metrics_port = start_metrics(service.metrics_port, service.metrics_host, service.registry)
+    except OSError as e:
+        server.stop(0)
+        service.close()
+        raise SystemExit(
+            f"kvcache {service.role}: cannot serve metrics on "
+            f"{service.metrics_host}:{service.metrics_port}: {e.strerror or e} (--metrics-port: "
+            "another port, or 0 for any free one)"
+        ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
-    metrics_port = start_metrics(service.metrics_port, registry=service.registry)
     fields = service.on_serving(address, metrics_port)
 
     def stop() -> None:

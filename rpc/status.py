@@ -9,6 +9,7 @@ exception every client in ``clients/`` raises.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -35,6 +36,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
 }
 
 T = TypeVar("T")
+log = logging.getLogger("kvcache.rpc")
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -73,6 +75,7 @@ def _fail(servicer: Any, name: str, context: grpc.ServicerContext, exc: BaseExce
     metrics = getattr(servicer, "metrics", None)
     if metrics is not None:
         metrics.errors.labels(name, code.name).inc()
+    log.debug("%s failed: %s: %s", name, code.name, exc)
     context.abort(code, str(exc))
 
 

@@ -1,8 +1,12 @@
-"""Helpers shared by the tests: polling a real condition with a deadline, and reading the status
-of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``)."""
+"""Helpers shared by the tests: polling a real condition with a deadline, reading the status
+of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``), and running
+the ``kvcache`` command as a user would."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from typing import Callable, TypeVar
 
@@ -40,3 +44,22 @@ def rpc_error(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as e:
         return e.code(), e.details() or ""
     raise AssertionError("the call did not fail")
+
+
+def kvcache_cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``kvcache ARGS`` as a user would (a new process); ``env`` adds to an environment
+    without any ``KVCACHE_*`` variable of the test runner's."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+        cwd=cwd,
+    )

@@ -1,4 +1,5 @@
-"""Trace reading (errors with line numbers, empty, out of order) and synthetic generation."""
+"""Trace reading (errors with line numbers, empty, out of order; token ids and prompt text with a
+local tokenizer, optional timestamps) and synthetic generation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from bench.report import parse_count, parse_count_list
 from bench.trace import SyntheticSpec, TraceError, load_trace, synthetic_trace, write_trace
+
+from helpers import kvcache_cli
 
 
 def _write(path, lines: list[str]) -> str:
@@ -149,3 +152,113 @@ def test_parse_count():
     for bad in ("", "abc", "1.5", "3X"):
         with pytest.raises(ValueError):
             parse_count(bad)
+
+
+# ---- your own traffic: token ids, prompt text with a local tokenizer, optional timestamps ----
+
+
+def make_tokenizer(directory) -> str:
+    """A small word-level Hugging Face tokenizer built here with the `tokenizers` library and
+    saved as a tokenizer directory (tokenizer.json), as save_pretrained would."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = [f"w{i}" for i in range(200)]
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory)
+
+
+def test_input_ids_requests_share_prefix_blocks_by_their_tokens(tmp_path):
+    shared = list(range(100, 108))  # two 4-token blocks
+    lines = [
+        json.dumps({"input_ids": shared + [1, 2, 3], "output_length": 5, "timestamp": 0}),
+        json.dumps({"input_ids": shared + [9, 9, 9, 9, 7], "timestamp": 250}),
+        json.dumps({"input_ids": [5, 5, 5, 5] + shared, "timestamp": 500}),
+    ]
+    trace = load_trace(_write(tmp_path / "ids.jsonl", lines), block_tokens=4, output_length=64)
+    a, b, c = trace.requests
+    assert (a.input_length, a.output_length, b.output_length) == (11, 5, 64)
+    assert len(a.hash_ids) == 3 and len(b.hash_ids) == 4  # the partial block has an id too
+    assert a.hash_ids[:2] == b.hash_ids[:2]  # same tokens, same prefix ids
+    assert a.hash_ids[2] != b.hash_ids[2]
+    assert not set(c.hash_ids) & set(a.hash_ids)  # the same tokens after another prefix
+    assert trace.arrivals == "recorded" and trace.duration_s == pytest.approx(0.5)
+
+
+def test_prompt_text_through_a_local_tokenizer(tmp_path):
+    tokdir = make_tokenizer(tmp_path / "tok")
+    system = " ".join(f"w{i}" for i in range(12))
+    lines = [json.dumps({"prompt": f"{system} w{50 + i} w{60 + i}"}) for i in range(3)]
+    path = _write(tmp_path / "prompts.jsonl", lines)
+    trace = load_trace(path, block_tokens=4, tokenizer=tokdir, rate=2.0, seed=1)
+    assert [r.input_length for r in trace.requests] == [14, 14, 14]
+    ids = [r.hash_ids for r in trace.requests]
+    assert ids[0][:3] == ids[1][:3] == ids[2][:3]  # the shared 12-word system prompt
+    assert len({i[3] for i in ids}) == 3
+    times = [r.timestamp_ms for r in trace.requests]
+    assert times[0] == 0 and times == sorted(times) and trace.arrivals == "poisson"
+    again = load_trace(path, block_tokens=4, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    assert [r.hash_ids for r in again.requests] == ids and again.arrivals == "none"
+
+
+def test_hitrate_on_your_own_trace_through_the_command(tmp_path):
+    tokdir = make_tokenizer(tmp_path / "tok")
+    system = " ".join(f"w{i}" for i in range(64))
+    lines = [json.dumps({"prompt": f"{system} w{100 + i}"}) for i in range(20)]
+    path = _write(tmp_path / "p.jsonl", lines)
+    out = tmp_path / "hr.json"
+    r = kvcache_cli(
+        "bench",
+        "hitrate",
+        "--trace",
+        path,
+        "--tokenizer",
+        tokdir,
+        "--trace-block-tokens",
+        "16",
+        "--capacities",
+        "1K",
+        "--policies",
+        "lru",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    # 4 full system-prompt blocks per request: all but the first request's hit them.
+    assert doc["theoretical_max"]["hit_blocks"] == 19 * 4
+    assert (tmp_path / "hr.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "lines, extra, message",
+    [
+        (['{"prompt": "w1 w2"}'], [], "'prompt' is text: give --tokenizer PATH"),
+        (['{"input_ids": [1, -2]}'], [], "'input_ids' must be a list of token ids"),
+        (['{"tokens": [1]}'], [], "a request needs 'input_ids'"),
+        (
+            ['{"input_ids": [1], "timestamp": 5}', '{"input_ids": [2]}'],
+            [],
+            ":2: no 'timestamp', unlike",
+        ),
+        (['{"input_ids": [1], "timestamp": 5}'], ["--rate", "3"], "this one has its own"),
+        (['{"input_ids": [1]}'], ["--rate", "0"], "--rate must be a positive number"),
+        (['{"input_ids": [1]}'], ["--tokenizer", "/nonexistent"], "no tokenizer.json there"),
+    ],
+)
+def test_trace_mistakes_are_messages(tmp_path, lines, extra, message):
+    path = _write(tmp_path / "t.jsonl", lines)
+    r = kvcache_cli("bench", "hitrate", "--trace", path, "--no-progress", *extra)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_schedule_needs_arrival_times(tmp_path):
+    path = _write(tmp_path / "t.jsonl", ['{"input_ids": [1, 2, 3]}'])
+    r = kvcache_cli("bench", "schedule", "--trace", path, "--no-progress")
+    assert r.returncode == 2
+    assert "has no timestamps and scheduling needs arrival times: give --rate" in r.stderr

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from kvcache.cluster import load_config
-from kvcache.engines import Serving
+from kvcache.cluster_config import ConfigError
+from kvcache.engines import Serving, serving_config
 
 NODES = """
 [[node]]
@@ -24,7 +25,7 @@ role = "decode"
 """
 ENGINES = """
 [engine_defaults]
-model = "/models/tiny"
+model = "models/tiny"
 args = ["--block-size", "32"]
 
 [[engines]]
@@ -44,8 +45,11 @@ def _config(tmp_path, text: str) -> str:
 
 def test_engines_get_their_kv_role_by_node_role_and_the_conductor_their_metrics(tmp_path):
     cfg = load_config(_config(tmp_path, ENGINES + '[router]\nlisten = "127.0.0.1:0"\n'))
-    assert cfg.serving is not None
-    p0, d0 = cfg.serving.engines
+    serving = serving_config(cfg)
+    assert serving is not None
+    p0, d0 = serving.engines
+    # a relative model directory is relative to the config file, as state_dir is
+    assert p0.model == str(tmp_path / "models" / "tiny")
     assert (p0.node, p0.kv_role, p0.served_model_name) == ("p0", "both", "tiny")
     assert (d0.node, d0.kv_role, d0.port, d0.args) == (
         "d0",
@@ -53,9 +57,8 @@ def test_engines_get_their_kv_role_by_node_role_and_the_conductor_their_metrics(
         8200,
         ("--block-size", "32"),
     )
-    assert cfg.serving.router_listen == "127.0.0.1:0"
-    serving = Serving(cfg.serving, "127.0.0.1")
-    flags = serving.plan(lambda host: 8100)
+    assert serving.router_listen == "127.0.0.1:0"
+    flags = Serving(serving, "127.0.0.1").plan(lambda host: 8100)
     assert flags == [
         "--engine-metrics",
         "http://127.0.0.1:8100/metrics=p0",
@@ -64,22 +67,33 @@ def test_engines_get_their_kv_role_by_node_role_and_the_conductor_their_metrics(
     ]
 
 
+def test_an_engine_entry_overrides_the_defaults(tmp_path):
+    text = ENGINES.replace(
+        "port = 8200", 'kv_role = "both"\nenv = ["VLLM_CPU_OMP_THREADS_BIND=1"]\nargs = []'
+    )
+    serving = serving_config(load_config(_config(tmp_path, text)))
+    assert serving is not None
+    d0 = serving.engines[1]
+    assert (d0.kv_role, d0.env, d0.args) == ("both", (("VLLM_CPU_OMP_THREADS_BIND", "1"),), ())
+
+
 def test_the_embedded_default_has_no_engines():
-    assert load_config(None).serving is None
+    assert serving_config(load_config(None)) is None
 
 
 @pytest.mark.parametrize(
     "text, says",
     [
-        (ENGINES.replace("port = 8200", "gpu = 1"), "[[engines]] #2: unknown keys ['gpu']"),
-        (ENGINES.replace('node = "d0"', 'node = "d9"'), "node 'd9' is not a [[node]] id"),
+        (ENGINES.replace("port = 8200", "gpu = 1"), "unknown key 'gpu'"),
+        (ENGINES.replace('node = "d0"', 'node = "d9"'), "not a [[node]] id"),
         (ENGINES + '[[engines]]\nnode = "p0"\n', "one [[engines]] entry per node"),
-        (ENGINES.replace("port = 8200", 'kv_role = "decoder"'), "kv_role 'decoder'"),
-        (ENGINES.replace('model = "/models/tiny"', ""), "'model' (a model directory)"),
-        (ENGINES.replace("port = 8200", "port = 99999"), "'port' must be 0-65535"),
+        (ENGINES.replace("port = 8200", 'kv_role = "decoder"'), "kv_role must be one of"),
+        (ENGINES.replace('model = "models/tiny"', ""), "no model"),
+        (ENGINES.replace("port = 8200", "port = 99999"), "a port is 0..65535"),
         (ENGINES.replace('["--block-size", "32"]', '"--enforce-eager"'), "list of strings"),
-        (ENGINES + "[router]\nport = 1\n", "[router]: unknown keys ['port']"),
-        ('[router]\nlisten = "127.0.0.1:8000"\n', "need [[engines]]"),
+        (ENGINES.replace("port = 8200", 'env = ["NOEQUALS"]'), "NAME=VALUE"),
+        (ENGINES + "[router]\nport = 1\n", "unknown key 'port'"),
+        ('[router]\nlisten = "127.0.0.1:8000"\n', "needs [[engines]]"),
         (
             ENGINES.replace("port = 8200", 'served_model_name = "other"'),
             "the same served_model_name",
@@ -87,24 +101,22 @@ def test_the_embedded_default_has_no_engines():
     ],
 )
 def test_config_mistakes_name_the_key(tmp_path, text, says):
-    with pytest.raises(SystemExit) as e:
-        load_config(_config(tmp_path, text))
+    with pytest.raises(ConfigError) as e:
+        serving_config(load_config(_config(tmp_path, text)))
     assert says in str(e.value)
 
 
 def test_kvcache_up_refuses_a_bad_engines_section_before_starting_anything(tmp_path):
     config = _config(tmp_path, ENGINES.replace('node = "d0"', 'node = "d9"'))
     state = tmp_path / "state"
-    with open(config, "a") as f:
-        f.write(f'\n[cluster]\nstate_dir = "{state}"\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcache.cli", "up", "--config", config],
+        [sys.executable, "-m", "kvcache.cli", "up", "--config", config, "--state-dir", str(state)],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "node 'd9' is not a [[node]] id" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "(node 'd9'): not a [[node]] id" in proc.stderr
     assert not (state / "cluster.json").exists()
 
 

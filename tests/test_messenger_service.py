@@ -83,7 +83,7 @@ class Pair:
         return float(m.group(1)) if m else 0.0
 
     def pages_sent(self) -> float:
-        return self.metric('kvcache_messenger_sent_total{unit="pages"}')
+        return self.metric("kvcache_messenger_sent_pages_total")
 
     def pinned(self) -> int:
         stats = self.client.stats().namespaces[0]

@@ -78,15 +78,19 @@ start_timeout_s = 900
 
 [[engines]]
 node = "prefill-0"
+env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
 
 [[engines]]
 node = "prefill-1"
+env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
 
 [[engines]]
 node = "decode-0"
+env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
 
 [[engines]]
 node = "decode-1"
+env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
 
 [router]
 listen = "127.0.0.1:0"
