@@ -25,8 +25,8 @@ for question in ("What moves?", "Who decodes?"):
         f"{question!r}: prefill on {h['x-kvcache-prefill-node']} "
         f"({h['x-kvcache-prefill-cached-tokens']} of {out.usage.prompt_tokens} prompt tokens "
         f"cached), decode on {h['x-kvcache-decode-node']} "
-        f"({out.usage.prompt_tokens_details.cached_tokens} loaded from kvcache, "
-        f"{h['x-kvcache-pulled-pages']} pages pulled), text {out.choices[0].text!r}"
+        f"({out.usage.prompt_tokens_details.cached_tokens} loaded from kvcache; pages pulled "
+        f"to it: {h['x-kvcache-pulled-pages']}), text {out.choices[0].text!r}"
     )
 
 print("streamed:", end=" ", flush=True)
