@@ -310,15 +310,49 @@ def _state(state_file: str) -> dict[str, Any]:
     return state
 
 
+def router_stages(url: str) -> dict[str, tuple[float, float]]:
+    """The router's ``kvcache_router_stage_seconds``: stage -> (sum of seconds, count)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, tuple[float, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            stage = sample.labels.get("stage")
+            if stage and sample.name.startswith("kvcache_router_stage_seconds_"):
+                total, count = out.get(stage, (0.0, 0.0))
+                if sample.name.endswith("_sum"):
+                    out[stage] = (total + sample.value, count)
+                elif sample.name.endswith("_count"):
+                    out[stage] = (total, count + sample.value)
+    return out
+
+
+def _stage_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean milliseconds per stage between two ``router_stages`` readings."""
+    means = {}
+    for stage, (total, count) in after.items():
+        t0, c0 = before.get(stage, (0.0, 0.0))
+        if count > c0:
+            means[stage] = (total - t0) / (count - c0) * 1e3
+    return means
+
+
 def _run_policy(
     state_file: str,
     args: argparse.Namespace,
     prompts: list[list[int]],
     outputs: list[int],
     arrivals: list[float],
-) -> tuple[str, list[Outcome], float, dict[str, float] | None, int]:
+) -> tuple[str, list[Outcome], float, dict[str, float] | None, int, dict[str, float]]:
     """Warm up and replay against one running cluster: (its policy, outcomes, wall seconds,
-    bytes its messengers received {decode, plan} or None, its block tokens)."""
+    bytes its messengers received {decode, plan} or None, its block tokens, the router's mean
+    milliseconds per stage)."""
     state = _state(state_file)
     cluster = load_cluster(state_file)
     url, model = state["router"]["url"], state["engines"][0]["model"]
@@ -329,6 +363,7 @@ def _run_policy(
     block_tokens = reply.nodes[0].node.layouts[0].block_tokens
     asyncio.run(_warm_up(url, model, args.vocab, len(state["engines"])))
     before = received_bytes(cluster)
+    stages = router_stages(url)
     print(
         f"serve: replaying {len(prompts)} requests at {args.rate:g}/s through {url} "
         f"(policy {reply.policy})",
@@ -336,6 +371,7 @@ def _run_policy(
     )
     outcomes, wall = asyncio.run(_replay(url, model, prompts, outputs, arrivals, args.timeout))
     after = received_bytes(cluster)
+    stage_ms = _stage_means(stages, router_stages(url))
     moved = None
     if before is not None and after is not None:
         decode_ids = {n.id for n in cluster.nodes if n.role == "decode"}
@@ -344,7 +380,7 @@ def _run_policy(
             "decode": sum(v for k, v in delta.items() if k in decode_ids),
             "plan": sum(v for k, v in delta.items() if k not in decode_ids),
         }
-    return reply.policy, outcomes, wall, moved, block_tokens
+    return reply.policy, outcomes, wall, moved, block_tokens, stage_ms
 
 
 # ---- the summary -------------------------------------------------------------------------------
@@ -477,14 +513,16 @@ def run(args: argparse.Namespace) -> int:
                 args.config, policy or "", os.path.join(args.out, "serve-cluster")
             )
             try:
-                name, outcomes, wall, moved, block_tokens = _run_policy(
+                name, outcomes, wall, moved, block_tokens, stage_ms = _run_policy(
                     state_file, args, prompts, outputs, arrivals
                 )
             finally:
                 if cluster is None:
                     _cluster_down(state_file)
             ideal = ideal_hit_tokens(prompts, block_tokens)
-            results.append((summarize(name, outcomes, wall, moved, ideal), outcomes))
+            summary = summarize(name, outcomes, wall, moved, ideal)
+            summary["router_stage_ms"] = stage_ms
+            results.append((summary, outcomes))
     except (LiveError, KVCacheRpcError, OSError) as e:
         print(f"kvcache bench serve: {e}", file=sys.stderr)
         return 1
@@ -507,6 +545,15 @@ def run(args: argparse.Namespace) -> int:
         if g["hit_rate"] is not None and r["hit_rate"]:
             print(f"global-cache hit rate = {g['hit_rate'] / r['hit_rate']:.2f}x random's")
     for s in summaries.values():
+        ms = s["router_stage_ms"]
+        print(
+            f"{s['policy']}: the router's mean per request: "
+            + ", ".join(
+                f"{stage} {ms[stage]:.0f} ms"
+                for stage in ("schedule", "plan_wait", "prefill", "decode_pull", "first_token")
+                if stage in ms
+            )
+        )
         for error in s["errors"]:
             print(f"  {s['policy']}: {error}")
     json_path = os.path.join(args.out, "serve.json")
