@@ -366,7 +366,10 @@ class Disaggregator:
 
     def finish(self, served: Served) -> None:
         """Free the conductor's ledger entry (on the pool: also from a cancelled stream)."""
-        self._pool.submit(self._complete_quietly, served.request_id)
+        try:
+            self._pool.submit(self._complete_quietly, served.request_id)
+        except RuntimeError:  # shutting down: the conductor expires the entry by itself
+            log.info("Complete(%s) not sent: the router is stopping", served.request_id)
 
     def _complete_quietly(self, request_id: str) -> None:
         try:

@@ -8,11 +8,13 @@ that kills a decode engine runs last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from typing import Iterator
 
 import numpy as np
 import openai
@@ -321,56 +323,46 @@ def test_bad_requests_get_a_clear_error(serving, body, status, says):
     assert says in error["message"], error
 
 
-def test_the_conductor_learns_engine_load_from_the_engines(serving):
-    """While a long stream decodes, the conductor's view of the decode node (ListNodes, fed by
-    scraping the engine's metrics) counts it; when the client leaves, the engine drops it."""
+@contextlib.contextmanager
+def long_stream(serving: Serving, prompt: list[int]) -> Iterator[tuple[str, Iterator]]:
+    """A streamed completion of 1500 tokens, opened and its first event read: (its decode
+    node, the rest of its events); the client leaves when the block ends."""
     response = serving.client.completions.with_streaming_response.create(
         model=MODEL,
-        prompt=PLAIN,
+        prompt=prompt,
         max_tokens=1500,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    stream = response.__enter__()
-    try:
-        decode = stream.headers["x-kvcache-decode-node"]
+    with response as stream:
         events = iter(stream.parse())
         next(events)
+        yield stream.headers["x-kvcache-decode-node"], events
 
-        def running() -> int:
-            return int(serving.node_status(decode).load.running_decode_requests)
 
-        wait_until(lambda: running() >= 1, 20, "the conductor to see the running request")
-    finally:
-        response.__exit__(None, None, None)  # the client leaves mid-stream
-    wait_until(lambda: running() == 0, 30, "the engine to drop the abandoned request")
+def test_the_conductor_learns_engine_load_from_the_engines(serving):
+    """While a long stream decodes, the conductor's view of the decode node (ListNodes, fed by
+    scraping the engine's metrics) counts it; when the client leaves, the engine drops it."""
+
+    def running(node: str) -> int:
+        return int(serving.node_status(node).load.running_decode_requests)
+
+    with long_stream(serving, PLAIN) as (decode, _):
+        wait_until(lambda: running(decode) >= 1, 20, "the conductor to see the running request")
+    wait_until(lambda: running(decode) == 0, 30, "the engine to drop the abandoned request")
 
 
 def test_killing_the_decode_engine_mid_stream_ends_the_stream_and_the_cluster_keeps_serving(
     serving,
 ):
-    stream = serving.client.completions.with_streaming_response.create(
-        model=MODEL,
-        prompt=STREAMED,
-        max_tokens=1500,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    response = stream.__enter__()
-    victim = response.headers["x-kvcache-decode-node"]
-    events = iter(response.parse())
-    next(events)
-    engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
-    try:
+    with long_stream(serving, STREAMED) as (victim, events):
+        engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
         engine.signal(signal.SIGKILL)  # the engine's server and its engine core: a crash
         with pytest.raises(openai.APIError) as e:
             for _ in events:
                 pass
         assert "decode failed mid-stream" in e.value.message
-    finally:
-        stream.__exit__(None, None, None)
     # The next requests decode elsewhere: the conductor stopped scheduling the dead engine's
     # node (or the router retried once it did).
     for prompt in (PLAIN, FIRST):
