@@ -454,6 +454,7 @@ def plot(path: str, runs: list[tuple[dict[str, Any], list[Outcome]]]) -> None:
             if ms.size:
                 left.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=summary["policy"])
         left.set_xscale("log")
+        left.xaxis.set_minor_formatter("")  # log ticks between decades overlap otherwise
         left.set_xlabel("TTFT (ms)")
         left.set_ylabel("fraction of requests")
         left.set_title("time to first token through the router")
