@@ -131,9 +131,12 @@ class EngineLoadFeed:
         self._thread.join(self.timeout_s + 1)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.poll()
-            self._stop.wait(self.interval_s)
+        try:
+            while not self._stop.is_set():
+                self.poll()
+                self._stop.wait(self.interval_s)
+        except Exception:  # noqa: BLE001 - a feed must not kill the conductor; say so loudly
+            log.exception("engine load feed of %s stopped", self.node_id)
 
     def poll(self) -> NodeLoad | None:
         """One scrape, reported; returns the load, or None when the engine did not answer."""

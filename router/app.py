@@ -99,6 +99,9 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         except RouterError as e:
             metrics.requests.labels(_OUTCOME.get(e.status, _outcome(e.status))).inc()
             raise
+        except Exception:
+            metrics.requests.labels("failed").inc()
+            raise
         finally:
             if not streaming:  # a stream counts itself out when it ends
                 metrics.inflight.dec()
