@@ -23,7 +23,7 @@ node's to ``consumer`` (it only loads). Engines start once every node serves, al
 launcher waits for each one's ``/health`` (a real readiness probe, with a deadline), then starts
 the router. The conductor gets ``--engine-metrics`` for every engine (ports are chosen up front),
 so it learns engine load from the engines themselves. Engines run in their own process group
-(vLLM's API server and its engine-core process), stopped together: router first, then engines,
+(vLLM's API server, engine core and worker processes), stopped together: router first, then engines,
 then the rest of the cluster.
 """
 
