@@ -4,15 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve-demo test test-quick check bench proto clean
+.PHONY: demo serve-demo test test-quick check bench proto clean etcd
 
 $(STAMP): pyproject.toml
-	# xxhash.h for the C loop of chained block keys (kvstore/_chain.c; optional: without it the
-	# package builds with the Python loop). Debian's package, where apt-get works (as root).
+	# xxhash.h for kvstore/_native.c (block-key chain, key index; optional: without it the
+	# package builds with their Python equivalents). Debian's package, where apt-get works.
 	@test -f /usr/include/xxhash.h || ! command -v apt-get >/dev/null || \
 	  apt-get install -y -q libxxhash-dev >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev >/dev/null; } || \
-	  echo "note: libxxhash-dev not installed; block keys use the Python loop"
+	  echo "note: libxxhash-dev not installed; kvstore runs without its C module"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.
@@ -26,6 +26,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	$(PY) -m pip install -q orjson pybase64 IPython
 	touch $(STAMP)
+
+# The etcd tests and `kvcache up --etcd` start a real etcd: Debian's etcd-server (apt, as root or
+# through sudo). Its package may enable a system etcd on port 2379; ours run on free ports.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+etcd:
+	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq etcd-server >/dev/null; }
+	@etcd --version | head -1
 
 # The demo: a local cluster (1 conductor, 2 prefill + 1 decode nodes with their messengers, on
 # loopback) serves the first DEMO_REQUESTS requests of the Mooncake conversation trace, arrivals
@@ -73,10 +81,10 @@ serve-demo: $(STAMP)
 	exit $$status
 
 # Every test (about 2 minutes here); `make test-quick` leaves out the ones marked slow.
-test: $(STAMP)
+test: $(STAMP) etcd
 	$(PY) -m pytest -q -x --durations=15
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) etcd
 	$(PY) -m pytest -q -x -m "not slow"
 
 # Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.

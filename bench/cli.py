@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "transfer": ("bench.transfer", "messenger transfer throughput vs a raw socket reference"),
     "conductor": ("bench.conductor_scale", "conductor Schedule latency and memory at scale"),
     "live": ("bench.live", "replay a trace against a running cluster"),
+    "failover": ("bench.failover", "conductor failover in etcd mode vs an embedded restart"),
     "soak": ("bench.soak", "a local cluster under load while processes are killed: no page lost"),
     "torch": ("bench.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
     "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),

@@ -6,7 +6,11 @@ index, tiers, leases and eviction policies, no page bytes) in timestamp order:
 1. ``lookup`` the request's chained block keys: the cached prefix is the hit (an access for the
    eviction policy);
 2. ``acquire`` + ``release`` the hit prefix, as a reader would (an SSD hit is promoted to DRAM);
-3. ``allocate`` + ``commit`` the missing blocks, as the prefill engine would after computing them.
+3. ``allocate`` + ``commit`` the missing blocks, as the prefill engine would after computing them
+   (the lease names the whole chain, hit prefix included: the store keeps that prefix while it
+   makes room, and the ``prefix`` policy learns each new block's parent from it).
+
+With both ``lru`` and ``prefix`` in ``--policies`` the report compares them at every capacity.
 
 The theoretical maximum is the same replay against an infinite cache (a set of keys): a
 reference for how much prefix sharing the trace holds at all.
@@ -285,7 +289,7 @@ def replay(
             # down to that, and storing more would evict the prompt's own prefix.
             end = min(len(ks), dram_pages)
             if h < end:
-                lease = store.allocate(ks[h:end])
+                lease = store.allocate(ks[:end])
                 store.commit(lease.lease_id)
         if progress is not None:
             progress(len(trace) % _PROGRESS_EVERY or (_PROGRESS_EVERY if len(trace) else 0))
@@ -342,7 +346,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument(
         "--policies",
-        default="lru,lfu",
+        default="lru,lfu,prefix",
         help=f"comma-separated eviction policies from {sorted(POLICIES)} (default: %(default)s)",
     )
     cache.add_argument(
@@ -423,6 +427,28 @@ COLUMNS = [
 ]
 
 
+def versus(results: Sequence[HitRateResult], subject: str, reference: str) -> list[dict]:
+    """``subject``'s block hit rate against ``reference``'s at each capacity both ran."""
+    ref = {r.setup.capacity_tokens: r for r in results if r.setup.policy == reference}
+    rows = []
+    for r in results:
+        base = ref.get(r.setup.capacity_tokens)
+        if r.setup.policy != subject or base is None:
+            continue
+        a, b = r.counts.block_hit_rate, base.counts.block_hit_rate
+        rows.append(
+            {
+                "capacity": r.setup.capacity_tokens,
+                subject: a,
+                reference: b,
+                "points": 100.0 * (a - b),
+                "ratio": a / b if b else None,
+                "at_least": a >= b,
+            }
+        )
+    return rows
+
+
 def plot(path: str, results: Sequence[HitRateResult], best: HitCounts, title: str) -> None:
     by_label: dict[str, list[HitRateResult]] = {}
     for r in results:
@@ -479,6 +505,21 @@ def run(args: argparse.Namespace) -> int:
             f"{best.token_hit_rate:.1%} of tokens)"
         ),
     )
+    compared = versus(results, "prefix", "lru")
+    if compared:
+        print()
+        print_table(
+            compared,
+            [
+                Column("capacity", "capacity", human_count),
+                Column("prefix", "prefix", "{:.1%}"),
+                Column("lru", "lru", "{:.1%}"),
+                Column("points", "+points", "{:+.2f}"),
+                Column("ratio", "x lru", "{:.3f}"),
+                Column("at_least", ">= lru", lambda v: "yes" if v else "NO"),
+            ],
+            title="prefix-aware eviction vs LRU (block hit rate, same trace and capacity)",
+        )
     doc = {
         "command": "hitrate",
         "trace": {
@@ -507,6 +548,7 @@ def run(args: argparse.Namespace) -> int:
             }
             for r, row in zip(results, rows)
         ],
+        "prefix_vs_lru": compared,
         "seconds": time.perf_counter() - start,
     }
     if args.out:

@@ -604,7 +604,7 @@ def run(args: argparse.Namespace) -> int:
         prefill = next((n for n in cluster.nodes if n.role in ("prefill", "both")), None)
         if prefill is None:
             raise LiveError(f"{cluster.source} has no prefill node")
-        with ConductorClient(cluster.conductor, cluster.token, cluster.tls_ca) as conductor:
+        with cluster.conductor_client() as conductor:
             wait_for_nodes(conductor, cluster)
         with KVStoreClient(prefill.address, cluster.token, cluster.tls_ca) as node:
             namespace = pick_namespace(node, args.namespace)

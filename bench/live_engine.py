@@ -38,6 +38,7 @@ from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
 from proto import messenger_pb2 as mpb
+from rpc.wire import transfer_keys
 
 from .trace import TraceRequest
 
@@ -65,9 +66,23 @@ class ClusterInfo:
     nodes: list[ClusterNode]
     source: str
     tls_ca: str | None = None  # the cluster's CA (PEM) when its services serve TLS
+    conductors: tuple[str, ...] = ()  # every conductor (with etcd: a leader and standbys)
+    etcd: tuple[str, ...] = ()  # etcd endpoints, where the leader is found
+    etcd_prefix: str = "/kvcache"
 
     def by_messenger(self) -> dict[str, ClusterNode]:
         return {n.messenger: n for n in self.nodes}
+
+    def conductor_client(self, timeout_s: float = 10.0) -> ConductorClient:
+        """A client of the leading conductor that follows a failover."""
+        return ConductorClient(
+            list(self.conductors) or self.conductor,
+            self.token,
+            self.tls_ca,
+            timeout_s=timeout_s,
+            etcd=list(self.etcd) or None,
+            etcd_prefix=self.etcd_prefix,
+        )
 
 
 def load_cluster(path: str) -> ClusterInfo:
@@ -103,6 +118,9 @@ def load_cluster(path: str) -> ClusterInfo:
             nodes=nodes,
             source=path,
             tls_ca=state.get("tls_ca"),
+            conductors=tuple(c["address"] for c in state.get("conductors") or ()),
+            etcd=tuple((state.get("etcd") or {}).get("endpoints") or ()),
+            etcd_prefix=(state.get("etcd") or {}).get("prefix") or "/kvcache",
         )
     except (KeyError, TypeError) as e:
         raise LiveError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
@@ -220,9 +238,7 @@ class Engine:
         self.cluster = cluster
         self.options = options
         self.kv = SyntheticKV(layout)
-        self.conductor = ConductorClient(
-            cluster.conductor, cluster.token, cluster.tls_ca, timeout_s=30.0
-        )
+        self.conductor = cluster.conductor_client(timeout_s=30.0)
         self._nodes: dict[str, KVStoreClient] = {}
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
@@ -352,23 +368,24 @@ class Engine:
         return write.keys
 
     def _await_plan(self, plan: cpb.TransferPlan, out: RequestOutcome) -> set[bytes]:
-        """The conductor's hook asked the destination messenger to fetch ``plan.keys``; its
+        """The conductor's hook asked the destination messenger to fetch the plan's keys; its
         batch id is not returned to us, so we submit the same keys there: the messenger joins a
         fetch in flight (or reports keys already present) and gives us a batch to wait on.
         Returns the keys that are there now."""
-        out.plan_blocks += len(plan.keys)
-        if not plan.keys:
+        keys = transfer_keys(plan)
+        out.plan_blocks += len(keys)
+        if not keys:
             return set()
         messenger = self.messenger(plan.dst_messenger)
         timeout = self.options.transfer_timeout_s
         try:
-            status = messenger.pull(plan.namespace, plan.keys, plan.src_messenger, timeout)
+            status = messenger.pull(plan.namespace, keys, plan.src_messenger, timeout)
         except KVCacheRpcError as e:
             if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
             raise LiveError(
                 f"planned transfer {plan.src_node} -> {plan.dst_node} of "
-                f"{len(plan.keys)} blocks not done after {timeout:g} s"
+                f"{len(keys)} blocks not done after {timeout:g} s"
             ) from None
         landed = set()
         for e in status.entries:

@@ -7,16 +7,17 @@
   (which returns new arrays), against the same memcpy. Target >= 0.5.
 - **SSD tier**: the lmdb pool's batched checksummed writes and verified reads, MB/s and the
   ratio to memcpy.
-- **hashing**: block keys of a 128k-token prompt (int64 token ids, 256-token blocks) against one
-  xxh3-128 call over the same bytes. Target < 2 ms.
+- **hashing**: block keys of a 128k-token prompt (int64 token ids) at 256-token blocks and at
+  vLLM's 16-token blocks, against one xxh3-128 call over the same bytes. Targets < 2 ms and
+  < 1 ms (the C chain of ``kvstore/_native.c``; the name says when the Python loop ran).
 - **lookup**: longest cached prefix of a 500-block request in an index of 100k blocks, against
   500 plain ``dict.get`` calls. Target < 1 ms.
 - **eviction policies**: ns per operation (insert, touch in random order, pin = remove from the
-  middle, pop victim) of LRU and LFU at 100k slots, against the same at 1k slots: O(1) per
-  operation means a ratio near 1 (less what cache misses cost on the larger arrays).
-- **index memory**: Python-side bytes per cached block over 1M blocks (metadata-only store,
-  ``tracemalloc``), everything the store allocates for them: the index, per-page tier state,
-  policy links and the keys it keeps alive. Target <= 256 B.
+  middle, pop victim) of LRU, LFU and prefix at 100k slots, against the same at 1k slots: O(1)
+  per operation means a ratio near 1 (less what cache misses cost on the larger arrays).
+- **index memory**: bytes per cached block over 1M blocks (metadata-only store,
+  ``tracemalloc``, which sees the C index's table too), everything the store allocates for them:
+  the index, per-page tier state, policy links and the keys it keeps. Target <= 128 B.
 
 Every figure is the best of ``--repeats`` runs, reference and subject interleaved, after an
 untimed warm-up pass that also prefaults every buffer (no first-touch page faults are timed).
@@ -38,6 +39,8 @@ import xxhash
 
 from bench.report import Column, print_table, write_json
 from kvstore import KVLayout, StoreConfig, TieredStore, block_keys, make_policy, root_key
+from kvstore.index import INDEX_IMPL
+from kvstore.keys import CHAIN_IMPL
 from kvstore.ssd import SsdPool
 
 MIB = 1 << 20
@@ -302,24 +305,24 @@ def bench_hashing(args) -> list[Figure]:
     raw = tokens.astype("<u4").tobytes()
     root = root_key("bench-store", b"tenant")
     figs = []
-    for bt in (256, 16):
+    for bt, target_ms in ((256, 2.0), (16, 1.0)):
         ref, ours = best_pair(
             lambda: xxhash.xxh3_128_digest(raw),
             lambda bt=bt: block_keys(tokens, bt, root),
             max(args.repeats, 20),
         )
         ms = ours * 1e3
-        is_target = bt == 256
         figs.append(
             Figure(
                 "hashing",
-                f"block keys, {args.tokens} tokens, {bt}-token blocks ({args.tokens // bt} keys)",
+                f"block keys, {args.tokens} tokens, {bt}-token blocks ({args.tokens // bt} keys, "
+                f"{CHAIN_IMPL} chain)",
                 ms,
                 "ms",
                 ref * 1e3,
                 ref / ours,
-                "< 2 ms" if is_target else "",
-                ms < 2 if is_target else None,
+                f"< {target_ms:g} ms",
+                ms < target_ms,
             )
         )
     return figs
@@ -391,7 +394,7 @@ def policy_ns_per_op(name: str, capacity: int) -> float:
 
 def bench_policies(args) -> list[Figure]:
     figs = []
-    for name in ("lru", "lfu"):
+    for name in ("lru", "lfu", "prefix"):
         small = min(policy_ns_per_op(name, 1_000) for _ in range(20))
         large = min(policy_ns_per_op(name, 100_000) for _ in range(2))
         figs.append(
@@ -430,14 +433,14 @@ def bench_index_memory(args) -> list[Figure]:
     return [
         Figure(
             "index memory",
-            f"Python-side bytes per cached block ({n} blocks, "
-            f"{(empty - base) / n:.0f} B/page preallocated)",
+            f"bytes per cached block ({n} blocks, {(empty - base) / n:.0f} B/page "
+            f"preallocated, {INDEX_IMPL} index)",
             per_block,
             "B",
             None,
             None,
-            "<= 256 B",
-            per_block <= 256,
+            "<= 128 B",
+            per_block <= 128,
         )
     ]
 

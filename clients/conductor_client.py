@@ -1,17 +1,33 @@
 """``ConductorClient``: a small typed client for ``ConductorService`` (front ends, tests, bench).
 
 Errors raise ``KVCacheRpcError`` with the server's status code and message (for example
-RESOURCE_EXHAUSTED naming the SLO that cannot be met)."""
+RESOURCE_EXHAUSTED naming the SLO that cannot be met).
+
+Several conductors (one leads, the others stand by: ``conductor.leader``): give the client all
+their addresses, or etcd's endpoints, or both. A call that meets a standby follows its redirect
+(FAILED_PRECONDITION naming the leader in ``kvcache-leader`` metadata); one that finds no
+conductor (UNAVAILABLE: the leader died, or nobody leads yet) asks etcd who leads, or tries the
+next address, with a short backoff, for up to ``failover_timeout_s``. So a failover costs a
+caller time, not an error. With a single address and no etcd, UNAVAILABLE is raised at once, as
+before (only redirects are followed).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import threading
+import time
+from typing import Any, Callable, Sequence
 
+import grpc
+
+from kvstore.errors import KVStoreError
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
-from rpc.status import call
+from rpc.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
+from rpc.membership import LEADER_METADATA, ConductorRecord, election_name
+from rpc.status import KVCacheRpcError
 from rpc.wire import selector_to_pb
 
 
@@ -25,16 +41,34 @@ def selector(
 class ConductorClient:
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str] = "",
         token: str | None = None,
         tls_ca_file: str | None = None,
         timeout_s: float = 10.0,
+        *,
+        etcd: str | Sequence[str] | None = None,
+        etcd_prefix: str = DEFAULT_PREFIX,
+        failover_timeout_s: float = 30.0,
     ) -> None:
-        self.address = address
-        self._channel = make_channel(address, token, tls_ca_file)
-        # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
-        self.stub = pbg.ConductorServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        """``address``: one conductor, or several (a list or comma-separated); ``etcd``:
+        endpoints to look the leader up in (election ``<etcd_prefix>/conductor/leader``)."""
+        items = address.split(",") if isinstance(address, str) else list(address)
+        self.addresses = [a.strip() for a in items if a.strip()]
+        self._etcd = EtcdClient(etcd) if etcd else None
+        if not self.addresses and self._etcd is None:
+            raise ValueError("give a conductor address, several, or etcd endpoints")
+        self._election = election_name(etcd_prefix.rstrip("/"))
+        self._token, self._tls_ca_file = token, tls_ca_file
         self.timeout_s = timeout_s
+        self.failover_timeout_s = failover_timeout_s
+        self.failovers = 0  # times the client moved to another conductor
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self.address = ""
+        self.stub: Any = None
+        self._channel: grpc.Channel | None = None
+        if self.addresses:
+            self._use(self.addresses[0])
 
     def schedule(
         self,
@@ -48,8 +82,7 @@ class ConductorClient:
         ttft_slo_s: float = 0.0,
         tbt_slo_s: float = 0.0,
     ) -> pb.ScheduleReply:
-        reply: pb.ScheduleReply = call(
-            self.stub.Schedule,
+        reply: pb.ScheduleReply = self._call(
             "Schedule",
             pb.ScheduleRequest(
                 request_id=request_id,
@@ -59,45 +92,33 @@ class ConductorClient:
                 ttft_slo_s=ttft_slo_s,
                 tbt_slo_s=tbt_slo_s,
             ),
-            timeout=self.timeout_s,
         )
         return reply
 
     def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]) -> list[pb.ScheduleOutcome]:
         """One outcome per request, in order (``code`` 0: ``reply`` is set)."""
         return list(
-            call(
-                self.stub.ScheduleBatch,
-                "ScheduleBatch",
-                pb.ScheduleBatchRequest(requests=requests),
-                timeout=self.timeout_s,
-            ).outcomes
+            self._call("ScheduleBatch", pb.ScheduleBatchRequest(requests=requests)).outcomes
         )
 
     def prefilled(self, request_id: str, prefill_seconds: float = 0.0) -> None:
-        call(
-            self.stub.Complete,
+        self._call(
             "Complete",
             pb.CompleteRequest(
                 request_id=request_id,
                 phase=pb.COMPLETE_PHASE_PREFILLED,
                 prefill_seconds=prefill_seconds,
             ),
-            timeout=self.timeout_s,
         )
 
     def complete(self, request_id: str) -> None:
-        call(
-            self.stub.Complete,
+        self._call(
             "Complete",
             pb.CompleteRequest(request_id=request_id, phase=pb.COMPLETE_PHASE_FINISHED),
-            timeout=self.timeout_s,
         )
 
     def list_nodes(self) -> pb.ListNodesReply:
-        reply: pb.ListNodesReply = call(
-            self.stub.ListNodes, "ListNodes", pb.ListNodesRequest(), timeout=self.timeout_s
-        )
+        reply: pb.ListNodesReply = self._call("ListNodes", pb.ListNodesRequest())
         return reply
 
     def locate(
@@ -108,23 +129,104 @@ class ConductorClient:
         salt: bytes | str = b"",
     ) -> dict[str, int]:
         """Node id -> how many leading blocks it holds."""
-        reply = call(
-            self.stub.Locate,
-            "Locate",
-            selector_to_pb(namespace, keys, tokens, salt),
-            timeout=self.timeout_s,
-        )
+        reply = self._call("Locate", selector_to_pb(namespace, keys, tokens, salt))
         return {n.node_id: n.blocks for n in reply.nodes}
 
     def health(self) -> str:
         """gRPC health: "SERVING", "NOT_SERVING", or why the check failed ("UNAVAILABLE")."""
+        if self._channel is None:  # only etcd given, no call made yet: find the leader
+            leader = self._lookup_leader()
+            if not leader:
+                return "UNAVAILABLE"
+            self._use(leader)
+        assert self._channel is not None
         return check_health(self._channel, min(self.timeout_s, 5.0))
 
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+        if self._etcd is not None:
+            self._etcd.close()
+
+    # ---- finding the leader -------------------------------------------------------------------
+
+    def _use(self, address: str) -> None:
+        """Send calls to ``address`` from now on (channels are kept for switching back)."""
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = make_channel(
+                    address, self._token, self._tls_ca_file
+                )
+            # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
+            self.stub = pbg.ConductorServiceStub(channel)  # type: ignore[no-untyped-call]
+            self.address, self._channel = address, channel
+
+    def _call(self, name: str, request: Any) -> Any:
+        """One RPC to the leader, following redirects and failovers (module docstring)."""
+        deadline = 0.0
+        backoff = 0.05
+        while True:
+            if self.stub is None:
+                failed: grpc.RpcError | None = None
+            else:
+                try:
+                    return getattr(self.stub, name)(request, timeout=self.timeout_s)
+                except grpc.RpcError as e:
+                    failed = e
+            leader = _redirect(failed)
+            fail_over = failed is None or (
+                failed.code() == grpc.StatusCode.UNAVAILABLE
+                and (self._etcd is not None or len(self.addresses) > 1)
+            )
+            if failed is not None and leader is None and not fail_over:
+                raise KVCacheRpcError.of(failed, name) from None
+            now = time.monotonic()
+            deadline = deadline or now + self.failover_timeout_s
+            if now > deadline:
+                code = failed.code() if failed is not None else grpc.StatusCode.UNAVAILABLE
+                why = failed.details() if failed is not None else "no conductor found"
+                raise KVCacheRpcError(
+                    code, f"{why} (no conductor led within {self.failover_timeout_s:g} s)", name
+                )
+            if leader is None or leader == self.address:
+                time.sleep(backoff)  # the leader is gone, or nobody leads yet
+                backoff = min(backoff * 2, 0.5)
+                leader = self._lookup_leader()
+            if leader and leader != self.address:
+                self.failovers += bool(self.address)  # the first lookup is no failover
+                self._use(leader)
+
+    def _lookup_leader(self) -> str:
+        """Who leads, by etcd; without an answer from etcd, the next address given."""
+        if self._etcd is not None:
+            try:
+                kv = self._etcd.leader(self._election)
+                if kv is not None:
+                    return ConductorRecord.decode(kv.value).address
+                return ""  # nobody leads yet: wait for the election
+            except (EtcdUnavailable, EtcdError, KVStoreError):
+                pass
+        if not self.addresses:
+            return ""
+        i = self.addresses.index(self.address) if self.address in self.addresses else -1
+        return self.addresses[(i + 1) % len(self.addresses)]
 
     def __enter__(self) -> "ConductorClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _redirect(error: grpc.RpcError | None) -> str | None:
+    """The leader a standby named in its FAILED_PRECONDITION, else None."""
+    if error is None or error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    trailing: Callable[[], Any] | None = getattr(error, "trailing_metadata", None)
+    for key, value in (trailing() if trailing else None) or ():
+        if key == LEADER_METADATA:
+            return str(value)
+    return None

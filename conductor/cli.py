@@ -2,6 +2,10 @@
 
 Prints one JSON line ``{"event": "ready", "role": "conductor", "address": ...}`` once it serves
 (``--listen 127.0.0.1:0`` picks a free port; read it from that line).
+
+With ``--etcd URLS`` it learns the nodes from etcd (``membership.py``) and runs for leader
+(``leader.py``); several such conductors make one leader and hot standbys. Health: the process
+("") is SERVING while it runs; the ConductorService only while it leads.
 """
 
 from __future__ import annotations
@@ -9,20 +13,42 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-from dataclasses import replace
+import os
+import socket
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
 from proto import conductor_pb2_grpc as pbg
-from rpc.server import Auth, Service, add_server_args, add_token_file_arg, serve, tls_from_args
+from rpc.etcd import EtcdClient
+from rpc.membership import (
+    ConductorRecord,
+    add_etcd_args,
+    election_name,
+    etcd_settings,
+    nodes_prefix,
+)
+from rpc.server import (
+    Auth,
+    Service,
+    add_server_args,
+    add_token_file_arg,
+    address_arg,
+    serve,
+    tls_from_args,
+)
 
 from .core import Conductor
 from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
 from .engine_load import EngineLoadFeed, parse_engine_metrics
 from .feed import FeedOptions
+from .leader import EtcdLeadership
+from .membership import EtcdMembership
 from .messenger_hook import make_transfer_hook
 from .metrics import ConductorMetrics
 from .registry import DEFAULT_LEASE_S
@@ -32,6 +58,11 @@ from .transfer import RecordingTransferHook, TransferHook
 from .vllm_events import VllmEventFeed, parse_vllm_events
 
 log = logging.getLogger("kvcache.conductor")
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+DEFAULT_WORKERS = 4
+# NOTE: every node's heartbeats and every front end's calls may arrive at once; a few handler
+# threads serve them in turn (kvcache bench conductor), so the limit is not tied to the threads.
+MAX_CONCURRENT_RPCS = 1024
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,9 +134,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=int,
-        default=8,
-        help="gRPC handler threads (default 8; Python runs one at a time, so "
-        "more threads mostly add GIL hand-offs)",
+        default=DEFAULT_WORKERS,
+        help=f"gRPC handler threads (default {DEFAULT_WORKERS}; Python runs one at a time, so "
+        "more threads mostly add GIL hand-offs); calls beyond them wait, up to "
+        f"{MAX_CONCURRENT_RPCS} in flight",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     parser.add_argument(
@@ -139,6 +171,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.5,
         metavar="SECONDS",
         help="seconds between scrapes of each --engine-metrics engine (default %(default)s)",
+    )
+    add_etcd_args(parser)
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        type=address_arg,
+        help="the address clients reach this conductor at, published in the etcd election "
+        "(default: the address it listens on)",
     )
 
 
@@ -198,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca),
     )
+    etcd = _etcd(args)
     feeds: list[VllmEventFeed | EngineLoadFeed] = [
         *_vllm_feeds(args, conductor),
         *_engine_feeds(args, conductor),
@@ -208,7 +249,23 @@ def run(args: argparse.Namespace) -> int:
         auth,
         FeedOptions(token=args.node_token or args.token, tls_ca_file=args.node_tls_ca),
         metrics,
+        leadership=etcd.leadership if etcd else None,
+        membership_source=etcd.source if etcd else "",
     )
+    health: list[Any] = []
+
+    def leader_changed(leading: bool) -> None:
+        metrics.leader.set(1 if leading else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if leading else NOT_SERVING
+        for h in health:
+            h.set(SERVICE_NAME, status)
+
+    def on_health(servicer_: Any) -> None:
+        health.append(servicer_)
+        leader_changed(servicer.leadership.leading)
+
+    if etcd:  # the index warms up while the server starts
+        etcd.watch_membership(conductor, servicer, metrics)
 
     def add(server: grpc.Server) -> list[str]:
         pbg.add_ConductorServiceServicer_to_server(servicer, server)
@@ -216,6 +273,12 @@ def run(args: argparse.Namespace) -> int:
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
         servicer.address = address
+        if etcd:
+            record = ConductorRecord(
+                address=args.advertise or address,
+                conductor_id=f"{socket.gethostname()}:{os.getpid()}",
+            )
+            etcd.leadership.start(record, warm=etcd.wait_warm, on_change=leader_changed)
         log.info(
             "conductor serving on %s (policy %s, lease %.1fs, tls=%s, auth=%s)",
             address,
@@ -224,7 +287,17 @@ def run(args: argparse.Namespace) -> int:
             bool(tls),
             auth.enabled,
         )
-        return {"policy": args.policy}
+        return {"policy": args.policy, **({"etcd_prefix": etcd.prefix} if etcd else {})}
+
+    def on_stopping() -> None:
+        if etcd:  # hand over first: the standby leads while this one drains
+            etcd.leadership.stop()
+        _stop_all(feeds)
+
+    def close() -> None:
+        if etcd:
+            etcd.close()
+        servicer.close()
 
     return serve(
         Service(
@@ -237,11 +310,67 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
+            max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
-            on_stopping=lambda: _stop_all(feeds),
-            close=servicer.close,
+            on_stopping=on_stopping,
+            on_health=on_health,
+            close=close,
         )
     )
+
+
+@dataclass
+class _EtcdMode:
+    """``--etcd``: membership from etcd's watch, leadership from its election."""
+
+    client: EtcdClient
+    prefix: str
+    leadership: EtcdLeadership
+    membership: EtcdMembership | None = None
+
+    @property
+    def source(self) -> str:
+        return f"etcd ({','.join(self.client.endpoints)}, {nodes_prefix(self.prefix)})"
+
+    def watch_membership(
+        self, conductor: Conductor, servicer: ConductorServicer, metrics: ConductorMetrics
+    ) -> None:
+        self.membership = EtcdMembership(
+            conductor,
+            servicer.feeds,
+            self.client,
+            self.prefix,
+            on_dropped=lambda node_id: metrics.expirations.inc(),
+        ).start()
+
+    def wait_warm(self, timeout_s: float) -> None:
+        """Before campaigning: the membership listed and every node's snapshot indexed."""
+        assert self.membership is not None
+        deadline = time.monotonic() + timeout_s
+        self.membership.synced.wait(timeout_s)
+        # NOTE: the listing registered the nodes and started their feeds synchronously.
+        loading = self.membership.feeds.wait_indexed(max(deadline - time.monotonic(), 0.0))
+        if loading or not self.membership.synced.is_set():
+            log.warning(
+                "campaigning with a partial index after %.0f s: etcd listed=%s, loading %s",
+                timeout_s,
+                self.membership.synced.is_set(),
+                ", ".join(loading) or "-",
+            )
+
+    def close(self) -> None:
+        self.leadership.stop()
+        if self.membership is not None:
+            self.membership.stop()
+        self.client.close()
+
+
+def _etcd(args: argparse.Namespace) -> _EtcdMode | None:
+    if not args.etcd:
+        return None
+    urls, prefix = etcd_settings("conductor", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
+    client = EtcdClient(urls)
+    return _EtcdMode(client, prefix, EtcdLeadership(client, election_name(prefix), args.etcd_ttl_s))
 
 
 def _stop_all(feeds: list[VllmEventFeed | EngineLoadFeed]) -> None:

@@ -4,28 +4,12 @@ from __future__ import annotations
 
 from proto import conductor_pb2 as pb
 
-from .scheduler import Decision, TransferPlan
-
-
-def plan_to_pb(plan: TransferPlan) -> pb.TransferPlan:
-    return pb.TransferPlan(
-        src_node=plan.src.node_id,
-        src_address=plan.src.address,
-        src_messenger=plan.src.messenger_address,
-        dst_node=plan.dst.node_id,
-        dst_address=plan.dst.address,
-        dst_messenger=plan.dst.messenger_address,
-        namespace=plan.namespace,
-        keys=plan.keys,
-        first_block=plan.first_block,
-        bytes=plan.nbytes,
-        est_seconds=plan.est_seconds,
-    )
+from .scheduler import Decision
 
 
 def decision_to_pb(d: Decision, request_id: str) -> pb.ScheduleReply:
     """``request_id``: the id as the caller named it (the decision's may carry a tenant scope)."""
-    return pb.ScheduleReply(
+    reply = pb.ScheduleReply(
         request_id=request_id,
         policy=d.policy,
         prefill_node=d.prefill.node_id,
@@ -38,10 +22,25 @@ def decision_to_pb(d: Decision, request_id: str) -> pb.ScheduleReply:
         local_blocks=d.local_blocks,
         best_blocks=d.best_blocks,
         reuse_blocks=d.reuse_blocks,
-        transfers=[plan_to_pb(d.transfer)] if d.transfer is not None else [],
         est_queue_s=d.est_queue_s,
         est_transfer_s=d.est_transfer_s,
         est_prefill_s=d.est_prefill_s,
         est_ttft_s=d.est_ttft_s,
         est_tbt_s=d.est_tbt_s,
     )
+    plan = d.transfer
+    if plan is not None:  # NOTE: built in place; a TransferPlan built apart is copied in
+        reply.transfers.add(
+            src_node=plan.src.node_id,
+            src_address=plan.src.address,
+            src_messenger=plan.src.messenger_address,
+            dst_node=plan.dst.node_id,
+            dst_address=plan.dst.address,
+            dst_messenger=plan.dst.messenger_address,
+            namespace=plan.namespace,
+            key_bytes=b"".join(plan.keys),  # packed: one field, not one per key
+            first_block=plan.first_block,
+            bytes=plan.nbytes,
+            est_seconds=plan.est_seconds,
+        )
+    return reply

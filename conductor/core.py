@@ -90,9 +90,18 @@ class Conductor:
 
     # ---- membership -----------------------------------------------------------------------
 
-    def register(self, descriptor: NodeDescriptor, load: NodeLoad | None = None) -> NodeState:
+    def register(
+        self,
+        descriptor: NodeDescriptor,
+        load: NodeLoad | None = None,
+        lease_s: float | None = None,
+    ) -> NodeState:
         with self.lock:
-            return self.registry.register(descriptor, self.clock(), load)
+            return self.registry.register(descriptor, self.clock(), load, lease_s)
+
+    def update(self, descriptor: NodeDescriptor) -> NodeState:
+        with self.lock:
+            return self.registry.update(descriptor)
 
     def heartbeat(self, node_id: str, load: NodeLoad | None, generation: int = 0) -> NodeState:
         with self.lock:

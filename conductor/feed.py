@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +69,7 @@ class NodeFeed:
         self._call_lock = threading.Lock()
         self._failing = False
         self._backoff = options.backoff_s
+        self.indexed = threading.Event()  # set once its first snapshot is in the index
         self._thread = threading.Thread(
             target=self._run, daemon=True, name=f"feed-{node_id}-{generation}"
         )
@@ -167,6 +169,7 @@ class NodeFeed:
                 if batch.snapshot_done:
                     c.finish_resync(node, gen, batch.snapshot_seq)
                     in_snapshot = False
+                    self.indexed.set()
                     log.info(
                         "feed %s: index rebuilt from a snapshot at seq %d", node, batch.snapshot_seq
                     )
@@ -209,6 +212,15 @@ class FeedManager:
                 return
             del self._feeds[node_id]
         feed.stop(join_s=0)
+
+    def wait_indexed(self, timeout_s: float) -> list[str]:
+        """Wait until every feed has loaded its first snapshot; the node ids still loading."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.indexed.wait(max(deadline - time.monotonic(), 0.0))
+        return sorted(f.node_id for f in feeds if not f.indexed.is_set())
 
     def stop_all(self) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ Not thread-safe: the owner (``conductor.core.Conductor``) serialises calls with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Sequence
 
 from kvstore.errors import FailedPrecondition, NotFound
@@ -213,16 +214,19 @@ class GlobalIndex:
     def prefix_lengths(self, keys: Sequence[bytes]) -> dict[str, int]:
         """For every node holding at least the first key: how many leading ``keys`` it holds
         (in any tier). O(len of the longest held prefix)."""
-        get = self._map.get
         alive = self._live_low
         node_of = self._node_of_slot
         out: dict[str, int] = {}
         i = 0
-        for i, key in enumerate(keys):
-            v = get(key, 0)
+        last = -1
+        for i, v in enumerate(map(self._map.get, keys, repeat(0))):
+            if v == last:
+                continue  # NOTE: a chain's blocks mostly sit alike on the same nodes: same value
+            last = v
             held = (v | (v >> 1)) & alive
             if held != alive:
-                gone = alive & ~held
+                # NOTE: most nodes lack the first key: they leave at i == 0 with nothing to name.
+                gone = alive & ~held if i else 0
                 while gone:
                     low = gone & -gone
                     out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
@@ -232,11 +236,12 @@ class GlobalIndex:
                     break
         else:
             i = len(keys)
-        while alive:
-            low = alive & -alive
-            out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
-            alive ^= low
-        return {n: k for n, k in out.items() if k}
+        if i:
+            while alive:
+                low = alive & -alive
+                out[node_of[(low.bit_length() - 1) >> 1]] = i  # type: ignore[index]
+                alive ^= low
+        return out
 
     def holders(self, key: bytes) -> dict[str, Tier]:
         """Nodes holding ``key`` and the tier each holds it in."""

@@ -3,13 +3,15 @@ gauges are read from the ``Conductor`` at scrape time so the hot path pays nothi
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .core import Conductor
+from .scheduler import Decision
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5)
 
@@ -84,25 +86,11 @@ class ConductorMetrics:
             ["method", "code"],
             registry=r,
         )
-        self.decisions = Counter(
-            "kvcache_conductor_schedule_decisions",
-            "Requests placed",
-            ["policy", "transfer"],
-            registry=r,
-        )
         self.rejections = Counter(
             "kvcache_conductor_schedule_rejections",
             "Requests rejected, by the SLO missed",
             ["slo"],
             registry=r,
-        )
-        self.reused_blocks = Counter(
-            "kvcache_conductor_reused_blocks",
-            "Prompt blocks the chosen prefill node reuses",
-            registry=r,
-        )
-        self.prompt_blocks = Counter(
-            "kvcache_conductor_prompt_blocks", "Full prompt blocks scheduled", registry=r
         )
         self.events = Counter(
             "kvcache_conductor_events", "Node events applied to the index", registry=r
@@ -115,7 +103,22 @@ class ConductorMetrics:
             "Nodes dropped because their lease lapsed",
             registry=r,
         )
+        self.redirects = Counter(
+            "kvcache_conductor_redirects",
+            "Schedule / Complete calls a standby refused, naming the leader",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "kvcache_conductor_leader", "1 while this conductor leads, 0 standing by", registry=r
+        )
+        self.leader.set(1)
+        self._decisions = _DecisionCounts()
+        r.register(self._decisions)
         r.register(_StateCollector(conductor))
+
+    def decided(self, decision: Decision) -> None:
+        """Count a placed request (decisions by policy and transfer, prompt and reused blocks)."""
+        self._decisions.add(decision)
 
     def totals(self) -> tuple[int, int]:
         """(requests placed, requests rejected) since start: read from the counters, off the
@@ -131,4 +134,45 @@ class ConductorMetrics:
                 )
             )
 
-        return total(self.decisions), total(self.rejections)
+        return self._decisions.placed(), total(self.rejections)
+
+
+class _DecisionCounts(Collector):
+    """The counters every ``Schedule`` updates, under one lock (three labelled ``Counter``
+    children took a lock each, on the hot path), exported at scrape time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decisions: dict[tuple[str, bool], int] = {}
+        self._prompt_blocks = 0
+        self._reused_blocks = 0
+
+    def placed(self) -> int:
+        with self._lock:
+            return sum(self._decisions.values())
+
+    def add(self, d: Decision) -> None:
+        key = (d.policy, d.transfer is not None)
+        with self._lock:
+            self._decisions[key] = self._decisions.get(key, 0) + 1
+            self._prompt_blocks += d.total_blocks
+            self._reused_blocks += d.reuse_blocks
+
+    def collect(self) -> Iterable:
+        decisions = CounterMetricFamily(
+            "kvcache_conductor_schedule_decisions", "Requests placed", labels=["policy", "transfer"]
+        )
+        with self._lock:
+            counts = sorted(self._decisions.items())
+            prompt, reused = self._prompt_blocks, self._reused_blocks
+        for (policy, transfer), n in counts:
+            decisions.add_metric([policy, "yes" if transfer else "no"], n)
+        yield decisions
+        yield CounterMetricFamily(
+            "kvcache_conductor_reused_blocks",
+            "Prompt blocks the chosen prefill node reuses",
+            value=reused,
+        )
+        yield CounterMetricFamily(
+            "kvcache_conductor_prompt_blocks", "Full prompt blocks scheduled", value=prompt
+        )

@@ -51,6 +51,7 @@ class NodeState:
     last_heartbeat: float = 0.0
     reported: NodeLoad = field(default_factory=NodeLoad)  # the node's own last report
     engine_down: bool = False  # its engine answered before and does not now: not schedulable
+    lease_s: float = DEFAULT_LEASE_S  # inf: liveness is etcd's (conductor.membership)
     # ---- scheduler ledger (conductor.scheduler) ----
     prefill_busy_until: float = 0.0  # when the prefill work sent here should be done
     prefill_pending_s: float = 0.0  # estimated seconds of prefill sent and not yet done
@@ -79,22 +80,30 @@ class Registry:
         self.version = 0  # bumped on every membership change (caches key on it)
 
     def register(
-        self, descriptor: NodeDescriptor, now: float, load: NodeLoad | None = None
+        self,
+        descriptor: NodeDescriptor,
+        now: float,
+        load: NodeLoad | None = None,
+        lease_s: float | None = None,
     ) -> NodeState:
         """Add (or re-add) a node. Its index entries start empty: its event feed must start
-        with a snapshot. Returns the new state (``generation`` identifies this registration)."""
+        with a snapshot. Returns the new state (``generation`` identifies this registration).
+        ``lease_s``: this registration's lease (default the registry's; inf: never lapses
+        here, etcd drops it)."""
         if descriptor.node_id in self._nodes:
             self.drop(descriptor.node_id)
         self._generation += 1
+        lease_s = self.lease_s if lease_s is None else lease_s
         reported = load or NodeLoad()
         engine = self._engines.get(descriptor.node_id)
         state = NodeState(
             descriptor=descriptor,
             generation=self._generation,
             registered_at=now,
-            lease_expires_at=now + self.lease_s,
+            lease_expires_at=now + lease_s,
             load=_with_engine(reported, engine),
             last_heartbeat=now,
+            lease_s=lease_s,
             prefill_busy_until=now,
             reported=reported,
             engine_down=descriptor.node_id in self._engines and engine is None,
@@ -115,7 +124,7 @@ class Registry:
                 f"node {node_id!r} is not registered (lease lapsed or conductor "
                 "restarted): register again"
             )
-        state.lease_expires_at = now + self.lease_s
+        state.lease_expires_at = now + state.lease_s
         state.last_heartbeat = now
         if load is not None:
             state.reported = load
@@ -141,6 +150,18 @@ class Registry:
     def engines(self) -> dict[str, NodeLoad | None]:
         """Node id -> its engine's last load (None: not answering), for engines heard from."""
         return dict(self._engines)
+
+    def update(self, descriptor: NodeDescriptor) -> NodeState:
+        """A registered node's descriptor changed in place (e.g. its messenger's address),
+        same address and store: generation, ledger and index entries stay."""
+        state = self.get(descriptor.node_id)
+        if descriptor.address != state.descriptor.address:
+            raise InvalidArgument(
+                f"node {descriptor.node_id!r} moved to {descriptor.address}: register it again"
+            )
+        state.descriptor = descriptor
+        self.version += 1
+        return state
 
     def drop(self, node_id: str) -> NodeState | None:
         state = self._nodes.pop(node_id, None)

@@ -35,6 +35,7 @@ gRPC service needs; a simulation calls the scheduler directly::
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from abc import ABC, abstractmethod
@@ -149,18 +150,136 @@ class DecodeOption:
 
 
 def _min_index(values: list[float]) -> int:
-    return min(range(len(values)), key=values.__getitem__)
+    """Index of the first smallest value (as ``min`` picks among equals)."""
+    return values.index(min(values))
 
 
-@dataclass(slots=True)
 class PrefillContext:
-    """What a policy sees: the options with local prefixes, and how to price a fetch."""
+    """What a policy sees: every prefill candidate priced with the prefix it holds, as parallel
+    lists (one entry per candidate, in candidate order), and the fetch of the best prefix priced
+    on demand.
 
-    request: Request
-    options: list[PrefillOption]
-    best_blocks: int
-    best_source: NodeState | None
-    fetch: Callable[[PrefillOption], PrefillOption | None]
+    NOTE: a policy picks an index and materialises only that option (``option(i)``,
+    ``fetched_option(i)``): building an option object per candidate per request was a measurable
+    share of a decision. ``options`` and ``fetch`` give the objects for policies that want them.
+    """
+
+    __slots__ = (
+        "request",
+        "nodes",
+        "local_blocks",
+        "queue_s",
+        "prefill_s",
+        "ttft_s",
+        "best_blocks",
+        "best_source",
+        "_cost",
+        "_block_bytes",
+        "_keep",
+        "_prefill_best",
+        "_transfer",
+        "_fetched",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        nodes: list[NodeState],
+        local_blocks: list[int],
+        queue_s: list[float],
+        prefill_s: list[float],
+        ttft_s: list[float],
+        best_blocks: int,
+        best_source: NodeState | None,
+        cost: CostModel,
+        block_bytes: int,
+        keep: float,
+        prefill_best: float | None,
+    ) -> None:
+        self.request = request
+        self.nodes = nodes
+        self.local_blocks = local_blocks
+        self.queue_s = queue_s
+        self.prefill_s = prefill_s
+        self.ttft_s = ttft_s
+        self.best_blocks = best_blocks
+        self.best_source = best_source
+        self._cost = cost
+        self._block_bytes = block_bytes
+        self._keep = keep  # a fetch must bring TTFT below ttft * keep
+        self._prefill_best = prefill_best  # prefill after fetching best_blocks (None: not yet)
+        self._transfer: dict[int, float] = {}  # by local prefix length
+        self._fetched: list[float | None] | None = None
+
+    def option(self, i: int) -> PrefillOption:
+        """Candidate ``i`` computing all but its own prefix."""
+        local = self.local_blocks[i]
+        return PrefillOption(
+            self.nodes[i], local, self.queue_s[i], local, 0.0, self.prefill_s[i], self.ttft_s[i]
+        )
+
+    @property
+    def options(self) -> list[PrefillOption]:
+        return [self.option(i) for i in range(len(self.nodes))]
+
+    def fetched_ttft(self) -> list[float | None]:
+        """Per candidate: the TTFT if it first fetches blocks ``[local, best)`` from
+        ``best_source`` (``max(queue, transfer) + prefill(prompt, best)``: the fetch runs while
+        the request queues), or None where there is nothing to fetch or the fetch does not cut
+        TTFT by the ``min_transfer_gain`` fraction."""
+        if self._fetched is not None:
+            return self._fetched
+        best = self.best_blocks
+        if self.best_source is None:
+            self._fetched = [None] * len(self.nodes)
+            return self._fetched
+        prefill = self._prefill_at_best()
+        transfer_of = self._transfer
+        keep = self._keep
+        out: list[float | None] = []
+        for local, queue, ttft in zip(self.local_blocks, self.queue_s, self.ttft_s):
+            if local >= best:
+                out.append(None)
+                continue
+            transfer = transfer_of.get(local)
+            if transfer is None:
+                transfer = transfer_of[local] = self._cost.transfer_seconds(
+                    (best - local) * self._block_bytes
+                )
+            fetched = (queue if queue >= transfer else transfer) + prefill
+            out.append(None if fetched >= ttft * keep else fetched)
+        self._fetched = out
+        return out
+
+    def fetched_option(self, i: int) -> PrefillOption:
+        """Candidate ``i`` fetching the best prefix first (``fetched_ttft()[i]`` is not None)."""
+        ttft = self.fetched_ttft()[i]
+        assert ttft is not None, "fetched_option of a candidate with nothing worth fetching"
+        local = self.local_blocks[i]
+        return PrefillOption(
+            self.nodes[i],
+            local,
+            self.queue_s[i],
+            self.best_blocks,
+            self._transfer[local],
+            self._prefill_at_best(),
+            ttft,
+            self.best_source,
+        )
+
+    def fetch(self, option: PrefillOption) -> PrefillOption | None:
+        """``option`` (one of ``options``) fetching the best prefix first, or None (see
+        ``fetched_ttft``)."""
+        i = self.nodes.index(option.node)
+        return self.fetched_option(i) if self.fetched_ttft()[i] is not None else None
+
+    def _prefill_at_best(self) -> float:
+        if self._prefill_best is None:
+            r = self.request
+            self._prefill_best = self._cost.prefill_seconds(
+                r.prompt_tokens, self.best_blocks * r.block_tokens
+            )
+        return self._prefill_best
 
 
 class SchedulingPolicy(ABC):
@@ -185,7 +304,7 @@ class RandomPolicy(SchedulingPolicy):
         self._rng = random.Random(seed)
 
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return ctx.options[self._rng.randrange(len(ctx.options))]
+        return ctx.option(self._rng.randrange(len(ctx.nodes)))
 
     def pick_decode(self, tbt_s: list[float]) -> int:
         return self._rng.randrange(len(tbt_s))
@@ -197,7 +316,7 @@ class LoadPolicy(SchedulingPolicy):
     name = "load"
 
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return min(ctx.options, key=lambda o: o.queue_s)
+        return ctx.option(_min_index(ctx.queue_s))
 
 
 class LocalCachePolicy(SchedulingPolicy):
@@ -206,7 +325,7 @@ class LocalCachePolicy(SchedulingPolicy):
     name = "local-cache"
 
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return min(ctx.options, key=lambda o: o.ttft_s)
+        return ctx.option(_min_index(ctx.ttft_s))
 
 
 class GlobalCachePolicy(SchedulingPolicy):
@@ -215,15 +334,10 @@ class GlobalCachePolicy(SchedulingPolicy):
     name = "global-cache"
 
     def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        best = None
-        for option in ctx.options:
-            fetched = ctx.fetch(option)
-            if fetched is not None:
-                option = fetched
-            if best is None or option.ttft_s < best.ttft_s:
-                best = option
-        assert best is not None
-        return best
+        fetched = ctx.fetched_ttft()
+        ttfts = [t if f is None else f for t, f in zip(ctx.ttft_s, fetched)]
+        i = _min_index(ttfts)
+        return ctx.option(i) if fetched[i] is None else ctx.fetched_option(i)
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
@@ -292,6 +406,7 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
+        self._first_deadline = math.inf  # no pending entry expires before this (a lower bound)
         self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
         self._new_samples = 0
         self._base_cost_model = cost_model  # what refits keep transfer / decode estimates from
@@ -319,65 +434,43 @@ class Scheduler:
         # NOTE: most nodes hold nothing of a request: price each distinct prefix length once.
         prefill_of: dict[int, float] = {}
         queued = cost.queued_prefill_seconds
-        options = []
+        held = prefix.get
+        locals_: list[int] = []
+        queues: list[float] = []
+        prefills: list[float] = []
+        ttfts: list[float] = []
         for node in prefill_nodes:
-            local = prefix.get(node.node_id, 0)
+            local = held(node.node_id, 0)
             prefill = prefill_of.get(local)
             if prefill is None:
                 prefill = prefill_of[local] = cost.prefill_seconds(n, local * bt)
             queue = node.prefill_busy_until - now
             reported = node.load.queued_prefill_tokens
             if reported:
-                queue = max(queue, queued(reported))
+                q = queued(reported)
+                if q > queue:
+                    queue = q
             if queue < 0.0:
                 queue = 0.0
-            options.append(
-                PrefillOption(
-                    node=node,
-                    local_blocks=local,
-                    queue_s=queue,
-                    reuse_blocks=local,
-                    transfer_s=0.0,
-                    prefill_s=prefill,
-                    ttft_s=queue + prefill,
-                )
-            )
+            locals_.append(local)
+            queues.append(queue)
+            prefills.append(prefill)
+            ttfts.append(queue + prefill)
         block_bytes = request.block_bytes or cost.kv_bytes(bt)
-        keep = 1.0 - self.config.min_transfer_gain
-        transfer_of: dict[int, float] = {}
-
-        def fetch(option: PrefillOption) -> PrefillOption | None:
-            if best_source is None or option.local_blocks >= best_blocks:
-                return None
-            transfer = transfer_of.get(option.local_blocks)
-            if transfer is None:
-                transfer = transfer_of[option.local_blocks] = cost.transfer_seconds(
-                    (best_blocks - option.local_blocks) * block_bytes
-                )
-            prefill = prefill_of.get(best_blocks)
-            if prefill is None:
-                prefill = prefill_of[best_blocks] = cost.prefill_seconds(n, best_blocks * bt)
-            ttft = max(option.queue_s, transfer) + prefill
-            if ttft >= option.ttft_s * keep:
-                return None
-            return PrefillOption(
-                node=option.node,
-                local_blocks=option.local_blocks,
-                queue_s=option.queue_s,
-                reuse_blocks=best_blocks,
-                transfer_s=transfer,
-                prefill_s=prefill,
-                ttft_s=ttft,
-                source=best_source,
-            )
-
         chosen = self.policy.pick_prefill(
             PrefillContext(
-                request=request,
-                options=options,
-                best_blocks=best_blocks,
-                best_source=best_source,
-                fetch=fetch,
+                request,
+                prefill_nodes,
+                locals_,
+                queues,
+                prefills,
+                ttfts,
+                best_blocks,
+                best_source,
+                cost,
+                block_bytes,
+                1.0 - self.config.min_transfer_gain,
+                prefill_of.get(best_blocks),
             )
         )
 
@@ -386,12 +479,12 @@ class Scheduler:
         tbts = []
         for node in decode_nodes:
             load = node.load
-            tbts.append(
-                step(
-                    max(node.decode_requests, load.running_decode_requests) + 1,
-                    max(node.decode_tokens, load.running_decode_tokens) + context,
-                )
-            )
+            requests, tokens = node.decode_requests, node.decode_tokens
+            if load.running_decode_requests > requests:
+                requests = load.running_decode_requests
+            if load.running_decode_tokens > tokens:
+                tokens = load.running_decode_tokens
+            tbts.append(step(requests + 1, tokens + context))
         i = self.policy.pick_decode(tbts)
         node = decode_nodes[i]
         decode = DecodeOption(
@@ -438,6 +531,9 @@ class Scheduler:
         context = request.prompt_tokens + request.output_tokens
         decode.node.decode_requests += 1
         decode.node.decode_tokens += context
+        deadline = node.prefill_busy_until + self.config.stale_after_s
+        if deadline < self._first_deadline:
+            self._first_deadline = deadline
         self._pending[request.request_id] = _Pending(
             prefill_node=node.node_id,
             prefill_generation=node.generation,
@@ -447,7 +543,7 @@ class Scheduler:
             reuse_tokens=chosen.reuse_blocks * request.block_tokens,
             prefill_s=chosen.prefill_s,
             context_tokens=context,
-            deadline=node.prefill_busy_until + self.config.stale_after_s,
+            deadline=deadline,
         )
 
         transfer = None
@@ -537,9 +633,12 @@ class Scheduler:
         """Complete ledger entries nobody completed within ``stale_after_s`` of their expected
         prefill end (a lost client must not inflate queue estimates forever)."""
         now = self.clock() if now is None else now
+        if not self._first_deadline < now:
+            return []  # NOTE: the upkeep calls this 4x a second, under the conductor's lock
         stale = [rid for rid, p in self._pending.items() if p.deadline < now]
         for rid in stale:
             self.complete(rid, now)
+        self._first_deadline = min((p.deadline for p in self._pending.values()), default=math.inf)
         return stale
 
     def pending(self) -> int:

@@ -1,5 +1,9 @@
 """ConductorService: a thin gRPC layer over ``core.Conductor``.
 
+With etcd (``conductor.membership``, ``conductor.leader``) membership comes from etcd, so the
+registry RPCs answer FAILED_PRECONDITION, and only the elected leader schedules: a standby answers
+Schedule / ScheduleBatch / Complete with FAILED_PRECONDITION naming the leader.
+
 Security: node membership RPCs (register, heartbeat, unregister) need the admin token (tenant
 ""). Request keys are scoped to the caller's tenant exactly as the node server scopes them
 (``kvstore.keys.scope_keys``), so a tenant's request only ever matches its own blocks; request
@@ -15,11 +19,12 @@ import uuid
 
 import grpc
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import scope_keys, select_keys
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
+from rpc.membership import LEADER_METADATA
 from rpc.server import Auth
 from rpc.status import observed, status_for
 from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
@@ -27,6 +32,7 @@ from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to
 from .convert import decision_to_pb
 from .core import Conductor
 from .feed import FeedCounters, FeedManager, FeedOptions
+from .leader import Leadership
 from .metrics import ConductorMetrics
 from .scheduler import NoNodeAvailable, Request, SLORejected
 
@@ -56,15 +62,20 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         feed_options: FeedOptions,
         metrics: ConductorMetrics | None = None,
         heartbeat_interval_s: float | None = None,
+        leadership: Leadership | None = None,
+        membership_source: str = "",
     ) -> None:
         self.conductor = conductor
+        # NOTE: read per Schedule call; a plain attribute (Leadership.leading) costs nothing.
+        self.leadership = leadership or Leadership()
+        self.membership_source = membership_source  # "etcd ...": the registry RPCs are off
         self.auth = auth
         self.metrics = metrics or ConductorMetrics(conductor)
-        self._decisions: dict[tuple[str, bool], object] = {}
         self.feeds = FeedManager(conductor, feed_options, _MetricCounters(self.metrics))
         lease_s = conductor.registry.lease_s
         self.heartbeat_interval_s = heartbeat_interval_s or lease_s / 4
-        self._layouts: tuple[int, dict[str, KVLayout]] = (-1, {})
+        # Per registry version: namespace -> (layout, page bytes) of the nodes serving it.
+        self._layouts: tuple[int, dict[str, tuple[KVLayout, int]]] = (-1, {})
         self.started = time.monotonic()
         self.address = ""  # where it serves, once it does (the leader while it runs alone)
         self._stop = threading.Event()
@@ -89,9 +100,35 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                 "node membership needs the cluster's admin token, not a tenant token",
             )
 
+    def _etcd_membership(self, context) -> None:
+        if self.membership_source:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this conductor takes its membership from {self.membership_source}: start the "
+                "node with --etcd (and the same --etcd-prefix), not --conductor",
+            )
+
+    def _redirect(self, context) -> None:
+        """A standby: FAILED_PRECONDITION naming the leader (also in trailing metadata
+        ``kvcache-leader``), or UNAVAILABLE while nobody leads; clients retry there."""
+        self.metrics.redirects.inc()
+        leader = self.leadership.leader_hint()
+        if leader:
+            context.set_trailing_metadata(((LEADER_METADATA, leader),))
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this conductor is a standby; the leader is {leader} (etcd election "
+                f"{self.leadership.name}): send Schedule and Complete there",
+            )
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no conductor leads yet (etcd election {self.leadership.name}); retry shortly",
+        )
+
     @observed
     def RegisterNode(self, request, context):
         self._admin(context)
+        self._etcd_membership(context)
         desc = descriptor_from_pb(request.node)
         if not desc.address:
             raise InvalidArgument(
@@ -126,6 +163,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @observed
     def Heartbeat(self, request, context):
         self._admin(context)
+        self._etcd_membership(context)
         load = load_from_pb(request.load) if request.HasField("load") else None
         self.conductor.heartbeat(request.node_id, load, request.generation)
         return pb.HeartbeatReply(lease_s=self.conductor.registry.lease_s)
@@ -133,6 +171,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @observed
     def UnregisterNode(self, request, context):
         self._admin(context)
+        self._etcd_membership(context)
         generation = self.conductor.unregister(request.node_id, request.generation)
         if generation is not None:
             self.feeds.stop(request.node_id, generation)
@@ -143,33 +182,40 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     @observed
     def Schedule(self, request, context):
+        if not self.leadership.leading:
+            self._redirect(context)
         return self._schedule(request, self._tenant(context))
 
     @observed
     def ScheduleBatch(self, request, context):
+        if not self.leadership.leading:
+            self._redirect(context)
         tenant = self._tenant(context)
         if len(request.requests) > MAX_BATCH:
             raise InvalidArgument(
                 f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
             )
-        outcomes = []
+        # NOTE: outcomes are added to the reply in place: a list of messages passed to the
+        # constructor is copied once more, per outcome.
+        reply = pb.ScheduleBatchReply()
+        add = reply.outcomes.add
         for item in request.requests:
             try:
-                outcomes.append(pb.ScheduleOutcome(reply=self._schedule(item, tenant)))
+                add(reply=self._schedule(item, tenant))
             except (KVStoreError, ValueError) as e:
                 code = (
                     status_for(e)
                     if isinstance(e, KVStoreError)
                     else grpc.StatusCode.INVALID_ARGUMENT
                 )
-                outcomes.append(pb.ScheduleOutcome(code=code.value[0], message=str(e)))
-        return pb.ScheduleBatchReply(outcomes=outcomes)
+                add(code=code.value[0], message=str(e))
+        return reply
 
     def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
-        layout = self._layout(sel.namespace)
+        layout, page_bytes = self._layout(sel.namespace)
         keys, prompt = self._keys(sel, layout, tenant)
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
@@ -194,7 +240,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     namespace=sel.namespace,
                     ttft_slo_s=request.ttft_slo_s or None,
                     tbt_slo_s=request.tbt_slo_s or None,
-                    block_bytes=layout.page_bytes,
+                    block_bytes=page_bytes,
                 )
             )
         except SLORejected as e:
@@ -203,32 +249,32 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         except NoNodeAvailable:
             self.metrics.rejections.labels("no_node").inc()
             raise
-        m = self.metrics
-        label = (decision.policy, decision.transfer is not None)
-        counter = self._decisions.get(label)
-        if counter is None:
-            counter = self._decisions[label] = m.decisions.labels(
-                decision.policy, "yes" if label[1] else "no"
-            )
-        counter.inc()  # type: ignore[attr-defined]
-        m.prompt_blocks.inc(decision.total_blocks)
-        m.reused_blocks.inc(decision.reuse_blocks)
+        self.metrics.decided(decision)
         return decision_to_pb(decision, rid)
 
     @observed
     def Complete(self, request, context):
+        if not self.leadership.leading:
+            self._redirect(context)
         tenant = self._tenant(context)
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         rid = _scoped_id(tenant, request.request_id)
         if request.prefill_seconds < 0:
             raise InvalidArgument("prefill_seconds must be >= 0")
-        if request.phase == pb.COMPLETE_PHASE_PREFILLED:
-            self.conductor.prefill_done(rid, request.prefill_seconds or None)
-        else:
-            if request.prefill_seconds:
-                self.conductor.prefill_done(rid, request.prefill_seconds)
-            self.conductor.complete(rid)
+        try:
+            if request.phase == pb.COMPLETE_PHASE_PREFILLED:
+                self.conductor.prefill_done(rid, request.prefill_seconds or None)
+            else:
+                if request.prefill_seconds:
+                    self.conductor.prefill_done(rid, request.prefill_seconds)
+                self.conductor.complete(rid)
+        except NotFound:
+            # A request the previous leader scheduled: its ledger went with it. Within the
+            # ledger's horizon of a takeover that is expected, not the caller's mistake.
+            since = time.monotonic() - self.leadership.took_lead_at
+            if since > self.conductor.scheduler.config.stale_after_s:
+                raise
         return pb.CompleteReply()
 
     # ---- queries --------------------------------------------------------------------------
@@ -248,7 +294,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             decisions=decisions,
             rejections=rejections,
             uptime_s=time.monotonic() - self.started,
-            leader=self.address,
+            leader=self.leadership.leader_hint() if self.membership_source else self.address,
             nodes=[
                 pb.NodeStatus(
                     node=descriptor_to_pb(v.descriptor),
@@ -270,7 +316,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     @observed
     def Locate(self, request, context):
         tenant = self._tenant(context)
-        layout = self._layout(request.namespace)
+        layout, _ = self._layout(request.namespace)
         keys, _ = self._keys(request, layout, tenant)
         found = self.conductor.locate(keys)
         return pb.LocateReply(
@@ -283,7 +329,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _layout(self, namespace: str) -> KVLayout:
+    def _layout(self, namespace: str) -> tuple[KVLayout, int]:
+        """The layout registered for ``namespace`` and its page bytes."""
         if not namespace:
             raise InvalidArgument(
                 "blocks.namespace is required (the model layout fingerprint, "
@@ -294,15 +341,19 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if version != registry.version:
             with self.conductor.lock:
                 version = registry.version
-                layouts = {l.namespace: l for s in registry.nodes() for l in s.descriptor.layouts}
+                layouts = {
+                    l.namespace: (l, l.page_bytes)
+                    for s in registry.nodes()
+                    for l in s.descriptor.layouts
+                }
             self._layouts = (version, layouts)
-        layout = layouts.get(namespace)
-        if layout is None:
+        served = layouts.get(namespace)
+        if served is None:
             raise NoNodeAvailable(
                 f"no registered node serves namespace {namespace!r}; "
                 f"served: {', '.join(sorted(layouts)) or 'none'}"
             )
-        return layout
+        return served
 
     @staticmethod
     def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
@@ -317,7 +368,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.token_bytes,
             sel.key_bytes,
         )
-        return scope_keys(raw, tenant), prompt
+        return (scope_keys(raw, tenant) if tenant else raw), prompt
 
     def _maintain(self) -> None:
         """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""

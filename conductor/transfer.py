@@ -8,7 +8,7 @@ inspection (``--transfer-hook record``).
 
 ``TransferDispatcher`` calls a hook from its own thread so that a slow hook (a gRPC call to a
 messenger) never delays a ``Schedule`` reply. Its queue is bounded: when it is full a plan is
-dropped, logged and counted (the request still runs; its prefill recomputes what did not move).
+dropped and counted (the request still runs; its prefill recomputes what did not move).
 """
 
 from __future__ import annotations
@@ -64,56 +64,82 @@ class RecordingTransferHook(TransferHook):
 
 
 class TransferDispatcher:
-    """Runs ``hook.submit`` on a background thread; ``dispatch`` never blocks."""
+    """Runs ``hook.submit`` on a background thread; ``dispatch`` never blocks.
+
+    Failures and drops are counted per plan but logged once per episode (the first failure of
+    transfers to a destination, and again when they work again; the first drop of a full queue,
+    and the count when plans are queued again): a node registered without a messenger would
+    otherwise log a traceback per ``Schedule``."""
 
     def __init__(self, hook: TransferHook, max_queued: int = 4096) -> None:
         self.hook = hook
-        self._queue: queue.Queue[TransferPlan | None] = queue.Queue(max_queued)
+        # NOTE: SimpleQueue (C) instead of Queue (a Python lock and condition per put): dispatch
+        # runs for most decisions of the global-cache policy. Bounded by the qsize check.
+        self._queue: queue.SimpleQueue[TransferPlan | None] = queue.SimpleQueue()
+        self.max_queued = max_queued
         self.dropped = 0
         self.failed = 0
         self.submitted = 0
+        self._dropping = 0  # plans dropped since the queue was last found full
+        self._failing: dict[str, int] = {}  # destination node -> failed plans this episode
         self._thread = threading.Thread(target=self._run, name="transfer-hook", daemon=True)
         self._thread.start()
 
     def dispatch(self, plan: TransferPlan) -> bool:
-        """Queue ``plan``; False (logged, counted) when the queue is full."""
-        try:
-            self._queue.put_nowait(plan)
-            return True
-        except queue.Full:
+        """Queue ``plan``; False (counted) when the queue is full."""
+        if self._queue.qsize() >= self.max_queued:
             self.dropped += 1
-            log.warning(
-                "transfer queue full: dropped the plan for request %s (%d blocks %s -> %s)",
-                plan.request_id,
-                len(plan.keys),
-                plan.src.node_id,
-                plan.dst.node_id,
-            )
+            self._dropping += 1
+            if self._dropping == 1:
+                log.warning(
+                    "transfer queue full (%d plans): dropping plans, first for request %s "
+                    "(%d blocks %s -> %s); their prefills recompute those blocks",
+                    self.max_queued,
+                    plan.request_id,
+                    len(plan.keys),
+                    plan.src.node_id,
+                    plan.dst.node_id,
+                )
             return False
+        if self._dropping:
+            log.warning("transfer queue accepts plans again; %d were dropped", self._dropping)
+            self._dropping = 0
+        self._queue.put(plan)
+        return True
 
     def _run(self) -> None:
         while True:
             plan = self._queue.get()
             if plan is None:
                 return
+            dst = plan.dst.node_id
             try:
                 self.hook.submit(plan)
-                self.submitted += 1
             except Exception:  # a failed transfer must not kill the dispatcher: log and count
                 self.failed += 1
-                log.exception(
-                    "transfer hook failed for request %s (%s -> %s)",
-                    plan.request_id,
-                    plan.src.node_id,
-                    plan.dst.node_id,
-                )
+                failed = self._failing[dst] = self._failing.get(dst, 0) + 1
+                if failed == 1:
+                    log.warning(
+                        "transfer hook failed for request %s (%s -> %s); further failures of "
+                        "transfers to %s are counted, not logged, until one succeeds",
+                        plan.request_id,
+                        plan.src.node_id,
+                        dst,
+                        dst,
+                        exc_info=True,
+                    )
+                continue
+            self.submitted += 1
+            if self._failing:
+                failed = self._failing.pop(dst, 0)
+                if failed:
+                    log.warning("transfers to %s work again after %d failed plans", dst, failed)
 
     def close(self, timeout: float = 5.0) -> None:
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            log.warning(
-                "transfer queue still full at shutdown: %d plans not submitted", self._queue.qsize()
-            )
-            return
+        self._queue.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "transfer hook still busy at shutdown: %d plans not submitted",
+                self._queue.qsize(),
+            )

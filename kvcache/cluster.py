@@ -6,6 +6,10 @@ chosen up front so that every process can be told its peers' addresses; the laun
 process's ready line, writes the cluster's state (addresses, pids, logs) to
 ``<state_dir>/cluster.json`` and prints the addresses. In the foreground it stops everything on
 Ctrl-C / SIGTERM; with ``--detach`` it returns and ``kvcache down`` stops the cluster later.
+
+With ``[etcd] enabled`` (``--etcd``) membership and the conductors' election live in etcd
+(``kvcache/etcd_server.py`` starts one unless ``endpoints`` names it) and ``[conductor] replicas``
+conductors run: one leader, the others hot standbys.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .cluster_config import (
     render,
 )
 from .engines import Serving, serving_config
+from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
 
@@ -87,21 +92,28 @@ class Cluster:
             self.serving = Serving(wanted, cfg.host)
             conductor_args = [*conductor_args, *self.serving.plan(free_port)]
         try:
-            conductor = self._start(
-                [
-                    "conductor",
-                    "--listen",
-                    f"{cfg.host}:0",
-                    "--policy",
-                    cfg.policy,
-                    *auth,
-                    *serve_tls,
-                    *(["--node-tls-ca", *ca] if ca else []),
-                    *self._metrics(cfg.get("conductor", "metrics_port")),
-                    *conductor_args,
-                ],
-                logs,
-            )
+            etcd = self._start_etcd() if cfg.get("etcd", "enabled") else None
+            etcd_args = etcd_role_args(etcd, cfg) if etcd else []
+            conductors = [
+                self._start(
+                    [
+                        "conductor",
+                        "--listen",
+                        f"{cfg.host}:0",
+                        "--policy",
+                        cfg.policy,
+                        *auth,
+                        *serve_tls,
+                        *(["--node-tls-ca", *ca] if ca else []),
+                        *self._metrics(cfg.get("conductor", "metrics_port") if i == 0 else 0),
+                        *etcd_args,
+                        *conductor_args,
+                    ],
+                    logs,
+                )
+                for i in range(cfg.get("conductor", "replicas"))
+            ]
+            conductor = conductors[0]
             state = {
                 "conductor": {
                     "address": conductor.address,
@@ -109,6 +121,16 @@ class Cluster:
                     "log": conductor.log_path,
                     "metrics": self._metrics_address(conductor),
                 },
+                "conductors": [
+                    {
+                        "address": c.address,
+                        "pid": c.pid,
+                        "log": c.log_path,
+                        "metrics": self._metrics_address(c),
+                    }
+                    for c in conductors
+                ],
+                "etcd": etcd,
                 "nodes": [],
                 "token": cfg.token,
                 "tls_ca": tls_ca,
@@ -129,8 +151,7 @@ class Cluster:
                     spec.dram,
                     "--layout",
                     spec.layout,
-                    "--conductor",
-                    conductor.address,
+                    *(etcd_args or ["--conductor", conductor.address]),
                     "--messenger",
                     messenger_addr,
                     *auth,
@@ -138,7 +159,7 @@ class Cluster:
                     *(["--conductor-tls-ca", *ca] if ca else []),
                     *self._metrics(spec.settings.get("metrics_port", 0)),
                 ]
-                if cfg.token:
+                if cfg.token and not etcd_args:
                     node_args += ["--conductor-token-file", token_file]
                 if spec.ssd not in ("0", ""):
                     node_args += [
@@ -163,6 +184,7 @@ class Cluster:
                         *auth,
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
+                        *etcd_args,
                     ],
                     logs,
                 )
@@ -184,10 +206,10 @@ class Cluster:
             if self.serving is not None:
                 layouts = {n.id: n.layout for n in cfg.nodes}
                 nodes = {n["id"]: {**n, "layout": layouts[n["id"]]} for n in state["nodes"]}
+                # every conductor: the router's client follows a standby's redirect to the leader
+                addresses = ",".join(c.address for c in conductors)
                 state.update(
-                    self.serving.start(
-                        nodes, logs, conductor.address, token_file, tls_ca, self.detach
-                    )
+                    self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
                 )
         except BaseException:
             self.stop()
@@ -226,6 +248,17 @@ class Cluster:
             host = self.config.host  # bound everywhere: reachable where the process serves
         return f"{host}:{port}" if port else None
 
+    def _start_etcd(self) -> dict:
+        """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one; what
+        cluster.json keeps of it."""
+        cfg = self.config
+        endpoints, pid = list(cfg.get("etcd", "endpoints")), None
+        if not endpoints:
+            server = start_etcd(os.path.join(cfg.state_dir, "etcd"), cfg.host)
+            self.procs.append(server.process)
+            endpoints, pid = [server.endpoint], server.pid
+        return {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+
     def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
         sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
         self.procs.append(sp)
@@ -233,10 +266,10 @@ class Cluster:
 
     def stop(self, timeout_s: float = 15.0) -> list[int]:
         """Stop the router and engines, then messengers, then node servers, then the conductor,
-        each stage in parallel (one by one, their gRPC grace periods would add up); returns exit
-        codes."""
+        then etcd, each stage in parallel (one by one, their gRPC grace periods would add up);
+        returns exit codes."""
         codes = self.serving.stop(timeout_s) if self.serving is not None else []
-        for role in ("messenger", "node", "conductor"):
+        for role in ("messenger", "node", "conductor", "etcd"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
             for sp in stage:
                 if sp.alive():
@@ -258,7 +291,8 @@ class Cluster:
 def write_prometheus_targets(state: dict, path: str) -> None:
     """Every metrics endpoint, labelled with its role and node, for a Prometheus
     ``file_sd_configs`` job (docs/operations.md)."""
-    targets = [{"targets": [state["conductor"]["metrics"]], "labels": {"role": "conductor"}}]
+    conductors = state.get("conductors") or [state["conductor"]]
+    targets = [{"targets": [c["metrics"]], "labels": {"role": "conductor"}} for c in conductors]
     for n in state["nodes"]:
         for role, key in (("node", "metrics"), ("messenger", "messenger_metrics")):
             targets.append({"targets": [n[key]], "labels": {"role": role, "node_id": n["id"]}})
@@ -272,7 +306,11 @@ def write_prometheus_targets(state: dict, path: str) -> None:
 
 
 def print_state(state: dict, path: str) -> None:
-    print(f"conductor  {state['conductor']['address']}")
+    if state.get("etcd"):
+        etcd = state["etcd"]
+        print(f"etcd       {','.join(etcd['endpoints'])}  prefix {etcd['prefix']}")
+    for c in state.get("conductors") or [state["conductor"]]:
+        print(f"conductor  {c['address']}")
     for n in state["nodes"]:
         print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
     for e in state.get("engines", []):
@@ -313,6 +351,14 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(render(cfg), end="")
         return 0
+    replicas = cfg.get("conductor", "replicas")
+    if replicas > 1 and not cfg.get("etcd", "enabled"):
+        print(
+            f"kvcache up: [conductor] replicas = {replicas} needs [etcd] enabled = true (or "
+            "--etcd): one conductor leads by etcd election, the others stand by",
+            file=sys.stderr,
+        )
+        return 2
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).

@@ -68,6 +68,29 @@ def _layout(value: Any) -> None:
     parse_layout(value)
 
 
+def _replicas(value: Any) -> None:
+    if value < 1:
+        raise ValueError(f"at least 1 conductor, got {value}")
+
+
+def _endpoints(value: Any) -> None:
+    from rpc.etcd import parse_endpoints  # NOTE: lazily, as the node's checks above
+
+    if value:
+        parse_endpoints(value)
+
+
+def _prefix(value: Any) -> None:
+    from rpc.etcd import check_prefix
+
+    check_prefix(value)
+
+
+def _ttl(value: Any) -> None:
+    if not 1 <= value <= 3600:
+        raise ValueError(f"an etcd lease is 1..3600 seconds, got {value}")
+
+
 def _port(value: Any) -> None:
     if not 0 <= value <= 65535:
         raise ValueError(f"a port is 0..65535 (0: any free port), got {value}")
@@ -98,6 +121,22 @@ SECTIONS: dict[str, dict[str, Key]] = {
         ),
         "args": Key(list, [], "more 'kvcache conductor' flags"),
         "metrics_port": Key(int, 0, "its Prometheus port (0: any free port)", check=_port),
+        "replicas": Key(
+            int,
+            1,
+            "conductors: more than 1 needs [etcd] (one leads, the others stand by)",
+            check=_replicas,
+        ),
+    },
+    "etcd": {
+        "enabled": Key(
+            bool, False, "membership and the conductors' election in etcd", flag="--etcd"
+        ),
+        "endpoints": Key(
+            list, [], "etcd client URLs (empty: kvcache up starts its own etcd)", check=_endpoints
+        ),
+        "prefix": Key(str, "/kvcache", "this cluster's key prefix in etcd", check=_prefix),
+        "ttl": Key(int, 5, "etcd lease of every process, seconds", check=_ttl),
     },
     "defaults": {
         "layout": Key(str, DEMO_LAYOUT, "a node's layout unless it names one", check=_layout),

@@ -101,16 +101,18 @@ def _exists(pid: int) -> bool:
 
 def stop_stages(state: dict) -> list[list[int]]:
     """The router, then the engines (their connectors hold leases on the nodes), then
-    messengers, then node servers, then the conductor; each stage stops in parallel (every
-    server takes its gRPC grace period, so one by one would add those up)."""
+    messengers, then node servers, then the conductors, then our etcd; each stage stops in
+    parallel (every server takes its gRPC grace period, so one by one would add those up)."""
     nodes = state.get("nodes", [])
     router = [state["router"]["pid"]] if "router" in state else []
     engines = engine_groups(state)
     messengers = [n["pids"][1] for n in nodes if len(n.get("pids", [])) > 1]
     servers = [n["pids"][0] for n in nodes if n.get("pids")]
-    staged = set(router) | set(engines) | set(messengers) | set(servers)
+    etcd = [(state.get("etcd") or {}).get("pid")]
+    etcd = [p for p in etcd if p]  # last: the conductors hand over their leases first
+    staged = set(router) | set(engines) | set(messengers) | set(servers) | set(etcd)
     rest = [p for p in reversed(state.get("pids", [])) if p not in staged]
-    return [s for s in (router, sorted(engines), messengers, servers, rest) if s]
+    return [s for s in (router, sorted(engines), messengers, servers, rest, etcd) if s]
 
 
 def engine_groups(state: dict) -> frozenset[int]:

@@ -84,7 +84,9 @@ def _targets(args: argparse.Namespace) -> tuple[str | None, list[Any], str | Non
     except LiveError as e:
         raise StatusError(f"{e}, or name a conductor with --conductor HOST:PORT") from None
     nodes = [Target(n.id, n.role, n.address, n.messenger) for n in info.nodes]
-    return info.conductor, nodes, args.token or info.token, args.tls_ca or info.tls_ca
+    # NOTE: every conductor of an etcd cluster: the client moves on from one that is down
+    conductor = ",".join(info.conductors) or info.conductor
+    return conductor, nodes, args.token or info.token, args.tls_ca or info.tls_ca
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ Checked:
   time, and no live lease is quarantined;
 - generations: a live write lease's pages still have the generations it was given (nobody else
   got them since);
-- blocks: every indexed block sits in the slot its tier says holds its key, and no slot holds two
-  blocks; a block out of the index is still held only while pinned (``doomed``);
+- blocks: every indexed block's handle names a held slot of a tier whose key is the block's, and no
+  slot holds two blocks; a block out of the index is still held only while pinned (``doomed``);
 - pins: >= 0, equal to the number of live read leases holding the block; ``tier.pinned`` counts
   the pinned blocks of the tier;
 - eviction policy: holds exactly the committed, unpinned slots of its tier;
@@ -20,7 +20,10 @@ Checked:
   committed pages; pools have the tier's page count and the layout's page size (the DRAM slab is
   exactly pages x page_bytes); the SSD tier's lmdb holds exactly one page per committed SSD block;
   bytes read are whole pages and bytes written whole layers;
-- leases: every live lease has a deadline entry, so it can expire.
+- leases: every live lease has a deadline entry, so it can expire;
+- prefix tree (when a policy keeps one): links only between indexed blocks, each child in its
+  parent's child list exactly once, ``kids`` / ``tkids`` equal to the children counted, and no
+  links left on a slot that holds no indexed block.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .blocks import Block, TierState
+from .blocks import Handle, TierState
 from .keys import BlockKey
 from .leases import LeaseBook
 from .pools import SharedDramPool
@@ -52,13 +55,14 @@ def check_store(store: LeaseBook) -> None:
         _check_tier(
             store,
             ts,
-            [b for b in blocks.values() if b[1].tier is tier],
+            {h >> 2: pins for h, pins in blocks.items() if h & 3 == tier},
             leased.get(tier, []),
             quarantined.get(tier, []),
             problems,
         )
     _check_deadlines(store, problems)
     _check_counters(store, problems)
+    _check_tree(store, problems)
     if problems:
         shown = problems[:_MAX_REPORTED]
         if len(problems) > len(shown):
@@ -70,54 +74,60 @@ def _k(key: bytes | None) -> str:
     return "None" if key is None else key.hex()
 
 
-def _check_blocks(store: LeaseBook, problems: list[str]) -> dict[int, tuple[BlockKey, Block]]:
-    """Every live block (indexed, or pinned by a read lease), by identity; checks each one."""
-    blocks: dict[int, tuple[BlockKey, Block]] = {}
-    holders: Counter[int] = Counter()  # id(block) -> read leases pinning it
-    for key, b in store._index.items():
-        blocks[id(b)] = (key, b)
-        if b.doomed:
+def _where(h: Handle) -> str:
+    tier = Tier(h & 3).name if h & 3 <= Tier.SSD else f"tier#{h & 3}"
+    return f"{tier} slot {h >> 2}"
+
+
+def _check_blocks(store: LeaseBook, problems: list[str]) -> dict[Handle, int]:
+    """Every live block (indexed, or pinned by a read lease), by handle, with the number of live
+    read leases holding it; checks each one."""
+    holders: Counter[Handle] = Counter()
+    indexed: dict[Handle, BlockKey] = {}
+    for key, h in store._index.items():
+        ts = store._by_int[h & 3] if h & 3 <= Tier.SSD else None
+        slot = h >> 2
+        if ts is None or not 0 <= slot < ts.capacity:
+            problems.append(f"block {_k(key)} is at {_where(h)}: no such slot")
+            continue
+        if h in indexed:
+            problems.append(f"{_where(h)} is held by two blocks: {_k(indexed[h])} and {_k(key)}")
+        indexed[h] = BlockKey(key)
+        if not ts.held[slot]:
+            problems.append(f"block {_k(key)} is at {_where(h)}, which holds no block")
+        elif ts.key_at(slot) != key:
+            problems.append(f"block {_k(key)} is at {_where(h)}, which holds {_k(ts.key_at(slot))}")
+        if ts.doomed[slot]:
             problems.append(f"block {_k(key)} is in the index but marked doomed")
     for lease_id, r in store._read_leases.items():
-        seen: set[int] = set()
-        for key, b in r.blocks:
-            if id(b) in seen:
-                problems.append(f"read lease {lease_id} holds block {_k(key)} twice")
-            seen.add(id(b))
-            holders[id(b)] += 1
-            known = blocks.setdefault(id(b), (key, b))
-            if known[0] != key:
-                problems.append(f"read lease {lease_id} holds block {_k(known[0])} as {_k(key)}")
-            if store._index.get(key) is not b and not b.doomed:
+        if len(set(r.blocks)) != len(r.blocks):
+            problems.append(f"read lease {lease_id} holds a block twice: {r.blocks}")
+        for h in set(r.blocks):
+            holders[h] += 1
+            ts = store._by_int[h & 3] if h & 3 <= Tier.SSD else None
+            if ts is None or not 0 <= h >> 2 < ts.capacity:
+                problems.append(f"read lease {lease_id} pins {_where(h)}: no such slot")
+                continue
+            if not ts.held[h >> 2]:
+                problems.append(f"read lease {lease_id} pins {_where(h)}, which holds no block")
+            elif h not in indexed and not ts.doomed[h >> 2]:
                 problems.append(
-                    f"read lease {lease_id} pins block {_k(key)}, which is neither "
-                    "in the index nor doomed (its page can never be freed)"
+                    f"read lease {lease_id} pins block {_k(ts.key_at(h >> 2))} at {_where(h)}, "
+                    "which is neither in the index nor doomed (its page can never be freed)"
                 )
-    occupants: dict[tuple[Tier, int], tuple[BlockKey, Block]] = {}
-    for key, b in blocks.values():
-        held = holders[id(b)]
-        if b.pins < 0:
-            problems.append(f"block {_k(key)} has negative pins ({b.pins})")
-        if b.pins != held:
-            problems.append(
-                f"block {_k(key)} has pins={b.pins} but {held} live read leases hold it"
-            )
-        if b.doomed and b.pins <= 0:
-            problems.append(f"doomed block {_k(key)} is unpinned but its page was not freed")
-        ts = store._tiers.get(b.tier)
-        if ts is None or not 0 <= b.slot < len(ts.keys):
-            problems.append(f"block {_k(key)} is at {b.tier.name} slot {b.slot}: no such slot")
+    blocks: dict[Handle, int] = {h: holders[h] for h in indexed}
+    blocks.update(holders)
+    for h, held in blocks.items():
+        ts = store._by_int[h & 3] if h & 3 <= Tier.SSD else None
+        if ts is None or not 0 <= h >> 2 < ts.capacity:
             continue
-        if ts.keys[b.slot] != key:
+        pins = ts.pins[h >> 2]
+        if pins != held:
             problems.append(
-                f"block {_k(key)} is at {b.tier.name} slot {b.slot}, which holds "
-                f"{_k(ts.keys[b.slot])}"
+                f"block at {_where(h)} has pins={pins} but {held} live read leases hold it"
             )
-        other = occupants.setdefault((b.tier, b.slot), (key, b))
-        if other[1] is not b:
-            problems.append(
-                f"{b.tier.name} slot {b.slot} is held by two blocks: {_k(other[0])} and {_k(key)}"
-            )
+        if ts.doomed[h >> 2] and pins <= 0:
+            problems.append(f"doomed block at {_where(h)} is unpinned but its page was not freed")
     return blocks
 
 
@@ -176,20 +186,31 @@ def _check_quarantine(store: LeaseBook, problems: list[str]) -> dict[Tier, list[
 def _check_tier(
     store: LeaseBook,
     ts: TierState,
-    blocks: list[tuple[BlockKey, Block]],
+    blocks: dict[int, int],
     leased: list[int],
     quarantined: list[int],
     problems: list[str],
 ) -> None:
-    name, cap = ts.tier.name, len(ts.keys)
+    """``blocks``: the tier's live blocks, slot -> read leases holding it."""
+    name, cap = ts.tier.name, ts.capacity
+    sizes = {
+        "keys": len(ts.keys) // 16,
+        "held": len(ts.held),
+        "doomed": len(ts.doomed),
+        "pins": len(ts.pins),
+        "gens": len(ts.gens),
+    }
+    if any(n != cap for n in sizes.values()):
+        problems.append(f"{name} has per-slot arrays of sizes {sizes} for {cap} slots")
+        return
     # Page ownership: free / leased / quarantined / committed, exactly one each.
     owners: dict[int, list[str]] = {}
     for what, slots in (("free", ts.free), ("leased", leased), ("quarantined", quarantined)):
         for s in slots:
             owners.setdefault(s, []).append(what)
-    for s, key in enumerate(ts.keys):
-        if key is not None:
-            owners.setdefault(s, []).append("committed")
+    committed = [s for s in range(cap) if ts.held[s]]
+    for s in committed:
+        owners.setdefault(s, []).append("committed")
     for s in range(cap):
         got = owners.pop(s, [])
         if len(got) != 1:
@@ -210,9 +231,6 @@ def _check_tier(
             f"{name} counts {ts.quarantined} quarantined pages; the quarantine holds "
             f"{len(quarantined)}"
         )
-    if len(ts.gens) != cap:
-        problems.append(f"{name} has {len(ts.gens)} slot generations for {cap} slots")
-    committed = [s for s, key in enumerate(ts.keys) if key is not None]
     used = cap - len(ts.free) - ts.leased - ts.quarantined
     if used != len(committed):
         problems.append(
@@ -220,15 +238,17 @@ def _check_tier(
             f"{len(committed)} are committed"
         )
     # Every committed page belongs to a live block (else it can never be freed).
-    held = {b.slot for _, b in blocks}
-    orphans = [s for s in committed if s not in held]
+    orphans = [s for s in committed if s not in blocks]
     if orphans:
         problems.append(f"{name} slots {orphans} hold keys no live block owns (leaked pages)")
-    pinned = sum(1 for _, b in blocks if b.pins > 0)
+    stray = [s for s in range(cap) if not ts.held[s] and (ts.pins[s] or ts.doomed[s])]
+    if stray:
+        problems.append(f"{name} slots {stray} hold no block but are pinned or doomed")
+    pinned = sum(1 for s in blocks if ts.pins[s] > 0)
     if ts.pinned != pinned:
         problems.append(f"{name} counts {ts.pinned} pinned blocks; {pinned} blocks are pinned")
     # The eviction policy orders exactly the evictable blocks: committed and unpinned.
-    evictable = {b.slot for _, b in blocks if b.pins == 0 and not b.doomed}
+    evictable = {s for s in blocks if ts.pins[s] == 0 and not ts.doomed[s]}
     wrong = [s for s in range(cap) if (s in ts.policy) != (s in evictable)]
     if wrong or len(ts.policy) != len(evictable):
         problems.append(
@@ -245,7 +265,7 @@ def _check_tier(
 
 def _check_pool(store: LeaseBook, ts: TierState, problems: list[str]) -> None:
     """Bytes held == pages x page size, and the SSD's lmdb agrees with the committed SSD pages."""
-    name, cap, pool = ts.tier.name, len(ts.keys), ts.pool
+    name, cap, pool = ts.tier.name, ts.capacity, ts.pool
     page_bytes = store.layout.page_bytes
     if pool.num_pages != cap or pool.page_bytes != page_bytes:
         problems.append(
@@ -257,7 +277,7 @@ def _check_pool(store: LeaseBook, ts: TierState, problems: list[str]) -> None:
     if isinstance(pool, SsdPool):
         # One record per key: a removed copy still being read shares its key's record.
         on_disk = set(pool.stored_keys())
-        indexed = {bytes(k) for k in ts.keys if k is not None}
+        indexed = {ts.key_at(s) for s in range(cap) if ts.held[s]}
         if on_disk != indexed:
             missing = sorted(_k(k) for k in indexed - on_disk)
             extra = sorted(_k(k) for k in on_disk - indexed)
@@ -265,6 +285,43 @@ def _check_pool(store: LeaseBook, ts: TierState, problems: list[str]) -> None:
                 f"{name} lmdb does not hold one page per key of its committed SSD "
                 f"blocks: missing {missing}, not committed {extra}"
             )
+
+
+def _check_tree(store: LeaseBook, problems: list[str]) -> None:
+    tree = store._tree
+    if tree is None:
+        return
+    indexed = {h for _, h in store._index.items()}
+    for ts in store._tiers.values():
+        t = ts.tier
+        for s in range(ts.capacity):
+            h = s << 2 | t
+            links = (tree.parent[t][s], tree.first[t][s], tree.nsib[t][s], tree.psib[t][s])
+            if h not in indexed:
+                if links != (-1, -1, -1, -1) or tree.kids[t][s] or tree.tkids[t][s]:
+                    problems.append(
+                        f"prefix tree: {_where(h)} holds no indexed block but has links"
+                    )
+                continue
+            p = tree.parent[t][s]
+            if p >= 0 and (p not in indexed or h not in tree.children(p)):
+                problems.append(
+                    f"prefix tree: {_where(h)} names parent {_where(p)}, which is not indexed "
+                    "or does not list it"
+                )
+            kids = tree.children(h)
+            if len(set(kids)) != len(kids) or any(tree.parent[c & 3][c >> 2] != h for c in kids):
+                problems.append(f"prefix tree: {_where(h)} has a broken child list {kids}")
+            if tree.kids[t][s] != len(kids):
+                problems.append(
+                    f"prefix tree: {_where(h)} counts {tree.kids[t][s]} children, has {len(kids)}"
+                )
+            here = sum(1 for c in kids if c & 3 == t)
+            if tree.tkids[t][s] != here:
+                problems.append(
+                    f"prefix tree: {_where(h)} counts {tree.tkids[t][s]} children in its tier, "
+                    f"has {here}"
+                )
 
 
 def _check_deadlines(store: LeaseBook, problems: list[str]) -> None:

@@ -17,15 +17,20 @@ import xxhash
 from .errors import InvalidArgument
 
 _chain_c: Callable[[Any, int, bytes], list[bytes]] | None
-try:  # the chain loop in C (kvstore/_chain.c), built with the package where a compiler is
-    from ._chain import chain as _chain_c
+_split_c: Callable[[bytes, int], list[bytes]] | None
+_scope_c: Callable[[Sequence[bytes], bytes], list[bytes]] | None
+try:  # the per-key loops in C (kvstore/_native.c), built with the package where a compiler is
+    from ._native import chain as _chain_c
+    from ._native import scope as _scope_c
+    from ._native import split as _split_c
 except ImportError:  # pragma: no cover - depends on the build
-    _chain_c = None
+    _chain_c = _split_c = _scope_c = None
 
 BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 16
 _ROOT_DOMAIN = b"kvcache/root/v1\x00"
 _TOKEN_DTYPE = np.dtype("<u4")
+_KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 
 def root_key(namespace: str, salt: bytes | str = b"") -> BlockKey:
@@ -61,7 +66,7 @@ def block_keys(
     """Keys of every full block of ``tokens``; a trailing partial block is not keyed.
 
     ``parent`` continues an existing chain (default: ``root``). Cost: one hash call per block over
-    the raw token bytes, in C where ``kvstore._chain`` is built (``CHAIN_IMPL`` says which).
+    the raw token bytes, in C where ``kvstore._native`` is built (``CHAIN_IMPL`` says which).
     """
     if block_tokens <= 0:
         raise InvalidArgument("block_tokens must be positive")
@@ -128,6 +133,11 @@ def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
     if not tenant:
         return list(keys)  # type: ignore[arg-type]
     prefix = b"kvcache/tenant/" + tenant.encode() + b"\x00"
+    if _scope_c is not None:
+        try:
+            return cast(list[BlockKey], _scope_c(keys, prefix))
+        except ValueError:
+            pass  # not all 16-byte bytes objects: the loop below takes any bytes-like key
     digest = xxhash.xxh3_128_digest
     return [BlockKey(digest(prefix + k)) for k in keys]
 
@@ -138,8 +148,11 @@ def split_keys(key_bytes: bytes) -> list[BlockKey]:
         raise InvalidArgument(
             f"key_bytes must hold {KEY_BYTES}-byte keys back to back, got {len(key_bytes)} bytes"
         )
-    kb = bytes(key_bytes)
-    return [kb[i : i + KEY_BYTES] for i in range(0, len(kb), KEY_BYTES)]  # type: ignore[misc]
+    if _split_c is not None:
+        return cast(list[BlockKey], _split_c(key_bytes, KEY_BYTES))
+    # NOTE: numpy's 16-byte void items come back as bytes, none stripped, ~4x faster than slicing
+    # in a comprehension.
+    return np.frombuffer(key_bytes, dtype=_KEY_DTYPE).tolist()  # type: ignore[no-any-return]
 
 
 def select_keys(

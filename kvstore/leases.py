@@ -18,7 +18,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from .blocks import Block, BlockStore
+from .blocks import BlockStore, Handle
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .keys import BlockKey
 from .layout import KVLayout
@@ -61,7 +61,7 @@ class WriteLeaseState:
 
 @dataclass(slots=True)
 class ReadLeaseState:
-    blocks: list[tuple[BlockKey, Block]]  # what this lease pinned (found ones only)
+    blocks: list[Handle]  # what this lease pinned (found ones only)
     deadline: float
 
 
@@ -101,7 +101,7 @@ class LeaseBook(BlockStore):
     def _add_read_lease(
         self,
         keys: list[BlockKey],
-        pinned: list[tuple[BlockKey, Block]],
+        pinned: list[Handle],
         slots: list[int],
         tiers: list[Tier | None],
         ttl_s: float,

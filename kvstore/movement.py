@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from .blocks import Block, BlockStore, TierState
+from .blocks import BlockStore, Handle, TierState
 from .errors import CapacityExhausted, StorageError
 from .events import EventKind
 from .keys import BlockKey
@@ -34,7 +34,7 @@ class TierMovement(BlockStore):
         need = n - len(ts.free)
         if need > 0:
             if need > len(ts.policy):
-                held = len(ts.keys) - len(ts.free) - len(ts.policy)
+                held = ts.capacity - len(ts.free) - len(ts.policy)
                 quarantine = (
                     f" ({ts.quarantined} quarantined after their write lease expired)"
                     if ts.quarantined
@@ -46,13 +46,22 @@ class TierMovement(BlockStore):
                     f"leased to writers{quarantine}. Release leases or add capacity"
                 )
             victims: list[int] = []
+            tree = self._tree
+            parents: list[BlockKey | None] = []
             for _ in range(need):
                 slot = ts.policy.pop_victim()
                 assert slot is not None, "need <= len(policy) was checked above"
                 victims.append(slot)
-            self._evict(ts, victims)
+                if tree is not None:
+                    # NOTE: a victim leaves its parent's children at once, so that the next pop
+                    # sees the parent as the leaf it now is (a cold chain goes tail first in
+                    # one batch); a demoted victim rejoins it from its new page. The parent is
+                    # remembered by key: making room below may move or drop it meanwhile.
+                    p = tree.unlink(slot << 2 | ts.tier)
+                    parents.append(self._ts(p).key_at(p >> 2) if p >= 0 else None)
+            self._evict(ts, victims, parents)
         free = ts.free
-        out = free[-n:]
+        out = free[-n:].tolist()
         del free[-n:]
         gens = ts.gens
         for slot in out:
@@ -65,9 +74,12 @@ class TierMovement(BlockStore):
                 return self._tiers[Tier(t)]
         return None
 
-    def _evict(self, ts: TierState, victims: list[int]) -> None:
-        """Move victim slots' blocks to the next tier if there is room, else drop them."""
+    def _evict(self, ts: TierState, victims: list[int], parents: list[BlockKey | None]) -> None:
+        """Move victim slots' blocks to the next tier if there is room, else drop them.
+        ``parents``: with the prefix tree, each victim's parent's key (the victims are
+        unlinked); a demoted victim whose parent left meanwhile becomes a root."""
         keys = [_committed_key(ts, s) for s in victims]
+        index = self._index
         dst = self._next_tier(ts.tier)
         moved: list[int] = []
         if dst is not None:
@@ -79,25 +91,36 @@ class TierMovement(BlockStore):
                     if not self._write_down(dst, dslots, keys[:room], src_views):
                         dst.free.extend(dslots)  # the victims are dropped below instead
                         room, dslots = 0, []
-                for key, dslot in zip(keys, dslots):
-                    block = self._index[key]
-                    block.tier, block.slot = dst.tier, dslot
-                    dst.keys[dslot] = key
-                    dst.policy.insert(dslot, fresh=True)
+                tree = self._tree
+                for i, (key, vslot, dslot) in enumerate(zip(keys, victims, dslots)):
+                    index.put(key, dslot << 2 | dst.tier)
+                    dst.hold(dslot, key)
+                    if tree is not None:
+                        pkey = parents[i]
+                        up = index.get(pkey) if pkey is not None else -1
+                        tree.move(vslot << 2 | ts.tier, dslot << 2 | dst.tier, up)
                     self._events.append(EventKind.STORED, key, dst.tier)
+                dst.policy.insert_many(dslots, fresh=True)
                 moved = victims[:room]
                 self._n.demotions += room
         dropped = victims[len(moved) :]
+        orphans: list[Handle] = []
         if dropped:
             dkeys = keys[len(moved) :]
             ts.pool.drop_pages(dropped, dkeys)
             for key in dkeys:
-                del self._index[key]
+                index.pop(key)
                 self._events.append(EventKind.EVICTED, key, ts.tier)
             ts.evictions += len(dropped)
+            if self._tree is not None:
+                for s in dropped:
+                    orphans += self._tree.detach(s << 2 | ts.tier, self._is_pinned)
+        held = ts.held
         for s in victims:
-            ts.keys[s] = None
+            held[s] = 0
         ts.free.extend(victims)
+        if orphans:
+            self._drop_orphans(orphans)
 
     def _write_down(
         self, dst: TierState, slots: list[int], keys: list[BlockKey], views: list[ByteView]
@@ -116,40 +139,46 @@ class TierMovement(BlockStore):
             dst.write_error = None
         return True
 
-    def _relocate(self, blocks: list[tuple[BlockKey, Block]], dst: TierState) -> None:
-        """Move blocks pinned only by the caller into ``dst``. A page that fails its checksum on
-        the way is dropped (unpinned, reported evicted): the caller sees it as missing."""
+    def _relocate(self, blocks: list[tuple[BlockKey, Handle]], dst: TierState) -> None:
+        """Move blocks pinned only by the caller into ``dst`` (their handles change: the caller
+        looks them up again). A page that fails its checksum on the way is dropped (unpinned,
+        reported evicted): the caller sees it as missing."""
         dslots = self._reserve(dst, len(blocks))
-        for (key, b), dslot in zip(blocks, dslots):
-            src = self._tiers[b.tier]
+        for (key, h), dslot in zip(blocks, dslots):
+            src, slot = self._ts(h), h >> 2
             if src.pool.has_data and dst.pool.has_data:
                 dview = dst.pool.page_view(dslot)
                 if dview is None:
                     # A keyed pool (SSD, via ``acquire(into=SSD)``) has no page views: store the
                     # page under its key, as ``_evict`` does when it demotes.
-                    if not self._write_down(dst, [dslot], [key], [_source_view(src, b.slot)]):
+                    if not self._write_down(dst, [dslot], [key], [_source_view(src, slot)]):
                         dst.free.append(dslot)  # the block stays pinned where it is
                         continue
-                elif not src.pool.read_page_into(b.slot, key, dview):
+                elif not src.pool.read_page_into(slot, key, dview):
                     dst.free.append(dslot)
                     self._n.corrupt_pages += 1
-                    b.pins = 0
+                    src.pins[slot] = 0
                     src.pinned -= 1
-                    self._discard(key, b)
+                    self._discard(key, h)
                     continue
                 else:
                     dst.pool.seal(dslot)
-            src.pool.drop_pages([b.slot], [key])
-            src.keys[b.slot] = None
-            src.free.append(b.slot)
+            src.pool.drop_pages([slot], [key])
+            pins = src.pins[slot]
+            src.pins[slot] = 0
+            src.held[slot] = 0
+            src.free.append(slot)
             src.pinned -= 1
             dst.pinned += 1
-            if b.tier > dst.tier:
+            if src.tier > dst.tier:
                 self._n.promotions += 1
             else:
                 self._n.demotions += 1
-            b.tier, b.slot = dst.tier, dslot
-            dst.keys[dslot] = key
+            self._index.put(key, dslot << 2 | dst.tier)
+            dst.hold(dslot, key)
+            dst.pins[dslot] = pins
+            if self._tree is not None:
+                self._tree.move(h, dslot << 2 | dst.tier)
             # NOTE: the pinned block re-enters the policy on unpin with fresh=False, which keeps
             # the slot's history: clear what the slot's previous occupant left there (LFU count).
             dst.policy.forget(dslot)
@@ -165,6 +194,5 @@ def _source_view(ts: TierState, slot: int) -> ByteView:
 
 
 def _committed_key(ts: TierState, slot: int) -> BlockKey:
-    key = ts.keys[slot]
-    assert key is not None, f"{ts.tier.name} slot {slot} is evictable but holds no block"
-    return key
+    assert ts.held[slot], f"{ts.tier.name} slot {slot} is evictable but holds no block"
+    return ts.key_at(slot)

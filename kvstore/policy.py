@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .errors import InvalidArgument
+
+_lru_touch: Callable[..., None] | None
+try:
+    from ._native import lru_touch as _lru_touch
+except ImportError:  # pragma: no cover - depends on the build
+    _lru_touch = None
 
 
 class EvictionPolicy(ABC):
@@ -27,6 +36,23 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, slot: int) -> None:
         """Record an access to ``slot`` (evictable or not)."""
+
+    def touch_many(self, slots: Sequence[int]) -> None:
+        """Record an access to each of ``slots``, a prefix in chain order (root first)."""
+        touch = self.touch
+        for slot in slots:
+            touch(slot)
+
+    def insert_many(self, slots: Sequence[int], fresh: bool = True) -> None:
+        """``insert`` each of ``slots``, given in chain order (root first)."""
+        for slot in slots:
+            self.insert(slot, fresh)
+
+    def attach_tree(self, tkids: array[int]) -> None:
+        """The tier's per-slot count of children in the tier (``tree.PrefixTree.tkids``), for
+        policies that order by the prefix tree; others ignore it."""
+
+    wants_tree = False  # whether the store must keep the prefix tree for this policy
 
     @abstractmethod
     def remove(self, slot: int) -> None:
@@ -52,8 +78,8 @@ class _LinkedSlots:
 
     def __init__(self, capacity: int, num_lists: int) -> None:
         n = capacity + num_lists
-        self.prev = array("q", [-1]) * n
-        self.next = array("q", [-1]) * n
+        self.prev = array("i", [-1]) * n
+        self.next = array("i", [-1]) * n
         for s in range(capacity, n):
             self.prev[s] = s
             self.next[s] = s
@@ -110,6 +136,28 @@ class LRUPolicy(EvictionPolicy):
         nxt[slot] = head
         nxt[tail] = slot
         prev[head] = slot
+
+    def touch_many(self, slots: Sequence[int]) -> None:
+        if _lru_touch is not None:  # one C loop over the same arrays (kvstore/_native.c)
+            buf = slots if isinstance(slots, np.ndarray) else np.asarray(slots, dtype=np.int32)
+            _lru_touch(self._lists.prev, self._lists.next, self._head, buf.astype(np.int32))
+            return
+        # NOTE: ``touch`` inlined once more: a 1000-block prefix lookup calls this, not touch.
+        prev, nxt, head = self._lists.prev, self._lists.next, self._head
+        for slot in slots:
+            p = prev[slot]
+            if p == -1:
+                continue
+            n = nxt[slot]
+            if n == head:
+                continue
+            nxt[p] = n
+            prev[n] = p
+            tail = prev[head]
+            prev[slot] = tail
+            nxt[slot] = head
+            nxt[tail] = slot
+            prev[head] = slot
 
     def remove(self, slot: int) -> None:
         if self._lists.linked(slot):
@@ -228,7 +276,64 @@ class LFUPolicy(EvictionPolicy):
         return self._lists.linked(slot)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+class PrefixPolicy(LRUPolicy):
+    """Leaves first: a block goes before its parent; among leaves, least recently used first.
+
+    Keys are chained, so a block is useless once its parent is gone, and LRU evicts a hot head
+    before its cold tail (a prefix is touched root first, which leaves the root least recent).
+    This policy touches and inserts a prefix deepest block first, so that a parent is more recent
+    than its children, and ``pop_victim`` passes over blocks that still have children in the
+    tier (``tkids``, kept by the store's ``tree.PrefixTree``, which also drops the descendants
+    of a block that leaves the store). Every operation is O(1): the reverse-order touches keep
+    the least recent blocks leaves, so a victim is found at once but where a writer stored a
+    block's children without touching the block; past ``max_skip`` such blocks the least
+    recent one goes anyway (its children become orphans and are dropped).
+    """
+
+    name = "prefix"
+    wants_tree = True
+    max_skip = 64
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._tkids: array[int] = array("i", [0]) * capacity
+
+    def attach_tree(self, tkids: array[int]) -> None:
+        assert len(tkids) == self.capacity
+        self._tkids = tkids
+
+    def touch_many(self, slots: Sequence[int]) -> None:
+        super().touch_many(slots[::-1])
+
+    def insert_many(self, slots: Sequence[int], fresh: bool = True) -> None:
+        super().insert_many(slots[::-1], fresh)
+
+    def pop_victim(self) -> int | None:
+        if not self._len:
+            return None
+        nxt, tkids, head = self._lists.next, self._tkids, self._head
+        slot = nxt[head]
+        for _ in range(self.max_skip):
+            if not tkids[slot]:
+                break
+            s = nxt[slot]
+            if s == head:  # every evictable block has children here: take the least recent
+                slot = nxt[head]
+                break
+            slot = s
+        else:
+            if tkids[slot]:
+                slot = nxt[head]
+        self._lists.unlink(slot)
+        self._len -= 1
+        return slot
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "prefix": PrefixPolicy,
+}
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

@@ -47,7 +47,16 @@ class StoreConfig:
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     hits: int  # length of the cached prefix, in blocks
-    tiers: list[Tier]  # tier of each hit block
+    tier_codes: bytes  # tier of each hit block as one byte, Tier + 1 (the wire's Tier numbers)
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tier of each hit block."""
+        of = _TIER_OF_CODE
+        return [of[c] for c in self.tier_codes]
+
+
+_TIER_OF_CODE = {1: Tier.GPU, 2: Tier.DRAM, 3: Tier.SSD}
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .blocks import Block, TierState
+from .blocks import TierState
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .events import BlockEvent
 from .invariants import InvariantViolation, check_store
@@ -53,6 +53,8 @@ from .records import (
 )
 from .ssd import SsdPool
 from .tiers import Tier
+
+_TIERS = (Tier.GPU, Tier.DRAM, Tier.SSD)  # by tier number, without an enum call per block
 
 __all__ = [
     "DEFAULT_LEASE_TTL_S",
@@ -110,9 +112,8 @@ class TieredStore(LeaseBook, TierMovement):
                 continue
             evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
-            self._tiers[tier] = TierState(
-                tier, pool, evict, list(range(pages - 1, -1, -1)), [None] * pages, gens=[0] * pages
-            )
+            self._add_tier(TierState(tier, pool, evict, pages))
+        self._grow_tree()
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
         cfg = self.config
@@ -142,8 +143,11 @@ class TieredStore(LeaseBook, TierMovement):
         keep, extra = keys[: len(ts.free)], keys[len(ts.free) :]
         if extra:
             ts.pool.drop_pages([-1] * len(extra), extra)
+        slots = []
         for key in keep:
-            self._publish(ts, BlockKey(key), ts.free.pop())
+            slots.append(ts.free.pop())
+            self._publish(ts, BlockKey(key), slots[-1])
+        ts.policy.insert_many(slots, fresh=True)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -163,7 +167,7 @@ class TieredStore(LeaseBook, TierMovement):
 
     def capacity(self, tier: Tier) -> int:
         ts = self._tiers.get(tier)
-        return len(ts.keys) if ts else 0
+        return ts.capacity if ts else 0
 
     def pool(self, tier: Tier) -> PagePool:
         return self._tiers[tier].pool
@@ -176,26 +180,29 @@ class TieredStore(LeaseBook, TierMovement):
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest cached prefix of ``keys``; stops at the first miss. Counts as an access."""
-        checked = check_keys(keys)
-        tiers: list[Tier] = []
         with self._lock:
-            index = self._index
-            for key in checked:
-                block = index.get(key)
-                if block is None:
-                    break
-                ts = self._tiers[block.tier]
-                ts.policy.touch(block.slot)
-                ts.hits += 1
-                tiers.append(block.tier)
-            self._n.misses += len(checked) - len(tiers)
-        return LookupResult(len(tiers), tiers)
+            try:
+                found = np.frombuffer(self._index.find_prefix(keys), dtype=np.int32)
+            except (TypeError, ValueError):
+                check_keys(keys)  # raises InvalidArgument naming the malformed key
+                raise
+            tiers = found & 3
+            # NOTE: one policy call per tier that holds part of the prefix, not one per block.
+            for t, ts in enumerate(self._by_int):
+                if ts is None:
+                    continue
+                slots = found[tiers == t] >> 2
+                if len(slots):
+                    ts.policy.touch_many(slots)
+                    ts.hits += len(slots)
+            self._n.misses += len(keys) - len(found)
+        return LookupResult(len(found), (tiers + 1).astype(np.uint8).tobytes())
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per-key presence without touching recency or statistics."""
         checked = check_keys(keys)
         with self._lock:
-            return [k in self._index for k in checked]
+            return [h >= 0 for h in self._index.get_many(checked)]
 
     # ---- two-phase writes --------------------------------------------------------------
 
@@ -212,13 +219,14 @@ class TieredStore(LeaseBook, TierMovement):
         with self._lock:
             ts = self._tier(target)
             self._expire_locked()
-            missing = [i for i, k in enumerate(checked) if k not in self._index]
+            found = self._index.get_many(checked)
+            missing = [i for i, h in enumerate(found) if h < 0]
             # NOTE: pin the request's own stored blocks (its cached prefix, in any tier) while
             # making room: evicting them for the new pages would leave holes in what the writer
             # is about to reuse. No room otherwise: CapacityExhausted, not a hole.
-            own = [(k, self._index[k]) for k in checked if k in self._index]
-            for _, block in own:
-                self._pin(block)
+            own = [h for h in found if h >= 0]
+            for h in own:
+                self._pin(h)
             try:
                 pages = self._reserve(ts, len(missing))
             finally:
@@ -305,20 +313,41 @@ class TieredStore(LeaseBook, TierMovement):
                             ts.free.append(slot)
                 raise
             stored = dup = 0
+            index, tree = self._index, self._tree
+            new: list[int] = []
+            prev: bytes | None = None
             for key, slot in zip(lease.keys, lease.slots):
+                parent, prev = prev, key  # NOTE: a lease's keys are one chain, in order
                 if slot < 0:
                     continue
                 ts.leased -= 1
-                if key in self._index:
+                if key in index:
                     ts.free.append(slot)
                     dup += 1
                     continue
                 ts.pool.seal(slot)  # the page's checksum: checked by copy-outs and moves
-                self._publish(ts, key, slot)
+                up = index.get(parent) if tree is not None and parent is not None else -1
+                self._publish(ts, key, slot, up)
+                new.append(slot)
                 stored += 1
+            ts.policy.insert_many(new, fresh=True)
+            if tree is not None and new:
+                self._touch_prefix(lease.keys)
             if written_in_place:
                 self._n.bytes_written += (stored + dup) * self.layout.page_bytes
             return CommitResult(stored, dup)
+
+    def _touch_prefix(self, keys: Sequence[bytes]) -> None:
+        """After a commit, its chain's stored blocks count as just used in the tiers whose
+        policy orders by prefix: the parents of the new blocks must stay more recent than
+        their children, so that the least recent blocks are leaves."""
+        found = np.frombuffer(self._index.find_prefix(keys), dtype=np.int32)
+        tiers = found & 3
+        for t, ts in enumerate(self._by_int):
+            if ts is not None and ts.policy.wants_tree:
+                slots = found[tiers == t] >> 2
+                if len(slots):
+                    ts.policy.touch_many(slots)
 
     def abort(self, lease_id: int) -> None:
         with self._lock:
@@ -358,28 +387,33 @@ class TieredStore(LeaseBook, TierMovement):
             # NOTE: resolve the target before pinning: a bad ``into`` must not leave pins behind.
             dst = None if into is None else self._tier(into)
             index = self._index
-            pinned = [(k, index[k]) for k in dict.fromkeys(checked) if k in index]
-            for _, block in pinned:
-                self._pin(block)
+            unique = list(dict.fromkeys(checked))
+            hits = [(k, h) for k, h in zip(unique, index.get_many(unique)) if h >= 0]
+            for _, h in hits:
+                self._pin(h)
             if dst is not None:
                 # NOTE: only blocks no other lease pins may move: another reader may hold a view.
-                movers = [(k, b) for k, b in pinned if b.tier != dst.tier and b.pins == 1]
+                movers = [
+                    (k, h) for k, h in hits if h & 3 != dst.tier and self._ts(h).pins[h >> 2] == 1
+                ]
                 # Best effort: what does not fit (the target is pinned full) stays where it is.
                 movers = movers[: len(dst.free) + len(dst.policy)]
                 if movers:
                     self._relocate(movers, dst)
-                    pinned = [(k, b) for k, b in pinned if b.pins]
+                    # Moved blocks have new handles; a page that failed its checksum is gone.
+                    hits = [(k, h) for k, h in zip(unique, index.get_many(unique)) if h >= 0]
+            where = dict(hits)
             slots: list[int] = []
             tiers: list[Tier | None] = []
             for key in checked:
-                found: Block | None = index.get(key)
-                if found is not None and found.pins > 0:
-                    slots.append(found.slot)
-                    tiers.append(found.tier)
+                h = where.get(key, -1)
+                if h >= 0:
+                    slots.append(h >> 2)
+                    tiers.append(_TIERS[h & 3])
                 else:
                     slots.append(-1)
                     tiers.append(None)
-            return self._add_read_lease(checked, pinned, slots, tiers, ttl)
+            return self._add_read_lease(checked, [h for _, h in hits], slots, tiers, ttl)
 
     def release(self, lease_id: int) -> None:
         with self._lock:
@@ -418,11 +452,11 @@ class TieredStore(LeaseBook, TierMovement):
                 raise FailedPrecondition(f"read lease {lease.lease_id} expired or was released")
             if not ts.pool.read_page_into(slot, key, out):
                 self._n.corrupt_pages += 1
-                block = self._index.get(key)
+                h = slot << 2 | ts.tier
                 # NOTE: only if it is the page just read: a lease may hold a removed (doomed)
                 # copy while the index holds a newer, healthy one elsewhere.
-                if block is not None and block.tier is tier and block.slot == slot:
-                    self._discard(key, block)
+                if self._index.get(key) == h:
+                    self._discard(key, h)
                 return False
             self._n.bytes_read += self.layout.page_bytes
             return True
@@ -465,12 +499,16 @@ class TieredStore(LeaseBook, TierMovement):
         """Drop blocks; a pinned block goes when its last pin is released. Returns how many."""
         checked = check_keys(keys)
         n = 0
+        unique = list(dict.fromkeys(checked))
         with self._lock:
-            for key in checked:
-                b = self._index.get(key)
-                if b is not None:
-                    self._discard(key, b)
-                    n += 1
+            for key, h in zip(unique, self._index.get_many(unique)):
+                if h < 0:
+                    continue
+                n += 1
+                # NOTE: one named earlier may have taken this one with it (prefix policy: the
+                # descendants of a removed block go too); it still counts as removed.
+                if self._index.get(key) == h:
+                    self._discard(key, h)
         return n
 
     def take_events(self, max_events: int | None = None) -> list[BlockEvent]:
@@ -480,7 +518,9 @@ class TieredStore(LeaseBook, TierMovement):
     def snapshot(self) -> tuple[int, list[tuple[BlockKey, Tier]]]:
         """Every stored key with its tier, and the sequence number this snapshot is current to."""
         with self._lock:
-            return self._events.last_seq, [(k, b.tier) for k, b in self._index.items()]
+            return self._events.last_seq, [
+                (BlockKey(k), _TIERS[h & 3]) for k, h in self._index.items()
+            ]
 
     def expire_leases(self) -> int:
         with self._lock:
@@ -491,8 +531,8 @@ class TieredStore(LeaseBook, TierMovement):
             tiers = [
                 TierStats(
                     tier=t,
-                    capacity_pages=len(ts.keys),
-                    used_pages=len(ts.keys) - len(ts.free) - ts.leased - ts.quarantined,
+                    capacity_pages=ts.capacity,
+                    used_pages=ts.capacity - len(ts.free) - ts.leased - ts.quarantined,
                     leased_pages=ts.leased,
                     quarantined_pages=ts.quarantined,
                     pinned_blocks=ts.pinned,

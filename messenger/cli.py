@@ -20,7 +20,15 @@ from clients.node_client import KVCacheRpcError, KVStoreClient
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 from rpc.channel import make_channel
+from rpc.etcd import EtcdClient
 from rpc.logs import set_identity
+from rpc.membership import (
+    MessengerRecord,
+    Registration,
+    add_etcd_args,
+    etcd_settings,
+    messengers_prefix,
+)
 from rpc.server import (
     Auth,
     Service,
@@ -123,6 +131,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "pins are released; below --pin-ttl (default: 0.8 x --pin-ttl)",
     )
     parser.add_argument(
+        "--advertise",
+        default=None,
+        type=address_arg,
+        help="the gRPC address others reach this messenger at, published in etcd "
+        "(default: the address it listens on)",
+    )
+    add_etcd_args(parser)
+    parser.add_argument(
         "--node-wait",
         type=float,
         default=30.0,
@@ -199,6 +215,10 @@ def _limit_open_files(more: int) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.lanes < 1 or args.workers < 1:
         raise SystemExit("kvcache messenger: --lanes and --workers must be at least 1")
+    etcd = None
+    if args.etcd:
+        urls, prefix = etcd_settings("messenger", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
+        etcd = EtcdClient(urls)
     limits = _data_limits(args)
     tls = tls_from_args(args)
     auth = Auth.from_args(args.token, args.tenant_token)
@@ -271,7 +291,21 @@ def run(args: argparse.Namespace) -> int:
         pbg.add_MessengerServiceServicer_to_server(servicer, server)
         return [pb.DESCRIPTOR.services_by_name["MessengerService"].full_name]
 
+    registration: Registration | None = None
+
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
+        nonlocal registration
+        if etcd is not None:  # <prefix>/messengers/<node id>: conductors pair it with its node
+            node_id = client.info().node_id
+            record = MessengerRecord(
+                node_id=node_id,
+                address=args.advertise or address,
+                data_address=data.address,
+                transport=choice.description,
+            ).encode()
+            registration = Registration(
+                etcd, messengers_prefix(prefix) + node_id, lambda: record, ttl_s=args.etcd_ttl_s
+            ).start()
         log.info(
             "messenger for node %s on %s, data port %s, transport %s",
             args.node,
@@ -282,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
         if args.fault_open_files:
             _limit_open_files(args.fault_open_files)
         return {"data_address": data.address, "transport": choice.description}
+
+    def on_stopping() -> None:
+        if registration is not None:
+            registration.stop()
 
     def close() -> None:
         mover.close()
@@ -305,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             registry=metrics.registry,
             on_serving=on_serving,
+            on_stopping=on_stopping,
             close=close,
         )
     )

@@ -8,6 +8,9 @@ conductor is retried with backoff and reported once per outage, not once per att
 
 The block events themselves do not go through the agent: the conductor subscribes to the node's
 ``Events`` stream at the registered address.
+
+With ``--etcd`` the node registers in etcd instead (``start_etcd_registration``): no conductor
+address to know, and every conductor (leader and standbys) learns of it from its watch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_channel
 from rpc.cluster import NodeDescriptor, NodeLoad, Role
+from rpc.etcd import EtcdClient
+from rpc.membership import NodeRecord, Registration, new_incarnation, nodes_prefix
 from rpc.wire import descriptor_to_pb, load_to_pb, usage_of
 
 from .config import NodeConfig
@@ -163,23 +168,46 @@ def node_load(node: Node) -> NodeLoad:
     )
 
 
-def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
-    """Start an agent for ``kvcache node --conductor ADDR`` (``address``: where others reach
-    its NodeService)."""
-    assert cfg.conductor, "start_node_agent needs cfg.conductor"
-    load = node_load(node)
-    descriptor = NodeDescriptor(
+def _descriptor(cfg: NodeConfig, node: Node, address: str) -> NodeDescriptor:
+    return NodeDescriptor(
         node_id=node.node_id,
         role=Role.parse(cfg.role or "both"),
         address=address,
         messenger_address=cfg.messenger or "",
         layouts=tuple(cfg.layouts),
-        capacity=load.tiers,
+        capacity=node_load(node).tiers,
     )
+
+
+def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
+    """Start an agent for ``kvcache node --conductor ADDR`` (``address``: where others reach
+    its NodeService)."""
+    assert cfg.conductor, "start_node_agent needs cfg.conductor"
+    descriptor = _descriptor(cfg, node, address)
     return NodeAgent(
         cfg.conductor,
         cfg.conductor_token,
         descriptor,
         lambda: node_load(node),
         tls_ca_file=cfg.conductor_tls_ca,
+    ).start()
+
+
+def start_etcd_registration(cfg: NodeConfig, node: Node, address: str) -> Registration:
+    """``kvcache node --etcd URLS``: the node's record (descriptor, load, incarnation) under
+    ``<prefix>/nodes/<node_id>`` with a lease; conductors learn the membership by watching."""
+    assert cfg.etcd, "start_etcd_registration needs cfg.etcd"
+    descriptor = _descriptor(cfg, node, address)
+    incarnation = new_incarnation()
+
+    def record() -> bytes:
+        return NodeRecord(
+            descriptor=descriptor, load=node_load(node), incarnation=incarnation
+        ).encode()
+
+    return Registration(
+        EtcdClient(cfg.etcd),
+        nodes_prefix(cfg.etcd_prefix) + node.node_id,
+        record,
+        ttl_s=cfg.etcd_ttl_s,
     ).start()

@@ -12,9 +12,11 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.policy import POLICIES
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
+from rpc.membership import Registration, add_etcd_args, etcd_settings
 from rpc.server import (
     Auth,
     Service,
@@ -25,7 +27,7 @@ from rpc.server import (
     tls_from_args,
 )
 
-from .agent import NodeAgent, start_node_agent
+from .agent import NodeAgent, start_etcd_registration, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
 from .metrics import NodeMetrics
 from .node import Node
@@ -58,9 +60,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a damaged SSD lmdb file at start: refuse to start (default), or move it aside "
         "(renamed next to it) and start with an empty SSD tier",
     )
-    parser.add_argument("--dram-policy", choices=["lru", "lfu"])
-    parser.add_argument("--ssd-policy", choices=["lru", "lfu"])
-    parser.add_argument("--gpu-policy", choices=["lru", "lfu"])
+    for tier in ("dram", "ssd", "gpu"):
+        parser.add_argument(
+            f"--{tier}-policy",
+            choices=sorted(POLICIES),
+            help="eviction policy (default lru; prefix: leaves of the prefix tree first)",
+        )
     parser.add_argument(
         "--no-promote",
         dest="promote_on_hit",
@@ -125,6 +130,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise", type=address_arg, help="address others use to reach this node"
     )
+    add_etcd_args(parser, defaults=False)
 
 
 def build_config(args: argparse.Namespace) -> NodeConfig:
@@ -155,6 +161,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "role": args.role,
         "messenger": args.messenger,
         "advertise": args.advertise,
+        "etcd": args.etcd,
+        "etcd_prefix": args.etcd_prefix,
+        "etcd_ttl_s": args.etcd_ttl_s,
         "dram": args.dram,
         "gpu": args.gpu,
         "ssd": args.ssd,
@@ -191,6 +200,11 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         )
     if not 0 < cfg.stream_idle_timeout_s < float("inf"):
         raise KVStoreError("--stream-idle-timeout must be finite seconds > 0")
+    if cfg.etcd and cfg.conductor:
+        raise KVStoreError(
+            "--etcd and --conductor are alternatives: with --etcd the node registers in etcd "
+            "and every conductor finds it there"
+        )
     if cfg.ssd and not cfg.ssd_dir:
         raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")
     return cfg
@@ -199,6 +213,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(args)
+        if cfg.etcd:
+            urls, cfg.etcd_prefix = etcd_settings("node", cfg.etcd, cfg.etcd_prefix, cfg.etcd_ttl_s)
+            cfg.etcd = ",".join(urls)
         # NOTE: validated before the node exists, so a bad flag leaves no shared memory behind.
         auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
         tls = tls_from_args(cfg)
@@ -216,15 +233,18 @@ def run(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=cfg.stream_idle_timeout_s,
     )
     agent: NodeAgent | None = None
+    registration: Registration | None = None
 
     def add(server: grpc.Server) -> list[str]:
         pbg.add_NodeServiceServicer_to_server(servicer, server)
         return [pb.DESCRIPTOR.services_by_name["NodeService"].full_name]
 
     def on_serving(address: str, metrics_port: int | None) -> dict[str, Any]:
-        nonlocal agent
+        nonlocal agent, registration
         if cfg.conductor:  # register with the conductor and keep the lease alive
             agent = start_node_agent(cfg, node, cfg.advertise or address)
+        if cfg.etcd:  # or in etcd, where every conductor watches
+            registration = start_etcd_registration(cfg, node, cfg.advertise or address)
         log.info(
             "node %s serving %s on %s (tls=%s, auth=%s)",
             node.node_id,
@@ -241,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         servicer.stopping = True
         if agent is not None:
             agent.stop()
+        if registration is not None:
+            registration.stop()  # revokes the lease: the conductors drop the node at once
 
     return serve(
         Service(

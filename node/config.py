@@ -106,6 +106,10 @@ class NodeConfig:
     role: str = "both"
     messenger: str = ""
     advertise: str | None = None  # address others use to reach this node (default: listen)
+    # registration in etcd instead (rpc/membership.py): endpoints, key prefix, lease TTL
+    etcd: str | None = None
+    etcd_prefix: str = "/kvcache"
+    etcd_ttl_s: int = 5
 
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
         """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""

@@ -19,7 +19,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.server import Auth
 from rpc.status import observed, observed_stream
 from rpc.streams import StreamGate
-from rpc.wire import layout_to_pb, tier_codes, tier_to_pb, usage_of, usage_to_pb
+from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
 from .metrics import NodeMetrics
 from .node import Node, Selection
@@ -136,7 +136,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.metrics.lookup_blocks.labels("hit").inc(res.hits)
         self.metrics.lookup_blocks.labels("miss").inc(len(sel.keys) - res.hits)
         return pb.LookupReply(
-            hit_blocks=res.hits, total_blocks=len(sel.keys), tier_codes=tier_codes(res.tiers)
+            hit_blocks=res.hits, total_blocks=len(sel.keys), tier_codes=res.tier_codes
         )
 
     @observed

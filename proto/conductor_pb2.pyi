@@ -108,7 +108,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
-    __slots__ = ("src_node", "src_address", "src_messenger", "dst_node", "dst_address", "dst_messenger", "namespace", "keys", "first_block", "bytes", "est_seconds")
+    __slots__ = ("src_node", "src_address", "src_messenger", "dst_node", "dst_address", "dst_messenger", "namespace", "keys", "first_block", "bytes", "est_seconds", "key_bytes")
     SRC_NODE_FIELD_NUMBER: _ClassVar[int]
     SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SRC_MESSENGER_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class TransferPlan(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     EST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     src_node: str
     src_address: str
     src_messenger: str
@@ -131,7 +132,8 @@ class TransferPlan(_message.Message):
     first_block: int
     bytes: int
     est_seconds: float
-    def __init__(self, src_node: _Optional[str] = ..., src_address: _Optional[str] = ..., src_messenger: _Optional[str] = ..., dst_node: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_messenger: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., bytes: _Optional[int] = ..., est_seconds: _Optional[float] = ...) -> None: ...
+    key_bytes: bytes
+    def __init__(self, src_node: _Optional[str] = ..., src_address: _Optional[str] = ..., src_messenger: _Optional[str] = ..., dst_node: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_messenger: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., bytes: _Optional[int] = ..., est_seconds: _Optional[float] = ..., key_bytes: _Optional[bytes] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
     __slots__ = ("request_id", "policy", "prefill_node", "prefill_address", "prefill_messenger", "decode_node", "decode_address", "decode_messenger", "total_blocks", "local_blocks", "best_blocks", "reuse_blocks", "transfers", "est_queue_s", "est_transfer_s", "est_prefill_s", "est_ttft_s", "est_tbt_s")

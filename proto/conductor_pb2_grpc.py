@@ -82,7 +82,8 @@ class ConductorServiceServicer(object):
 
     def RegisterNode(self, request, context):
         """A node joins (or rejoins: its index entries are rebuilt from a snapshot of its Events
-        stream, which the conductor subscribes to at `node.address`).
+        stream, which the conductor subscribes to at `node.address`). A conductor started with
+        --etcd learns its nodes from etcd and answers the three membership RPCs FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +105,10 @@ class ConductorServiceServicer(object):
 
     def Schedule(self, request, context):
         """Place one request. RESOURCE_EXHAUSTED (message names the SLO) when no choice meets its SLOs;
-        FAILED_PRECONDITION when no node serves its namespace.
+        FAILED_PRECONDITION when no node serves its namespace. With etcd (several conductors), only
+        the elected leader places requests (also ScheduleBatch and Complete): a standby answers
+        FAILED_PRECONDITION naming the leader (trailing metadata `kvcache-leader`: its address), or
+        UNAVAILABLE while nobody leads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a 'kvcache up' state file (cluster.json): conductor, token, TLS CA and engines "
         "from it (flags given as well win)",
     )
-    parser.add_argument("--conductor", default=None, help="the conductor's gRPC host:port")
+    parser.add_argument(
+        "--conductor",
+        default=None,
+        help="the conductor's gRPC host:port (several, comma-separated: a standby redirects to "
+        "the leader)",
+    )
     parser.add_argument(
         "--engine",
         action="append",

@@ -49,7 +49,7 @@ from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
 from proto import messenger_pb2 as mpb
 from rpc.status import KVCacheRpcError
-from rpc.wire import layout_from_pb
+from rpc.wire import layout_from_pb, transfer_keys
 
 from .engines import Engine, EngineClient, EngineError, EngineStream, EngineTimeouts
 from .metrics import RouterMetrics
@@ -263,7 +263,8 @@ class Disaggregator:
             prefill, decode = self._engine(reply.prefill_node), self._engine(reply.decode_node)
             t = time.perf_counter()
             for plan in reply.transfers:
-                await self._pull("plan", plan.dst_messenger, plan.src_messenger, plan.keys, served)
+                keys = transfer_keys(plan)
+                await self._pull("plan", plan.dst_messenger, plan.src_messenger, keys, served)
             if reply.transfers:
                 self.metrics.stage.labels("plan_wait").observe(time.perf_counter() - t)
             t = time.perf_counter()
@@ -278,10 +279,10 @@ class Disaggregator:
             self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
             await self._quietly(self.conductor.prefilled, served.request_id, took)
             if reply.decode_node != reply.prefill_node:
-                keys = block_keys(tokens, layout.block_tokens, root_key(layout.namespace))
+                blocks = block_keys(tokens, layout.block_tokens, root_key(layout.namespace))
                 t = time.perf_counter()
                 await self._pull(
-                    "decode_pull", reply.decode_messenger, reply.prefill_messenger, keys, served
+                    "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
                 )
                 self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
             body = {**call.forward, "model": model.name, "prompt": tokens}
@@ -318,7 +319,7 @@ class Disaggregator:
         served.prefill_node, served.decode_node = reply.prefill_node, reply.decode_node
         served.prompt_tokens = len(tokens)
         served.reuse_blocks = reply.reuse_blocks
-        served.plan_blocks = sum(len(p.keys) for p in reply.transfers)
+        served.plan_blocks = sum(len(transfer_keys(p)) for p in reply.transfers)
         self.metrics.prompt_tokens.inc(len(tokens))
         return reply
 

@@ -104,12 +104,14 @@ def start_service(
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
     new_session: bool = False,
+    module: str = "kvcache.cli",
 ) -> ServiceProcess:
-    """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
+    """Run ``kvcache <args>`` (``python -m module <args>``) in a new process; return once it has
+    announced it is ready."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache.cli", *args],
+        [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,

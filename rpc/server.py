@@ -168,12 +168,20 @@ class TlsConfig:
     key_file: str
 
 
-def make_server(auth: Auth, max_workers: int = 32) -> grpc.Server:
+def make_server(
+    auth: Auth, max_workers: int = 32, max_concurrent_rpcs: int | None = None
+) -> grpc.Server:
+    """A thread-pool server; calls beyond ``max_concurrent_rpcs`` (default 8 per worker) in
+    flight are refused with RESOURCE_EXHAUSTED. Without tokens there is no auth interceptor:
+    it would only pass every call on."""
+    interceptors: list[Any] = [_LogContextInterceptor()]
+    if auth.enabled:
+        interceptors.append(_AuthInterceptor(auth))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[_LogContextInterceptor(), _AuthInterceptor(auth)],
+        interceptors=interceptors,
         options=CHANNEL_OPTIONS,
-        maximum_concurrent_rpcs=max_workers * 8,
+        maximum_concurrent_rpcs=max_concurrent_rpcs or max_workers * 8,
     )
 
 
@@ -398,18 +406,23 @@ class Service:
     metrics_host: str = "127.0.0.1"
     registry: Any = None  # prometheus CollectorRegistry
     workers: int = 32
+    max_concurrent_rpcs: int | None = None  # default: 8 per worker (see make_server)
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
     on_stopping: Callable[[], None] = lambda: None  # before the server drains
+    # Given the health servicer before the server starts (e.g. to report a standby's
+    # service NOT_SERVING while the process itself is healthy).
+    on_health: Callable[[health.HealthServicer], None] = lambda servicer: None
     close: Callable[[], None] = lambda: None  # after it stopped, or when bind failed
 
 
 def serve(service: Service) -> int:
     """Bind, start, announce ready, wait for SIGTERM / SIGINT, then stop cleanly (health goes
     NOT_SERVING, ``on_stopping``, 2 s grace for calls in flight, ``close``). Returns 0."""
-    server = make_server(service.auth, max_workers=service.workers)
+    server = make_server(service.auth, service.workers, service.max_concurrent_rpcs)
     health_servicer = add_health_and_reflection(server, service.add(server))
+    service.on_health(health_servicer)
     try:
         port = bind(server, service.listen, service.tls)
     except (OSError, RuntimeError) as e:

@@ -1,5 +1,6 @@
 """Every conversion between proto messages and the dataclasses they carry, in one place:
-tiers, layouts, tier usage, node load, node descriptors and block selectors."""
+tiers, layouts, tier usage, node load, node descriptors, block selectors and the keys of
+transfer plans."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES as _KEY_BYTES
-from kvstore.keys import tokens_as_array
+from kvstore.keys import split_keys, tokens_as_array
 from kvstore.layout import KVLayout
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
@@ -42,10 +43,6 @@ def tier_or_none_from_pb(value: int) -> Tier | None:
 # Tier codes: one byte per block, the proto value (0: absent). Packed so that a reply about a
 # thousand blocks carries one bytes field, not a thousand enum values to parse and wrap.
 _TIER_OF_CODE: tuple[Tier | None, ...] = (None, Tier.GPU, Tier.DRAM, Tier.SSD)
-
-
-def tier_codes(tiers: Sequence[Tier | None]) -> bytes:
-    return bytes([0 if t is None else t + 1 for t in tiers])
 
 
 def tiers_from_codes(codes: bytes) -> list[Tier | None]:
@@ -193,3 +190,12 @@ def selector_to_pb(
     # A malformed key would shift every key after it in the packed form: send them one by one
     # and let the server say which key is wrong.
     return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys))
+
+
+# ---- transfer plans (the conductor's side: conductor.convert) ---------------------------------
+
+
+def transfer_keys(plan: pb.TransferPlan) -> list[bytes]:
+    """The keys a ``Schedule`` reply's transfer plan moves: packed in ``key_bytes`` (16 bytes
+    each), or one per entry of ``keys`` from a conductor that sends them so."""
+    return list(split_keys(plan.key_bytes)) if plan.key_bytes else list(plan.keys)

@@ -46,3 +46,32 @@ def start_node(start_kvcache, tmp_path):
 
 def shm_exists(name: str) -> bool:
     return os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd member (Debian's etcd-server, which make installs) on free loopback ports,
+    its data in tmp_path/etcd; stopped at teardown (restarts through ``.restart()`` included)."""
+    from kvcache.etcd_server import start_etcd
+
+    servers = [start_etcd(str(tmp_path / "etcd"), log_path=str(tmp_path / "etcd.log"))]
+
+    class Handle:
+        @property
+        def server(self):
+            return servers[-1]
+
+        @property
+        def endpoint(self) -> str:
+            return servers[-1].endpoint
+
+        def kill(self) -> None:
+            servers[-1].kill()
+
+        def restart(self):
+            servers.append(servers[-1].restart())
+            return servers[-1]
+
+    yield Handle()
+    for s in servers:
+        s.stop()

@@ -55,6 +55,18 @@ def test_lru_and_lfu_differ_where_they_should():
         assert hit_blocks(lfu_trace, capacity_tokens=3 * BT, policy=policy) == 4
 
 
+# [1,2,3] then [9] with room for 3: LRU evicts block 1 (the chain's root, touched first) and the
+# repeat of [1,2,3] hits nothing; prefix evicts the leaf 3 and the repeat hits 1 and 2.
+FAVOURS_PREFIX = [[1, 2, 3], [9], [1, 2, 3]]
+
+
+def test_prefix_policy_keeps_the_head_lru_evicts():
+    trace = make_trace(FAVOURS_PREFIX)
+    assert hit_blocks(trace, capacity_tokens=3 * BT, policy="lru") == 0
+    assert hit_blocks(trace, capacity_tokens=3 * BT, policy="prefix") == 2
+    assert hit_blocks(trace, capacity_tokens=4 * BT, policy="prefix") == 3
+
+
 def test_hits_are_prefixes_and_token_rate_caps_the_partial_block():
     # [1,2,3] (10 tokens: 4+4+2), again (3 hits, 10 tokens), [1,2,9] (2 hits), [5,2] (0: block 2
     # after 5 is a different prefix), [1] (1 hit).
@@ -155,6 +167,30 @@ def _write_trace(path, prompts: list[list[int]]) -> str:
                 + "\n"
             )
     return str(path)
+
+
+def test_cli_compares_prefix_with_lru(tmp_path):
+    trace = _write_trace(tmp_path / "t.jsonl", FAVOURS_PREFIX)
+    out = tmp_path / "hitrate.json"
+    proc = _kvcache(
+        "hitrate",
+        "--trace",
+        trace,
+        "--trace-block-tokens",
+        str(BT),
+        "--capacities",
+        "12,16",
+        "--policies",
+        "lru,prefix",
+        "--out",
+        str(out),
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "prefix-aware eviction vs LRU" in proc.stdout
+    rows = {r["capacity"]: r for r in json.loads(out.read_text())["prefix_vs_lru"]}
+    assert rows[12]["prefix"] == pytest.approx(2 / 7) and rows[12]["lru"] == 0.0
+    assert rows[12]["at_least"] and rows[16]["points"] == 0.0
 
 
 def test_cli_smoke(tmp_path):

@@ -88,6 +88,8 @@ def test_every_known_key_has_an_environment_variable():
                 text, want = "7", 7
             elif key.type is float:
                 text, want = "2.5", 2.5
+            elif (section, k) == ("etcd", "endpoints"):
+                text, want = "http://h:1 http://h:2", ["http://h:1", "http://h:2"]
             elif key.type is list:
                 text, want = "--a 'b c'", ["--a", "b c"]
             elif key.choices:
@@ -96,6 +98,8 @@ def test_every_known_key_has_an_environment_variable():
                 text, want = "/tmp/x", "/tmp/x"
             elif k in ("dram", "ssd"):
                 text = want = "3MiB"
+            elif k == "prefix":
+                text = want = "/kv"
             elif k == "layout":
                 text = want = "model=m,num_layers=1,kv_heads=1,head_dim=8"
             else:

@@ -38,6 +38,8 @@ def test_conductor_benchmark_writes_every_figure(tmp_path):
             "2",
             "--batch",
             "8",
+            "--reps",
+            "2",
             "--no-progress",
             "--out",
             str(tmp_path),
@@ -61,17 +63,25 @@ def test_conductor_benchmark_writes_every_figure(tmp_path):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
     g = doc["grpc"]
     assert g["indexed_keys"] == 4096 and g["held_pairs"] == doc["workload"]["held_pairs"]
-    assert g["decisions"] == 64 and g["target_per_s"] == 2000.0
+    assert g["decisions"] == 64 and g["target_per_s"] == 2000.0 and g["reps"] == 2
     for key in (
         "decisions_per_s",
+        "p50_ms",
         "batched_decisions_per_s",
         "empty_rpc_per_s",
+        "empty_rpc_p50_ms",
         "rate_vs_empty_rpc",
         "rss_full_mb",
         "rss_vs_target",
     ):
         assert math.isfinite(g[key]) and g[key] > 0, key
-    assert "decisions/s" in out.stdout and "empty RPC" in out.stdout and "p99/2ms" in out.stdout
+    assert len(g["rate_vs_empty_rpc_runs"]) == 2
+    # The conductor's empty RPC, Schedule, ScheduleBatch, and the bare sync and aio servers.
+    assert len(g["phases"]) == 5 and "aio" in g["phases"][-1]["phase"]
+    for row in g["phases"]:
+        assert len(row["runs_per_s"]) == 2 and row["per_s"] > 0 and row["p50_ms"] > 0, row
+    assert "Schedule / empty RPC" in out.stdout and "p99/2ms" in out.stdout
+    assert "ScheduleBatch (8 per call)" in out.stdout
 
 
 def test_conductor_benchmark_rejects_bad_options(tmp_path):
@@ -92,3 +102,10 @@ def test_conductor_benchmark_rejects_bad_options(tmp_path):
         timeout=60,
     )
     assert out.returncode != 0 and "unknown policies ['fastest']" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", "conductor", "--reps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "repetition" in out.stderr

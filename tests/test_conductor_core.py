@@ -5,10 +5,13 @@ same way node servers' event streams do."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor import (
     FittedCostModel,
@@ -23,12 +26,13 @@ from conductor import (
     SchedulerConfig,
     SequenceGap,
     SLORejected,
+    TransferPlan,
     fit_prefill,
 )
 from conductor.core import Conductor, StaleFeed
 from conductor.costmodel import HardwareSpec, ModelSpec, PrefillSample, with_mfu
 from conductor.scheduler import NoNodeAvailable, make_policy
-from conductor.transfer import RecordingTransferHook
+from conductor.transfer import RecordingTransferHook, TransferDispatcher, TransferHook
 from kvstore import (
     InvalidArgument,
     KVLayout,
@@ -40,6 +44,8 @@ from kvstore import (
     root_key,
 )
 from kvstore.events import BlockEvent, EventKind
+
+from helpers import wait_until
 
 BT = 512
 LAYOUT = KVLayout(model="m", num_layers=2, kv_heads=1, head_dim=4, block_tokens=BT)
@@ -197,6 +203,34 @@ def test_index_prefix_lengths_follow_stored_and_evicted_events():
     assert idx.blocks("a") == 4 and idx.blocks("b") == 3
     assert idx.prefix_lengths(chain(3, start=100)) == {}
     assert idx.prefix_lengths([]) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(st.sets(st.integers(0, 11)), min_size=1, max_size=5),
+    tiers=st.lists(st.sampled_from([Tier.GPU, Tier.DRAM, Tier.SSD]), min_size=12, max_size=12),
+    query=st.lists(st.integers(0, 13), max_size=14),
+)
+def test_index_prefix_lengths_match_a_walk_of_each_node(held, tiers, query):
+    """Against the definition: per node, the leading query keys it holds (any tier), nodes
+    holding none left out; nodes listed by prefix length (shortest first) then slot."""
+    keys = chain(14)
+    idx = GlobalIndex()
+    for n, blocks in enumerate(held):
+        idx.add_node(f"n{n}")
+        idx.apply_events(
+            f"n{n}",
+            [ev(i + 1, EventKind.STORED, keys[b], tiers[b]) for i, b in enumerate(sorted(blocks))],
+        )
+    asked = [keys[b] for b in query]
+    expected = {}
+    for n, blocks in enumerate(held):
+        length = next((i for i, b in enumerate(query) if b not in blocks), len(query))
+        if length:
+            expected[f"n{n}"] = length
+    got = idx.prefix_lengths(asked)
+    assert got == expected
+    assert list(got) == sorted(expected, key=lambda n: (expected[n], int(n[1:])))
 
 
 def test_index_gap_raises_after_applying_what_came_before():
@@ -423,6 +457,14 @@ def test_stale_ledger_entries_expire():
     assert c.sched.expire_stale() == []
     c.now = 100.0
     assert c.sched.expire_stale() == ["lost"] and c.sched.pending() == 0
+    # The earliest deadline gone (completed) leaves the next one to expire on time.
+    c.schedule("done", chain(4))
+    c.now = 200.0
+    c.schedule("late", chain(4, start=50))
+    c.sched.complete("done")
+    assert c.sched.expire_stale() == [] and c.sched.is_pending("late")
+    c.now = 400.0
+    assert c.sched.expire_stale() == ["late"] and c.sched.pending() == 0
 
 
 def test_random_and_load_policies():
@@ -505,6 +547,74 @@ def test_conductor_refuses_stale_feeds_and_hands_plans_to_the_hook():
         assert hook.plans()[0].keys == tuple(keys)
     finally:
         c.close()
+
+
+def _plan(rid: str, dst: str) -> TransferPlan:
+    return TransferPlan(
+        request_id=rid,
+        namespace=LAYOUT.namespace,
+        src=NodeDescriptor(node_id="p0", role=Role.PREFILL),
+        dst=NodeDescriptor(node_id=dst, role=Role.PREFILL),
+        keys=tuple(chain(2)),
+        first_block=0,
+        nbytes=2,
+        est_seconds=0.0,
+    )
+
+
+class _GatedHook(TransferHook):
+    """Fails plans to ``failing`` destinations; holds every plan until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.failing: set[str] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Semaphore(0)
+
+    def submit(self, plan: TransferPlan) -> None:
+        self.entered.release()
+        self.gate.wait(10)
+        if plan.dst.node_id in self.failing:
+            raise ValueError(f"destination node {plan.dst.node_id} registered no messenger")
+
+
+def test_dispatcher_counts_every_failure_and_logs_it_once_per_episode(caplog):
+    hook = _GatedHook()
+    hook.failing.add("p1")
+    d = TransferDispatcher(hook)
+    try:
+        with caplog.at_level(logging.WARNING, logger="conductor.transfer"):
+            for i in range(5):
+                assert d.dispatch(_plan(f"r{i}", "p1"))
+            wait_until(lambda: d.failed == 5, what="5 failed plans")
+            assert d.submitted == 0
+            failures = [r for r in caplog.records if "transfer hook failed" in r.getMessage()]
+            assert len(failures) == 1 and failures[0].exc_info is not None  # one traceback
+            hook.failing.clear()
+            assert d.dispatch(_plan("ok", "p1"))
+            wait_until(lambda: d.submitted == 1, what="the plan submitted")
+            assert "transfers to p1 work again after 5 failed plans" in caplog.text
+    finally:
+        d.close()
+
+
+def test_dispatcher_drops_plans_when_its_queue_is_full_and_says_so_once(caplog):
+    hook = _GatedHook()
+    hook.gate.clear()  # the hook holds the first plan: the others queue up
+    d = TransferDispatcher(hook, max_queued=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="conductor.transfer"):
+            assert d.dispatch(_plan("r0", "p1")) and hook.entered.acquire(timeout=5)
+            assert d.dispatch(_plan("r1", "p1")) and d.dispatch(_plan("r2", "p1"))
+            assert not d.dispatch(_plan("r3", "p1")) and not d.dispatch(_plan("r4", "p1"))
+            assert d.dropped == 2
+            assert caplog.text.count("transfer queue full") == 1
+            hook.gate.set()
+            wait_until(lambda: d.submitted == 3, what="the queued plans submitted")
+            assert d.dispatch(_plan("r5", "p1"))
+            assert "transfer queue accepts plans again; 2 were dropped" in caplog.text
+    finally:
+        d.close()
 
 
 def test_conductor_is_safe_under_concurrent_feeds_and_schedules():

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVStoreClient
 from clients.conductor_client import ConductorClient, selector
+from kvstore.errors import InvalidArgument
 from kvstore.keys import block_keys, root_key, scope_keys
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
@@ -24,6 +25,7 @@ from proto import conductor_pb2_grpc as pbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
+from rpc.wire import transfer_keys
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
 from helpers import rpc_error, wait_until
@@ -137,6 +139,19 @@ def test_health_reflection_and_bad_requests(start_conductor):
     assert c.alive()
 
 
+def test_calls_in_flight_wait_for_the_few_handler_threads(start_conductor):
+    """A handful of handler threads serve the calls in turn: 300 at once (every node's
+    heartbeat and every front end's call may come together) are served, none refused."""
+    c = start_conductor("--workers", "2")
+    channel = make_channel(c.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        calls = [stub.Check.future(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(300)]
+        assert {f.result().status for f in calls} == {health_pb2.HealthCheckResponse.SERVING}
+    finally:
+        channel.close()
+
+
 def test_auth_token_and_tenant_permissions(start_conductor):
     c = start_conductor("--token", "admin-secret", "--tenant-token", "t1=alice")
     no_token = pbg.ConductorServiceStub(make_channel(c.address))
@@ -216,7 +231,8 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         assert (plan.src_node, plan.dst_node, plan.first_block) == ("n0", "n1", 3)
         assert (plan.src_address, plan.dst_address) == (n0.address, n1.address)
         expected = block_keys(prompt, BT, root_key(NS))[3:]
-        assert list(plan.keys) == expected and plan.bytes == 9 * TEST_PAGE_BYTES
+        assert plan.key_bytes == b"".join(expected) and not plan.keys  # packed on the wire
+        assert transfer_keys(plan) == expected and plan.bytes == 9 * TEST_PAGE_BYTES
 
         # Rejection names the SLO; the ledger is honest after Complete.
         code, msg = rpc_error(lambda: cc.schedule(NS, tokens=prompt, ttft_slo_s=1e-9))
@@ -460,6 +476,16 @@ def test_feed_faults_trigger_a_resync_from_snapshot(start_conductor, fault):
         stub.Heartbeat(pb.HeartbeatRequest(node_id="gappy", generation=reg.generation), timeout=5)
     finally:
         server.stop(0)
+
+
+def test_transfer_plan_keys_travel_packed_and_read_either_way():
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert transfer_keys(pb.TransferPlan(key_bytes=b"".join(keys))) == keys
+    # A conductor that sends them one by one (the field every plan used before key_bytes).
+    assert transfer_keys(pb.TransferPlan(keys=keys)) == keys
+    assert transfer_keys(pb.TransferPlan()) == []
+    with pytest.raises(InvalidArgument, match="16-byte keys back to back"):
+        transfer_keys(pb.TransferPlan(key_bytes=b"x" * 17))
 
 
 # ---- hot-block replication through the messengers -----------------------------------------------

@@ -326,7 +326,7 @@ def test_the_generation_fence_refuses_a_stale_commit():
             store.commit(lease.lease_id)
         stats = store.stats()
         assert (stats.blocks, stats.write_leases, stats.tiers[0].leased_pages) == (0, 0, 0)
-        assert store._tiers[Tier.DRAM].free == [lease.slots[0]]
+        assert list(store._tiers[Tier.DRAM].free) == [lease.slots[0]]
 
 
 def test_an_abort_frees_pages_at_once_and_quarantine_can_be_off():

@@ -192,7 +192,7 @@ def test_check_keys_rejects_malformed_keys():
 
 @pytest.mark.skipif(
     keys_mod._chain_c is None,
-    reason="kvstore._chain is not built (pip install -e . builds it where xxhash.h is installed)",
+    reason="kvstore._native is not built (pip install -e . builds it where xxhash.h is installed)",
 )
 @pytest.mark.parametrize("block_tokens", [1, 7, 16, 256, 512])
 def test_the_c_chain_gives_the_python_loops_keys(block_tokens):
@@ -208,6 +208,14 @@ def test_the_c_chain_gives_the_python_loops_keys(block_tokens):
         == block_keys(ts, block_tokens, root)[1:]
     )
     assert keys_mod._chain_c(b"", 64, root) == []
+    ks = keys_mod._block_keys_py(arr, block_tokens, root)
+    assert keys_mod._split_c(b"".join(ks), 16) == ks
+    prefix = b"kvcache/tenant/t\x00"
+    assert keys_mod._scope_c(ks, prefix) == [xxhash.xxh3_128_digest(prefix + k) for k in ks]
+    with pytest.raises(ValueError, match="key #1 must be 16 bytes"):
+        keys_mod._scope_c([ks[0], b"short"], prefix)
+    with pytest.raises(ValueError, match="whole pieces"):
+        keys_mod._split_c(b"x" * 17, 16)
     with pytest.raises(ValueError, match="16-byte key"):
         keys_mod._chain_c(arr, 64, b"short")
     with pytest.raises(ValueError, match="positive"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import pytest
 
 from kvstore import (
@@ -13,8 +16,9 @@ from kvstore import (
     Tier,
     make_policy,
 )
+from kvstore.policy import PrefixPolicy
 
-from kvstore_helpers import key, keys, make_store, page
+from kvstore_helpers import key, keys, make_store, page, tiers_of
 
 
 def drain(policy) -> list[int]:
@@ -137,7 +141,7 @@ def test_lfu_counts_saturate():
     assert drain(p) == [0, 1]  # equal (saturated) counts: the earlier-touched goes first
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, LFUPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, LFUPolicy, PrefixPolicy])
 def test_a_large_policy_stays_consistent_under_mixed_operations(cls):
     n = 100_000
     p = cls(n)
@@ -154,9 +158,63 @@ def test_a_large_policy_stays_consistent_under_mixed_operations(cls):
     assert all(v % 3 == 2 for v in victims[: len(range(2, n, 3))])
 
 
+def test_lru_touch_many_is_touch_in_order_in_c_and_python(monkeypatch):
+    import kvstore.policy as policy_mod
+
+    def run() -> list[int]:
+        p = LRUPolicy(16)
+        for s in range(12):
+            p.insert(s)
+        p.remove(5)  # pinned: touching it changes nothing
+        p.touch_many([3, 5, 11, 0, 3])
+        p.touch_many(np.array([7, 2], dtype=np.int32))
+        return p.order()
+
+    want = [1, 4, 6, 8, 9, 10, 11, 0, 3, 7, 2]
+    assert run() == want  # C where it is built
+    monkeypatch.setattr(policy_mod, "_lru_touch", None)
+    assert run() == want
+
+
+def test_prefix_policy_evicts_leaves_deepest_first_and_skips_parents():
+    p = PrefixPolicy(8)
+    tkids = array("i", [0]) * 8
+    p.attach_tree(tkids)
+    p.insert_many([0, 1, 2])  # a chain 0 -> 1 -> 2, stored root first
+    tkids[0] = tkids[1] = 1
+    assert p.order() == [2, 1, 0]  # the tail is the least recent
+    p.insert(5)  # a lone block, newer
+    p.touch_many([0, 1, 2])  # a hit on the chain: deepest first, the root most recent
+    assert p.order() == [5, 2, 1, 0]
+    tkids[1] = 0  # 2 was pinned elsewhere... then 1 is a leaf; 0 still has a child
+    p.remove(2)
+    assert p.pop_victim() == 5
+    assert p.pop_victim() == 1  # a leaf
+    tkids[0] = 0
+    assert p.pop_victim() == 0 and p.pop_victim() is None
+
+
+def test_prefix_policy_passes_over_blocks_with_children_and_gives_up_after_max_skip():
+    p = PrefixPolicy(200)
+    tkids = array("i", [1]) * 200  # everything has a child here
+    p.attach_tree(tkids)
+    p.insert_many(list(range(100)))  # inserted deepest first: order 99 .. 0
+    tkids[42] = 0
+    assert p.pop_victim() == 42  # within max_skip of the head
+    tkids[5] = 0  # 94 blocks from the head: beyond max_skip, the least recent goes
+    assert p.pop_victim() == 99
+    for s in range(100):
+        tkids[s] = 1
+    p2 = PrefixPolicy(3)
+    p2.attach_tree(array("i", [1, 1, 1]))
+    p2.insert_many([0, 1])
+    assert p2.pop_victim() == 1  # every evictable block has children: the least recent
+
+
 def test_make_policy_by_name():
     assert isinstance(make_policy("LRU", 4), LRUPolicy)
     assert isinstance(make_policy("lfu", 4), LFUPolicy)
+    assert isinstance(make_policy("prefix", 4), PrefixPolicy)
     with pytest.raises(InvalidArgument, match="lru"):
         make_policy("fifo", 4)
 
@@ -228,3 +286,51 @@ def test_store_never_evicts_pinned_blocks():
         store.release(lease.lease_id)
         store.put(keys(5, 6), [page(5), page(6)])
         assert evicted(store) == [4, 1]  # unpinned blocks rejoin as just used
+
+
+# ---- prefix-aware eviction through the store -------------------------------------------------
+
+
+def test_store_prefix_policy_evicts_a_cold_tail_before_its_hot_head():
+    for policy, want in (("lru", [1]), ("prefix", [3])):
+        with make_store(dram_pages=4, dram_policy=policy) as store:
+            store.put(keys(1, 2, 3), [page(i) for i in (1, 2, 3)])  # one chain 1 -> 2 -> 3
+            store.put([key(9)], [page(9)])
+            store.lookup(keys(1, 2, 3))  # the chain is hit: 9 is now the least recent
+            store.lookup([key(9)])
+            store.take_events()
+            store.put([key(10)], [page(10)])
+            # LRU drops the head of the chain (2 and 3 can never be hit again); prefix its tail
+            assert evicted(store) == want, policy
+            store.check_invariants()
+
+
+def test_store_prefix_policy_drops_the_orphans_of_a_removed_block_but_not_pinned_ones():
+    with make_store(dram_pages=8, dram_policy="prefix") as store:
+        store.put(keys(1, 2, 3, 4), [page(i) for i in (1, 2, 3, 4)])
+        store.put(keys(1, 2, 5), [page(i) for i in (1, 2, 5)])  # a branch: 2 -> 5
+        lease = store.acquire([key(4)])  # 4 is pinned
+        store.take_events()
+        assert store.remove([key(2)]) == 1
+        # 3 and 5 are orphans; 4 is read by someone: it stays (a root of its own now)
+        assert sorted(evicted(store)) == [2, 3, 5]
+        assert store.contains(keys(1, 2, 3, 4, 5)) == [True, False, False, True, False]
+        store.check_invariants()
+        store.release(lease.lease_id)
+        store.check_invariants()
+
+
+def test_store_prefix_tree_follows_demotion_and_guards_the_last_tier(tmp_path):
+    with make_store(
+        tmp_path, dram_pages=2, ssd_pages=2, dram_policy="prefix", ssd_policy="prefix"
+    ) as store:
+        store.put(keys(1, 2), [page(1), page(2)])  # chain 1 -> 2 in DRAM
+        store.put(keys(7, 8), [page(7), page(8)])  # DRAM full: 2 then 1 go down to the SSD
+        assert tiers_of(store) == {key(1): "SSD", key(2): "SSD", key(7): "DRAM", key(8): "DRAM"}
+        store.check_invariants()
+        store.lookup(keys(7, 8))
+        store.take_events()
+        store.put(keys(1, 2, 3), [page(1), page(2), page(3)])  # 3 goes under 2 (in the SSD)
+        # DRAM evicts 8 (leaf) to the SSD, whose leaves go first: 2 has a child (3, in DRAM)
+        store.check_invariants()
+        assert store.lookup(keys(1, 2, 3)).hits == 3

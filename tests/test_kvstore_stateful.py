@@ -13,11 +13,13 @@ in lmdb, optionally a "GPU" tier on the CPU) and checks after every step:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -37,6 +39,7 @@ from kvstore import (
     TieredStore,
     WriteLease,
 )
+from kvstore.index import DictIndex
 from kvstore.store import InvariantViolation
 
 from kvstore_helpers import LAYOUT, FakeClock, key, make_store, page, page_bytes
@@ -63,6 +66,8 @@ class ReadModel:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    index_impl = contextlib.nullcontext  # the store's own key index (C where it is built)
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="kvstore-stateful-")
@@ -146,9 +151,10 @@ class StoreMachine(RuleBasedStateMachine):
         if self.expiry_pending():
             return None
         missing = sum(k not in self.tiers for k in keys)
-        own = [self.store._index[k] for k in keys if self.tiers.get(k) is tier]
+        own = [self.store._index.get(k) for k in keys if self.tiers.get(k) is tier]
         ts = next(t for t in self.store.stats().tiers if t.tier is tier)
-        evictable = ts.used_pages - ts.pinned_blocks - sum(b.pins == 0 for b in own)
+        pins = self.store._tiers[tier].pins
+        evictable = ts.used_pages - ts.pinned_blocks - sum(pins[h >> 2] == 0 for h in own)
         return missing - ts.free_pages <= evictable
 
     def check_bytes(self, out: object, seed: int | None, what: str) -> None:
@@ -163,7 +169,7 @@ class StoreMachine(RuleBasedStateMachine):
         gpu=st.booleans(),
         dram=st.integers(2, 4),
         ssd=st.sampled_from([0, 2, 3]),
-        policy=st.sampled_from(["lru", "lfu"]),
+        policy=st.sampled_from(["lru", "lfu", "prefix"]),
         promote=st.booleans(),
         prefill=st.integers(0, N_KEYS),
         quarantine=st.sampled_from([0.0, 2.0, None]),
@@ -192,7 +198,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.quarantine_s = 15.0 if quarantine is None else quarantine  # default: 3 lease TTLs
         if gpu:
             cfg.update(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU)
-        self._store = make_store(Path(self.tmp), **cfg)
+        with self.index_impl():
+            self._store = make_store(Path(self.tmp), **cfg)
         self.write_tier = Tier.GPU if gpu else Tier.DRAM
         # NOTE: hypothesis enables a random subset of rules per example (swarm testing); a
         # prefilled store keeps reads, promotions and removals meaningful when puts are off.
@@ -504,6 +511,19 @@ StoreMachine.TestCase.settings = settings(
 TestTieredStoreStateful = pytest.mark.slow(StoreMachine.TestCase)
 
 
+class PythonIndexMachine(StoreMachine):
+    """The same machine over the key index's Python twin (what runs where the C module is not
+    built)."""
+
+    @staticmethod
+    def index_impl() -> contextlib.AbstractContextManager[object]:
+        return mock.patch("kvstore.blocks.make_index", DictIndex)
+
+
+PythonIndexMachine.TestCase.settings = settings(StoreMachine.TestCase.settings, max_examples=30)
+TestTieredStoreStatefulPythonIndex = pytest.mark.slow(PythonIndexMachine.TestCase)
+
+
 # ---- the bugs the machine found, and the checker itself -------------------------------------
 
 
@@ -566,15 +586,15 @@ def _break_pinned(store: TieredStore) -> None:
 
 
 def _break_free_list(store: TieredStore) -> None:
-    store._tiers[Tier.DRAM].free.append(store._index[key(1)].slot)
+    store._tiers[Tier.DRAM].free.append(store._index.get(key(1)) >> 2)
 
 
 def _break_policy(store: TieredStore) -> None:
-    store._tiers[Tier.DRAM].policy.remove(store._index[key(1)].slot)
+    store._tiers[Tier.DRAM].policy.remove(store._index.get(key(1)) >> 2)
 
 
 def _break_index(store: TieredStore) -> None:
-    del store._index[key(1)]
+    store._index.pop(key(1))
 
 
 def _break_ssd(store: TieredStore) -> None:
@@ -602,3 +622,27 @@ def test_check_invariants_reports_broken_state(tmp_path: Path, corrupt: object, 
         with pytest.raises(InvariantViolation, match=match):
             store.check_invariants()
         store.release(lease.lease_id)
+
+
+# ---- prefix-policy cases the machine found -------------------------------------------------
+
+
+def test_prefix_demotion_relinks_its_parent_by_key_not_by_a_stale_page(tmp_path: Path) -> None:
+    """GPU victims demoted into a DRAM tier that had to drop their parent to make room: their
+    parent's page was reused for one of them (the stale handle made a block its own parent)."""
+    cfg = dict(gpu_pages=2, gpu_device="cpu", write_tier=Tier.GPU, dram_pages=2)
+    cfg.update(gpu_policy="prefix", dram_policy="prefix", quarantine_s=0.0)
+    with make_store(tmp_path, **cfg) as store:
+        for i in range(6):
+            store.put([key(i)], [page(i)])
+        for ids in ([0], [1], [4, 3], [2], [0]):
+            store.put([key(i) for i in ids], [page(i) for i in ids])
+            store.check_invariants()
+
+
+def test_prefix_remove_counts_descendants_it_took_along(tmp_path: Path) -> None:
+    with make_store(tmp_path, dram_pages=4, dram_policy="prefix") as store:
+        store.put([key(7), key(5), key(9)], [page(i) for i in (7, 5, 9)])  # chain 7 -> 5 -> 9
+        assert store.remove([key(7), key(9), key(3)]) == 2  # 9 went with 7: still removed
+        assert store.contains([key(5)]) == [False]  # the orphan in between went too
+        store.check_invariants()
