@@ -119,6 +119,17 @@ def output_tokens(r: TraceRequest, per_block: int, max_output: int) -> int:
     return max(1, min(max_output, r.output_length * per_block // DEFAULT_BLOCK_TOKENS))
 
 
+def arrival_times(requests: list[TraceRequest], rate: float) -> list[float]:
+    """Seconds after the start at which each request is sent: the trace's own arrival times,
+    compressed (or stretched) so that they come at ``rate`` requests per second on average."""
+    t0 = requests[0].timestamp_ms
+    span_s = (requests[-1].timestamp_ms - t0) / 1000.0
+    if len(requests) < 2 or not span_s:  # no spacing to keep: evenly at the rate
+        return [i / rate for i in range(len(requests))]
+    scale = (len(requests) - 1) / rate / span_s  # replay seconds per trace second
+    return [(r.timestamp_ms - t0) / 1000.0 * scale for r in requests]
+
+
 def ideal_hit_tokens(prompts: list[list[int]], block_tokens: int) -> list[int]:
     """Per request, the prefix tokens one infinite cache shared by every node would hold when it
     arrives (full blocks of every earlier prompt; what a prefill can skip at best)."""
@@ -500,12 +511,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_tokens(r, args.tokens_per_block, args.max_prompt, args.vocab) for r in requests
     ]
     outputs = [output_tokens(r, args.tokens_per_block, args.max_output) for r in requests]
-    span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0
-    speed = (len(requests) - 1) / span / args.rate if span and len(requests) > 1 else 0.0
-    arrivals = [
-        (r.timestamp_ms - requests[0].timestamp_ms) / 1000.0 / speed if speed else 0.0
-        for r in requests
-    ]
+    arrivals = arrival_times(requests, args.rate)
     results: list[tuple[dict[str, Any], list[Outcome]]] = []
     targets = [(None, args.cluster)] if args.cluster else [(p, None) for p in policies]
     try:

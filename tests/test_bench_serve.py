@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from bench.serve import ideal_hit_tokens, output_tokens, prompt_tokens
+from bench.serve import arrival_times, ideal_hit_tokens, output_tokens, prompt_tokens
 from bench.trace import TraceRequest
 
 
-def _request(ids: list[int], length: int, output: int = 512) -> TraceRequest:
-    return TraceRequest(0.0, length, output, tuple(ids))
+def _request(ids: list[int], length: int, output: int = 512, at_ms: float = 0.0) -> TraceRequest:
+    return TraceRequest(at_ms, length, output, tuple(ids))
 
 
 def test_equal_hash_ids_give_equal_tokens_and_different_ids_different_ones():
@@ -32,6 +32,15 @@ def test_outputs_scale_like_prompts_within_bounds():
     assert output_tokens(_request([1], 10, output=512), 32, 64) == 32
     assert output_tokens(_request([1], 10, output=4000), 32, 64) == 64
     assert output_tokens(_request([1], 10, output=1), 32, 64) == 1
+
+
+def test_arrivals_keep_the_traces_spacing_at_the_given_mean_rate():
+    # 5 requests over 72 s of trace at 2/s: the last one 2 s after the first, spacing kept
+    trace = [_request([1], 10, at_ms=t) for t in (0, 0, 18_000, 36_000, 72_000)]
+    assert arrival_times(trace, 2.0) == pytest.approx([0.0, 0.0, 0.5, 1.0, 2.0])
+    assert arrival_times(trace, 0.5) == pytest.approx([0.0, 0.0, 2.0, 4.0, 8.0])
+    # all at the same instant: evenly at the rate
+    assert arrival_times([_request([1], 10)] * 3, 4.0) == pytest.approx([0.0, 0.25, 0.5])
 
 
 def test_the_infinite_cache_holds_every_earlier_full_block():
