@@ -1,4 +1,5 @@
-"""``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults).
+"""``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults), or with
+``--hosts N`` on N hosts in network namespaces (``kvcache/cluster_hosts.py``).
 
 One conductor, then per node a node server and its messenger, each a separate process. Ports are
 chosen up front so that every process can be told its peers' addresses; the launcher waits for each
@@ -15,21 +16,31 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.shm import pid_alive
 from rpc.launch import ServiceProcess, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 
+from .cluster_hosts import (
+    HOSTS_TABLE,
+    HostsConfig,
+    Loopback,
+    Namespaced,
+    network_record,
+    parse_hosts,
+    placement,
+)
+
 log = logging.getLogger("kvcache.cluster")
 
-DEFAULT_CONFIG = """
+DEFAULT_CONFIG = (
+    """
 [cluster]
 host = "127.0.0.1"
 state_dir = "out/cluster"
@@ -48,6 +59,9 @@ layout = "model=demo,num_layers=4,kv_heads=1,head_dim=32,dtype=float16,block_tok
 dram = "1GiB"
 ssd = "0"
 
+"""
+    + HOSTS_TABLE
+    + """
 [[node]]
 id = "prefill-0"
 role = "prefill"
@@ -60,6 +74,7 @@ role = "prefill"
 id = "decode-0"
 role = "decode"
 """
+)
 
 
 @dataclass
@@ -81,6 +96,7 @@ class ClusterConfig:
     nodes: list[NodeSpec]
     conductor_args: list[str] = field(default_factory=list)
     tls: bool = False
+    hosts: HostsConfig = field(default_factory=HostsConfig)
 
 
 def load_config(path: str | None) -> ClusterConfig:
@@ -88,7 +104,7 @@ def load_config(path: str | None) -> ClusterConfig:
     if path:
         with open(path, "rb") as f:
             user = tomllib.load(f)
-        for section in ("cluster", "conductor", "defaults"):
+        for section in ("cluster", "conductor", "defaults", "hosts"):
             data[section].update(user.get(section, {}))
         if "node" in user:
             data["node"] = user["node"]
@@ -118,13 +134,8 @@ def load_config(path: str | None) -> ClusterConfig:
         nodes=nodes,
         conductor_args=list(data["conductor"].get("args", [])),
         tls=bool(c.get("tls", False)),
+        hosts=parse_hosts(data["hosts"]),
     )
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -133,36 +144,39 @@ class Cluster:
     detach: bool = False
     procs: list[ServiceProcess] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    place: Loopback | Namespaced | None = None
 
     def start(self) -> dict:
         cfg = self.config
         os.makedirs(cfg.state_dir, exist_ok=True)
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
-        auth: list[str] = []
-        if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
-            token_file = os.path.join(cfg.state_dir, "token")
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(cfg.token + "\n")
-            auth = ["--token-file", token_file]
-        # TLS: every service presents one certificate from a local CA; every client of a
-        # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
-        # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
-        serve_tls: list[str] = []
-        ca: list[str] = []
-        tls_ca = None
-        if cfg.tls:
-            files = make_local_ca(os.path.join(cfg.state_dir, "tls"), [cfg.host])
-            serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
-            tls_ca = files.ca_cert
-            ca = [tls_ca]
+        place = placement(cfg.hosts, cfg.host, len(cfg.nodes), cfg.state_dir)
+        self.place = place
         try:
+            auth: list[str] = []
+            if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
+                token_file = os.path.join(cfg.state_dir, "token")
+                fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(cfg.token + "\n")
+                auth = ["--token-file", token_file]
+            # TLS: every service presents one certificate from a local CA; every client of a
+            # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
+            # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
+            serve_tls: list[str] = []
+            ca: list[str] = []
+            tls_ca = None
+            if cfg.tls:
+                files = make_local_ca(os.path.join(cfg.state_dir, "tls"), place.tls_hosts)
+                serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
+                tls_ca = files.ca_cert
+                ca = [tls_ca]
             conductor = self._start(
                 [
                     "conductor",
                     "--listen",
-                    f"{cfg.host}:0",
+                    place.conductor_listen,
                     "--policy",
                     cfg.policy,
                     *auth,
@@ -171,6 +185,7 @@ class Cluster:
                     *cfg.conductor_args,
                 ],
                 logs,
+                place.conductor_wrap,
             )
             state = {
                 "conductor": {
@@ -182,10 +197,11 @@ class Cluster:
                 "token": cfg.token,
                 "tls_ca": tls_ca,
                 "state_dir": cfg.state_dir,
+                "network": place.state(),
             }
-            for spec in cfg.nodes:
-                node_addr = f"{cfg.host}:{free_port(cfg.host)}"
-                messenger_addr = f"{cfg.host}:{free_port(cfg.host)}"
+            for i, spec in enumerate(cfg.nodes):
+                site = place.node(i)
+                node_addr, messenger_addr = site.node, site.messenger
                 node_args = [
                     "node",
                     "--listen",
@@ -215,7 +231,7 @@ class Cluster:
                         "--ssd-dir",
                         os.path.join(cfg.state_dir, "ssd", spec.id),
                     ]
-                node = self._start(node_args, logs)
+                node = self._start(node_args, logs, site.wrap)
                 # NOTE: a metrics port per messenger: `kvcache bench live` reads the bytes each
                 # one received (exact totals, whoever submitted the transfer).
                 messenger = self._start(
@@ -228,17 +244,20 @@ class Cluster:
                         "--transport",
                         cfg.transport,
                         "--metrics-port",
-                        "0",
+                        str(site.metrics_port),
+                        *(["--data-listen", site.data] if site.data else []),
                         *auth,
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
                     ],
                     logs,
+                    site.wrap,
                 )
                 state["nodes"].append(
                     {
                         "id": spec.id,
                         "role": spec.role,
+                        "host": site.host,
                         "address": node.address,
                         "messenger": messenger.address,
                         "shm": node.info.get("shm", {}),
@@ -259,8 +278,8 @@ class Cluster:
             json.dump(state, f, indent=2)
         return state
 
-    def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
-        sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
+    def _start(self, args: list[str], log_dir: str, wrap: list[str]) -> ServiceProcess:
+        sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach, wrap=wrap)
         self.procs.append(sp)
         return sp
 
@@ -284,6 +303,8 @@ class Cluster:
                     sp.kill()
                 codes.append(sp.proc.returncode)
         self.procs.clear()
+        if self.place is not None:
+            self.place.teardown()
         return codes
 
 
@@ -307,6 +328,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="TLS on every gRPC link, with a local CA made in <state_dir>/tls (config: tls = true)",
     )
     parser.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="put the nodes on N hosts, each a network namespace with its own address, and the "
+        "conductor in another (needs root; config: [hosts] count)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the embedded default config and exit"
     )
     parser.epilog = "Embedded default config:\n" + DEFAULT_CONFIG
@@ -319,6 +348,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.config)
     cfg.tls = cfg.tls or args.tls
+    if args.hosts is not None:
+        if args.hosts < 1:
+            raise SystemExit(f"--hosts {args.hosts}: give the number of hosts, at least 1")
+        cfg.hosts = replace(cfg.hosts, count=args.hosts)
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).
@@ -326,6 +359,11 @@ def run(args: argparse.Namespace) -> int:
     state_file = os.path.join(cfg.state_dir, "cluster.json")
     if os.path.exists(state_file) and _any_alive(state_file):
         raise SystemExit(f"a cluster from {state_file} is still running; 'kvcache down' first")
+    if os.path.exists(network_record(cfg.state_dir)):
+        raise SystemExit(
+            f"{network_record(cfg.state_dir)} records host namespaces of an earlier cluster; "
+            f"'kvcache down --state-dir {cfg.state_dir}' removes them"
+        )
     cluster = Cluster(cfg, detach=args.detach)
     state = cluster.start()
     print_state(state, state_file)

@@ -3,7 +3,10 @@
 SIGTERM to the messengers, then the node servers, then the conductor (each stage at once; each
 process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked), SIGKILL for any
 that does not exit in time, then a check that
-no shared-memory segment of the cluster is left behind.
+no shared-memory segment of the cluster is left behind. A cluster on hosts in network namespaces
+(``kvcache up --hosts N``) also loses its namespaces, links and bridge, as recorded in
+``<state_dir>/network.json`` when they were made: also after its launcher crashed, when
+whatever still runs in them is stopped first.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import signal
 import time
 
 from kvstore.shm import SharedSlab, pid_alive
+from rpc.netns import NetnsError
+
+from .cluster_hosts import network_record, teardown_network
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +64,8 @@ def stop_stages(state: dict) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     path = os.path.join(args.state_dir, "cluster.json")
     if not os.path.exists(path):
+        if os.path.exists(network_record(args.state_dir)):
+            return _remove_network(args.state_dir, 0)
         print(f"no cluster state at {path}; nothing to stop")
         return 0
     with open(path) as f:
@@ -78,4 +86,16 @@ def run(args: argparse.Namespace) -> int:
     )
     if leftovers:
         print(f"removed leftover shared memory: {', '.join(leftovers)}")
-    return 0 if clean and not leftovers else 1
+    return _remove_network(args.state_dir, 0 if clean and not leftovers else 1)
+
+
+def _remove_network(state_dir: str, code: int) -> int:
+    if not os.path.exists(network_record(state_dir)):
+        return code
+    try:
+        removed = teardown_network(state_dir)
+    except NetnsError as e:
+        print(f"kvcache down: {e}")
+        return 1
+    print(f"removed host network: {', '.join(removed) or 'nothing was left'}")
+    return code

@@ -74,12 +74,14 @@ def start_service(
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
     new_session: bool = False,
+    wrap: list[str] | None = None,
 ) -> ServiceProcess:
-    """Run ``kvcache <args>`` in a new process; return once it has announced it is ready."""
+    """Run ``kvcache <args>`` in a new process; return once it has announced it is ready.
+    ``wrap`` is a command that execs its arguments, e.g. ``ip netns exec NS`` (same PID)."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache.cli", *args],
+        [*(wrap or []), sys.executable, "-m", "kvcache.cli", *args],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,

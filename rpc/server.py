@@ -322,7 +322,11 @@ def serve(service: Service) -> int:
         ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
-    metrics_port = start_metrics(service.metrics_port, registry=service.registry)
+    # NOTE: metrics on the gRPC host: loopback stays loopback, a pod's or a host's address is
+    # where its Prometheus scrapes.
+    metrics_port = start_metrics(
+        service.metrics_port, host=host_of(service.listen).strip("[]"), registry=service.registry
+    )
     fields = service.on_serving(address, metrics_port)
 
     def stop() -> None:
