@@ -7,6 +7,12 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-quick check bench proto clean
 
 $(STAMP): pyproject.toml
+	# xxhash.h for the C loop of chained block keys (kvstore/_chain.c; optional: without it the
+	# package builds with the Python loop). Debian's package, where apt-get works (as root).
+	@test -f /usr/include/xxhash.h || ! command -v apt-get >/dev/null || \
+	  apt-get install -y -q libxxhash-dev >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev >/dev/null; } || \
+	  echo "note: libxxhash-dev not installed; block keys use the Python loop"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.

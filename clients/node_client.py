@@ -40,7 +40,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.channel import make_channel
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
-from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb
+from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb, tiers_from_codes
 
 if TYPE_CHECKING:
     import torch
@@ -351,9 +351,7 @@ class KVStoreClient:
         salt: bytes | str = b"",
     ) -> LookupResult:
         r = self._call("Lookup", selector_to_pb(namespace, keys, tokens, salt))
-        return LookupResult(
-            r.hit_blocks, [tier_or_none_from_pb(t) for t in r.tiers], r.total_blocks
-        )
+        return LookupResult(r.hit_blocks, tiers_from_codes(r.tier_codes), r.total_blocks)
 
     def allocate(
         self,

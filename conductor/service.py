@@ -307,6 +307,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.keys,
             sel.token_ids,
             sel.token_bytes,
+            sel.key_bytes,
         )
         return scope_keys(raw, tenant), prompt
 

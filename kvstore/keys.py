@@ -8,13 +8,19 @@ Token ids are hashed as little-endian uint32.
 
 from __future__ import annotations
 
-from typing import Any, NewType, Sequence, cast
+from typing import Any, Callable, NewType, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from .errors import InvalidArgument
+
+_chain_c: Callable[[Any, int, bytes], list[bytes]] | None
+try:  # the chain loop in C (kvstore/_chain.c), built with the package where a compiler is
+    from ._chain import chain as _chain_c
+except ImportError:  # pragma: no cover - depends on the build
+    _chain_c = None
 
 BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 16
@@ -55,24 +61,32 @@ def block_keys(
     """Keys of every full block of ``tokens``; a trailing partial block is not keyed.
 
     ``parent`` continues an existing chain (default: ``root``). Cost: one hash call per block over
-    the raw token bytes; no per-token Python work.
+    the raw token bytes, in C where ``kvstore._chain`` is built (``CHAIN_IMPL`` says which).
     """
     if block_tokens <= 0:
         raise InvalidArgument("block_tokens must be positive")
     arr = tokens_as_array(tokens)
-    n_blocks = arr.size // block_tokens
-    data = arr[: n_blocks * block_tokens].data.cast("B")
-    step = block_tokens * _TOKEN_DTYPE.itemsize
     prev = parent if parent is not None else root
+    if _chain_c is not None:
+        return cast(list[BlockKey], _chain_c(arr, block_tokens * _TOKEN_DTYPE.itemsize, prev))
+    return _block_keys_py(arr, block_tokens, prev)
+
+
+def _block_keys_py(arr: npt.NDArray[np.uint32], block_tokens: int, prev: bytes) -> list[BlockKey]:
+    """The same chain in Python: the reference the C loop is tested against."""
+    n_blocks = arr.size // block_tokens
+    data = arr[: n_blocks * block_tokens].tobytes()
+    step = block_tokens * _TOKEN_DTYPE.itemsize
+    digest = xxhash.xxh3_128_digest
     keys: list[bytes] = []
     append = keys.append
-    hasher = xxhash.xxh3_128
     for off in range(0, n_blocks * step, step):
-        h = hasher(prev)
-        h.update(data[off : off + step])
-        prev = h.digest()
+        prev = digest(prev + data[off : off + step])  # NOTE: one call beats hasher + update
         append(prev)
     return cast(list[BlockKey], keys)  # NOTE: no per-key BlockKey() call on this hot loop
+
+
+CHAIN_IMPL = "C" if _chain_c is not None else "Python"
 
 
 def keys_from_block_ids(block_ids: Sequence[int], root: bytes) -> list[BlockKey]:
@@ -118,6 +132,16 @@ def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
     return [BlockKey(digest(prefix + k)) for k in keys]
 
 
+def split_keys(key_bytes: bytes) -> list[BlockKey]:
+    """Packed keys (16 bytes each, back to back) as a list of keys."""
+    if len(key_bytes) % KEY_BYTES:
+        raise InvalidArgument(
+            f"key_bytes must hold {KEY_BYTES}-byte keys back to back, got {len(key_bytes)} bytes"
+        )
+    kb = bytes(key_bytes)
+    return [kb[i : i + KEY_BYTES] for i in range(0, len(kb), KEY_BYTES)]  # type: ignore[misc]
+
+
 def select_keys(
     namespace: str,
     salt: bytes | str,
@@ -126,12 +150,15 @@ def select_keys(
     keys: Sequence[bytes] = (),
     token_ids: Sequence[int] = (),
     token_bytes: bytes = b"",
+    key_bytes: bytes = b"",
 ) -> tuple[list[BlockKey], int]:
-    """Resolve a request's blocks, named by keys or by token ids (a list, or packed little-endian
-    uint32 bytes), into their keys and the number of prompt tokens they stand for. The one
-    resolution every server uses (node and conductor); at most ``max_blocks`` blocks."""
-    if (len(keys) > 0) + (len(token_ids) > 0) + (len(token_bytes) > 0) > 1:
-        raise InvalidArgument("give one of keys, token_ids or token_bytes, not both")
+    """Resolve a request's blocks, named by keys (a list, or packed 16-byte keys) or by token ids
+    (a list, or packed little-endian uint32 bytes), into their keys and the number of prompt
+    tokens they stand for. The one resolution every server uses (node and conductor); at most
+    ``max_blocks`` blocks."""
+    given = (len(keys) > 0) + (len(token_ids) > 0) + (len(token_bytes) > 0) + (len(key_bytes) > 0)
+    if given > 1:
+        raise InvalidArgument("give one of keys, key_bytes, token_ids or token_bytes, not several")
     if token_bytes:
         if len(token_bytes) % 4:
             raise InvalidArgument(
@@ -143,6 +170,13 @@ def select_keys(
         if len(token_ids) > max_blocks * block_tokens:
             raise InvalidArgument("too many token ids in one request")
         return block_keys(token_ids, block_tokens, root_key(namespace, salt)), len(token_ids)
+    if key_bytes:
+        if len(key_bytes) > max_blocks * KEY_BYTES:
+            raise InvalidArgument(
+                f"{len(key_bytes) // KEY_BYTES} keys in one request; the limit is {max_blocks}"
+            )
+        raw = split_keys(key_bytes)
+        return raw, len(raw) * block_tokens
     if len(keys) > max_blocks:
         raise InvalidArgument(f"{len(keys)} keys in one request; the limit is {max_blocks}")
     # Fast path: protobuf already gives bytes; only the length can be wrong.

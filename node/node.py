@@ -122,6 +122,7 @@ class Node:
         keys: Sequence[bytes] = (),
         token_ids: Sequence[int] = (),
         token_bytes: bytes = b"",
+        key_bytes: bytes = b"",
     ) -> Selection:
         """Resolve keys or token ids into the keys as stored for ``tenant``."""
         if len(salt) > MAX_SALT_BYTES:
@@ -135,6 +136,7 @@ class Node:
             keys,
             token_ids,
             token_bytes,
+            key_bytes,
         )
         return Selection(store, scope_keys(raw, tenant), raw)
 

@@ -19,7 +19,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.server import Auth
 from rpc.status import observed, observed_stream
 from rpc.streams import StreamGate
-from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
+from rpc.wire import layout_to_pb, tier_codes, tier_to_pb, usage_of, usage_to_pb
 
 from .metrics import NodeMetrics
 from .node import Node, Selection
@@ -61,7 +61,13 @@ class NodeServicer(pbg.NodeServiceServicer):
     def _select(self, sel: cpb.BlockSelector, context) -> tuple[Selection, str]:
         tenant = self.auth.tenant(context)
         return self.node.select(
-            sel.namespace, tenant, sel.salt, sel.keys, sel.token_ids, sel.token_bytes
+            sel.namespace,
+            tenant,
+            sel.salt,
+            sel.keys,
+            sel.token_ids,
+            sel.token_bytes,
+            sel.key_bytes,
         ), tenant
 
     @staticmethod
@@ -130,9 +136,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.metrics.lookup_blocks.labels("hit").inc(res.hits)
         self.metrics.lookup_blocks.labels("miss").inc(len(sel.keys) - res.hits)
         return pb.LookupReply(
-            hit_blocks=res.hits,
-            tiers=[tier_to_pb(t) for t in res.tiers],
-            total_blocks=len(sel.keys),
+            hit_blocks=res.hits, total_blocks=len(sel.keys), tier_codes=tier_codes(res.tiers)
         )
 
     @observed

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nkvcache.v1\"t\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\"f\n\rBlockSelector\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04salt\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"k\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.kvcache.v1.EventKind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\"\x96\x01\n\tTierUsage\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x12\n\nused_pages\x18\x03 \x01(\x04\x12\x12\n\nfree_pages\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\"\x8f\x01\n\x08NodeLoad\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x1f\n\x17running_decode_requests\x18\x02 \x01(\r\x12\x1d\n\x15running_decode_tokens\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.TierUsage*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\x0c\n\x08TIER_SSD\x10\x03*L\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x45VENT_STORED\x10\x01\x12\x11\n\rEVENT_EVICTED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nkvcache.v1\"t\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\"y\n\rBlockSelector\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04salt\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x11\n\tkey_bytes\x18\x06 \x01(\x0c\"k\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.kvcache.v1.EventKind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\"\x96\x01\n\tTierUsage\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x12\n\nused_pages\x18\x03 \x01(\x04\x12\x12\n\nfree_pages\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\"\x8f\x01\n\x08NodeLoad\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x1f\n\x17running_decode_requests\x18\x02 \x01(\r\x12\x1d\n\x15running_decode_tokens\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.TierUsage*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\x0c\n\x08TIER_SSD\x10\x03*L\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x45VENT_STORED\x10\x01\x12\x11\n\rEVENT_EVICTED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=664
-  _globals['_TIER']._serialized_end=735
-  _globals['_EVENTKIND']._serialized_start=737
-  _globals['_EVENTKIND']._serialized_end=813
+  _globals['_TIER']._serialized_start=683
+  _globals['_TIER']._serialized_end=754
+  _globals['_EVENTKIND']._serialized_start=756
+  _globals['_EVENTKIND']._serialized_end=832
   _globals['_LAYOUT']._serialized_start=34
   _globals['_LAYOUT']._serialized_end=150
   _globals['_BLOCKSELECTOR']._serialized_start=152
-  _globals['_BLOCKSELECTOR']._serialized_end=254
-  _globals['_BLOCKEVENT']._serialized_start=256
-  _globals['_BLOCKEVENT']._serialized_end=363
-  _globals['_TIERUSAGE']._serialized_start=366
-  _globals['_TIERUSAGE']._serialized_end=516
-  _globals['_NODELOAD']._serialized_start=519
-  _globals['_NODELOAD']._serialized_end=662
+  _globals['_BLOCKSELECTOR']._serialized_end=273
+  _globals['_BLOCKEVENT']._serialized_start=275
+  _globals['_BLOCKEVENT']._serialized_end=382
+  _globals['_TIERUSAGE']._serialized_start=385
+  _globals['_TIERUSAGE']._serialized_end=535
+  _globals['_NODELOAD']._serialized_start=538
+  _globals['_NODELOAD']._serialized_end=681
 # @@protoc_insertion_point(module_scope)

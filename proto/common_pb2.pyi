@@ -43,18 +43,20 @@ class Layout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockSelector(_message.Message):
-    __slots__ = ("namespace", "salt", "keys", "token_ids", "token_bytes")
+    __slots__ = ("namespace", "salt", "keys", "token_ids", "token_bytes", "key_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     salt: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_bytes: bytes
-    def __init__(self, namespace: _Optional[str] = ..., salt: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
+    key_bytes: bytes
+    def __init__(self, namespace: _Optional[str] = ..., salt: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ..., key_bytes: _Optional[bytes] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("seq", "kind", "key", "tier")

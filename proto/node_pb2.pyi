@@ -45,14 +45,14 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "total_blocks")
+    __slots__ = ("hit_blocks", "total_blocks", "tier_codes")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CODES_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
-    tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     total_blocks: int
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    tier_codes: bytes
+    def __init__(self, hit_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("blocks", "ttl_s")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES as _KEY_BYTES
 from kvstore.keys import tokens_as_array
 from kvstore.layout import KVLayout
 from kvstore.tiers import Tier
@@ -36,6 +37,22 @@ def tier_from_pb(value: int) -> Tier:
 def tier_or_none_from_pb(value: int) -> Tier | None:
     """A reply's tier: None where the block is absent (TIER_UNSPECIFIED)."""
     return None if value == cpb.TIER_UNSPECIFIED else Tier(value - 1)
+
+
+# Tier codes: one byte per block, the proto value (0: absent). Packed so that a reply about a
+# thousand blocks carries one bytes field, not a thousand enum values to parse and wrap.
+_TIER_OF_CODE: tuple[Tier | None, ...] = (None, Tier.GPU, Tier.DRAM, Tier.SSD)
+
+
+def tier_codes(tiers: Sequence[Tier | None]) -> bytes:
+    return bytes([0 if t is None else t + 1 for t in tiers])
+
+
+def tiers_from_codes(codes: bytes) -> list[Tier | None]:
+    if max(codes, default=0) > 3:
+        raise InvalidArgument(f"tier code {max(codes)} is not GPU, DRAM or SSD")
+    of = _TIER_OF_CODE
+    return [of[c] for c in codes]
 
 
 # ---- layouts ------------------------------------------------------------------------------------
@@ -160,7 +177,8 @@ def descriptor_from_pb(msg: pb.NodeDescriptor) -> NodeDescriptor:
 def selector_to_pb(
     namespace: str, keys: Sequence[bytes] | None = None, tokens: Any = None, salt: bytes | str = b""
 ) -> cpb.BlockSelector:
-    """Blocks named by keys or by token ids (sent as packed little-endian uint32)."""
+    """Blocks named by keys (sent packed, 16 bytes each) or by token ids (sent as packed
+    little-endian uint32)."""
     if (keys is None) == (tokens is None):
         raise ValueError("give exactly one of keys= or tokens=")
     if isinstance(salt, str):
@@ -169,4 +187,9 @@ def selector_to_pb(
         return cpb.BlockSelector(
             namespace=namespace, salt=salt, token_bytes=tokens_as_array(tokens).tobytes()
         )
-    return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys or ()))
+    keys = keys or ()
+    if all(map(_KEY_BYTES.__eq__, map(len, keys))):
+        return cpb.BlockSelector(namespace=namespace, salt=salt, key_bytes=b"".join(keys))
+    # A malformed key would shift every key after it in the packed form: send them one by one
+    # and let the server say which key is wrong.
+    return cpb.BlockSelector(namespace=namespace, salt=salt, keys=list(keys))

@@ -19,6 +19,8 @@ from kvstore import (
     root_key,
     scope_keys,
 )
+from kvstore import keys as keys_mod
+from kvstore.keys import select_keys
 
 from kvstore_helpers import LAYOUT, make_store, run_python
 
@@ -186,6 +188,51 @@ def test_check_keys_rejects_malformed_keys():
     for bad in (b"short", b"x" * 17, "s" * 16, 12345, None):
         with pytest.raises(InvalidArgument, match="key #1"):
             check_keys([good, bad])
+
+
+@pytest.mark.skipif(
+    keys_mod._chain_c is None,
+    reason="kvstore._chain is not built (pip install -e . builds it where xxhash.h is installed)",
+)
+@pytest.mark.parametrize("block_tokens", [1, 7, 16, 256, 512])
+def test_the_c_chain_gives_the_python_loops_keys(block_tokens):
+    ts = tokens(40 * block_tokens + 5, seed=block_tokens)
+    arr = keys_mod.tokens_as_array(ts)
+    root = root_key("ns", b"s")
+    assert keys_mod._chain_c(arr, block_tokens * 4, root) == keys_mod._block_keys_py(
+        arr, block_tokens, root
+    )
+    parent = block_keys(ts[:block_tokens], block_tokens, root)[0]
+    assert (
+        block_keys(ts[block_tokens:], block_tokens, root, parent)
+        == block_keys(ts, block_tokens, root)[1:]
+    )
+    assert keys_mod._chain_c(b"", 64, root) == []
+    with pytest.raises(ValueError, match="16-byte key"):
+        keys_mod._chain_c(arr, 64, b"short")
+    with pytest.raises(ValueError, match="positive"):
+        keys_mod._chain_c(arr, 0, root)
+
+
+def test_every_form_of_a_selector_resolves_to_the_same_keys():
+    ts = tokens(5 * BT + 3)
+    want = block_keys(ts, BT, root_key("ns", b"salt"))
+    forms = {
+        "keys": {"keys": want},
+        "key_bytes": {"key_bytes": b"".join(want)},
+        "token_ids": {"token_ids": [int(t) for t in ts]},
+        "token_bytes": {"token_bytes": ts.astype("<u4").tobytes()},
+    }
+    for name, form in forms.items():
+        got, n_tokens = select_keys("ns", b"salt", BT, 64, **form)
+        assert got == want, name
+        assert n_tokens == (len(ts) if "token" in name else 5 * BT), name
+    with pytest.raises(InvalidArgument, match="16-byte keys back to back"):
+        select_keys("ns", b"", BT, 64, key_bytes=b"k" * 17)
+    with pytest.raises(InvalidArgument, match="the limit is 4"):
+        select_keys("ns", b"", BT, 4, key_bytes=b"k" * 16 * 5)
+    with pytest.raises(InvalidArgument, match="not several"):
+        select_keys("ns", b"", BT, 64, keys=want, key_bytes=b"".join(want))
 
 
 def test_scope_keys_separates_tenants():

@@ -264,9 +264,13 @@ def test_bad_requests_get_clear_status_codes(start_node):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not served" in msg
     code, msg = rpc_error(lambda: s.Lookup(sel(keys=[b"k" * 16], token_ids=[1] * 16)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not both" in msg
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not several" in msg
+    code, msg = rpc_error(lambda: s.Lookup(sel(key_bytes=b"k" * 16, token_bytes=b"\x01" * 64)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not several" in msg
     code, msg = rpc_error(lambda: s.Lookup(sel(token_bytes=b"\x01\x02\x03")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in msg
+    code, msg = rpc_error(lambda: s.Lookup(sel(key_bytes=b"k" * 20)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "16-byte keys back to back" in msg
     code, msg = rpc_error(lambda: s.Commit(pb.LeaseRequest(namespace=NS, lease_id=12345)))
     assert code == grpc.StatusCode.NOT_FOUND and "does not exist" in msg
     code, _ = rpc_error(lambda: s.Release(pb.LeaseRequest(namespace=NS, lease_id=12345)))
