@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	  apt-get install -y -q libxxhash-dev >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev >/dev/null; } || \
 	  echo "note: libxxhash-dev not installed; block keys use the Python loop"
+	# ip and tc (iproute2) for the hosts in network namespaces (kvcache up --hosts, their tests).
+	@command -v tc >/dev/null || ! command -v apt-get >/dev/null || \
+	  apt-get install -y -q iproute2 >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; } || \
+	  echo "note: iproute2 not installed; the network-namespace tests will skip"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.

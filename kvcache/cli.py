@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvcache.cluster", "start a local cluster on loopback"),
     "down": ("kvcache.cluster_down", "stop a local cluster started by 'kvcache up'"),
     "bench": ("bench.cli", "benchmarks: hitrate, schedule, live, store, node, transfer, ..."),
+    "health": ("kvcache.health", "check a server's gRPC health (exit 0 when SERVING)"),
+    "deploy": ("kvcache.deploy", "render the Kubernetes manifests and the compose file"),
 }
 
 
@@ -26,6 +28,15 @@ def _usage() -> str:
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'kvcache <command> --help' for a command's options."]
     return "\n".join(lines)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The real parser of ``kvcache <name>`` (also how the deployment tests check the command
+    lines of the Dockerfile, the compose file and the manifests)."""
+    parser = argparse.ArgumentParser(prog=f"kvcache {name}", description=COMMANDS[name][1])
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    importlib.import_module(COMMANDS[name][0]).configure(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcache: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"kvcache {name}", description=COMMANDS[name][1])
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    module.configure(parser)
-    args = parser.parse_args(rest)
+    args = command_parser(name).parse_args(rest)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
