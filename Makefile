@@ -43,11 +43,13 @@ DEMO_OUT ?= out/demo
 DEMO_REQUESTS ?= 500
 DEMO_SPEEDUP ?= 5
 DEMO_TTFT_SLO ?= 20
+# DEMO_HOSTS=3: the same cluster on 3 hosts in network namespaces (kvcache up --hosts; root).
+DEMO_HOSTS ?=
 
 demo: $(STAMP)
 	@status=0; \
 	trap '$(KVCACHE) down --state-dir $(DEMO_STATE); exit 130' INT TERM; \
-	if $(KVCACHE) up --detach; then \
+	if $(KVCACHE) up --detach $(if $(DEMO_HOSTS),--hosts $(DEMO_HOSTS)); then \
 	  $(KVCACHE) bench live --cluster $(DEMO_STATE)/cluster.json --requests $(DEMO_REQUESTS) \
 	    --speedup $(DEMO_SPEEDUP) --ttft-slo $(DEMO_TTFT_SLO) --out $(DEMO_OUT) || status=$$?; \
 	  $(KVCACHE) down --state-dir $(DEMO_STATE) || status=$$?; \

@@ -112,14 +112,23 @@ def _raw_sender(port: int, total: int, chunk: int, rounds: int, host: str = "127
 
 
 class RawReference:
-    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy."""
+    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy. The
+    sender connects to ``host``; ``wrap`` runs it elsewhere (``ip netns exec NS``)."""
 
-    def __init__(self, total: int, chunk: int, rounds: int) -> None:
+    def __init__(
+        self,
+        total: int,
+        chunk: int,
+        rounds: int,
+        host: str = "127.0.0.1",
+        wrap: list[str] | None = None,
+    ) -> None:
         self.total = total
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         port = listener.getsockname()[1]
         self.child = subprocess.Popen(
             [
+                *(wrap or []),
                 sys.executable,
                 "-m",
                 "bench.transfer",
@@ -133,6 +142,8 @@ class RawReference:
                 str(chunk),
                 "--rounds",
                 str(rounds),
+                "--host",
+                host,
             ],
             cwd=ROOT,
         )

@@ -18,7 +18,6 @@ the ratio to the raw socket on the same link, and on shaped links the fraction o
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -28,58 +27,36 @@ import time
 from rpc.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
 
 from .report import Column, print_table, write_json
-from .transfer import MIB, ROOT, Measurement, NodePair, human
+from .transfer import MIB, ROOT, Measurement, NodePair, RawReference, human
 
 
-def _raw_receiver(host: str, total: int) -> None:
-    """Child role (in the destination host): accept the sender, then per line on stdin ask it
-    for ``total`` bytes, receive them into a preallocated buffer and print the seconds taken."""
-    import socket
-
-    import numpy as np
-
-    listener = socket.create_server((host, 0))
-    print(f"PORT {listener.getsockname()[1]}", flush=True)
-    conn, _ = listener.accept()
-    listener.close()
-    buf = np.zeros(total, dtype=np.uint8)
-    mv = memoryview(buf)
-    for _line in sys.stdin:
-        t0 = time.perf_counter()
-        conn.sendall(b"G")
-        pos = 0
-        while pos < total:
-            n = conn.recv_into(mv[pos:], total - pos)
-            if n == 0:
-                raise SystemExit("raw sender closed early")
-            pos += n
-        print(f"{time.perf_counter() - t0:.9f}", flush=True)
-    conn.close()
+def _raw_receiver(host: str, total: int, rounds: int, sender_netns: str) -> None:
+    """Child role, in the destination host: the raw reference (``RawReference``) with its
+    sender in ``sender_netns``; per line on stdin one round, its seconds printed."""
+    ref = RawReference(total, MIB, rounds, host, ["ip", "netns", "exec", sender_netns])
+    print("READY", flush=True)
+    try:
+        for _line in sys.stdin:
+            print(f"{ref.round():.9f}", flush=True)
+    finally:
+        ref.close()
 
 
 class RawLink:
-    """The raw socket reference between two hosts: receiver child in ``dst``, sender in ``src``."""
+    """The raw socket reference between two hosts: receiver in ``dst``, sender in ``src``."""
 
-    def __init__(
-        self, net: HostNetwork, src: str, dst: str, total: int, chunk: int, rounds: int
-    ) -> None:
-        dst_ip = net.host(dst).address
+    def __init__(self, net: HostNetwork, src: str, dst: str, total: int, rounds: int) -> None:
         self.receiver = subprocess.Popen(
             [*net.exec_prefix(dst), sys.executable, "-m", "bench.transfer_hosts",
-             "raw-receiver", dst_ip, str(total)],
+             "raw-receiver", net.host(dst).address, str(total), str(rounds),
+             net.host(src).netns],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        assert self.receiver.stdout is not None and self.receiver.stdin is not None
+        assert self.receiver.stdout is not None
         line = self.receiver.stdout.readline()
-        if not line.startswith("PORT "):
+        if line.strip() != "READY":
             self.receiver.kill()
             raise RuntimeError(f"raw receiver did not start: {line!r}")
-        self.sender = subprocess.Popen(
-            [*net.exec_prefix(src), sys.executable, "-m", "bench.transfer", "--role",
-             "raw-sender", "--host", dst_ip, "--port", line.split()[1], "--total", str(total),
-             "--chunk", str(chunk), "--rounds", str(rounds)],
-            cwd=ROOT,
-        )  # fmt: skip
 
     def round(self) -> float:
         assert self.receiver.stdin is not None and self.receiver.stdout is not None
@@ -87,17 +64,16 @@ class RawLink:
         self.receiver.stdin.flush()
         line = self.receiver.stdout.readline()
         if not line:
-            raise RuntimeError("raw receiver exited")
+            raise RuntimeError("raw receiver exited (wrong bytes or a closed sender)")
         return float(line)
 
     def close(self) -> None:
         if self.receiver.stdin:
             self.receiver.stdin.close()
-        for p in (self.receiver, self.sender):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        try:
+            self.receiver.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.receiver.kill()
 
 
 def run_hosts(args) -> int:
@@ -135,7 +111,7 @@ def run_hosts(args) -> int:
                         net.shape(None if rate == "none" else rate)
                         raw = Measurement("raw socket", size, args.total)
                         msg = Measurement(f"messenger x{lanes}", size, args.total)
-                        link = RawLink(net, "src", "dst", args.total, MIB, args.runs + 1)
+                        link = RawLink(net, "src", "dst", args.total, args.runs + 1)
                         try:
                             for r in range(args.runs + 1):
                                 times = (link.round(), pair.round())
@@ -204,8 +180,6 @@ def run_hosts(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "raw-receiver":
-        _raw_receiver(sys.argv[2], int(sys.argv[3]))
-    else:
-        print(json.dumps({"error": "internal child role: raw-receiver HOST TOTAL"}))
-        sys.exit(2)
+    if len(sys.argv) != 6 or sys.argv[1] != "raw-receiver":
+        sys.exit("internal child role: raw-receiver HOST TOTAL ROUNDS SENDER_NETNS")
+    _raw_receiver(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
