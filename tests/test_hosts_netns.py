@@ -9,8 +9,11 @@ import json
 import os
 import random
 import secrets
+import selectors
 import signal
 import subprocess
+import sys
+import time
 
 import pytest
 from test_cluster_e2e import (
@@ -320,3 +323,38 @@ def test_transfer_bench_across_hosts_reports_ratios_per_link(tmp_path, net_prefi
     assert_network_gone(net_prefix)
     with pytest.raises(SystemExit, match="--rates"):
         main(["--hosts", "--rates", "none,fast", "--net-prefix", net_prefix])
+
+
+@pytest.mark.slow
+def test_up_hosts_in_the_foreground_removes_its_network_on_ctrl_c(tmp_path, net_prefix):
+    config, state_dir = hosts_config(tmp_path, net_prefix, free_subnet())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcache.cli", "up", "--config", config, "--hosts", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # like a shell job: Ctrl-C signals the whole group
+    )
+    try:
+        seen, deadline = b"", time.monotonic() + 90
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while b"Ctrl-C stops it" not in seen:
+                assert time.monotonic() < deadline, seen.decode()
+                if sel.select(1.0):
+                    chunk = os.read(proc.stdout.fileno(), 4096)
+                    assert chunk, f"kvcache up exited early: {proc.wait()} {proc.stderr.read()}"
+                    seen += chunk
+        with open(os.path.join(state_dir, "cluster.json")) as f:
+            state = json.load(f)
+        assert namespaces(net_prefix) == [f"{net_prefix}-ctl", f"{net_prefix}-h0"]
+        assert [n["host"] for n in state["nodes"]] == ["h0"] * 3  # 3 nodes on one host
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 0, proc.stderr.read().decode()
+    assert_network_gone(net_prefix)
+    assert not os.path.exists(os.path.join(state_dir, "network.json"))
+    assert [p for p in state["pids"] if running(p)] == []
