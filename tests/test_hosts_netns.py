@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from test_cluster_e2e import (
     BLOCK,
@@ -27,6 +28,8 @@ from test_cluster_e2e import (
 )
 
 from rpc.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
+
+from helpers import wait_until
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -282,6 +285,101 @@ def test_up_hosts_replays_the_trace_across_namespaced_hosts(tmp_path, net_prefix
     assert "removed host network" in down.stdout
     assert_network_gone(net_prefix)
     assert not os.path.exists(os.path.join(state_dir, "network.json"))
+    assert [p for p in state["pids"] if running(p)] == []
+
+
+def conductor_serving(address: str) -> bool:
+    """The ConductorService's health: SERVING only on the elected leader."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from conductor.service import SERVICE_NAME
+    from rpc.channel import make_channel
+
+    try:
+        with make_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+KILL_AT_S = 5.0  # into bench live's replay of 40 trace requests at speedup 1 (~14 s of arrivals)
+
+
+@pytest.mark.slow
+def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path, net_prefix):
+    """``kvcache up --hosts 3 --etcd`` with 2 conductors: etcd and the conductors in the control
+    namespace on its address, every node and messenger registered in etcd by its host's address,
+    nothing on loopback. ``bench live`` (in the root namespace, through the bridge) replays trace
+    requests while the leading conductor is SIGKILLed: none fails, pages verified; ``kvcache
+    down`` stops everything and removes the network."""
+    config, state_dir = hosts_config(
+        tmp_path, net_prefix, free_subnet(), nodes="[conductor]\nreplicas = 2\n[etcd]\nttl = 2\n"
+    )
+    up = kvcache("up", "--config", config, "--detach", "--hosts", "3", "--etcd")
+    assert up.returncode == 0, up.stdout + up.stderr
+    cluster_json = os.path.join(state_dir, "cluster.json")
+    with open(cluster_json) as f:
+        state = json.load(f)
+    try:
+        network = state["network"]
+        addr = {h: v["address"] for h, v in network["hosts"].items()}
+        ctl_ns = network["hosts"]["ctl"]["netns"]
+        # etcd: kvcache up's own, in the control namespace on its address, on [hosts] etcd_port.
+        assert state["etcd"]["endpoints"] == [f"http://{addr['ctl']}:2379"]
+        assert state["etcd"]["pid"] in namespace_pids(ctl_ns)
+        conductors = state["conductors"]
+        assert [c["address"] for c in conductors] == [f"{addr['ctl']}:7300", f"{addr['ctl']}:7301"]
+        assert {c["pid"] for c in conductors} <= set(namespace_pids(ctl_ns))
+        for host, info in network["hosts"].items():
+            bound = {a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+                     for a in listening(info["netns"])}  # fmt: skip
+            assert bound == {addr[host]}, (host, bound)
+        # Membership from etcd: each node and messenger by its host's address (--advertise).
+        from rpc.etcd import EtcdClient
+        from rpc.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
+
+        with EtcdClient(state["etcd"]["endpoints"][0]) as etcd:
+            _, node_kvs = etcd.get_prefix(nodes_prefix("/kvcache"))
+            _, messenger_kvs = etcd.get_prefix(messengers_prefix("/kvcache"))
+        nodes = [NodeRecord.decode(kv.value) for kv in node_kvs]
+        messengers = [MessengerRecord.decode(kv.value) for kv in messenger_kvs]
+        want = {n["id"]: (n["address"], n["messenger"]) for n in state["nodes"]}
+        assert {n.descriptor.node_id: n.descriptor.address for n in nodes} == {
+            k: v[0] for k, v in want.items()
+        }
+        assert {m.node_id: m.address for m in messengers} == {k: v[1] for k, v in want.items()}
+
+        leader = wait_until(
+            lambda: [c for c in conductors if conductor_serving(c["address"])], 30, "a leader"
+        )[0]
+        live = subprocess.Popen(
+            [sys.executable, "-m", "kvcache.cli", "bench", "live", "--cluster", cluster_json,
+             "--requests", "40", "--speedup", "1", "--out", str(tmp_path / "live"),
+             "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        time.sleep(KILL_AT_S)
+        os.kill(leader["pid"], signal.SIGKILL)
+        out, _ = live.communicate(timeout=300)
+        assert live.returncode == 0, out
+        with open(tmp_path / "live" / "live.json") as f:
+            report = json.load(f)
+        summary = report["summary"]
+        assert summary["failed"] == 0 and summary["scheduled"] > 0, out
+        assert summary["verify_failures"] == 0 and summary["verified_pages"] > 0, out
+        # Arrivals after the kill were placed by the standby, now the leader.
+        late = [r for r in report["requests"] if r["arrival_s"] > KILL_AT_S + 1]
+        assert late and all(r["status"] in ("ok", "rejected") for r in late)
+        other = next(c for c in conductors if c is not leader)
+        assert conductor_serving(other["address"])
+    finally:
+        down = kvcache("down", "--state-dir", state_dir)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "removed host network" in down.stdout
+    assert_network_gone(net_prefix)
     assert [p for p in state["pids"] if running(p)] == []
 
 
