@@ -8,7 +8,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: a virtual environment with the CPU torch wheel and kvcache -----------------------
 FROM ${PYTHON_IMAGE} AS build
-# A compiler and xxhash.h for the C loop of chained block keys (kvstore/_chain.c); build stage
+# A compiler and xxhash.h for the C key chain and key index (kvstore/_native.c); build stage
 # only, so the base image's Debian release pins them.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -32,7 +32,7 @@ COPY rpc ./rpc
 COPY kvstore ./kvstore
 COPY proto ./proto
 RUN /opt/kvcache/bin/pip install . \
- && /opt/kvcache/bin/python -c "import kvstore._chain"
+ && /opt/kvcache/bin/python -c "import kvstore._native"
 
 # ---- runtime: the environment only, a non-root user ------------------------------------------
 FROM ${PYTHON_IMAGE}

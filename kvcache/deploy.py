@@ -4,13 +4,16 @@ Both files describe the same cluster: an etcd, ``--conductors`` conductors elect
 etcd, and per role (``--prefill`` / ``--decode``) nodes, each node with its messenger beside it
 sharing a memory-backed ``/dev/shm`` sized from ``--dram``. Every process serves on its own
 pod's / container's address (``$(POD_IP)`` in Kubernetes, the service's host name in compose),
-never on loopback, and finds the others through etcd.
+gRPC and metrics alike, never on loopback; it publishes that address in etcd (``--advertise``)
+and finds the others there. The conductors elect their leader in etcd.
 
 - ``k8s``: plain manifests (``helm`` is not needed): a StatefulSet of nodes per role, each pod a
   node container and a messenger sidecar on one ``emptyDir`` (medium Memory) at ``/dev/shm``; a
   Deployment of conductors; an etcd StatefulSet unless ``--etcd`` names one; Services; readiness
-  and liveness probes on gRPC health (Kubernetes' own ``grpc`` probe); Prometheus scrape
-  annotations (pods: the node's and the conductor's metrics port; a Service: the messengers').
+  and liveness probes on gRPC health (Kubernetes' own ``grpc`` probe: liveness on the server's
+  ``""``, readiness on the node's and the messenger's service, and on ``""`` for conductors, so
+  a standby is ready too); Prometheus scrape annotations (pods: the node's and the conductor's
+  metrics port; a Service: the messengers').
 - ``compose``: the same for ``docker compose``: a messenger joins its node's network and IPC
   namespaces (``network_mode`` / ``ipc: service:...``), so it maps the node's shared memory.
 
@@ -29,6 +32,15 @@ IMAGE = "kvcache:0.1.0"
 ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
 UID = 10001  # the image's non-root user (Dockerfile)
 PORTS = {"node": 7000, "messenger": 7100, "data": 7200, "conductor": 7300}
+# The gRPC health service a pod's readiness probe asks (liveness asks "": the process serves).
+# A conductor's is "" too: kvcache.v1.ConductorService is SERVING on the leader only, so a
+# standby's pod would never be Ready (a rollout would stall); a standby redirects callers to
+# the leader (FAILED_PRECONDITION naming it) and clients follow, so it may take connections.
+READY_SERVICE = {
+    "node": "kvcache.v1.NodeService",
+    "messenger": "kvcache.v1.MessengerService",
+    "conductor": "",
+}
 METRICS = {"node": 9100, "messenger": 9101, "conductor": 9100}
 DEFAULT_LAYOUT = (
     "model=llama3-8b,num_layers=32,kv_heads=8,head_dim=128,dtype=bfloat16,block_tokens=256"
@@ -84,23 +96,30 @@ def etcd_flags(spec: Spec) -> list[str]:
     return ["--etcd", spec.etcd_urls, "--etcd-prefix", spec.etcd_prefix]
 
 
+def serve_flags(role: str, host: str, metrics: str) -> list[str]:
+    """Listen and publish (in etcd, in the leader election) the pod's own address; metrics on
+    it too, where the scrape annotations point (the default metrics host is loopback)."""
+    address = f"{host}:{PORTS[role]}"
+    return ["--listen", address, "--advertise", address,
+            "--metrics-host", host, "--metrics-port", str(METRICS[metrics])]  # fmt: skip
+
+
 def conductor_args(spec: Spec, host: str) -> list[str]:
-    return ["conductor", "--listen", f"{host}:{PORTS['conductor']}", "--policy", spec.policy,
-            "--metrics-port", str(METRICS["conductor"]), *etcd_flags(spec)]  # fmt: skip
+    return ["conductor", *serve_flags("conductor", host, "conductor"), "--policy", spec.policy,
+            *etcd_flags(spec)]  # fmt: skip
 
 
 def node_args(spec: Spec, host: str, node_id: str, role: str) -> list[str]:
-    return ["node", "--listen", f"{host}:{PORTS['node']}", "--node-id", node_id, "--role", role,
+    return ["node", *serve_flags("node", host, "node"), "--node-id", node_id, "--role", role,
             "--dram", spec.dram, "--layout", spec.layout,
-            "--messenger", f"{host}:{PORTS['messenger']}",
-            "--metrics-port", str(METRICS["node"]), *etcd_flags(spec)]  # fmt: skip
+            "--messenger", f"{host}:{PORTS['messenger']}", *etcd_flags(spec)]  # fmt: skip
 
 
 def messenger_args(spec: Spec, host: str) -> list[str]:
     return ["messenger", "--node", f"{host}:{PORTS['node']}",
-            "--listen", f"{host}:{PORTS['messenger']}",
+            *serve_flags("messenger", host, "messenger"),
             "--data-listen", f"{host}:{PORTS['data']}", "--transport", "tcp",
-            "--metrics-port", str(METRICS["messenger"]), *etcd_flags(spec)]  # fmt: skip
+            *etcd_flags(spec)]  # fmt: skip
 
 
 def etcd_command(name: str, advertise: str) -> list[str]:
@@ -143,13 +162,17 @@ CONTAINER_SECURITY = {
 }
 
 
-def _probes(port: int) -> dict[str, Any]:
+def _probes(port: int, ready_service: str) -> dict[str, Any]:
     """Kubernetes' gRPC probe calls grpc.health.v1 on the pod's address (every kvcache server
     serves it, without a token). Liveness is lenient: a busy node must not be restarted."""
     return {
-        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
+        "readinessProbe": {
+            "grpc": {"port": port, "service": ready_service},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
         "livenessProbe": {
-            "grpc": {"port": port},
+            "grpc": {"port": port, "service": ""},
             "initialDelaySeconds": 10,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
@@ -161,6 +184,8 @@ def _probes(port: int) -> dict[str, Any]:
 def _container(
     spec: Spec, name: str, args: list[str], ports: dict[str, int], memory: str, mounts: list
 ) -> dict[str, Any]:
+    """``name`` is the role (``node``, ``messenger``, ``conductor``); its gRPC port comes first
+    in ``ports``."""
     return {
         "name": name,
         "image": spec.image,
@@ -173,7 +198,7 @@ def _container(
         },
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
-        **_probes(next(iter(ports.values()))),
+        **_probes(next(iter(ports.values())), READY_SERVICE[name]),
     }
 
 

@@ -10,6 +10,7 @@ real ``kvcache`` argument parsers. ``kvcache health`` runs against a real node."
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -21,7 +22,9 @@ import pytest
 import yaml
 
 from kvcache.cli import command_parser
-from kvcache.deploy import PORTS, Spec, dump, mib, shm_mib
+from kvcache.deploy import PORTS, READY_SERVICE, Spec, dump, mib, shm_mib
+
+from helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes" / "kvcache.yaml"
@@ -38,19 +41,10 @@ def compose_doc() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def has_etcd_flags() -> bool:
-    return "--etcd" in command_parser("node")._option_string_actions
-
-
-def check_command_line(argv: list[str]) -> None:
+def check_command_line(argv: list[str]) -> argparse.Namespace:
     """Parse ``kvcache <argv>`` with the real parser (argparse exits on an unknown flag or a bad
-    value); until the etcd flags exist (issue17-etcd), they are set aside and checked apart."""
+    value), the etcd flags included, and check what the roles check after parsing."""
     name, rest = argv[0], list(argv[1:])
-    if not has_etcd_flags():
-        for flag in ETCD_FLAGS:
-            if flag in rest:
-                i = rest.index(flag)
-                del rest[i : i + 2]
     args = command_parser(name).parse_args(rest)
     if name == "node":
         from node.config import parse_layout, parse_size
@@ -58,6 +52,13 @@ def check_command_line(argv: list[str]) -> None:
         for spec in args.layout:
             parse_layout(spec)
         parse_size(args.dram)
+    if getattr(args, "etcd", None):
+        from rpc.membership import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
+
+        # What every role runs on its etcd flags (a node's unset ones come from its config).
+        prefix, ttl = args.etcd_prefix or DEFAULT_PREFIX, args.etcd_ttl_s or DEFAULT_TTL_S
+        etcd_settings(name, args.etcd, prefix, ttl)
+    return args
 
 
 def test_committed_files_are_what_the_renderer_makes():
@@ -166,8 +167,13 @@ def test_every_kvcache_command_line_is_accepted_by_the_cli():
     assert sorted({line[0] for line in lines}) == ["conductor", "messenger", "node"]
     assert len(lines) == 1 + 2 * 2 + 2 + 3 * 2  # k8s: pod templates; compose: services
     for line in lines:
-        check_command_line(line)
+        args = check_command_line(line)
         assert all(flag in line for flag in ETCD_FLAGS)  # every process finds the cluster in etcd
+        # It publishes (in etcd, in the election) the address it listens on, and serves its
+        # metrics there too: the pod's or the service's own, never loopback.
+        assert args.advertise == args.listen
+        host = args.listen.rsplit(":", 1)[0]
+        assert args.metrics_host == host and host not in ("127.0.0.1", "localhost", "0.0.0.0")
     # The health check of the image (HEALTHCHECK) and of every compose service.
     health = shlex.split(dockerfile_instructions("HEALTHCHECK")[0].value[-1])
     assert health[:3] == ["exec", "kvcache", "health"]
@@ -176,9 +182,33 @@ def test_every_kvcache_command_line_is_accepted_by_the_cli():
         check_command_line(["node", "--listen", "0.0.0.0:7000", "--no-such-flag"])
 
 
-@pytest.mark.skipif(has_etcd_flags(), reason="the etcd flags exist: checked with the rest")
-def test_etcd_flags_wait_for_the_etcd_branch():
-    pytest.skip("--etcd / --etcd-prefix arrive with issue17-etcd; until then they are not parsed")
+def test_etcd_flags_are_checked_like_the_roles_check_them():
+    """The checker above sees a bad --etcd or --etcd-prefix, as the roles would."""
+    good = ["conductor", "--listen", "10.0.0.1:7300", "--etcd", "http://etcd:2379"]
+    assert check_command_line(good).etcd_prefix == "/kvcache"
+    with pytest.raises(SystemExit, match="--etcd: .*http"):
+        check_command_line([*good[:-1], "ftp://etcd:2379"])
+    with pytest.raises(SystemExit, match="must start with '/'"):
+        check_command_line([*good, "--etcd-prefix", "kvcache"])
+
+
+def test_probes_follow_the_conductors_election():
+    """Liveness asks the server's "" (the process serves); readiness asks the node's and the
+    messenger's own service, and "" for a conductor: ConductorService is SERVING on the leader
+    only, and a standby that redirects must count as ready."""
+    seen = {}
+    for _, pod in pods():
+        for c in pod["spec"]["containers"]:
+            if not c["image"].startswith("kvcache"):
+                continue
+            assert c["livenessProbe"]["grpc"]["service"] == ""
+            seen[c["name"]] = c["readinessProbe"]["grpc"]["service"]
+    assert seen == READY_SERVICE
+    assert seen == {
+        "conductor": "",
+        "node": "kvcache.v1.NodeService",
+        "messenger": "kvcache.v1.MessengerService",
+    }
 
 
 def compose_binary() -> str:
@@ -250,6 +280,10 @@ def test_dockerfile_is_multi_stage_non_root_cpu_torch_with_a_grpc_health_check()
         include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = {c.value[0] for c in instructions if c.cmd.upper() == "COPY" and not c.flags}
     assert {p.rstrip("*") for p in include} <= copied
+    # The build checks that the C extension the wheel declares was built.
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        ext = [m["name"] for m in tomllib.load(f)["tool"]["setuptools"]["ext-modules"]]
+    assert all(f'import {name}"' in runs for name in ext), (ext, runs)
 
 
 def test_dockerfile_passes_hadolint():
@@ -295,3 +329,120 @@ def test_health_command_against_a_real_node(start_node, tmp_path):
     missing = health(node.address, "--tls-ca", str(tmp_path / "nope.pem"))
     assert missing.returncode == 1 and "nope.pem" in missing.stderr
     assert os.path.exists(DOCKERFILE)
+
+
+def _pod_instances(docs: list[dict]) -> list[tuple[str, str, dict]]:
+    """(host name, pod name, pod template) for every replica of every kvcache workload."""
+    out = []
+    for d in docs:
+        name = d["metadata"]["name"]
+        if d["kind"] not in ("StatefulSet", "Deployment") or name == "kvcache-etcd":
+            continue
+        for i in range(d["spec"]["replicas"]):
+            short = {"kvcache-conductor": "c", "kvcache-prefill": "p", "kvcache-decode": "d"}[name]
+            out.append((f"{short}{i}", f"{name}-{i}", d["spec"]["template"]))
+    return out
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """$(VAR) in a container's args, as the kubelet expands it from the container's env."""
+    import re
+
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+@pytest.mark.slow
+def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
+    """No cluster here, so the next best thing: each pod of the rendered manifests (2 conductors,
+    a prefill and a decode node, each with its messenger sidecar) as a host in its own network
+    namespace, its containers' args run as written with $(POD_IP) / $(POD_NAME) filled in as the
+    kubelet would, against a real etcd. Then every probe and scrape annotation is asked what the
+    kubelet and Prometheus would ask: each container Ready and Live, one conductor leading, the
+    metrics where the annotations say, both nodes in the membership by their pod addresses."""
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from test_hosts_netns import REASON, free_subnet, unique_prefix
+
+    from clients.conductor_client import ConductorClient
+    from kvcache.cluster_config import DEMO_LAYOUT
+    from kvcache.deploy import render_k8s
+    from kvcache.etcd_server import start_etcd
+    from rpc.channel import make_channel
+    from rpc.launch import start_service
+    from rpc.netns import HostNetwork, NetSpec
+
+    if REASON:
+        pytest.skip(f"no network namespaces: {REASON}")
+    # Small pods (the defaults want 4 GiB of /dev/shm each); the etcd URL is filled in below.
+    spec = Spec(prefill=1, decode=1, conductors=2, dram="64MiB", layout=DEMO_LAYOUT)
+    docs = render_k8s(spec)
+    pods = _pod_instances(docs)
+    assert [h for h, _, _ in pods] == ["c0", "c1", "p0", "d0"]
+    net = HostNetwork.create(
+        NetSpec(prefix=unique_prefix(), subnet=free_subnet()),
+        ["etcd", *(h for h, _, _ in pods)],
+        str(tmp_path / "network.json"),
+    )
+    procs = []
+    try:
+        ip = {h.name: h.address for h in net.record.hosts}
+        etcd = start_etcd(
+            str(tmp_path / "etcd"),
+            client_url=f"http://{ip['etcd']}:2379",
+            peer_url=f"http://{ip['etcd']}:2380",
+            wrap=net.exec_prefix("etcd"),
+        )
+        procs.append(etcd.process)
+        for host, pod_name, pod in pods:
+            env = {"POD_IP": ip[host], "POD_NAME": pod_name}
+            for c in pod["spec"]["containers"]:
+                args = [_expand(a, env) for a in c["args"]]
+                args = [a.replace(spec.etcd_urls, etcd.endpoint) for a in args]  # the Service
+                procs.append(start_service(args, log_dir=str(tmp_path), wrap=net.exec_prefix(host)))
+
+        # The kubelet's probes: gRPC health on the pod's address, the probe's service.
+        def serving(address: str, service: str) -> bool:
+            with make_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=10
+                )
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        messenger_scrape = next(
+            d for d in docs if d["metadata"]["name"] == "kvcache-messenger-metrics"
+        )["metadata"]["annotations"]["prometheus.io/port"]
+        for host, _, pod in pods:
+            for c in pod["spec"]["containers"]:
+                for probe in ("readinessProbe", "livenessProbe"):
+                    check = c[probe]["grpc"]
+                    assert serving(f"{ip[host]}:{check['port']}", check["service"]), (host, c)
+                # Prometheus: the pod's scrape annotation, or (messengers) their Service's.
+                notes = pod["metadata"]["annotations"]
+                port = messenger_scrape if c["name"] == "messenger" else notes["prometheus.io/port"]
+                with urllib.request.urlopen(f"http://{ip[host]}:{port}/metrics", timeout=10) as r:
+                    assert f'role="{c["name"]}"' in r.read().decode()
+        # One leader by etcd election (its ConductorService SERVING), one warm standby.
+        conductors = [f"{ip[h]}:{PORTS['conductor']}" for h, _, _ in pods if h.startswith("c")]
+        wait_until(
+            lambda: (
+                sorted(serving(a, "kvcache.v1.ConductorService") for a in conductors)
+                == [False, True]
+            ),
+            30,
+            "one leading conductor",
+        )
+        want = {
+            "kvcache-prefill-0": f"{ip['p0']}:{PORTS['node']}",
+            "kvcache-decode-0": f"{ip['d0']}:{PORTS['node']}",
+        }
+        with ConductorClient(etcd=etcd.endpoint) as client:
+            wait_until(
+                lambda: {n.node.node_id: n.node.address for n in client.list_nodes().nodes} == want,
+                30,
+                "both nodes in the leader's membership, by their pod addresses",
+            )
+    finally:
+        for sp in reversed(procs):
+            sp.stop()
+        net.teardown()
