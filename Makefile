@@ -53,11 +53,15 @@ DEMO_SPEEDUP ?= 5
 DEMO_TTFT_SLO ?= 20
 # DEMO_HOSTS=3: the same cluster on 3 hosts in network namespaces (kvcache up --hosts; root).
 DEMO_HOSTS ?=
+# DEMO_CONDUCTORS=2: that many conductors, one leading by election in our own etcd (--etcd).
+DEMO_CONDUCTORS ?= 1
+DEMO_UP := $(if $(DEMO_HOSTS),--hosts $(DEMO_HOSTS)) \
+  $(if $(filter-out 1,$(DEMO_CONDUCTORS)),--etcd --set conductor.replicas=$(DEMO_CONDUCTORS))
 
-demo: $(STAMP)
+demo: $(STAMP) $(if $(filter-out 1,$(DEMO_CONDUCTORS)),etcd)
 	@status=0; \
 	trap '$(KVCACHE) down --state-dir $(DEMO_STATE); exit 130' INT TERM; \
-	if $(KVCACHE) up --detach $(if $(DEMO_HOSTS),--hosts $(DEMO_HOSTS)); then \
+	if $(KVCACHE) up --detach $(DEMO_UP); then \
 	  $(KVCACHE) bench live --cluster $(DEMO_STATE)/cluster.json --requests $(DEMO_REQUESTS) \
 	    --speedup $(DEMO_SPEEDUP) --ttft-slo $(DEMO_TTFT_SLO) --out $(DEMO_OUT) || status=$$?; \
 	  $(KVCACHE) down --state-dir $(DEMO_STATE) || status=$$?; \
