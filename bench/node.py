@@ -138,6 +138,43 @@ class Client:
         self.c.close()
 
 
+class PipelinedClient(Client):
+    """The shared-memory client as an engine that streams batches would use it: the next
+    batch's Allocate / Acquire and this batch's Commit / Release run on the client's background
+    thread (``*_async``) while this batch's pages are copied."""
+
+    def round(self, run: int, pages: int, batch: int, src: np.ndarray) -> tuple[float, float]:
+        c, ns, keys = self.c, self.ns, _keys(run, pages, "client-pipelined")
+        chunks = [keys[b : b + batch] for b in range(0, pages, batch)]
+        t0 = time.perf_counter()
+        commits = []
+        nxt = c.allocate_async(ns, keys=chunks[0])
+        for j in range(len(chunks)):
+            lease = nxt.result()
+            if j + 1 < len(chunks):
+                nxt = c.allocate_async(ns, keys=chunks[j + 1])
+            for i in lease.to_write:
+                np.copyto(lease.page(i), src[(j * batch + i) % len(src)])
+            commits.append(c.commit_async(lease))
+        for f in commits:
+            f.result()
+        t1 = time.perf_counter()
+        releases = []
+        nxt_r = c.acquire_async(ns, keys=chunks[0])
+        for j, chunk in enumerate(chunks):
+            rlease = nxt_r.result()
+            if j + 1 < len(chunks):
+                nxt_r = c.acquire_async(ns, keys=chunks[j + 1])
+            for i in range(len(chunk)):
+                np.copyto(self.out, rlease.page(i))
+            releases.append(c.release_async(rlease))
+        for f in releases:
+            f.result()
+        t2 = time.perf_counter()
+        c.remove(ns, keys=keys)
+        return t1 - t0, t2 - t1
+
+
 def memcpy_round(dst: np.ndarray, src: np.ndarray) -> float:
     t0 = time.perf_counter()
     for i in range(len(dst)):
@@ -152,6 +189,7 @@ def bench_pages(address: str, pages: int, batch: int, runs: int, src: np.ndarray
     page = LAYOUT.page_bytes
     dst = np.ones((pages, page), dtype=np.uint8)
     ref, shm, streamed = InProcess(pages), Client(address, True), Client(address, False)
+    piped = PipelinedClient(address, True)
     small = max(batch, pages // 4)  # the streamed path is slow: fewer pages
     secs: dict[str, list[float]] = {}
     try:
@@ -160,6 +198,7 @@ def bench_pages(address: str, pages: int, batch: int, runs: int, src: np.ndarray
                 "memcpy": (memcpy_round(dst, src),),
                 "in_process": ref.round(run, pages, batch, src),
                 "client_shm": shm.round(run, pages, batch, src),
+                "client_pipelined": piped.round(run, pages, batch, src),
                 "client_streamed": streamed.round(run, small, batch, src),
             }
             if run == 0:
@@ -168,10 +207,10 @@ def bench_pages(address: str, pages: int, batch: int, runs: int, src: np.ndarray
                 for op, t in zip(("write", "read"), times):
                     secs.setdefault(f"{name}.{op}", []).append(t)
     finally:
-        for x in (ref, shm, streamed):
+        for x in (ref, shm, piped, streamed):
             x.close()
     out: dict = {"memcpy_GBps": _median_gbps(pages * page, secs["memcpy.write"])}
-    for name in ("in_process", "client_shm", "client_streamed"):
+    for name in ("in_process", "client_shm", "client_pipelined", "client_streamed"):
         n = small if name == "client_streamed" else pages
         out[name] = {
             f"{op}_GBps": _median_gbps(n * page, secs[f"{name}.{op}"]) for op in ("write", "read")
@@ -248,16 +287,18 @@ def run(args: argparse.Namespace) -> int:
         )
         print("  running LMCache's server (shared/peers/lmcache/storage_bench.py) ...", flush=True)
         lm, lm_note = peers.lmcache_server(args.total_mib / 1024, args.runs)
-    memcpy, ref, shm, streamed = (
+    memcpy, ref, shm, piped, streamed = (
         got["memcpy_GBps"],
         got["in_process"],
         got["client_shm"],
+        got["client_pipelined"],
         got["client_streamed"],
     )
     rows = []
     paths = [
         ("in-process TieredStore (reference)", ref),
         ("client, shared memory", shm),
+        ("client, shared memory, pipelined (*_async)", piped),
         ("client, streamed gRPC", streamed),
     ]
     if mc is not None:
@@ -340,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         "memcpy_GBps": memcpy,
         "in_process": ref,
         "client_shm": shm,
+        "client_pipelined": piped,
         "client_streamed": streamed,
         "mooncake_store": vars(mc) if mc is not None else None,
         "lmcache_server": vars(lm) if lm is not None else None,

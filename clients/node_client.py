@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+# NOTE: a reply's tiers by wire value, one tuple index per page instead of an enum call
+_TIER_OF_PB: tuple[Tier | None, ...] = tuple(tier_or_none_from_pb(v) for v in range(4))
 Mapping = SharedSlab | MemfdSegment  # the node's slab by name, or this tenant's own segment
 
 log = logging.getLogger(__name__)
@@ -421,31 +423,60 @@ class KVStoreClient:
         ttl_s: float = 0.0,
         prefix_only: bool = False,
     ) -> ReadLease:
-        r = self._call(
-            "Acquire",
-            pb.AcquireRequest(
-                blocks=selector_to_pb(namespace, keys, tokens, salt),
-                ttl_s=ttl_s,
-                prefix_only=prefix_only,
-            ),
+        request, lease = self._acquire_call(namespace, keys, tokens, salt, ttl_s, prefix_only)
+        return lease(self._call("Acquire", request))
+
+    def acquire_async(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None = None,
+        tokens: Any = None,
+        salt: bytes | str = b"",
+        ttl_s: float = 0.0,
+        prefix_only: bool = False,
+    ) -> Future[ReadLease]:
+        """``acquire`` started now, waited for by ``result()``: a reader pins its next batch
+        while it copies this one."""
+        request, lease = self._acquire_call(namespace, keys, tokens, salt, ttl_s, prefix_only)
+        return self._call_async("Acquire", request, lease)
+
+    def _acquire_call(
+        self,
+        namespace: str,
+        keys: Sequence[bytes] | None,
+        tokens: Any,
+        salt: bytes | str,
+        ttl_s: float,
+        prefix_only: bool,
+    ) -> tuple[pb.AcquireRequest, Callable[[Any], ReadLease]]:
+        """The Acquire request and the conversion of its reply, for both ways of calling."""
+        slab = self._slab(namespace)
+
+        def lease(r: Any) -> ReadLease:
+            try:
+                current = self._current_slab(namespace, slab, r.shm_name)
+            except KVCacheRpcError:
+                with contextlib.suppress(KVCacheRpcError):
+                    self.release(ReadLease(self, namespace, r.lease_id, [], [], 0, None))
+                raise
+            return ReadLease(
+                self,
+                namespace,
+                r.lease_id,
+                list(r.keys),
+                list(r.offsets),
+                r.page_bytes,
+                current,
+                [_TIER_OF_PB[t] for t in r.tiers],
+                list(r.checksums),
+            )
+
+        request = pb.AcquireRequest(
+            blocks=selector_to_pb(namespace, keys, tokens, salt),
+            ttl_s=ttl_s,
+            prefix_only=prefix_only,
         )
-        try:
-            slab = self._current_slab(namespace, self._slab(namespace), r.shm_name)
-        except KVCacheRpcError:
-            with contextlib.suppress(KVCacheRpcError):
-                self.release(ReadLease(self, namespace, r.lease_id, [], [], 0, None))
-            raise
-        return ReadLease(
-            self,
-            namespace,
-            r.lease_id,
-            list(r.keys),
-            list(r.offsets),
-            r.page_bytes,
-            slab,
-            [tier_or_none_from_pb(t) for t in r.tiers],
-            list(r.checksums),
-        )
+        return request, lease
 
     def release(self, lease: ReadLease) -> None:
         self._call("Release", _lease_request(lease))

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.policy import POLICIES
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
@@ -59,9 +60,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a damaged SSD lmdb file at start: refuse to start (default), or move it aside "
         "(renamed next to it) and start with an empty SSD tier",
     )
-    parser.add_argument("--dram-policy", choices=["lru", "lfu"])
-    parser.add_argument("--ssd-policy", choices=["lru", "lfu"])
-    parser.add_argument("--gpu-policy", choices=["lru", "lfu"])
+    for tier in ("dram", "ssd", "gpu"):
+        parser.add_argument(
+            f"--{tier}-policy",
+            choices=sorted(POLICIES),
+            help="eviction policy (default lru; prefix: leaves of the prefix tree first)",
+        )
     parser.add_argument(
         "--no-promote",
         dest="promote_on_hit",

@@ -22,7 +22,7 @@ def test_node_benchmark_writes_every_figure(tmp_path, capsys):
     )
     assert bench.node.run(args) == 0
     doc = json.loads((tmp_path / "node.json").read_text())
-    for path in ("in_process", "client_shm", "client_streamed"):
+    for path in ("in_process", "client_shm", "client_pipelined", "client_streamed"):
         for op in ("write_GBps", "read_GBps"):
             assert math.isfinite(doc[path][op]) and doc[path][op] > 0, (path, op)
     assert doc["memcpy_GBps"] > 0 and doc["mooncake_store"] is None

@@ -80,6 +80,36 @@ def test_shared_memory_writer_and_streamed_reader_agree(start_node):
             assert not pinned.page(1).flags.writeable
 
 
+def test_async_calls_pipeline_a_batched_write_and_read(start_node):
+    """allocate_async / commit_async / acquire_async / release_async: the next batch's lease is
+    taken while this one is copied; pages, results and errors as the blocking calls give them."""
+    node = start_node()
+    pages = pages_for(6, seed=9)
+    with KVStoreClient(node.address) as c:
+        first = c.allocate_async(NS, tokens=tokens(2))
+        second = c.allocate_async(NS, tokens=tokens(4, start=2 * TEST_BLOCK_TOKENS))
+        lease = first.result()
+        for i in lease.to_write:
+            lease.page(i)[:] = pages[i]
+        done = c.commit_async(lease)
+        lease2 = second.result()  # blocks 2..5 as a chain of their own
+        for i in lease2.to_write:
+            lease2.page(i)[:] = pages[2 + i]
+        assert done.result().stored == 2 and c.commit_async(lease2).result().stored == 4
+        reads = [c.acquire_async(NS, tokens=tokens(2)), c.acquire_async(NS, tokens=tokens(3))]
+        r1, r2 = (f.result() for f in reads)
+        assert r1.hit_blocks == 2 and r2.found == [True, True, False]
+        for i in range(2):
+            np.testing.assert_array_equal(r2.page(i), pages[i])
+        assert c.release_async(r1).result() is None and c.release_async(r2).result() is None
+        again = c.release_async(r1)  # a server's refusal comes with the result
+        with pytest.raises(KVCacheRpcError) as err:
+            again.result()
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(KVCacheRpcError, match="not served"):  # a client's, at once
+            c.acquire_async("no|such|namespace", tokens=tokens(1))
+
+
 def test_layer_wise_write_through_lease_views(start_node):
     node = start_node()
     with KVStoreClient(node.address) as c:
