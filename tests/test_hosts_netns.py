@@ -9,11 +9,11 @@ import json
 import os
 import random
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 
 import grpc
 import pytest
@@ -21,9 +21,11 @@ from test_cluster_e2e import (
     BLOCK,
     PAGE_BYTES,
     SESSIONS,
+    ctrl_c,
     expected_hits,
     kvcache,
     run_live,
+    up_in_the_foreground,
     write_trace,
 )
 
@@ -109,6 +111,24 @@ def listening(netns: str) -> list[str]:
         ["ip", "netns", "exec", netns, "ss", "-Hltn"], capture_output=True, text=True, check=True
     ).stdout
     return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+
+def up_detached(config: str, *args: str) -> tuple[str, dict]:
+    """``kvcache up --config CONFIG --detach ARGS``: (its cluster.json, what it holds)."""
+    up = kvcache("up", "--config", config, "--detach", *args)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state_dir = tomllib.loads(open(config).read())["cluster"]["state_dir"]
+    cluster_json = os.path.join(state_dir, "cluster.json")
+    with open(cluster_json) as f:
+        return cluster_json, json.load(f)
+
+
+def assert_nothing_on_loopback(network: dict) -> None:
+    """Each namespace's TCP listeners bind its own address only (not loopback, not any)."""
+    for host, info in network["hosts"].items():
+        bound = {a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+                 for a in listening(info["netns"])}  # fmt: skip
+        assert bound == {info["address"]}, (host, bound)
 
 
 def test_network_is_made_shaped_recorded_and_removed(tmp_path, net_prefix):
@@ -242,11 +262,7 @@ def test_up_refuses_bad_host_options(tmp_path, net_prefix):
 def test_up_hosts_replays_the_trace_across_namespaced_hosts(tmp_path, net_prefix):
     subnet = free_subnet()
     config, state_dir = hosts_config(tmp_path, net_prefix, subnet)
-    up = kvcache("up", "--config", config, "--detach", "--hosts", "3")
-    assert up.returncode == 0, up.stdout + up.stderr
-    cluster_json = os.path.join(state_dir, "cluster.json")
-    with open(cluster_json) as f:
-        state = json.load(f)
+    cluster_json, state = up_detached(config, "--hosts", "3")
     try:
         network = state["network"]
         assert sorted(network["hosts"]) == ["ctl", "h0", "h1", "h2"]
@@ -259,11 +275,7 @@ def test_up_hosts_replays_the_trace_across_namespaced_hosts(tmp_path, net_prefix
             assert n["address"] == f"{ip}:7000" and n["messenger"] == f"{ip}:7100"
             assert n["data_address"] == f"{ip}:7200"
             assert set(n["pids"]) <= set(namespace_pids(ns))
-        # Nothing listens on loopback (or on every address) in any namespace.
-        for host, info in network["hosts"].items():
-            bound = {a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
-                     for a in listening(info["netns"])}  # fmt: skip
-            assert bound == {addr[host]}, (host, bound)
+        assert_nothing_on_loopback(network)
 
         trace = tmp_path / "sessions.jsonl"
         write_trace(trace)
@@ -318,11 +330,7 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
     config, state_dir = hosts_config(
         tmp_path, net_prefix, free_subnet(), nodes="[conductor]\nreplicas = 2\n[etcd]\nttl = 2\n"
     )
-    up = kvcache("up", "--config", config, "--detach", "--hosts", "3", "--etcd")
-    assert up.returncode == 0, up.stdout + up.stderr
-    cluster_json = os.path.join(state_dir, "cluster.json")
-    with open(cluster_json) as f:
-        state = json.load(f)
+    cluster_json, state = up_detached(config, "--hosts", "3", "--etcd")
     try:
         network = state["network"]
         addr = {h: v["address"] for h, v in network["hosts"].items()}
@@ -333,10 +341,7 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
         conductors = state["conductors"]
         assert [c["address"] for c in conductors] == [f"{addr['ctl']}:7300", f"{addr['ctl']}:7301"]
         assert {c["pid"] for c in conductors} <= set(namespace_pids(ctl_ns))
-        for host, info in network["hosts"].items():
-            bound = {a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
-                     for a in listening(info["netns"])}  # fmt: skip
-            assert bound == {addr[host]}, (host, bound)
+        assert_nothing_on_loopback(network)
         # Membership from etcd: each node and messenger by its host's address (--advertise).
         from rpc.etcd import EtcdClient
         from rpc.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
@@ -389,10 +394,7 @@ def test_down_cleans_up_after_a_crashed_launcher(tmp_path, net_prefix):
     namespaces (network.json), stops what runs in them and removes them. Two hosts for three
     nodes: the first host runs two nodes on its next ports."""
     config, state_dir = hosts_config(tmp_path, net_prefix, free_subnet())
-    up = kvcache("up", "--config", config, "--detach", "--hosts", "2")
-    assert up.returncode == 0, up.stdout + up.stderr
-    with open(os.path.join(state_dir, "cluster.json")) as f:
-        state = json.load(f)
+    _, state = up_detached(config, "--hosts", "2")
     h0 = state["network"]["hosts"]["h0"]["address"]
     assert [n["host"] for n in state["nodes"]] == ["h0", "h1", "h0"]
     assert state["nodes"][2]["address"] == f"{h0}:7001"
@@ -434,32 +436,14 @@ def test_transfer_bench_across_hosts_reports_ratios_per_link(tmp_path, net_prefi
 @pytest.mark.slow
 def test_up_hosts_in_the_foreground_removes_its_network_on_ctrl_c(tmp_path, net_prefix):
     config, state_dir = hosts_config(tmp_path, net_prefix, free_subnet())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache.cli", "up", "--config", config, "--hosts", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # like a shell job: Ctrl-C signals the whole group
-    )
+    proc = up_in_the_foreground("--config", config, "--hosts", "1")
     try:
-        seen, deadline = b"", time.monotonic() + 90
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while b"Ctrl-C stops it" not in seen:
-                assert time.monotonic() < deadline, seen.decode()
-                if sel.select(1.0):
-                    chunk = os.read(proc.stdout.fileno(), 4096)
-                    assert chunk, f"kvcache up exited early: {proc.wait()} {proc.stderr.read()}"
-                    seen += chunk
         with open(os.path.join(state_dir, "cluster.json")) as f:
             state = json.load(f)
         assert namespaces(net_prefix) == [f"{net_prefix}-ctl", f"{net_prefix}-h0"]
         assert [n["host"] for n in state["nodes"]] == ["h0"] * 3  # 3 nodes on one host
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code = ctrl_c(proc)
     assert code == 0, proc.stderr.read().decode()
     assert_network_gone(net_prefix)
     assert not os.path.exists(os.path.join(state_dir, "network.json"))
