@@ -73,11 +73,13 @@ def assert_network_gone(prefix: str) -> None:
     assert namespaces(prefix) == [] and links(prefix) == []
 
 
-def hosts_config(tmp_path, prefix: str, subnet: str, extra: str = "", nodes: str = "") -> tuple:
+def hosts_config(
+    tmp_path, prefix: str, subnet: str, extra: str = "", nodes: str = "", dram: str = "64MiB"
+) -> tuple:
     state = tmp_path / "state"
     config = tmp_path / "cluster.toml"
     config.write_text(
-        f'[cluster]\nstate_dir = "{state}"\n\n[defaults]\ndram = "64MiB"\n\n'
+        f'[cluster]\nstate_dir = "{state}"\n\n[defaults]\ndram = "{dram}"\n\n'
         f'[hosts]\nprefix = "{prefix}"\nsubnet = "{subnet}"\n{extra}\n{nodes}'
     )
     return str(config), str(state)
@@ -327,8 +329,15 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
     nothing on loopback. ``bench live`` (in the root namespace, through the bridge) replays trace
     requests while the leading conductor is SIGKILLed: none fails, pages verified; ``kvcache
     down`` stops everything and removes the network."""
+    # 1024 pages per node, as part A's loopback test: with 256 the decode node once ran out
+    # (RESOURCE_EXHAUSTED: its pages pinned or leased) when the requests that queued during the
+    # takeover pulled at once.
     config, state_dir = hosts_config(
-        tmp_path, net_prefix, free_subnet(), nodes="[conductor]\nreplicas = 2\n[etcd]\nttl = 2\n"
+        tmp_path,
+        net_prefix,
+        free_subnet(),
+        nodes="[conductor]\nreplicas = 2\n[etcd]\nttl = 2\n",
+        dram="256MiB",
     )
     cluster_json, state = up_detached(config, "--hosts", "3", "--etcd")
     try:
