@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "failover": ("bench.failover", "conductor failover in etcd mode vs an embedded restart"),
     "soak": ("bench.soak", "a local cluster under load while processes are killed: no page lost"),
     "torch": ("bench.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
+    "layerwise": (
+        "bench.layerwise",
+        "torch client layer-wise put/load vs memcpy; host<->device vs a pinned copy (CUDA)",
+    ),
     "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),
 }
 

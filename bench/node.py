@@ -55,6 +55,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=int, default=400, help="calls per lookup repetition")
     parser.add_argument("--lookup-blocks", type=int, default=1000)
     parser.add_argument("--no-peers", action="store_true", help="skip Mooncake and LMCache")
+    parser.add_argument(
+        "--dram-checksums",
+        choices=["on", "off"],
+        default="on",
+        help="the node's DRAM page checksums (default on, as a node runs; off: what they cost)",
+    )
     parser.add_argument("--out", default="out/bench", help="directory for node.json")
 
 
@@ -72,8 +78,8 @@ class InProcess:
     the zero-copy page views the same-host client gets (so the ratio is what the client and the
     node process add: RPCs, leases held by another process)."""
 
-    def __init__(self, pages: int) -> None:
-        self.store = TieredStore(LAYOUT, StoreConfig(dram_pages=pages))
+    def __init__(self, pages: int, checksums: bool = True) -> None:
+        self.store = TieredStore(LAYOUT, StoreConfig(dram_pages=pages, dram_checksums=checksums))
         self.out = np.empty(LAYOUT.page_bytes, dtype=np.uint8)
 
     def round(self, run: int, pages: int, batch: int, src: np.ndarray) -> tuple[float, float]:
@@ -182,13 +188,15 @@ def memcpy_round(dst: np.ndarray, src: np.ndarray) -> float:
     return time.perf_counter() - t0
 
 
-def bench_pages(address: str, pages: int, batch: int, runs: int, src: np.ndarray) -> dict:
+def bench_pages(
+    address: str, pages: int, batch: int, runs: int, src: np.ndarray, checksums: bool = True
+) -> dict:
     """memcpy, the in-process store, the shared-memory client and the streamed client, one
     round of each per repetition (interleaved: a busy spell of the machine hits them alike);
     GB/s of the median round, after a warm-up repetition."""
     page = LAYOUT.page_bytes
     dst = np.ones((pages, page), dtype=np.uint8)
-    ref, shm, streamed = InProcess(pages), Client(address, True), Client(address, False)
+    ref, shm, streamed = InProcess(pages, checksums), Client(address, True), Client(address, False)
     piped = PipelinedClient(address, True)
     small = max(batch, pages // 4)  # the streamed path is slow: fewer pages
     secs: dict[str, list[float]] = {}
@@ -258,9 +266,9 @@ def bench_lookup(address: str, n_blocks: int, calls: int, runs: int) -> dict:
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def _node(tmp: str, layout: str, dram_mib: int):
+def _node(tmp: str, layout: str, dram_mib: int, checksums: bool = True):
     args = ["node", "--listen", "127.0.0.1:0", "--dram", f"{dram_mib}MiB", "--layout", layout]
-    return start_service(args, log_dir=tmp)
+    return start_service(args + ([] if checksums else ["--no-dram-checksums"]), log_dir=tmp)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,9 +276,10 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, (16, LAYOUT.page_bytes), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as tmp:
-        node = _node(tmp, LAYOUT_SPEC, args.total_mib + 16)
+        checksums = args.dram_checksums == "on"
+        node = _node(tmp, LAYOUT_SPEC, args.total_mib + 16, checksums)
         try:
-            got = bench_pages(node.address, pages, args.batch, args.runs, src)
+            got = bench_pages(node.address, pages, args.batch, args.runs, src, checksums)
         finally:
             node.stop()
         node = _node(tmp, LOOKUP_LAYOUT, 16)
@@ -331,8 +340,8 @@ def run(args: argparse.Namespace) -> int:
             )
     print(
         f"1 MiB pages, {pages} pages per round, batches of {args.batch}, median of {args.runs} "
-        f"interleaved rounds; numpy memcpy reference {memcpy:.2f} GB/s (Mooncake and LMCache "
-        "ran after, in their own processes)"
+        f"interleaved rounds, DRAM checksums {args.dram_checksums}; numpy memcpy reference "
+        f"{memcpy:.2f} GB/s (Mooncake and LMCache ran after, in their own processes)"
     )
     print_table(
         rows,
@@ -391,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
         "pages": pages,
         "batch": args.batch,
         "runs": args.runs,
+        "dram_checksums": args.dram_checksums,
     }
     path = os.path.join(args.out, "node.json")
     write_json(path, result)

@@ -51,6 +51,15 @@ def print_table(
     print(format_table(rows, columns), file=out)
 
 
+MET = {True: "yes", False: "MISSED", None: ""}  # a figure's target: met, missed, none
+
+
+def targets_summary(mets: Sequence[bool | None], missed: Sequence[str]) -> str:
+    """``3/4 targets met; missed: a, b``, for the last line of a benchmark with targets."""
+    met, total = sum(m is True for m in mets), sum(m is not None for m in mets)
+    return f"{met}/{total} targets met" + (f"; missed: {', '.join(missed)}" if missed else "")
+
+
 def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}

@@ -390,12 +390,7 @@ class KVStoreClient:
         slab = self._slab(namespace)
 
         def lease(r: Any) -> WriteLease:
-            try:
-                current = self._current_slab(namespace, slab, r.shm_name)
-            except KVCacheRpcError:
-                with contextlib.suppress(KVCacheRpcError):
-                    self.abort(WriteLease(self, namespace, r.lease_id, [], [], 0, None))
-                raise
+            current = self._mapping_of(namespace, slab, r, "Abort")
             return WriteLease(
                 self, namespace, r.lease_id, list(r.keys), list(r.offsets), r.page_bytes, current
             )
@@ -404,6 +399,19 @@ class KVStoreClient:
             blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s
         )
         return request, lease
+
+    def _mapping_of(
+        self, namespace: str, slab: Mapping | None, reply: Any, undo: str
+    ) -> Mapping | None:
+        """The shared memory a lease reply's offsets point into; when it cannot be mapped, the
+        lease is given back (``undo``: Abort or Release) before the error is raised."""
+        try:
+            return self._current_slab(namespace, slab, reply.shm_name)
+        except KVCacheRpcError:
+            with contextlib.suppress(KVCacheRpcError):
+                request = pb.LeaseRequest(namespace=namespace, lease_id=reply.lease_id)
+                self._call(undo, request)
+            raise
 
     def commit(self, lease: WriteLease) -> CommitResult:
         return _commit_result(self._call("Commit", _lease_request(lease)))
@@ -453,12 +461,7 @@ class KVStoreClient:
         slab = self._slab(namespace)
 
         def lease(r: Any) -> ReadLease:
-            try:
-                current = self._current_slab(namespace, slab, r.shm_name)
-            except KVCacheRpcError:
-                with contextlib.suppress(KVCacheRpcError):
-                    self.release(ReadLease(self, namespace, r.lease_id, [], [], 0, None))
-                raise
+            current = self._mapping_of(namespace, slab, r, "Release")
             return ReadLease(
                 self,
                 namespace,

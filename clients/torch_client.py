@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from kvstore.keys import BlockKey, block_keys, root_key, tokens_as_array
 from kvstore.layout import KVLayout
 
 from .node_client import KVCacheRpcError, KVStoreClient, ReadLease, WriteLease
-from .torch_layout import HFLayout, KVTensorLayout, PagedLayout, page_view
+from .torch_layout import HFLayout, KVTensorLayout, PagedLayout, PageRun, page_runs
 from .torch_transfer import CpuCopier, make_copier
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ class TorchKVClient:
         self.namespace = layout.namespace
         self.salt = salt.encode() if isinstance(salt, str) else salt
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: no CUDA device here; use device='cpu'")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
         self.lease_ttl_s = lease_ttl_s
         self.fetch_blocks = fetch_blocks
         self.prefetch_layers = prefetch_layers
@@ -132,7 +137,10 @@ class TorchKVClient:
         check_layout_served(client, layout)
         self._root = root_key(self.namespace, self.salt)
         self.shared_memory = client.shm_available(self.namespace)
-        self._slab: torch.Tensor | None = None  # the node's slab as torch uint8, once leased
+        # One copier per device for every request: on CUDA one side stream and one set of
+        # pinned staging buffers, not one per request.
+        self._copiers: dict[torch.device, CpuCopier] = {}
+        self._copiers_lock = threading.Lock()
         # One worker each: loads run in layer order, stores in hand-over order, and a load never
         # waits behind a store.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
@@ -240,21 +248,20 @@ class TorchKVClient:
 
     # ---- plumbing ------------------------------------------------------------------------------
 
-    def _pages_in_slab(
-        self, lease: ReadLease | WriteLease, offsets: Sequence[int]
-    ) -> list[torch.Tensor]:
-        """Zero-copy page views into the node's shared memory."""
-        if self._slab is None:
-            if lease.slab is None:
-                raise RuntimeError("the node's shared memory is not mapped here")
-            self._slab = torch.from_numpy(lease.slab.array)
-        pb = self.layout.page_bytes
-        return [page_view(self._slab[off : off + pb], self.layout) for off in offsets]
+    def copier(self, device: torch.device) -> CpuCopier:
+        """This client's copier for ``device`` (made on first use, then shared by requests)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._copiers_lock:
+            copier = self._copiers.get(device)
+            if copier is None:
+                copier = self._copiers[device] = make_copier(self.layout, device)
+            return copier
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self._storer.shutdown(wait=True)
-        self._slab = None
+        self._copiers.clear()
         if self._owns_client:
             self.client.close()
 
@@ -330,10 +337,11 @@ class LayerwiseLoad:
                 raise ValueError("a load fills the prefix from token 0: HFLayout(start=0)")
             device = kv.device
             self._dst = [tensor_layout.allocate(self._layout, num_tokens, device) for _ in range(L)]
-        self._copier: CpuCopier = make_copier(self._layout, device)
+        self._copier = kv.copier(device)
         self._copier.begin()
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # per layer: what the caller awaits
 
-        self._extent: Future[tuple[list[torch.Tensor], int]] = Future()
+        self._extent: Future[tuple[list[PageRun], int]] = Future()
         if want == 0:
             self._extent.set_result(([], 0))
         elif kv.shared_memory:
@@ -345,7 +353,17 @@ class LayerwiseLoad:
 
     # ---- sources -------------------------------------------------------------------------------
 
-    def _pin(self, want: int) -> tuple[list[torch.Tensor], int]:
+    def _runs(self, pages: Sequence[NDArray[np.uint8]]) -> tuple[list[PageRun], int]:
+        """The runs of the prefix's pages received, and its tokens (the last block may be cut)."""
+        bt = self._layout.block_tokens
+        n = min(len(pages) * bt, self.requested_tokens)
+        blocks = math.ceil(n / bt)
+        runs = page_runs(
+            range(blocks), pages[:blocks], self._layout, self._tensor_layout, n - (blocks - 1) * bt
+        )
+        return runs, n
+
+    def _pin(self, want: int) -> tuple[list[PageRun], int]:
         kv = self._kv
         lease = kv.client.acquire(
             kv.namespace, keys=self._req.keys[:want], prefix_only=True, ttl_s=kv.lease_ttl_s
@@ -361,13 +379,12 @@ class LayerwiseLoad:
                 in_slab,
                 hit,
             )
-        pages = kv._pages_in_slab(lease, lease.offsets[:in_slab])
-        return pages, min(in_slab * self._layout.block_tokens, self.requested_tokens)
+        return self._runs([lease.page(i) for i in range(in_slab)])
 
-    def _fetch_streamed(self, want: int) -> tuple[list[torch.Tensor], int]:
+    def _fetch_streamed(self, want: int) -> tuple[list[PageRun], int]:
         kv = self._kv
         keys = self._req.keys[:want]
-        pages: list[torch.Tensor] = []
+        pages: list[NDArray[np.uint8]] = []
         try:
             for a in range(0, want, kv.fetch_blocks):
                 got = kv.client.get(
@@ -376,7 +393,7 @@ class LayerwiseLoad:
                 for page in got:
                     if page is None:
                         break
-                    pages.append(page_view(torch.from_numpy(page), self._layout))
+                    pages.append(page)
                 if len(pages) < min(a + kv.fetch_blocks, want):
                     break  # evicted since the lookup: the prefix ends here
                 self._report("blocks", len(pages), want)
@@ -390,7 +407,7 @@ class LayerwiseLoad:
                 len(pages),
                 want,
             )
-        return pages, min(len(pages) * self._layout.block_tokens, self.requested_tokens)
+        return self._runs(pages)
 
     # ---- layers --------------------------------------------------------------------------------
 
@@ -403,11 +420,9 @@ class LayerwiseLoad:
             self._futures[layer] = self._kv._loader.submit(self._load_layer, layer)
 
     def _load_layer(self, layer: int) -> None:
-        pages, n = self._extent.result()
-        bt = self._layout.block_tokens
-        rows = [min(bt, n - i * bt) for i in range(math.ceil(n / bt))]
+        runs, n = self._extent.result()
         k, v = self._dst[layer]
-        self._copier.load_layer(pages[: len(rows)], rows, layer, self._tensor_layout, k, v)
+        self._ready[layer] = self._copier.load_layer(runs, layer, self._tensor_layout, k, v, n)
         self._report("layer", layer + 1, self._layout.num_layers)
 
     @property
@@ -435,7 +450,7 @@ class LayerwiseLoad:
             raise LoadError(f"loading layer {layer} failed: {e}") from e
         finally:
             self.wait_s += time.perf_counter() - t0
-        self._copier.wait_loaded(layer)
+        self._copier.wait_loaded(self._ready.get(layer))
         k, v = self._dst[layer]
         if isinstance(self._tensor_layout, HFLayout) and self._tensor_layout.capacity is None:
             n = self.num_tokens
@@ -496,26 +511,28 @@ class LayerwiseStore:
         self._futures: list[Future[None]] = []
         self._copier: CpuCopier | None = None
         self._lease: WriteLease | None = None
-        self._buffer: torch.Tensor | None = None
+        self._buffer: NDArray[np.uint8] | None = None
         self._done = False
-        self._targets: list[tuple[int, torch.Tensor]] = []
+        self._targets: tuple[list[int], list[NDArray[np.uint8]]] = ([], [])  # blocks, pages
+        self._runs: list[PageRun] | None = None  # made at the first put_layer (tables checked)
+        self._written = 0  # pages this store writes (keys not stored yet)
         self.copy_s = 0.0  # worker time spent copying layers (overlaps the caller's compute)
         self.finish_s = 0.0  # time finish() made the caller wait: last copies + publish
+        self.publish_s = 0.0  # the publish alone: Commit (the node seals each page) or the Put
         if not self._keys:
             return
         if kv.shared_memory:
-            self._lease = kv.client.allocate(kv.namespace, keys=self._keys, ttl_s=kv.lease_ttl_s)
-            todo = self._lease.to_write
-            pages = kv._pages_in_slab(self._lease, [self._lease.offsets[i] for i in todo])
-            self._targets = [(first_block + i, p) for i, p in zip(todo, pages)]
+            lease = kv.client.allocate(kv.namespace, keys=self._keys, ttl_s=kv.lease_ttl_s)
+            self._lease = lease
+            todo = lease.to_write
+            self._targets = ([first_block + i for i in todo], [lease.page(i) for i in todo])
         else:
-            self._buffer = torch.empty(
-                (len(self._keys), self._layout.page_bytes), dtype=torch.uint8
+            self._buffer = np.empty((len(self._keys), self._layout.page_bytes), dtype=np.uint8)
+            self._targets = (
+                list(range(first_block, first_block + len(self._keys))),
+                list(self._buffer),
             )
-            self._targets = [
-                (first_block + i, page_view(self._buffer[i], self._layout))
-                for i in range(len(self._keys))
-            ]
+        self._written = len(self._targets[0])
 
     @property
     def blocks(self) -> int:
@@ -534,10 +551,12 @@ class LayerwiseStore:
                 k, v, self._layout, self.first_block, self._end_token, f"layer {layer}"
             )
         self._put[layer] = True
-        if not self._targets:
+        if not self._written:
             return
+        if self._runs is None:
+            self._runs = page_runs(*self._targets, self._layout, self._tensor_layout)
         if self._copier is None:
-            self._copier = make_copier(self._layout, k.device)
+            self._copier = self._kv.copier(k.device)
         ready = self._copier.mark_computed(k, v)
         self._futures.append(self._kv._storer.submit(self._copy_layer, layer, k, v, ready))
 
@@ -545,8 +564,11 @@ class LayerwiseStore:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event | None
     ) -> None:
         t0 = time.perf_counter()
-        assert self._copier is not None  # put_layer sets it before it queues a copy
-        self._copier.store_layer(self._targets, layer, self._tensor_layout, k, v, ready)
+        # put_layer sets both before it queues a copy
+        assert self._copier is not None and self._runs is not None
+        self._copier.store_layer(
+            self._runs, layer, self._tensor_layout, k, v, ready, self.first_block, self.blocks
+        )
         self.copy_s += time.perf_counter() - t0
 
     def finish(self) -> StoreResult:
@@ -566,8 +588,9 @@ class LayerwiseStore:
             raise
         self._done = True
         lease, buffer, self._lease, self._buffer = self._lease, self._buffer, None, None
-        written = len(self._targets)
-        self._targets = []
+        written = self._written
+        self._targets, self._runs = ([], []), None
+        t1 = time.perf_counter()
         try:
             if lease is not None:
                 r = lease.commit()
@@ -576,7 +599,8 @@ class LayerwiseStore:
             else:
                 return StoreResult(self.blocks, 0, 0, 0)
         finally:
-            self.finish_s = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            self.finish_s, self.publish_s = t2 - t0, t2 - t1
         return StoreResult(self.blocks, written, r.stored, r.duplicates)
 
     def abort(self) -> None:

@@ -1,29 +1,33 @@
 """Per-layer copies between host pages and the caller's KV tensors, on CPU or CUDA.
 
-``make_copier(device)`` returns the engine for the caller's device:
+A client keeps one copier per device for all its requests (``TorchKVClient.copier``):
 
-- ``CpuCopier``: the worker thread copies page rows straight into / out of the caller's tensors
-  (torch copies release the GIL, so they overlap the caller's compute on other cores).
-- ``CudaCopier``: the worker thread gathers one layer's page rows into a pinned staging buffer, then
-  issues the host->device copy and the scatter into the caller's tensors on a side stream and
-  records one event per layer; the caller's stream waits on that event (no host sync). Stores
-  run the other way: an event recorded on the caller's stream after it computed the layer, a
-  device->pinned copy on the side stream, then pinned -> page on the worker thread.
+- ``CpuCopier``: the worker thread copies each ``PageRun``'s slice of the layer straight into /
+  out of the caller's tensors with numpy: one strided copy per run for K and one for V (numpy
+  copies release the GIL, so they overlap the caller's compute on other cores).
+- ``CudaCopier``: one side stream and one set of pinned staging buffers per client, reused by
+  every request (a small ring per direction: loads run on the client's one loader thread, stores
+  on its one storer thread). A layer load gathers the runs' slices into pinned staging on the
+  worker thread; then, on the side stream, one host->device copy, one scatter kernel into the
+  caller's tensors, ``record_stream`` on them (the caller may drop a tensor before the side stream
+  is done with it) and one event, which the caller's stream waits on (no host sync). A store runs
+  the other way: an event recorded on the caller's stream once the layer is computed, a gather
+  kernel and one device->pinned copy on the side stream, then pinned -> pages on the worker.
 
-Both work on lists of host pages viewed as ``[layers, 2, block_tokens, kv_heads, head_dim]``.
-Worker-side methods run under ``torch.inference_mode()``: KV caches never need autograd, and the
-caller's tensors may be inference tensors (a prefill under ``inference_mode``).
+Pages are host memory (the node's shared memory, or buffers of the streamed path) viewed as
+``[layers, 2, block_tokens, kv_heads, head_dim]``; see ``torch_layout.PageRun``.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvstore.layout import KVLayout
 
-from .torch_layout import KVTensorLayout, torch_dtype
+from .torch_layout import KVTensorLayout, PageRun, host_array, torch_dtype
 
 
 class CpuCopier:
@@ -33,24 +37,28 @@ class CpuCopier:
         self.layout = layout
 
     def begin(self) -> None:
-        """Called on the caller's thread once the destination tensors exist."""
+        """Called on the caller's thread once a load's destination tensors exist."""
 
-    @torch.inference_mode()
     def load_layer(
         self,
-        pages: Sequence[torch.Tensor],
-        rows: Sequence[int],
+        runs: Sequence[PageRun],
         layer: int,
         dst: KVTensorLayout,
         k: torch.Tensor,
         v: torch.Tensor,
-    ) -> None:
+        num_tokens: int,
+    ) -> torch.cuda.Event | None:
+        """Copy layer ``layer`` of the prefix's pages (tokens ``[0, num_tokens)``) into the
+        caller's ``k``/``v``; returns what ``wait_loaded`` waits on (nothing on the CPU)."""
         bt = self.layout.block_tokens
-        for i, (page, n) in enumerate(zip(pages, rows)):
-            dst.view(k, i, n, bt).copy_(page[layer, 0, :n])
-            dst.view(v, i, n, bt).copy_(page[layer, 1, :n])
+        kn, vn = host_array(k), host_array(v)
+        for run in runs:
+            src = run.pages[:, layer, :, : run.rows]
+            np.copyto(dst.blocks(kn, run, run.rows, bt), src[:, 0])
+            np.copyto(dst.blocks(vn, run, run.rows, bt), src[:, 1])
+        return None
 
-    def wait_loaded(self, layer: int) -> None:
+    def wait_loaded(self, done: torch.cuda.Event | None) -> None:
         """Called on the caller's thread before it uses a loaded layer."""
 
     def mark_computed(self, k: torch.Tensor, v: torch.Tensor) -> torch.cuda.Event | None:
@@ -58,47 +66,68 @@ class CpuCopier:
         what ``store_layer`` waits on (``ready``): nothing on the CPU."""
         return None
 
-    @torch.inference_mode()
     def store_layer(
         self,
-        targets: Sequence[tuple[int, torch.Tensor]],
+        runs: Sequence[PageRun],
         layer: int,
         src: KVTensorLayout,
         k: torch.Tensor,
         v: torch.Tensor,
         ready: torch.cuda.Event | None,
+        first_block: int,
+        blocks: int,
     ) -> None:
+        """Copy layer ``layer`` of request blocks ``[first_block, first_block + blocks)`` from
+        the caller's ``k``/``v`` into the runs' pages (which cover those blocks, or some)."""
         bt = self.layout.block_tokens
-        for block, page in targets:
-            page[layer, 0].copy_(src.view(k, block, bt, bt))
-            page[layer, 1].copy_(src.view(v, block, bt, bt))
+        kn, vn = host_array(k), host_array(v)
+        for run in runs:
+            dst = run.pages[:, layer]
+            np.copyto(dst[:, 0], src.blocks(kn, run, bt, bt))
+            np.copyto(dst[:, 1], src.blocks(vn, run, bt, bt))
+
+
+class PinnedRing:
+    """Pinned host staging buffers, ``[2, blocks, block_tokens, kv_heads, head_dim]`` (K then V),
+    reused round-robin by one thread; a slot is refilled only after the copy that last used it
+    has completed. Buffers grow to the largest request seen and are kept."""
+
+    SLOTS = 2  # layer l+1 fills while layer l's copy runs
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._done: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._next = 0
+
+    def take(self, blocks: int) -> tuple[int, torch.Tensor]:
+        slot, self._next = self._next, (self._next + 1) % self.SLOTS
+        done = self._done[slot]
+        if done is not None:
+            done.synchronize()  # the copy that last read or wrote this buffer has finished
+        L = self.layout
+        shape = (2, blocks, L.block_tokens, L.kv_heads, L.head_dim)
+        need = int(np.prod(shape))
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=torch_dtype(L), pin_memory=True)
+            self._buffers[slot] = buf
+        return slot, buf[:need].view(shape)
+
+    def used(self, slot: int, done: torch.cuda.Event) -> None:
+        self._done[slot] = done
 
 
 class CudaCopier(CpuCopier):
-    """Side-stream copies with one event per layer and pinned staging (see the module doc)."""
-
-    SLOTS = 2  # pinned staging buffers in flight: layer l+1 fills while layer l's copy runs
+    """Side-stream copies through pinned staging, one event per layer (see the module doc)."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         super().__init__(layout)
         self.device = device
         # NOTE: torch.cuda.Stream() and torch.cuda.Event() (their __new__) are unannotated.
         self.side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._staging: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._slot_done: list[torch.cuda.Event | None] = [None] * self.SLOTS
-        self._layer_done: dict[int, torch.cuda.Event] = {}
-
-    def _slot(self, index: int, blocks: int) -> torch.Tensor:
-        slot = index % self.SLOTS
-        done = self._slot_done[slot]
-        if done is not None:
-            done.synchronize()  # the copy that last read this pinned buffer has finished
-        buf = self._staging[slot]
-        shape = (blocks, 2, self.layout.block_tokens, self.layout.kv_heads, self.layout.head_dim)
-        if buf is None or buf.shape[0] < blocks:
-            buf = torch.empty(shape, dtype=torch_dtype(self.layout), pin_memory=True)
-            self._staging[slot] = buf
-        return buf[:blocks]
+        self._loads = PinnedRing(layout)  # used by the client's loader thread only
+        self._stores = PinnedRing(layout)  # used by the client's storer thread only
 
     def begin(self) -> None:
         # NOTE: the destination tensors were allocated on the caller's stream; order the side
@@ -108,29 +137,41 @@ class CudaCopier(CpuCopier):
     @torch.inference_mode()
     def load_layer(
         self,
-        pages: Sequence[torch.Tensor],
-        rows: Sequence[int],
+        runs: Sequence[PageRun],
         layer: int,
         dst: KVTensorLayout,
         k: torch.Tensor,
         v: torch.Tensor,
-    ) -> None:
-        bt = self.layout.block_tokens
-        staging = self._slot(layer, len(pages))
-        for i, page in enumerate(pages):
-            staging[i].copy_(page[layer])
+        num_tokens: int,
+    ) -> torch.cuda.Event | None:
+        if not runs:
+            return None
+        blocks = runs[-1].first + len(runs[-1])  # a load's runs cover blocks [0, blocks)
+        slot, staging = self._loads.take(blocks)
+        st = host_array(staging)
+        for run in runs:
+            a, n = run.first, len(run)
+            np.copyto(
+                st[:, a : a + n, : run.rows],
+                run.pages[:, layer, :, : run.rows].transpose(1, 0, 2, 3, 4),
+            )
         with torch.cuda.stream(self.side):
             dev = staging.to(self.device, non_blocking=True)
-            for i, n in enumerate(rows):
-                dst.view(k, i, n, bt).copy_(dev[i, 0, :n])
-                dst.view(v, i, n, bt).copy_(dev[i, 1, :n])
+            dst.scatter(k, dev[0], num_tokens)
+            dst.scatter(v, dev[1], num_tokens)
+            # NOTE: k/v were allocated on the caller's stream and are written on the side
+            # stream: without this, a caller that drops them early lets the allocator hand
+            # their memory out while the copy still runs.
+            k.record_stream(self.side)
+            v.record_stream(self.side)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.side)
-        self._slot_done[layer % self.SLOTS] = done
-        self._layer_done[layer] = done
+        self._loads.used(slot, done)
+        return done
 
-    def wait_loaded(self, layer: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._layer_done[layer])
+    def wait_loaded(self, done: torch.cuda.Event | None) -> None:
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
 
     def mark_computed(self, k: torch.Tensor, v: torch.Tensor) -> torch.cuda.Event:
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -143,26 +184,30 @@ class CudaCopier(CpuCopier):
     @torch.inference_mode()
     def store_layer(
         self,
-        targets: Sequence[tuple[int, torch.Tensor]],
+        runs: Sequence[PageRun],
         layer: int,
         src: KVTensorLayout,
         k: torch.Tensor,
         v: torch.Tensor,
         ready: torch.cuda.Event | None,
+        first_block: int,
+        blocks: int,
     ) -> None:
         bt = self.layout.block_tokens
-        staging = self._slot(layer, len(targets))
+        slot, staging = self._stores.take(blocks)
         with torch.cuda.stream(self.side):
             assert ready is not None  # this copier's mark_computed always returns an event
             self.side.wait_event(ready)
-            for j, (block, _) in enumerate(targets):
-                staging[j, 0].copy_(src.view(k, block, bt, bt), non_blocking=True)
-                staging[j, 1].copy_(src.view(v, block, bt, bt), non_blocking=True)
+            staging[0].copy_(src.gather(k, first_block, blocks, bt), non_blocking=True)
+            staging[1].copy_(src.gather(v, first_block, blocks, bt), non_blocking=True)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.side)
+        self._stores.used(slot, done)
         done.synchronize()
-        for j, (_, page) in enumerate(targets):
-            page[layer].copy_(staging[j])
+        st = host_array(staging)
+        for run in runs:
+            a, n = run.first - first_block, len(run)
+            np.copyto(run.pages[:, layer].transpose(1, 0, 2, 3, 4), st[:, a : a + n])
 
 
 def make_copier(layout: KVLayout, device: torch.device) -> CpuCopier:

@@ -20,6 +20,20 @@ def _is_torch(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
+def _check_dtype(data: Any, dtype_name: str | None, what: str) -> None:
+    """A typed array or tensor must be in the layout dtype; raw uint8 is always accepted."""
+    if not dtype_name:
+        return
+    if _is_torch(data):
+        name = str(data.dtype).removeprefix("torch.")
+        ok = name in ("uint8", dtype_name)
+    else:
+        name = data.dtype.name
+        ok = name == "uint8" or _np_matches(data.dtype, dtype_name)
+    if not ok:
+        raise InvalidArgument(f"{what} dtype {name} does not match the layout dtype {dtype_name}")
+
+
 def as_uint8(
     data: Any, expected_bytes: int, dtype_name: str | None = None, what: str = "payload"
 ) -> ByteView:
@@ -28,21 +42,13 @@ def as_uint8(
     ``dtype_name``: the layout dtype; typed arrays must match it (raw uint8 / bytes are accepted).
     """
     if _is_torch(data):
-        name = str(data.dtype).removeprefix("torch.")
-        if dtype_name and name not in ("uint8", dtype_name):
-            raise InvalidArgument(
-                f"{what} dtype {name} does not match the layout dtype {dtype_name}"
-            )
+        _check_dtype(data, dtype_name, what)
         import torch
 
         tensor = data.detach().contiguous().reshape(-1).view(torch.uint8)
         flat: ByteView = tensor.numpy() if tensor.device.type == "cpu" else tensor
     elif isinstance(data, np.ndarray):
-        name = data.dtype.name
-        if dtype_name and name != "uint8" and not _np_matches(data.dtype, dtype_name):
-            raise InvalidArgument(
-                f"{what} dtype {name} does not match the layout dtype {dtype_name}"
-            )
+        _check_dtype(data, dtype_name, what)
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     else:
         try:
@@ -54,6 +60,42 @@ def as_uint8(
     if flat.shape[0] != expected_bytes:
         raise InvalidArgument(f"{what} is {flat.shape[0]} bytes; expected {expected_bytes}")
     return flat
+
+
+def as_uint8_rows(
+    data: Any, rows: int, row_bytes: int, dtype_name: str | None = None, what: str = "payload"
+) -> ByteView:
+    """``data`` as ``[rows, row_bytes]`` uint8 (numpy on the host, torch on a device).
+
+    ``data``: a numpy array or torch tensor whose first axis has ``rows`` entries (one per page),
+    or bytes. Rows need not follow each other in memory (one layer's slices of a batch of pages
+    are ``row_bytes`` apart from a page's length): no copy is made while each row is contiguous.
+    """
+    if isinstance(data, (bytes, bytearray, memoryview)) or not (
+        _is_torch(data) or isinstance(data, np.ndarray)
+    ):
+        return as_uint8(data, rows * row_bytes, dtype_name, what).reshape(rows, row_bytes)
+    if data.ndim == 0 or data.shape[0] != rows:
+        raise InvalidArgument(
+            f"{what} has shape {tuple(data.shape)}; expected {rows} rows (one per page)"
+        )
+    _check_dtype(data, dtype_name, what)
+    if _is_torch(data):
+        import torch
+
+        t = data.detach().reshape(rows, -1)
+        if t.shape[1] and t.stride(1) != 1:
+            t = t.contiguous()
+        t = t.view(torch.uint8)
+        out: ByteView = t.numpy() if t.device.type == "cpu" else t
+    else:
+        a = data.reshape(rows, -1)  # NOTE: a view unless rows are not contiguous (then a copy)
+        if a.shape[1] and a.strides[1] != a.itemsize:
+            a = np.ascontiguousarray(a)
+        out = a.view(np.uint8)
+    if out.shape[1] != row_bytes:
+        raise InvalidArgument(f"{what} rows are {out.shape[1]} bytes; expected {row_bytes}")
+    return out
 
 
 def _np_matches(dt: np.dtype[Any], dtype_name: str) -> bool:

@@ -121,36 +121,25 @@ class LRUPolicy(EvictionPolicy):
         self._len += 1
 
     def touch(self, slot: int) -> None:
-        # NOTE: unlink + link_tail inlined: this runs once per hit block of every lookup.
-        prev, nxt, head = self._lists.prev, self._lists.next, self._head
-        p = prev[slot]
-        if p == -1:
-            return  # pinned: not evictable, nothing to reorder
-        n = nxt[slot]
-        if n == head:
-            return  # already the most recent
-        nxt[p] = n
-        prev[n] = p
-        tail = prev[head]
-        prev[slot] = tail
-        nxt[slot] = head
-        nxt[tail] = slot
-        prev[head] = slot
+        self._touch_py((slot,))
 
     def touch_many(self, slots: Sequence[int]) -> None:
         if _lru_touch is not None:  # one C loop over the same arrays (kvstore/_native.c)
             buf = slots if isinstance(slots, np.ndarray) else np.asarray(slots, dtype=np.int32)
             _lru_touch(self._lists.prev, self._lists.next, self._head, buf.astype(np.int32))
             return
-        # NOTE: ``touch`` inlined once more: a 1000-block prefix lookup calls this, not touch.
+        self._touch_py(slots)
+
+    def _touch_py(self, slots: Sequence[int]) -> None:
+        # NOTE: unlink + link_tail inlined: this ran once per hit block of every lookup.
         prev, nxt, head = self._lists.prev, self._lists.next, self._head
         for slot in slots:
             p = prev[slot]
             if p == -1:
-                continue
+                continue  # pinned: not evictable, nothing to reorder
             n = nxt[slot]
             if n == head:
-                continue
+                continue  # already the most recent
             nxt[p] = n
             prev[n] = p
             tail = prev[head]

@@ -36,6 +36,15 @@ class PagePool(ABC):
         for slot, data in zip(slots, datas):
             copy_bytes(self.page_view(slot), data)
 
+    def write_range(self, slots: Sequence[int], offset: int, rows: ByteView) -> None:
+        """Copy ``rows[i]`` (``[len(slots), size]`` uint8) into bytes ``[offset, offset + size)``
+        of page ``slots[i]``: one layer of a batch of pages."""
+        size = rows.shape[1]
+        for slot, row in zip(slots, rows):
+            view = self.page_view(slot)
+            if view is not None:
+                copy_bytes(view[offset : offset + size], row)
+
     def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         """Copy a page into ``out``; False when the page is gone or corrupt (SSD)."""
         copy_bytes(out, self.page_view(slot))
@@ -62,7 +71,8 @@ class SharedDramPool(PagePool):
 
     Every committed page carries an xxh3-64 checksum (``seal``, at commit and when a page moves
     in); ``read_page_into`` checks it, so a page scribbled on after its commit (a same-host writer
-    keeps its view of the shared slab) is reported corrupt instead of served.
+    keeps its view of the shared slab) is reported corrupt instead of served. ``checksums=False``
+    skips them (the commit's pass over every page's bytes), and with them that protection.
     """
 
     tier = Tier.DRAM
@@ -74,8 +84,10 @@ class SharedDramPool(PagePool):
         shm_name: str | None = None,
         reserve: bool = False,
         private: bool = False,
+        checksums: bool = True,
     ) -> None:
         self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.checksums = checksums
         size = num_pages * page_bytes
         self.slab: SharedSlab | MemfdSegment
         if private:
@@ -99,7 +111,18 @@ class SharedDramPool(PagePool):
         for slot in slots:
             self.seal(slot)
 
+    def write_range(self, slots: Sequence[int], offset: int, rows: ByteView) -> None:
+        if not isinstance(rows, np.ndarray):
+            super().write_range(slots, offset, rows)  # a device tensor: copied page by page
+            return
+        # NOTE: one fancy-indexed assignment for the batch, not a Python call per page: one
+        # layer's 32 KiB slices of a 1 MiB page cost about what the call around them costs.
+        self._pages[np.asarray(slots, dtype=np.intp), offset : offset + rows.shape[1]] = rows
+
     def seal(self, slot: int) -> None:
+        if not self.checksums:
+            self._sealed[slot] = False  # NOTE: a slot's previous occupant may have been sealed
+            return
         self._sums[slot] = xxhash.xxh3_64_intdigest(self._pages[slot])
         self._sealed[slot] = True
 

@@ -33,6 +33,9 @@ class StoreConfig:
     shm_name: str | None = None
     reserve_shm: bool = False
     private_dram: bool = False  # DRAM pages in an anonymous memfd, not a /dev/shm name
+    # xxh3-64 of every DRAM page at commit, verified by copy-outs and moves (and handed to
+    # same-host readers); off: commits skip that pass over the bytes, and scribbles go unnoticed
+    dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged lmdb file at start: "refuse", or "move-aside"
     metadata_only: bool = False
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S

@@ -40,7 +40,7 @@ from .keys import BlockKey, block_keys, check_keys, root_key
 from .layout import KVLayout
 from .leases import LeaseBook, ReadLease, WriteLease
 from .movement import TierMovement
-from .payload import as_uint8, copy_bytes
+from .payload import as_uint8, as_uint8_rows, copy_bytes
 from .policy import make_policy
 from .pools import MetadataPool, PagePool, SharedDramPool, TorchSlabPool
 from .records import (
@@ -128,6 +128,7 @@ class TieredStore(LeaseBook, TierMovement):
                 shm_name=cfg.shm_name,
                 reserve=cfg.reserve_shm,
                 private=cfg.private_dram,
+                checksums=cfg.dram_checksums,
             )
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")
@@ -253,6 +254,23 @@ class TieredStore(LeaseBook, TierMovement):
             if view is not None:
                 copy_bytes(view[offset : offset + size], src)
             self._n.bytes_written += size
+
+    def write_layer(self, lease_id: int, layer: int, data: Any) -> None:
+        """Copy layer ``layer``'s K|V slice of every page the lease asks for, in one call.
+
+        ``data``: one slice per key of the lease, ``[len(keys), layer_bytes]`` bytes or a numpy
+        array / torch tensor of ``len(keys)`` rows in the layout dtype (rows need not be adjacent:
+        ``pages[:, layer]`` of a page batch is fine); rows of keys already stored are skipped.
+        """
+        offset, size = self.layout.layer_offset(layer), self.layout.layer_bytes
+        with self._lock:
+            lease = self._write_lease(lease_id).lease
+            rows = as_uint8_rows(data, len(lease.keys), size, self.layout.dtype, f"layer {layer}")
+            todo = lease.to_write
+            if len(todo) < len(lease.keys):
+                rows = rows[todo]
+            self._tiers[lease.tier].pool.write_range([lease.slots[i] for i in todo], offset, rows)
+            self._n.bytes_written += size * len(todo)
 
     def write_pages(self, lease_id: int, pages: Sequence[Any]) -> None:
         """Write every page the lease asks for; ``pages`` is aligned with the lease's keys."""

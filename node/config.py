@@ -85,6 +85,7 @@ class NodeConfig:
     gpu_policy: str = "lru"
     promote_on_hit: bool = True
     reserve_shm: bool = False
+    dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
     write_quarantine_s: float | None = None  # None: 3 x lease_ttl_s (see StoreConfig)

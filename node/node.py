@@ -85,6 +85,7 @@ class Node:
                         ssd_policy=config.ssd_policy,
                         promote_on_hit=config.promote_on_hit,
                         reserve_shm=config.reserve_shm,
+                        dram_checksums=config.dram_checksums,
                         private_dram=private,
                         ssd_damaged=config.ssd_damaged,
                         lease_ttl_s=config.lease_ttl_s,

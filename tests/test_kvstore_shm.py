@@ -266,6 +266,26 @@ def test_a_dram_page_scribbled_on_after_commit_is_dropped_on_copy_out():
         store.check_invariants()
 
 
+def test_without_dram_checksums_pages_are_served_as_they_are():
+    with make_store(dram_pages=2, dram_checksums=False) as store:
+        store.put(keys(1), [page(1)])
+        lease = store.acquire(keys(1))
+        assert store.checksums(lease) == [0]  # none kept: readers have nothing to check against
+        slab = SharedSlab.attach(store.shm_name)
+        slab.array[lease.slots[0] * LAYOUT.page_bytes + 7] ^= 0xFF  # a late writer scribbles
+        slab.close()
+        store.release(lease.lease_id)
+        got = store.read(keys(1))[0]
+        assert got is not None and got.tobytes() != page(1).tobytes()  # served: the trade-off
+        assert store.stats().corrupt_pages == 0
+        store.put(keys(2, 3), [page(2), page(3)])  # slot reuse: no stale seal left behind
+        assert [x.tobytes() for x in store.read(keys(2, 3))] == [
+            page(2).tobytes(),
+            page(3).tobytes(),
+        ]
+        store.check_invariants()
+
+
 def test_checksums_of_dram_pages_are_what_readers_check_against():
     import xxhash
 

@@ -43,6 +43,54 @@ def test_layer_by_layer_write_is_invisible_until_commit(store):
     assert tier.leased_pages == 0 and tier.used_pages == 2
 
 
+def pages_of(*seeds: int) -> np.ndarray:
+    """A batch of pages, ``[len(seeds), layers, layer elements]`` of the layout dtype."""
+    return np.stack([page(s) for s in seeds]).reshape(len(seeds), LAYOUT.num_layers, -1)
+
+
+def test_write_layer_writes_one_layer_of_every_page_in_one_call(store):
+    batch = pages_of(1, 2, 3)
+    lease = store.allocate(keys(1, 2, 3))
+    for layer in range(LAYOUT.num_layers):
+        assert store.lookup(keys(1)).hits == 0  # invisible until commit, as with write()
+        store.write_layer(lease.lease_id, layer, batch[:, layer])  # rows a page apart: no copy
+    assert store.commit(lease.lease_id).stored == 3
+    assert [p.tobytes() for p in store.read(keys(1, 2, 3))] == [
+        page(i).tobytes() for i in (1, 2, 3)
+    ]
+    assert store.stats().bytes_written == 3 * LAYOUT.page_bytes
+
+
+def test_write_layer_takes_torch_and_bytes_and_skips_stored_keys(store):
+    store.put([key(2)], [page(2)])
+    batch = pages_of(1, 9, 3)  # the stored key's row is never written
+    lease = store.allocate(keys(1, 2, 3))
+    store.write_layer(lease.lease_id, 0, torch.from_numpy(batch[:, 0].copy()))
+    store.write_layer(lease.lease_id, 1, batch[:, 1].tobytes())
+    assert store.commit(lease.lease_id).stored == 2
+    assert [p.tobytes() for p in store.read(keys(1, 2, 3))] == [
+        page(i).tobytes() for i in (1, 2, 3)
+    ]
+
+
+def test_write_layer_bad_input_is_a_clear_error(store):
+    lease = store.allocate(keys(1, 2))
+    batch = pages_of(1, 2)
+    with pytest.raises(InvalidArgument, match="expected 2 rows"):
+        store.write_layer(lease.lease_id, 0, batch[:1, 0])
+    with pytest.raises(InvalidArgument, match="rows are 64 bytes; expected 128"):
+        store.write_layer(lease.lease_id, 0, batch[:, 0, ::2])
+    with pytest.raises(InvalidArgument, match="dtype float32 does not match"):
+        store.write_layer(lease.lease_id, 0, batch[:, 0].astype(np.float32))
+    with pytest.raises(InvalidArgument, match="layer 2 out of range"):
+        store.write_layer(lease.lease_id, 2, batch[:, 0])
+    with pytest.raises(InvalidArgument, match="expected 256"):
+        store.write_layer(lease.lease_id, 0, b"\0" * 100)
+    store.abort(lease.lease_id)
+    with pytest.raises(FailedPrecondition, match="does not exist"):
+        store.write_layer(lease.lease_id, 0, batch[:, 0])
+
+
 def test_writers_can_fill_the_page_view_in_place(store):
     lease = store.allocate([key(1)])
     view = store.page_view(lease, 0, layer=1)

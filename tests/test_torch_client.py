@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -11,9 +12,10 @@ import torch
 from clients import KVStoreClient
 from clients.torch_client import LayoutMismatchError, LoadProgress, TorchKVClient
 from clients.torch_layout import PagedLayout
+from clients.torch_transfer import PinnedRing
 from kvstore.layout import KVLayout
 
-from torch_helpers import BLOCK_TOKENS, prompt, start_node_for
+from torch_helpers import BLOCK_TOKENS, layout_spec, prompt, start_node_for
 
 BT = BLOCK_TOKENS
 LAYOUT = KVLayout(
@@ -196,6 +198,14 @@ def test_prefetch_loads_the_next_layer_while_the_caller_computes(connect):
             assert changed.wait_for(lambda: 2 in loaded, timeout=10)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_a_clear_error(node):
+    with pytest.raises(ValueError, match="no CUDA device here"):
+        TorchKVClient.connect(node.address, LAYOUT, device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        TorchKVClient.connect(node.address, LAYOUT, device="meta")
+
+
 def test_layout_mismatch_is_a_clear_error(node):
     other = KVLayout(
         model="unit", num_layers=4, kv_heads=2, head_dim=16, dtype="float32", block_tokens=BT
@@ -241,8 +251,75 @@ def test_tokens_shorter_than_a_block_cache_nothing(connect, use_shm):
     assert kv.client.stats().namespaces[0].blocks == 0
 
 
+def store_all(kv: TorchKVClient, tokens, layers, **kw) -> None:
+    with kv.store(tokens, **kw) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        store.finish()
+
+
+@PATHS
+def test_a_block_stored_by_another_writer_splits_the_pages_written(connect, use_shm):
+    """Block 2 of 5 is already on the node (another writer put it): the store writes blocks
+    0, 1, 3 and 4, in two runs of pages, and loads give every block back."""
+    kv = connect(use_shm)
+    tokens = prompt(5 * BT, seed=19)
+    req = kv.request(tokens)
+    layers = hf_kv(tokens.numel(), seed=20)
+    other = np.stack(  # block 2's page as the documented layout lays it out
+        [
+            np.stack([k[0, :, 2 * BT : 3 * BT].transpose(0, 1).numpy() for k in kv_])
+            for kv_ in layers
+        ]
+    )
+    with KVStoreClient(kv.client.address, use_shm=False) as raw:
+        raw.put(LAYOUT.namespace, [other], keys=[req.keys[2]])
+    with kv.store(req) as store:
+        for l, (k, v) in enumerate(layers):
+            store.put_layer(l, k, v)
+        result = store.finish()
+    # the streamed path sends every page; the node keeps the first copy of block 2
+    assert (result.written, result.stored) == (4 if use_shm else 5, 4)
+    with kv.load(req) as load:
+        for l, k, v in load:
+            torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+            torch.testing.assert_close(v, layers[l][1], rtol=0, atol=0)
+
+
+def test_bf16_inference_tensors_round_trip(start_kvcache):
+    """numpy has no bfloat16: the client moves the bytes; tensors made under inference_mode
+    (a prefill) are stored and loaded like any other."""
+    layout = KVLayout(
+        model="unit", num_layers=2, kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=BT
+    )
+    node = start_node_for(start_kvcache, layout)
+    with TorchKVClient.connect(node.address, layout) as kv:
+        tokens = prompt(3 * BT + 5, seed=21)
+        with torch.inference_mode():
+            layers = [tuple(t.bfloat16() for t in kv_) for kv_ in hf_kv(tokens.numel(), 22, layout)]
+        store_all(kv, tokens, layers)
+        with kv.load(tokens, num_tokens=2 * BT + 3) as load:
+            for l, k, v in load:
+                assert k.dtype == torch.bfloat16 and k.shape[2] == 2 * BT + 3
+                assert torch.equal(k, layers[l][0][:, :, : 2 * BT + 3])
+                assert torch.equal(v, layers[l][1][:, :, : 2 * BT + 3])
+
+
+def test_requests_share_the_clients_copier(connect):
+    kv = connect(True)
+    tokens = prompt(2 * BT, seed=23)
+    cpu = torch.device("cpu")
+    assert kv.copier(cpu) is kv.copier(cpu)
+    store_all(kv, tokens, hf_kv(tokens.numel(), seed=24))
+    with kv.load(tokens) as a, kv.load(tokens) as b:
+        assert a._copier is b._copier is kv.copier(cpu)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_round_trip_side_stream(connect):
     kv = connect(True, device="cuda")
     tokens = prompt(4 * BT, seed=17)
@@ -256,6 +333,84 @@ def test_cuda_round_trip_side_stream(connect):
             assert k.device.type == "cuda"
             torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
             torch.testing.assert_close(v, layers[l][1], rtol=0, atol=0)
+    with kv.load(tokens, num_tokens=2 * BT + 3) as load:  # a partial last block
+        k, v = load.layer(1)
+        torch.testing.assert_close(v, layers[1][1][:, :, : 2 * BT + 3], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_paged_round_trip_through_block_tables(connect):
+    kv = connect(True, device="cuda")
+    tokens = prompt(4 * BT + 3, seed=25)
+    g = torch.Generator().manual_seed(26)
+    shape = (9, BT, LAYOUT.kv_heads, LAYOUT.head_dim)
+    src = [
+        (torch.randn(shape, generator=g).cuda(), torch.randn(shape, generator=g).cuda())
+        for _ in range(LAYOUT.num_layers)
+    ]
+    store_all(kv, tokens, src, tensor_layout=PagedLayout([8, 1, 2, 3]))
+    dst = [(torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda")) for _ in src]
+    table = torch.tensor([4, 0, 7, 5])
+    with kv.load(tokens, 3 * BT + 2, PagedLayout(table), kv_caches=dst) as load:
+        for l in range(LAYOUT.num_layers):
+            k, _ = load.layer(l)
+            for a, b in zip([8, 1, 2], [4, 0, 7]):
+                torch.testing.assert_close(k[b], src[l][0][a], rtol=0, atol=0)
+            torch.testing.assert_close(k[5, :2], src[l][0][3, :2], rtol=0, atol=0)
+            assert not k[5, 2:].any() and not k[[1, 2, 3, 6, 8]].any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_requests_share_one_side_stream_and_pinned_staging(connect):
+    """One side stream and one set of pinned staging buffers per client, not per request; a
+    loaded layer the caller drops at once (record_stream) does not corrupt the next load."""
+    kv = connect(True, device="cuda")
+    tokens = prompt(3 * BT, seed=27)
+    layers = [(k.cuda(), v.cuda()) for k, v in hf_kv(tokens.numel(), seed=28)]
+    store_all(kv, tokens, layers)
+    copier = kv.copier(torch.device("cuda", torch.cuda.current_device()))
+    seen = set()
+    for _ in range(3):
+        with kv.load(tokens) as load:
+            assert load._copier is copier
+            for l in range(LAYOUT.num_layers):
+                load.layer(l)  # dropped at once: their memory must not be reused too early
+            seen.update(b.data_ptr() for b in copier._loads._buffers if b is not None)
+        torch.empty(1 << 20, device="cuda").fill_(7)  # a neighbour allocating on its stream
+    assert len(seen) == PinnedRing.SLOTS  # the same pinned buffers, reused
+    with kv.load(tokens) as load:
+        for l, k, _v in load:
+            torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+
+
+def test_a_restarted_node_gets_the_layers_in_its_new_shared_memory(start_kvcache):
+    """The client writes where each lease's reply says the pages are: after the node restarts at
+    the same address (a new segment), a store lands in the new node's memory, not in the dead
+    node's segment the client mapped first."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    spec = ["node", "--listen", address, "--dram", "16MiB", "--layout", layout_spec(LAYOUT)]
+    node = start_kvcache(*spec)
+    kv = TorchKVClient.connect(address, LAYOUT)
+    try:
+        store_all(kv, prompt(2 * BT, seed=29), hf_kv(2 * BT, seed=30))  # maps the first segment
+        node.kill()
+        start_kvcache(*spec)
+        tokens = prompt(3 * BT, seed=31)
+        layers = hf_kv(tokens.numel(), seed=32)
+        store_all(kv, tokens, layers)
+        with KVStoreClient(address, use_shm=False) as raw:
+            pages = raw.get(LAYOUT.namespace, tokens=tokens.numpy())
+        assert all(p is not None for p in pages)
+        got = np.stack(pages).view(np.float32).reshape(3, *LAYOUT.page_shape)
+        for l, (k, _) in enumerate(layers):
+            want = k[0].reshape(LAYOUT.kv_heads, 3, BT, LAYOUT.head_dim).permute(1, 2, 0, 3)
+            np.testing.assert_array_equal(got[:, l, 0], want.numpy())
+    finally:
+        kv.close()
 
 
 def test_tenants_round_trip_through_their_own_segments(start_kvcache):
