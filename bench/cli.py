@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torch client layer-wise put/load vs memcpy; host<->device vs a pinned copy (CUDA)",
     ),
     "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),
+    "serve": ("bench.serve", "the trace through the router and vLLM engines, per policy"),
 }
 
 

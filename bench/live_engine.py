@@ -378,14 +378,15 @@ class Engine:
             return set()
         messenger = self.messenger(plan.dst_messenger)
         timeout = self.options.transfer_timeout_s
-        batch = messenger.submit(plan.namespace, [(k, plan.src_messenger) for k in keys])
-        status = messenger.status(batch.batch_id, wait=True, timeout_s=timeout)
-        if not status.finished:
-            messenger.cancel(batch.batch_id)
+        try:
+            status = messenger.pull(plan.namespace, keys, plan.src_messenger, timeout)
+        except KVCacheRpcError as e:
+            if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
             raise LiveError(
                 f"planned transfer {plan.src_node} -> {plan.dst_node} of "
                 f"{len(keys)} blocks not done after {timeout:g} s"
-            )
+            ) from None
         landed = set()
         for e in status.entries:
             if e.state == mpb.ENTRY_DONE:
@@ -434,17 +435,17 @@ class Engine:
         messenger = self.messenger(reply.decode_messenger)
         out.decode_at_s = self.now()
         t = time.perf_counter()
-        batch = messenger.submit(
-            self.options.namespace, [(k, reply.prefill_messenger) for k in keys]
-        )
-        status = messenger.status(batch.batch_id, wait=True, timeout_s=timeout)
-        out.decode_s = time.perf_counter() - t
-        if not status.finished:
-            messenger.cancel(batch.batch_id)
+        try:
+            status = messenger.pull(self.options.namespace, keys, reply.prefill_messenger, timeout)
+        except KVCacheRpcError as e:
+            if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
             raise LiveError(
                 f"decode pull {reply.prefill_node} -> {reply.decode_node} of "
                 f"{len(keys)} pages not done after {timeout:g} s"
-            )
+            ) from None
+        finally:
+            out.decode_s = time.perf_counter() - t
         out.decode_moved_bytes = status.bytes_moved
         if status.failed:
             bad = next(e for e in status.entries if e.state == mpb.ENTRY_FAILED)

@@ -4,7 +4,8 @@
 
 SPEC: ``model`` (path), ``runs`` (a list of ``{"prompts": [[token ids]...], "max_tokens": n}``,
 each one ``LLM.generate`` call, timed), and optionally ``connector`` (the
-``kv_connector_extra_config`` of ``clients.vllm_connector.KVCacheConnector``), ``prefix_caching``
+``kv_connector_extra_config`` of ``clients.vllm_connector.KVCacheConnector``; ``kv_role``, default
+``kv_both``), ``prefix_caching``
 (default true), ``max_model_len`` (default 1024). Prints one line: ``{"runs": [{"outputs":
 [{"tokens", "cached"}], "seconds", "stats"}]}``, where ``stats`` is the connector's cumulative
 ``ConnectorStats`` after the run. The tests and ``kvcache bench vllm`` start one process per
@@ -43,7 +44,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVCacheConnector",
             "kv_connector_module_path": "clients.vllm_connector",
-            "kv_role": "kv_both",
+            "kv_role": spec.get("kv_role", "kv_both"),
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": spec["connector"],
         }

@@ -25,29 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.models import MODELS, make_model
 from bench.report import Column, print_table, write_json
 from rpc.launch import start_service
 
-MODELS: dict[str, dict[str, Any]] = {
-    # LMCache's peer model (shared/peers/lmcache/make_model.py), same shape.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=512,
-    ),
-    # ~100M parameters: 12 x (4 x 768^2 attention-ish + 3 x 768 x 2048 MLP) + 32k x 768 embeddings.
-    "100m": dict(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        num_hidden_layers=12,
-        vocab_size=32000,
-    ),
-}
 TARGETS = {"tiny": 1.0, "100m": 0.3}  # hit TTFT / recompute TTFT
 STORE_OVERHEAD_TARGET = 1.05  # cold prefill with the connector saving / without
 
@@ -75,22 +56,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--work", default=None, help="where models and logs go (default: temp)")
     parser.add_argument("--out", default="out/bench", help="directory for vllm.json")
-
-
-def make_model(path: str, shape: dict[str, Any], max_len: int) -> None:
-    """A random bfloat16 Llama of ``shape`` saved at ``path`` (kept if it is there)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **shape,
-        max_position_embeddings=max_len,
-        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
 def _engine(spec: dict[str, Any], log_path: str) -> dict[str, Any]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import grpc
 
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
-from rpc.status import call
+from rpc.status import KVCacheRpcError, call
 
 
 class MessengerClient:
@@ -52,6 +54,25 @@ class MessengerClient:
             timeout_s=timeout_s + 10 if wait else None,
         )
         return reply
+
+    def pull(
+        self, namespace: str, keys: Sequence[bytes], source: str, timeout_s: float = 30.0
+    ) -> pb.TransferStatusReply:
+        """Have this messenger fetch ``keys`` from the messenger at ``source`` and wait for the
+        batch (keys its node holds already count as done, keys in flight are joined). A batch
+        not finished after ``timeout_s`` is cancelled: ``KVCacheRpcError`` DEADLINE_EXCEEDED.
+        Entries that failed (e.g. evicted on the source) are in the reply, not raised."""
+        batch = self.submit(namespace, [(k, source) for k in keys])
+        status = self.status(batch.batch_id, wait=True, timeout_s=timeout_s)
+        if not status.finished:
+            self.cancel(batch.batch_id)
+            raise KVCacheRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"transfer of {len(keys)} blocks from {source} to {self.address} not done "
+                f"after {timeout_s:g} s (cancelled)",
+                "TransferStatus",
+            )
+        return status
 
     def cancel(self, batch_id: str) -> pb.TransferStatusReply:
         reply: pb.TransferStatusReply = self._call("Cancel", pb.CancelRequest(batch_id=batch_id))

@@ -33,6 +33,9 @@ A block that cannot be loaded (gone, corrupt on SSD, node down) is reported thro
 ``get_block_ids_with_load_errors`` and vLLM recomputes it: set ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default ``"fail"`` fails such requests instead).
 
+``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` (a prefill engine of a disaggregated
+deployment) only stores, ``kv_consumer`` (a decode engine) only loads.
+
 Extra config (``kv_connector_extra_config``): ``node`` (address, required), ``token`` or
 ``token_file`` (bearer token; its tenant scopes every key), ``tls_ca_file``, ``block_tokens``
 (default: the node's layout for this model when it serves one, else 256), ``model`` (the layout's
@@ -184,6 +187,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.config = ConnectorConfig.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config or {})
         )
+        # kv_role: a kv_producer (prefill engine) only stores, a kv_consumer (decode engine)
+        # only loads, kv_both does both.
+        self.loads = bool(self._kv_transfer_config.is_kv_consumer)
+        self.saves = bool(self._kv_transfer_config.is_kv_producer) and self.config.save != "none"
         self.vblock_tokens = vllm_config.cache_config.block_size
         self.client = KVStoreClient(
             self.config.node, token=self.config.token, tls_ca_file=self.config.tls_ca_file
@@ -267,8 +274,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int, bool]:
-        st = self._request(request)
-        if not st.keys:
+        st = self._request(request)  # a producer needs it too: it plans the saves
+        if not st.keys or not self.loads:
             return 0, False
         t0 = time.perf_counter()
         try:
@@ -363,7 +370,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, meta: KVCacheConnectorMetadata, req_id: str, st: _Request, computed: int
     ) -> None:
         """Save the request's prompt blocks completed by this step (full pages only)."""
-        if self.config.save == "none":
+        if not self.saves:
             return
         done = min(computed, len(st.tokens)) // self.layout.block_tokens
         done = min(done, len(st.block_ids) // self.ratio)
@@ -555,6 +562,7 @@ class _Step:
         self.load_plan: tuple[_Pages, _RowMap] | None = None
         self.save_plan: tuple[_Pages, _RowMap] | None = None
         self.save_keys: list[bytes] = []
+        self._slots: list[int] = []  # per saved key: its index among the unique keys, or -1
         self.saved_layers: set[int] = set()
         self.streamed_out: np.ndarray | None = None
         self._allocating: Future[WriteLease] | None = None
@@ -645,7 +653,14 @@ class _Step:
 
     def _send_allocate(self, saves: list[_Transfer]) -> None:
         conn = self.conn
-        keys = [k for t in saves for k in t.keys]
+        # Requests of one step that share a prefix save the same blocks: each key is written
+        # once, by its first request (``_slots``: the key's place among the unique keys, -1
+        # for a repeat); the node refuses an Allocate that names a key twice.
+        unique: dict[bytes, int] = {}
+        for t in saves:
+            for k in t.keys:
+                self._slots.append(-1 if k in unique else unique.setdefault(k, len(unique)))
+        keys = list(unique)
         self.saves = saves
         try:
             shm = conn.client.shm_available(conn.namespace)
@@ -654,10 +669,11 @@ class _Step:
                     conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s
                 )
             elif shm:
-                self._allocating = Future()
-                self._allocating.set_result(
-                    conn.client.allocate(conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s)
+                lease = conn.client.allocate(
+                    conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s
                 )
+                self._allocating = Future()
+                self._allocating.set_result(lease)
         except KVCacheRpcError as e:  # a cache: a failed save only costs a future hit
             log.warning("kvcache save of %d pages skipped (%s)", len(keys), e)
             return
@@ -665,9 +681,9 @@ class _Step:
             page_bytes = conn.layout.page_bytes
             self.streamed_out = np.zeros((len(keys), page_bytes), np.uint8)
             self.save_keys = keys
-            offsets = [i * page_bytes for i in range(len(keys))]
             self._plan_saves(
-                _Pages(self.streamed_out.reshape(-1), self.vblock_bytes, conn._word), offsets
+                _Pages(self.streamed_out.reshape(-1), self.vblock_bytes, conn._word),
+                [j * page_bytes if j >= 0 else -1 for j in self._slots],
             )
 
     def _take_saves(self) -> None:
@@ -686,7 +702,8 @@ class _Step:
             self.conn.stats.allocate_s += time.perf_counter() - t0
         assert self.write.slab is not None
         pages = _Pages(self.write.slab.array, self.vblock_bytes, self.conn._word)
-        self._plan_saves(pages, list(self.write.offsets))
+        offsets = self.write.offsets
+        self._plan_saves(pages, [offsets[j] if j >= 0 else -1 for j in self._slots])
 
     def _plan_saves(self, pages: _Pages, offsets: list[int]) -> None:
         src: list[int] = []

@@ -45,6 +45,7 @@ from rpc.server import (
 
 from .core import Conductor
 from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
+from .engine_load import EngineLoadFeed, parse_engine_metrics
 from .feed import FeedOptions
 from .leader import EtcdLeadership
 from .membership import EtcdMembership
@@ -155,6 +156,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(its namespace and block_tokens name their blocks' keys)",
     )
     parser.add_argument("--vllm-topic", default="", help="the engines' KV event topic")
+    parser.add_argument(
+        "--engine-metrics",
+        action="append",
+        default=[],
+        metavar="URL=NODE_ID",
+        help="scrape the Prometheus metrics of the vLLM engine beside NODE_ID (running and "
+        "waiting requests, KV usage) into that node's load; a node whose engine stops "
+        "answering is not scheduled until it answers again (repeatable)",
+    )
+    parser.add_argument(
+        "--engine-poll",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds between scrapes of each --engine-metrics engine (default %(default)s)",
+    )
     add_etcd_args(parser)
     parser.add_argument(
         "--advertise",
@@ -222,7 +239,10 @@ def run(args: argparse.Namespace) -> int:
         hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca),
     )
     etcd = _etcd(args)
-    feeds = _vllm_feeds(args, conductor)
+    feeds: list[VllmEventFeed | EngineLoadFeed] = [
+        *_vllm_feeds(args, conductor),
+        *_engine_feeds(args, conductor),
+    ]
     metrics = ConductorMetrics(conductor)
     servicer = ConductorServicer(
         conductor,
@@ -353,9 +373,27 @@ def _etcd(args: argparse.Namespace) -> _EtcdMode | None:
     return _EtcdMode(client, prefix, EtcdLeadership(client, election_name(prefix), args.etcd_ttl_s))
 
 
-def _stop_all(feeds: list[VllmEventFeed]) -> None:
+def _stop_all(feeds: list[VllmEventFeed | EngineLoadFeed]) -> None:
     for feed in feeds:
         feed.stop()
+
+
+def _engine_feeds(args: argparse.Namespace, conductor: Conductor) -> list[EngineLoadFeed]:
+    if not args.engine_poll > 0:
+        raise SystemExit(
+            f"kvcache conductor: --engine-poll must be positive, got {args.engine_poll}"
+        )
+    try:
+        specs = [parse_engine_metrics(s) for s in args.engine_metrics]
+    except KVStoreError as e:
+        raise SystemExit(f"kvcache conductor: {e}") from None
+    nodes = [node for _, node in specs]
+    if len(set(nodes)) != len(nodes):
+        raise SystemExit("kvcache conductor: one --engine-metrics per node id")
+    return [
+        EngineLoadFeed(conductor, url, node_id, interval_s=args.engine_poll).start()
+        for url, node_id in specs
+    ]
 
 
 def _vllm_feeds(args: argparse.Namespace, conductor: Conductor) -> list[VllmEventFeed]:

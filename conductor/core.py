@@ -107,6 +107,11 @@ class Conductor:
         with self.lock:
             return self.registry.heartbeat(node_id, self.clock(), load, generation)
 
+    def engine_report(self, node_id: str, load: NodeLoad | None) -> None:
+        """The load of the engine beside ``node_id`` (None: it does not answer)."""
+        with self.lock:
+            self.registry.engine_report(node_id, load)
+
     def unregister(self, node_id: str, generation: int = 0) -> int | None:
         """Drop ``node_id`` (only registration ``generation`` if given); the generation removed,
         or None."""

@@ -35,6 +35,16 @@ class _StateCollector(Collector):
             "Transfer plans handed to the hook",
             labels=["result"],
         )
+        engine_up = GaugeMetricFamily(
+            "kvcache_conductor_engine_up",
+            "1 while the engine beside a node answers its metrics scrape, 0 when it stopped",
+            labels=["node"],
+        )
+        engine_requests = GaugeMetricFamily(
+            "kvcache_conductor_engine_requests",
+            "Running plus waiting requests the engine beside a node reported",
+            labels=["node"],
+        )
         views = c.nodes()
         for role in ("prefill", "decode", "both"):
             nodes.add_metric([role], sum(v.descriptor.role.value == role for v in views))
@@ -43,6 +53,11 @@ class _StateCollector(Collector):
         with c.lock:
             keys.add_metric([], len(c.index))
             pending.add_metric([], c.scheduler.pending())
+            engines = c.registry.engines()
+        for node, load in sorted(engines.items()):
+            engine_up.add_metric([node], 0 if load is None else 1)
+            if load is not None:
+                engine_requests.add_metric([node], load.running_decode_requests)
         if c.dispatcher is not None:
             d = c.dispatcher
             for result, n in (
@@ -51,7 +66,7 @@ class _StateCollector(Collector):
                 ("dropped", d.dropped),
             ):
                 transfers.add_metric([result], n)
-        yield from (nodes, blocks, keys, pending, transfers)
+        yield from (nodes, blocks, keys, pending, transfers, engine_up, engine_requests)
 
 
 class ConductorMetrics:

@@ -8,12 +8,18 @@ its index entries are reset and rebuilt from the snapshot its event feed starts 
 ``NodeState`` also carries the scheduler's ledger for the node (work the conductor sent there and
 has not seen finish), so a dropped node takes its ledger with it.
 
+An inference engine beside a node reports its own load (``engine_report``, from the engine's
+metrics, ``conductor.engine_load``): its queue and running requests are merged into the node's
+``load`` (the larger of the two reports per field), and an engine that answered once and then
+stops answering takes its node out of scheduling (``engine_down``) until it answers again. Both
+outlive a re-registration of the node.
+
 Not thread-safe: ``conductor.core.Conductor`` serialises calls with one lock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.layout import KVLayout
@@ -41,8 +47,10 @@ class NodeState:
     generation: int
     registered_at: float
     lease_expires_at: float
-    load: NodeLoad = field(default_factory=NodeLoad)
+    load: NodeLoad = field(default_factory=NodeLoad)  # the node's report merged with its engine's
     last_heartbeat: float = 0.0
+    reported: NodeLoad = field(default_factory=NodeLoad)  # the node's own last report
+    engine_down: bool = False  # its engine answered before and does not now: not schedulable
     lease_s: float = DEFAULT_LEASE_S  # inf: liveness is etcd's (conductor.membership)
     # ---- scheduler ledger (conductor.scheduler) ----
     prefill_busy_until: float = 0.0  # when the prefill work sent here should be done
@@ -66,6 +74,9 @@ class Registry:
         self.lease_s = lease_s
         self._nodes: dict[str, NodeState] = {}
         self._generation = 0
+        # node id -> its engine's last load (None: the engine stopped answering); ids of engines
+        # that never answered are absent, and count as up: engines start after their nodes.
+        self._engines: dict[str, NodeLoad | None] = {}
         self.version = 0  # bumped on every membership change (caches key on it)
 
     def register(
@@ -83,15 +94,19 @@ class Registry:
             self.drop(descriptor.node_id)
         self._generation += 1
         lease_s = self.lease_s if lease_s is None else lease_s
+        reported = load or NodeLoad()
+        engine = self._engines.get(descriptor.node_id)
         state = NodeState(
             descriptor=descriptor,
             generation=self._generation,
             registered_at=now,
             lease_expires_at=now + lease_s,
-            load=load or NodeLoad(),
+            load=_with_engine(reported, engine),
             last_heartbeat=now,
             lease_s=lease_s,
             prefill_busy_until=now,
+            reported=reported,
+            engine_down=descriptor.node_id in self._engines and engine is None,
         )
         self._nodes[descriptor.node_id] = state
         self.index.add_node(descriptor.node_id)
@@ -112,8 +127,29 @@ class Registry:
         state.lease_expires_at = now + state.lease_s
         state.last_heartbeat = now
         if load is not None:
-            state.load = load
+            state.reported = load
+            state.load = _with_engine(load, self._engines.get(node_id))
         return state
+
+    def engine_report(self, node_id: str, load: NodeLoad | None) -> None:
+        """The load of ``node_id``'s engine, or None when it does not answer. An engine that
+        never answered is not held against its node; one that did and stops is (``engine_down``,
+        and the membership version moves so schedulers recompute their candidates)."""
+        known = node_id in self._engines
+        if load is None and not known:
+            return
+        self._engines[node_id] = load
+        state = self._nodes.get(node_id)
+        if state is None:
+            return
+        state.load = _with_engine(state.reported, load)
+        if state.engine_down != (load is None):
+            state.engine_down = load is None
+            self.version += 1
+
+    def engines(self) -> dict[str, NodeLoad | None]:
+        """Node id -> its engine's last load (None: not answering), for engines heard from."""
+        return dict(self._engines)
 
     def update(self, descriptor: NodeDescriptor) -> NodeState:
         """A registered node's descriptor changed in place (e.g. its messenger's address),
@@ -166,3 +202,18 @@ class Registry:
                 if layout.namespace == namespace:
                     return layout
         return None
+
+
+def _with_engine(reported: NodeLoad, engine: NodeLoad | None) -> NodeLoad:
+    """A node's report with its engine's queue and decode load (the larger of each; a node
+    server itself reports 0 for them, only engines and simulations know)."""
+    if engine is None:
+        return reported
+    return replace(
+        reported,
+        queued_prefill_tokens=max(reported.queued_prefill_tokens, engine.queued_prefill_tokens),
+        running_decode_requests=max(
+            reported.running_decode_requests, engine.running_decode_requests
+        ),
+        running_decode_tokens=max(reported.running_decode_tokens, engine.running_decode_tokens),
+    )

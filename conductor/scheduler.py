@@ -717,14 +717,17 @@ class Scheduler:
         cached = self._candidates.get(namespace)
         if cached is not None and cached[0] == self.registry.version:
             return cached[1], cached[2]
-        nodes = [s for s in self.registry.nodes() if s.descriptor.serves(namespace)]
+        serving = [s for s in self.registry.nodes() if s.descriptor.serves(namespace)]
+        nodes = [s for s in serving if not s.engine_down]
         prefill = [s for s in nodes if s.descriptor.role.prefills]
         decode = [s for s in nodes if s.descriptor.role.decodes]
         if not prefill or not decode:
             what = "prefill" if not prefill else "decode"
             scope = f" serving namespace {namespace!r}" if namespace else ""
+            down = sorted(s.node_id for s in serving if s.engine_down)
             raise NoNodeAvailable(
                 f"no live {what} node{scope} is registered; start one or wait for nodes to register"
+                + (f" (the engines of {', '.join(down)} do not answer)" if down else "")
             )
         if len(self._candidates) > 64:
             self._candidates.clear()

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("node.cli", "run a node server (tiered KV block pools, gRPC)"),
     "conductor": ("conductor.cli", "run the global scheduler (gRPC)"),
     "messenger": ("messenger.cli", "run a node's block mover (TCP / RDMA data plane)"),
+    "router": ("router.cli", "serve OpenAI completions disaggregated over vLLM engines (HTTP)"),
     "up": ("kvcache.cluster", "start a local cluster (loopback, or --hosts N namespaced hosts)"),
     "down": ("kvcache.cluster_down", "stop a local cluster started by 'kvcache up'"),
     "status": ("kvcache.status", "a running cluster at a glance: nodes, conductor, messengers"),

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvstore.shm import pid_alive
-from rpc.launch import ServiceProcess, process_identity, start_service
+from rpc.launch import ServiceProcess, free_port, process_identity, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 
@@ -50,6 +50,7 @@ from .cluster_hosts import (
     network_record,
     placement,
 )
+from .engines import Serving, ServingConfig, serving_config
 from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
@@ -64,22 +65,27 @@ class Cluster:
     procs: list[ServiceProcess] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     place: Loopback | Namespaced | None = None
+    serving: Serving | None = None  # [[engines]] and [router] (kvcache/engines.py)
 
     def start(self) -> dict:
         cfg = self.config
+        wanted = serving_config(cfg)  # ConfigError before any process starts
         os.makedirs(cfg.state_dir, exist_ok=True)
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
         self.place = place = placement(cfg)
         try:
-            return self._start_all(place, logs)
+            return self._start_all(place, logs, wanted)
         except BaseException:
             self.stop()
             raise
 
-    def _start_all(self, place: Loopback | Namespaced, logs: str) -> dict:
+    def _start_all(
+        self, place: Loopback | Namespaced, logs: str, wanted: ServingConfig | None
+    ) -> dict:
         cfg = self.config
         auth: list[str] = []
+        token_file = None
         if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
             token_file = os.path.join(cfg.state_dir, "token")
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -97,6 +103,10 @@ class Cluster:
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
             tls_ca = files.ca_cert
             ca = [tls_ca]
+        conductor_args = cfg.conductor_args
+        if wanted is not None:  # engine ports first: the conductor scrapes their load
+            self.serving = Serving(wanted, cfg.host)
+            conductor_args = [*conductor_args, *self.serving.plan(free_port)]
         etcd = self._start_etcd(place) if cfg.get("etcd", "enabled") else None
         etcd_args = etcd_role_args(etcd, cfg) if etcd else []
         conductors = []
@@ -118,7 +128,7 @@ class Cluster:
                             place.ctl, cfg.get("conductor", "metrics_port") if i == 0 else 0
                         ),
                         *etcd_args,
-                        *cfg.conductor_args,
+                        *conductor_args,
                     ],
                     logs,
                     place.ctl,
@@ -219,11 +229,23 @@ class Cluster:
                     "messenger_metrics": self._metrics_address(messenger, site),
                 }
             )
-        state["pids"] = [p.pid for p in self.procs]
+        if self.serving is not None:
+            layouts = {n.id: n.layout for n in cfg.nodes}
+            nodes = {n["id"]: {**n, "layout": layouts[n["id"]]} for n in state["nodes"]}
+            # every conductor: the router's client follows a standby's redirect to the leader
+            addresses = ",".join(c.address for c in conductors)
+            state.update(
+                self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
+            )
+        roles = [(p.pid, p.role) for p in self.procs]
+        roles += [(e["pid"], "engine") for e in state.get("engines", [])]
+        if "router" in state:
+            roles.append((state["router"]["pid"], "router"))
+        state["pids"] = [pid for pid, _ in roles]
         # NOTE: `kvcache down` signals a pid only while it is still the process started here
         # (a pid is reused once its process is gone).
         state["processes"] = [
-            {"pid": p.pid, "role": p.role, **process_identity(p.pid)} for p in self.procs
+            {"pid": pid, "role": role, **process_identity(pid)} for pid, role in roles
         ]
         self.state = state
         path = os.path.join(cfg.state_dir, "cluster.json")
@@ -277,10 +299,10 @@ class Cluster:
         return sp
 
     def stop(self, timeout_s: float = 15.0) -> list[int]:
-        """Stop messengers, then node servers, then the conductors, then etcd, each stage in
-        parallel (one by one, their gRPC grace periods would add up), then remove the hosts'
-        network; returns exit codes."""
-        codes = []
+        """Stop the router and engines, then messengers, then node servers, then the conductors,
+        then etcd, each stage in parallel (one by one, their gRPC grace periods would add up),
+        then remove the hosts' network; returns exit codes."""
+        codes = self.serving.stop(timeout_s) if self.serving is not None else []
         for role in ("messenger", "node", "conductor", "etcd"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
             for sp in stage:
@@ -311,6 +333,11 @@ def write_prometheus_targets(state: dict, path: str) -> None:
     for n in state["nodes"]:
         for role, key in (("node", "metrics"), ("messenger", "messenger_metrics")):
             targets.append({"targets": [n[key]], "labels": {"role": role, "node_id": n["id"]}})
+    for e in state.get("engines", []):  # vLLM's own /metrics
+        address = e["url"].split("://", 1)[-1]
+        targets.append({"targets": [address], "labels": {"role": "engine", "node_id": e["node"]}})
+    if "router" in state:
+        targets.append({"targets": [state["router"]["address"]], "labels": {"role": "router"}})
     with open(path, "w") as f:
         json.dump([t for t in targets if t["targets"][0]], f, indent=2)
 
@@ -332,6 +359,10 @@ def print_state(state: dict, path: str) -> None:
             f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}"
             f"{where}"
         )
+    for e in state.get("engines", []):
+        print(f"engine     {e['node']:<10} {e['kv_role']:<8} {e['url']}  ({e['model']})")
+    if "router" in state:
+        print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
     print(f"state      {path}")
     print(f"status     kvcache status --cluster {path}")
 
@@ -359,6 +390,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = from_args(args)
+        serving_config(cfg)  # [[engines]] / [router] mistakes before anything starts
     except ConfigError as e:
         print(f"kvcache up: {e}", file=sys.stderr)
         return 2
@@ -377,6 +409,15 @@ def run(args: argparse.Namespace) -> int:
         check_hosts(cfg)
     except ConfigError as e:
         print(f"kvcache up: {e}", file=sys.stderr)
+        return 2
+    if cfg.get("hosts", "count") and serving_config(cfg) is not None:
+        # NOTE: engines and router are placed on [cluster] host with free loopback ports
+        # (kvcache/engines.py); placing them in the hosts' namespaces is not built yet.
+        print(
+            "kvcache up: [[engines]] / [router] run on loopback only: leave out [hosts] count "
+            "(--hosts) or the [[engines]] tables",
+            file=sys.stderr,
+        )
         return 2
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in

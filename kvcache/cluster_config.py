@@ -32,6 +32,7 @@ DEFAULT_STATE_DIR = "out/cluster"
 # x 32 dims x fp16): `make demo` moves a few hundred trace requests' pages through shared memory
 # and the messengers' TCP in a few minutes on a 2-core machine. 1 GiB = 4096 pages per node.
 DEMO_LAYOUT = "model=demo,num_layers=4,kv_heads=1,head_dim=32,dtype=float16,block_tokens=512"
+KV_ROLES = ("producer", "consumer", "both")  # an engine's kv_role (kv_producer, ...)
 
 
 class ConfigError(ValueError):
@@ -206,6 +207,27 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "dram": Key(str, "1GiB", "a node's DRAM tier unless it names one", check=_size),
         "ssd": Key(str, "0", "a node's SSD tier unless it names one (0: none)", check=_size),
     },
+    # vLLM engines beside their nodes and the router in front (kvcache/engines.py).
+    "engine_defaults": {
+        "model": Key(
+            str,
+            "",
+            "an engine's model directory unless it names one (relative: to the config file)",
+        ),
+        "served_model_name": Key(
+            str, "", "the model name engines serve (default: the directory's name)"
+        ),
+        "kv_role": Key(
+            str, "", "producer | consumer | both (default: by node role)", choices=("", *KV_ROLES)
+        ),
+        "args": Key(list, [], "more 'vllm serve' flags for every engine"),
+        "env": Key(list, [], "NAME=VALUE environment entries for every engine"),
+        "start_timeout_s": Key(float, 300.0, "seconds an engine may take to answer /health"),
+    },
+    "router": {
+        "listen": Key(str, "", "host:port of 'kvcache router' (empty: no router)"),
+        "args": Key(list, [], "more 'kvcache router' flags"),
+    },
 }
 
 # Arrays of tables ([[node]]): one entry per table kind.
@@ -219,6 +241,16 @@ TABLES: dict[str, dict[str, Key]] = {
         "metrics_port": Key(int, 0, "the node's Prometheus port (0: any)", check=_port),
         "messenger_metrics_port": Key(int, 0, "its messenger's (0: any)", check=_port),
     },
+    # Unset keys (None) come from [engine_defaults].
+    "engines": {
+        "node": Key(str, None, "the [[node]] id it serves beside", required=True),
+        "model": Key(str, None, ""),
+        "served_model_name": Key(str, None, ""),
+        "kv_role": Key(str, None, "", choices=KV_ROLES),
+        "port": Key(int, 0, "its HTTP port (0: any free port)", check=_port),
+        "args": Key(list, None, ""),
+        "env": Key(list, None, ""),
+    },
 }
 
 DEFAULT_TABLES: dict[str, list[dict[str, Any]]] = {
@@ -227,6 +259,7 @@ DEFAULT_TABLES: dict[str, list[dict[str, Any]]] = {
         {"id": "prefill-1", "role": "prefill"},
         {"id": "decode-0", "role": "decode"},
     ],
+    "engines": [],
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -260,6 +293,7 @@ class ClusterConfig:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    path: str | None = None  # the config file, if any
 
     def get(self, section: str, key: str) -> Any:
         return self.settings.get(section, {}).get(key, SECTIONS[section][key].default)
@@ -461,6 +495,7 @@ def load_config(
         settings=settings,
         sources=sources,
         tables=resolved,
+        path=path,
     )
 
 
@@ -536,7 +571,8 @@ def render(cfg: ClusterConfig) -> str:
     for name, rows in cfg.tables.items():
         for row in rows:
             lines.append(f"[[{name}]]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in row.items()]
+            # None: unset, taken from elsewhere (an [[engines]] key from [engine_defaults])
+            lines += [f"{k} = {_toml_value(v)}" for k, v in row.items() if v is not None]
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -1,6 +1,7 @@
 """``kvcache down``: stop a cluster that ``kvcache up --detach`` started.
 
-SIGTERM to the messengers, then the node servers, then the conductor (each stage at once; each
+SIGTERM to the router and the vLLM engines (each engine's whole process group), then the
+messengers, then the node servers, then the conductor (each stage at once; each
 process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked), SIGKILL for any
 that does not exit in time, then a check that
 no shared-memory segment of the cluster is left behind. A cluster on hosts in network namespaces
@@ -65,14 +66,19 @@ def _running(pid: int) -> bool:
         return False
 
 
-def stop_pids(pids: list[int], timeout_s: float) -> bool:
+def stop_pids(pids: list[int], timeout_s: float, groups: frozenset[int] = frozenset()) -> bool:
     """SIGTERM all of ``pids`` at once, wait for them together, SIGKILL the ones that do not
-    exit in time. True if all exited on SIGTERM."""
-    for pid in pids:
+    exit in time. ``groups``: pids that lead a process group, signalled as a group (an
+    engine's server and its engine-core child). True if all exited on SIGTERM."""
+
+    def send(pid: int, signum: int) -> None:
         try:
-            os.kill(pid, signal.SIGTERM)
+            (os.killpg if pid in groups else os.kill)(pid, signum)
         except ProcessLookupError:
             pass
+
+    for pid in pids:
+        send(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     left = [p for p in pids if _running(p)]
@@ -81,7 +87,9 @@ def stop_pids(pids: list[int], timeout_s: float) -> bool:
         delay = min(delay * 2, 0.2)
         left = [p for p in left if _running(p)]
     for pid in left:
-        os.kill(pid, signal.SIGKILL)
+        send(pid, signal.SIGKILL)
+    for pid in groups & set(pids):  # children the group leader left behind
+        send(pid, signal.SIGKILL)
     # Exited processes are zombies until their parent (init, once 'kvcache up' is gone) reaps
     # them: give it a moment, so that a caller finds them gone.
     reap_by = time.monotonic() + 2.0
@@ -97,16 +105,24 @@ def _exists(pid: int) -> bool:
 
 
 def stop_stages(state: dict) -> list[list[int]]:
-    """Messengers, then node servers, then the conductors, then our etcd; each stage stops in
+    """The router, then the engines (their connectors hold leases on the nodes), then
+    messengers, then node servers, then the conductors, then our etcd; each stage stops in
     parallel (every server takes its gRPC grace period, so one by one would add those up)."""
     nodes = state.get("nodes", [])
+    router = [state["router"]["pid"]] if "router" in state else []
+    engines = engine_groups(state)
     messengers = [n["pids"][1] for n in nodes if len(n.get("pids", [])) > 1]
     servers = [n["pids"][0] for n in nodes if n.get("pids")]
     etcd = [(state.get("etcd") or {}).get("pid")]
     etcd = [p for p in etcd if p]  # last: the conductors hand over their leases first
-    staged = set(messengers) | set(servers) | set(etcd)
+    staged = set(router) | set(engines) | set(messengers) | set(servers) | set(etcd)
     rest = [p for p in reversed(state.get("pids", [])) if p not in staged]
-    return [s for s in (messengers, servers, rest, etcd) if s]
+    return [s for s in (router, sorted(engines), messengers, servers, rest, etcd) if s]
+
+
+def engine_groups(state: dict) -> frozenset[int]:
+    """Engine pids: each leads its process group (``kvcache up`` starts them in a session)."""
+    return frozenset(e["pid"] for e in state.get("engines", []))
 
 
 def _checked(state: dict) -> tuple[set[int], list[str]]:
@@ -162,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     for stage in stop_stages(state):
         stage = [p for p in stage if p in running]
         if stage:
-            clean &= stop_pids(stage, args.timeout)
+            clean &= stop_pids(stage, args.timeout, engine_groups(state))
     leftovers = []
     for node in state.get("nodes", []):
         for name in node.get("shm", {}).values():

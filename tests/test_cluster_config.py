@@ -98,6 +98,8 @@ def test_every_known_key_has_an_environment_variable():
                 text, want = "true", True
             elif key.type is int:
                 text, want = "7", 7
+            elif key.type is float:
+                text, want = "2.5", 2.5
             elif (section, k) == ("etcd", "endpoints"):
                 text, want = "http://h:1 http://h:2", ["http://h:1", "http://h:2"]
             elif key.type is list:
@@ -219,4 +221,4 @@ def test_adding_a_key_is_one_schema_line(monkeypatch):
     assert cfg.nodes[0].settings["engine"] == "none"
     with pytest.raises(ConfigError, match="unknown key 'etcdd' in \\[cluster\\]"):
         cc.load_config(None, sets=["cluster.etcdd=x"])
-    assert set(TABLES) == {"node"}
+    assert set(TABLES) == {"node", "engines"}

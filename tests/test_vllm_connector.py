@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from bench.vllm_ttft import MODELS, make_model
+from bench.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
 from kvstore.layout import KVLayout
@@ -45,6 +45,11 @@ def generate(
         "connector": connector,
         "runs": [{"prompts": prompts, "max_tokens": max_tokens}],
     }
+    return run_engine(spec)[0]["outputs"]
+
+
+def run_engine(spec: dict) -> list[dict]:
+    """bench.vllm_engine in a process of its own; its runs."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.vllm_engine"],
         input=json.dumps(spec),
@@ -53,7 +58,7 @@ def generate(
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"][0]["outputs"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"]
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +156,55 @@ def test_tenants_do_not_hit_each_others_blocks(model, reference, start_node):
     with KVStoreClient(node.address, token="admin") as c:
         (ns,) = c.stats().namespaces
         assert ns.write_leases == 0 and ns.read_leases == 0, ns  # committed and released
+
+
+def test_a_producer_only_stores_and_a_consumer_only_loads(model, reference, start_node):
+    """kv_role: a disaggregated prefill engine (kv_producer) stores what it computes and loads
+    nothing; a decode engine (kv_consumer) loads and stores nothing. Without vLLM's prefix
+    cache, so that a second run of a prompt asks the connector again."""
+    node = start_node(dram="16MiB", layout=LAYOUT_FLAG)
+    other = [int(x) for x in np.random.default_rng(6).integers(1, 500, 200)]  # 3 full blocks
+
+    def runs(kv_role: str, *prompts: list[int]) -> list[dict]:
+        spec = {
+            "model": model,
+            "connector": {"node": node.address},
+            "kv_role": kv_role,
+            "prefix_caching": False,
+            "runs": [{"prompts": [p], "max_tokens": 8} for p in prompts],
+        }
+        return [r["outputs"][0] for r in run_engine(spec)]
+
+    stored, again = runs("kv_producer", PROMPT, PROMPT)
+    assert stored["tokens"] == again["tokens"] == reference
+    assert stored["cached"] == again["cached"] == 0, "a producer loaded"
+    with KVStoreClient(node.address) as kv:
+        assert kv.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    fresh, loaded = runs("kv_consumer", other, PROMPT)
+    assert fresh["cached"] == 0
+    assert loaded["cached"] == 4 * 64 and loaded["tokens"] == reference
+    with KVStoreClient(node.address) as kv:
+        assert kv.lookup(LAYOUT.namespace, tokens=other).hit_blocks == 0, "a consumer stored"
+
+
+def test_requests_sharing_a_prefix_in_one_step_store_it_once_and_a_fresh_engine_loads_it(
+    model, start_node
+):
+    """Two prompts with a common 4-block prefix, scheduled in the same engine step: the step
+    saves each shared block once (an Allocate naming a key twice is refused, and a refused
+    Allocate must not stall the engine), and a fresh engine loads what they stored."""
+    node = start_node(dram="16MiB", layout=LAYOUT_FLAG)
+    conn = {"node": node.address}
+    shared = PROMPT[: 4 * 64]
+    first = shared + [int(x) for x in np.random.default_rng(7).integers(1, 500, 100)]
+    second = shared + [int(x) for x in np.random.default_rng(8).integers(1, 500, 90)]
+    # Nothing to load yet: the first computes in full; vLLM's own cache gives the second the
+    # prefix the first computes in the same step, and both save it.
+    stored = generate(model, [first, second], conn)
+    assert stored[0]["cached"] == 0
+    with KVStoreClient(node.address) as kv:
+        assert kv.lookup(LAYOUT.namespace, tokens=first).hit_blocks == 5
+        assert kv.lookup(LAYOUT.namespace, tokens=second).hit_blocks == 5
+    loaded = generate(model, [first, second], conn)
+    assert [o["cached"] for o in loaded] == [5 * 64, 5 * 64]
+    assert [o["tokens"] for o in loaded] == [o["tokens"] for o in stored]

@@ -48,7 +48,7 @@ def _port() -> int:
 @pytest.mark.slow
 def test_a_real_engines_cache_is_routed_by_the_conductor(tmp_path, start_kvcache):
     pytest.importorskip("vllm")
-    from bench.vllm_ttft import MODELS, make_model
+    from bench.models import MODELS, make_model
 
     model = str(tmp_path / "tiny-llama")
     make_model(model, MODELS["tiny"], max_len=1024)

@@ -1,0 +1,163 @@
+"""Engine load, read from the engines: the conductor scrapes each vLLM engine's Prometheus
+endpoint and folds what it finds into the load of the node beside it.
+
+    kvcache conductor --engine-metrics http://127.0.0.1:8101/metrics=prefill-0
+
+A node server knows its pages, not the requests its engine is working on; the engine does. From
+vLLM's metrics (``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``, the
+KV capacity in ``vllm:cache_config_info`` and the mean prompt tokens a prefill computed,
+``vllm:request_prefill_kv_computed_tokens``) each scrape makes a ``NodeLoad``:
+
+- ``queued_prefill_tokens`` = (running + waiting requests) x the mean tokens a prefill computed:
+  the engine's prefill backlog, priced by the scheduler's cost model like a heartbeat's;
+- ``running_decode_requests`` = running + waiting requests;
+- ``running_decode_tokens`` = the KV-cache usage x the engine's KV capacity in tokens.
+
+``Registry.engine_report`` merges it into the node's load (the larger report wins per field). An
+engine that answered once and then fails a scrape takes its node out of scheduling until it
+answers again; one that never answered yet (starting) is not held against its node.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import threading
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.errors import InvalidArgument
+from rpc.cluster import NodeLoad
+
+from .core import Conductor
+
+log = logging.getLogger(__name__)
+
+
+def parse_engine_metrics(spec: str) -> tuple[str, str]:
+    """``URL=NODE_ID`` -> (url, node id)."""
+    url, sep, node_id = spec.rpartition("=")
+    if not sep or not node_id or not url.startswith(("http://", "https://")):
+        raise InvalidArgument(
+            f"--engine-metrics expects URL=NODE_ID with an http(s) URL, e.g. "
+            f"http://127.0.0.1:8101/metrics=prefill-0; got {spec!r}"
+        )
+    return url, node_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSample:
+    """One scrape of a vLLM engine's metrics (summed over its engine cores)."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the KV cache in use, 0..1
+    kv_capacity_tokens: int  # tokens its KV cache holds (0: not reported)
+    prefill_tokens_mean: float  # tokens a prefill computed, mean over finished requests
+
+    def load(self) -> NodeLoad:
+        requests = self.running + self.waiting
+        return NodeLoad(
+            queued_prefill_tokens=int(requests * self.prefill_tokens_mean),
+            running_decode_requests=requests,
+            running_decode_tokens=int(self.kv_usage * self.kv_capacity_tokens),
+        )
+
+
+def parse_vllm_metrics(text: str) -> EngineSample:
+    """vLLM's Prometheus text -> an ``EngineSample``; ``InvalidArgument`` if it is not vLLM's."""
+    values: dict[str, float] = {}
+    capacity = 0
+    usage: list[float] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "vllm:kv_cache_usage_perc":
+                    usage.append(s.value)
+                elif s.name == "vllm:cache_config_info":
+                    blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
+                    if blocks and size and blocks.isdigit() and size.isdigit():
+                        capacity += int(blocks) * int(size)
+                elif s.name.startswith("vllm:"):
+                    values[s.name] = values.get(s.name, 0.0) + s.value
+    except ValueError as e:
+        raise InvalidArgument(f"not Prometheus text: {e}") from None
+    if "vllm:num_requests_running" not in values:
+        raise InvalidArgument("no vllm:num_requests_running metric: is this a vLLM engine?")
+    computed = values.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
+    return EngineSample(
+        running=int(values["vllm:num_requests_running"]),
+        waiting=int(values.get("vllm:num_requests_waiting", 0.0)),
+        kv_usage=max(usage) if usage else 0.0,
+        kv_capacity_tokens=capacity,
+        prefill_tokens_mean=(
+            values.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0) / computed
+            if computed
+            else 0.0
+        ),
+    )
+
+
+class EngineLoadFeed:
+    """Scrapes one engine every ``interval_s`` on a thread of its own and reports its load (or
+    that it does not answer) to the conductor; logs each change between the two once."""
+
+    def __init__(
+        self,
+        conductor: Conductor,
+        url: str,
+        node_id: str,
+        interval_s: float = 0.5,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.conductor, self.url, self.node_id = conductor, url, node_id
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.scrapes = 0
+        self.failures = 0
+        self._answering: bool | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"engine-load-{node_id}", daemon=True
+        )
+
+    def start(self) -> "EngineLoadFeed":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout_s + 1)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll()
+                self._stop.wait(self.interval_s)
+        except Exception:  # noqa: BLE001 - a feed must not kill the conductor; say so loudly
+            log.exception("engine load feed of %s stopped", self.node_id)
+
+    def poll(self) -> NodeLoad | None:
+        """One scrape, reported; returns the load, or None when the engine did not answer."""
+        load: NodeLoad | None = None
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:
+                text = r.read().decode("utf-8", "replace")
+            load = parse_vllm_metrics(text).load()
+            self.scrapes += 1
+            if self._answering is not True:
+                log.info("engine of %s answers at %s", self.node_id, self.url)
+        # refused, reset, timed out, an HTTP error status, a cut response, not vLLM's metrics
+        except (OSError, http.client.HTTPException, InvalidArgument) as e:
+            self.failures += 1
+            if self._answering is True:
+                log.warning(
+                    "engine of %s at %s does not answer (%s): node out of scheduling",
+                    self.node_id,
+                    self.url,
+                    e,
+                )
+        self._answering = load is not None
+        self.conductor.engine_report(self.node_id, load)
+        return load

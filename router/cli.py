@@ -1,0 +1,211 @@
+"""``kvcache router``: the OpenAI-compatible front end of a disaggregated cluster (uvicorn).
+
+    kvcache router --cluster out/serve/cluster.json --listen 127.0.0.1:8000
+    kvcache router --conductor 127.0.0.1:7200 --engine prefill-0=http://127.0.0.1:8101 \\
+        --engine decode-0=http://127.0.0.1:8102 --token-file TOKEN
+
+Prints one JSON line ``{"event": "ready", "role": "router", "address": ...}`` once it serves
+(``--listen HOST:0`` picks a free port) and stops cleanly on SIGTERM / Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+from rpc.server import TOKEN_ENV, add_token_file_arg, announce_ready
+
+from .disagg import RouterOptions
+from .engines import Engine, EngineTimeouts
+
+log = logging.getLogger("kvcache.router")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen", default="127.0.0.1:8000", help="host:port for HTTP (port 0: a free one)"
+    )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="a 'kvcache up' state file (cluster.json): conductor, token, TLS CA and engines "
+        "from it (flags given as well win)",
+    )
+    parser.add_argument(
+        "--conductor",
+        default=None,
+        help="the conductor's gRPC host:port (several, comma-separated: a standby redirects to "
+        "the leader)",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="NODE_ID=URL",
+        help="the vLLM engine serving beside node NODE_ID, e.g. prefill-0=http://127.0.0.1:8101 "
+        "(repeatable; one per node)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV) or None,
+        help=f"the cluster's admin token (Schedule, messenger transfers); also ${TOKEN_ENV}",
+    )
+    add_token_file_arg(parser, "--token-file", "token", "the cluster's token, from a file")
+    parser.add_argument("--tls-ca", default=None, help="CA (PEM) of a cluster serving TLS")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' from HTTP clients (/v1/*)",
+    )
+    add_token_file_arg(parser, "--api-key-file", "api_key", "--api-key, from a file")
+    parser.add_argument(
+        "--namespace", default=None, help="the layout namespace (default: the one nodes serve)"
+    )
+    parser.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=0.0,
+        help="TTFT SLO in seconds for requests that name none (0: none); a request the "
+        "conductor cannot place within it gets HTTP 429",
+    )
+    parser.add_argument("--tbt-slo", type=float, default=0.0, help="TBT SLO (0: none)")
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a page transfer between nodes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=120.0,
+        help="seconds an engine may stay silent: a prefill, or between two streamed tokens "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="times a request is sent again when an engine fails before the client got a byte "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before a retry: the conductor learns meanwhile that the engine is gone "
+        "(default %(default)s)",
+    )
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise SystemExit(f"kvcache router: --listen needs HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _engines(specs: list[str]) -> list[Engine]:
+    engines = []
+    for spec in specs:
+        node, sep, url = spec.partition("=")
+        if not sep or not node or not url.startswith(("http://", "https://")):
+            raise SystemExit(
+                f"kvcache router: --engine needs NODE_ID=http://HOST:PORT, got {spec!r}"
+            )
+        engines.append(Engine(node, url.rstrip("/")))
+    if len({e.node for e in engines}) != len(engines):
+        raise SystemExit("kvcache router: one --engine per node id")
+    return engines
+
+
+def _from_cluster(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        return {
+            "conductor": state["conductor"]["address"],
+            "token": state.get("token"),
+            "tls_ca": state.get("tls_ca"),
+            "engines": [f"{e['node']}={e['url']}" for e in state.get("engines", [])],
+        }
+    except OSError as e:
+        raise SystemExit(f"kvcache router: cannot read --cluster {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SystemExit(f"kvcache router: {path} is not a 'kvcache up' state file ({e})") from None
+
+
+def options_from_args(args: argparse.Namespace) -> RouterOptions:
+    found = _from_cluster(args.cluster) if args.cluster else {}
+    conductor = args.conductor or found.get("conductor")
+    engines = _engines(args.engine or found.get("engines", []))
+    if not conductor:
+        raise SystemExit("kvcache router: give --conductor ADDR (or --cluster cluster.json)")
+    if not engines:
+        raise SystemExit(
+            "kvcache router: give an --engine NODE_ID=URL per engine (or --cluster with engines)"
+        )
+    for name in ("ttft_slo", "tbt_slo"):
+        if not getattr(args, name) >= 0:
+            raise SystemExit(f"kvcache router: --{name.replace('_', '-')} must be >= 0")
+    for name in ("transfer_timeout", "engine_timeout"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"kvcache router: --{name.replace('_', '-')} must be positive")
+    if args.retries < 0 or not args.retry_backoff >= 0:
+        raise SystemExit("kvcache router: --retries and --retry-backoff must be >= 0")
+    return RouterOptions(
+        conductor=conductor,
+        engines=tuple(engines),
+        token=args.token or found.get("token"),
+        tls_ca=args.tls_ca or found.get("tls_ca"),
+        namespace=args.namespace,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        transfer_timeout_s=args.transfer_timeout,
+        retries=args.retries,
+        retry_backoff_s=args.retry_backoff,
+        timeouts=EngineTimeouts(read_s=args.engine_timeout),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    options = options_from_args(args)
+    host, port = _listen(args.listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise SystemExit(f"kvcache router: cannot listen on {args.listen}: {e.strerror}") from None
+    sock.listen(1024)
+    address = f"{host}:{sock.getsockname()[1]}"
+    app = create_app(options, api_key=args.api_key)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                log.info(
+                    "router serving on http://%s (conductor %s, engines %s)",
+                    address,
+                    options.conductor,
+                    ", ".join(f"{e.node}={e.url}" for e in options.engines),
+                )
+                announce_ready("router", address=address, pid=os.getpid())
+
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,410 @@
+"""One completion served disaggregated: the conductor places it, a prefill engine computes its
+prompt's KV into its node, the messengers move the pages to the decode node, and the decode
+engine loads them and generates.
+
+Per attempt (``Disaggregator.serve``):
+
+1. ``Schedule`` (token ids) at the conductor: a prefill node, a decode node, and maybe a transfer
+   plan (the global-cache policy fetching a prefix to the prefill node). A rejection
+   (``RESOURCE_EXHAUSTED``, the SLO it misses) is HTTP 429; no live node is 503.
+2. The plan's transfer is awaited (the destination messenger joins the conductor's batch), so the
+   prefill engine finds the prefix on its node.
+3. Prefill: the prefill node's engine completes the prompt with ``max_tokens=1``; its kvcache
+   connector loads the cached prefix and stores the prompt's full blocks on its node before it
+   answers. ``Complete(PREFILLED)`` re-anchors the conductor's queue estimate.
+4. The decode node's messenger pulls every full block from the prefill node's messenger (pages it
+   holds already are not moved); a page that fails to arrive is computed by the decode engine.
+5. Decode: the decode node's engine gets the client's request with the prompt as token ids; its
+   connector (``kv_consumer``) loads the prefix from its node, so only the last partial block is
+   computed, then it generates (streamed or not). ``Complete`` frees the conductor's ledger entry
+   whatever happened.
+
+An engine that does not answer, cuts the connection or fails with 5xx before the client got a
+byte is retried once more (``retries``) from step 1 after ``retry_backoff_s``: by then the
+conductor, which scrapes the engines' metrics, no longer schedules a node whose engine stopped
+answering. A failure after the first byte of a stream ends the stream with an error event.
+
+Blocking gRPC calls (conductor, messengers) run on a thread pool beside the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from clients.conductor_client import ConductorClient
+from clients.messenger_client import MessengerClient
+from kvstore.keys import block_keys, root_key
+from kvstore.layout import KVLayout
+from proto import conductor_pb2 as cpb
+from proto import messenger_pb2 as mpb
+from rpc.status import KVCacheRpcError
+from rpc.wire import layout_from_pb, transfer_keys
+
+from .engines import Engine, EngineClient, EngineError, EngineStream, EngineTimeouts
+from .metrics import RouterMetrics
+from .protocol import Completion, RouterError, invalid
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterOptions:
+    conductor: str
+    engines: tuple[Engine, ...]
+    token: str | None = None  # the cluster's admin token (Schedule, messenger transfers)
+    tls_ca: str | None = None
+    namespace: str | None = None  # default: the one namespace the nodes serve
+    ttft_slo_s: float = 0.0  # sent with every Schedule unless a request names its own
+    tbt_slo_s: float = 0.0
+    transfer_timeout_s: float = 30.0
+    retries: int = 1
+    retry_backoff_s: float = 1.0
+    timeouts: EngineTimeouts = EngineTimeouts()
+    workers: int = 32  # threads for blocking gRPC calls
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+
+
+@dataclass(kw_only=True)
+class Served:
+    """What one request went through before its decode, for headers, metrics and benchmarks."""
+
+    request_id: str
+    attempts: int = 1
+    prefill_node: str = ""
+    decode_node: str = ""
+    prompt_tokens: int = 0
+    reuse_blocks: int = 0  # the conductor's view: prefix the prefill node has (after the plan)
+    plan_blocks: int = 0
+    prefill_cached_tokens: int = 0  # the prefill engine's report
+    pulled_pages: int = 0
+    pulled_bytes: int = 0
+    held_pages: int = 0  # already on the decode node
+    failed_pages: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-kvcache-request-id": self.request_id,
+            "x-kvcache-attempts": str(self.attempts),
+            "x-kvcache-prefill-node": self.prefill_node,
+            "x-kvcache-decode-node": self.decode_node,
+            "x-kvcache-reuse-blocks": str(self.reuse_blocks),
+            "x-kvcache-plan-blocks": str(self.plan_blocks),
+            "x-kvcache-prefill-cached-tokens": str(self.prefill_cached_tokens),
+            "x-kvcache-pulled-pages": str(self.pulled_pages),
+            "x-kvcache-pulled-bytes": str(self.pulled_bytes),
+            "x-kvcache-held-pages": str(self.held_pages),
+            "x-kvcache-failed-pages": str(self.failed_pages),
+        }
+
+
+class Disaggregator:
+    def __init__(self, options: RouterOptions, metrics: RouterMetrics) -> None:
+        if not options.engines:
+            raise ValueError("the router needs at least one engine (--engine NODE=URL)")
+        self.options = options
+        self.metrics = metrics
+        self.engines = {e.node: e for e in options.engines}
+        self.http = EngineClient(options.timeouts)
+        self.conductor = ConductorClient(options.conductor, options.token, options.tls_ca)
+        self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="router-rpc")
+        self._messengers: dict[str, MessengerClient] = {}
+        self._lock = threading.Lock()
+        self._layout: KVLayout | None = None
+        self._model: ModelInfo | None = None
+        self._ids = itertools.count()
+        self._prefix = f"r{os.getpid():x}-{time.time_ns() & 0xFFFFFF:06x}"
+
+    async def close(self) -> None:
+        await self.http.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            messengers, self._messengers = list(self._messengers.values()), {}
+        for m in messengers:
+            m.close()
+        self.conductor.close()
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args)
+        )
+
+    def _messenger(self, address: str) -> MessengerClient:
+        with self._lock:
+            client = self._messengers.get(address)
+            if client is None:
+                client = self._messengers[address] = MessengerClient(
+                    address, self.options.token, self.options.tls_ca
+                )
+            return client
+
+    # ---- what the cluster serves ------------------------------------------------------------
+
+    async def model(self) -> ModelInfo:
+        """The served model, from the engines' ``/v1/models`` (asked until one answers)."""
+        if self._model is not None:
+            return self._model
+        errors = []
+        for engine in self.engines.values():
+            try:
+                reply = await self.http.get_json(engine, "/v1/models")
+                first = reply["data"][0]
+                self._model = ModelInfo(str(first["id"]), int(first.get("max_model_len") or 0))
+                return self._model
+            except EngineError as e:
+                errors.append(str(e))
+            except (KeyError, IndexError, TypeError, ValueError):
+                errors.append(f"{engine.node}: /v1/models answered {reply!r:.200}")
+        raise RouterError(
+            503, "no engine answers /v1/models: " + "; ".join(errors), "service_unavailable"
+        )
+
+    async def layout(self) -> KVLayout:
+        """The layout whose block keys the engines' connectors store under: the namespace the
+        nodes registered with the conductor (``--namespace`` when they serve several)."""
+        if self._layout is not None:
+            return self._layout
+        try:
+            reply = await self._run(self.conductor.list_nodes)
+        except KVCacheRpcError as e:
+            raise self._conductor_error(e) from None
+        layouts = {
+            layout.namespace: layout
+            for status in reply.nodes
+            for layout in (layout_from_pb(x) for x in status.node.layouts)
+        }
+        wanted = self.options.namespace
+        if wanted is not None and wanted not in layouts:
+            raise RouterError(
+                503, f"no node serves namespace {wanted!r} (served: {sorted(layouts)})"
+            )
+        if wanted is None and len(layouts) != 1:
+            raise RouterError(
+                503,
+                f"the nodes serve {len(layouts)} namespaces {sorted(layouts)}: start the "
+                "router with --namespace",
+                "service_unavailable",
+            )
+        self._layout = layouts[wanted] if wanted else next(iter(layouts.values()))
+        return self._layout
+
+    async def tokens(self, call: Completion, model: ModelInfo) -> list[int]:
+        """The prompt's token ids: as given, or by the engines' own tokenizer (``/tokenize``)."""
+        if call.tokens is not None:
+            return call.tokens
+        assert call.text is not None
+        errors = []
+        for engine in self.engines.values():
+            try:
+                return await self.http.tokenize(engine, model.name, call.text)
+            except EngineError as e:
+                if not e.retriable:
+                    raise _from_engine(e) from None
+                errors.append(str(e))
+        raise RouterError(
+            503, "no engine could tokenize: " + "; ".join(errors), "service_unavailable"
+        )
+
+    # ---- a request --------------------------------------------------------------------------
+
+    async def serve(
+        self, call: Completion, tokens: list[int], model: ModelInfo
+    ) -> tuple[Served, dict[str, Any] | EngineStream]:
+        """Run steps 1-5; the decode engine's JSON reply, or its open stream (then ``finish``
+        the request once the stream is done). Retries failures before the decode answered."""
+        if model.max_model_len and len(tokens) + call.max_tokens > model.max_model_len:
+            raise invalid(
+                f"{len(tokens)} prompt tokens + max_tokens {call.max_tokens} exceed the "
+                f"model's context of {model.max_model_len} tokens",
+                "max_tokens",
+            )
+        base = f"{self._prefix}-{next(self._ids)}"
+        attempts = 1 + max(self.options.retries, 0)
+        for attempt in range(1, attempts + 1):
+            served = Served(request_id=f"{base}.{attempt}", attempts=attempt)
+            try:
+                return served, await self._attempt(call, tokens, model, served)
+            except EngineError as e:
+                if not e.retriable:
+                    raise _from_engine(e) from None
+                if attempt == attempts:
+                    raise RouterError(
+                        502, f"{e} (after {attempt} attempts)", "bad_gateway"
+                    ) from None
+                stage = "prefill" if e.engine.node == served.prefill_node else "decode"
+                log.warning("request %s: %s; retrying", served.request_id, e)
+                self.metrics.retries.labels(stage).inc()
+                await asyncio.sleep(self.options.retry_backoff_s)
+        raise AssertionError("unreachable")
+
+    async def _attempt(
+        self, call: Completion, tokens: list[int], model: ModelInfo, served: Served
+    ) -> dict[str, Any] | EngineStream:
+        layout = await self.layout()
+        reply = await self._schedule(call, tokens, layout, served)
+        try:
+            prefill, decode = self._engine(reply.prefill_node), self._engine(reply.decode_node)
+            t = time.perf_counter()
+            for plan in reply.transfers:
+                keys = transfer_keys(plan)
+                await self._pull("plan", plan.dst_messenger, plan.src_messenger, keys, served)
+            if reply.transfers:
+                self.metrics.stage.labels("plan_wait").observe(time.perf_counter() - t)
+            t = time.perf_counter()
+            out = await self.http.post_json(
+                prefill,
+                "/v1/completions",
+                {"model": model.name, "prompt": tokens, "max_tokens": 1, "temperature": 0},
+            )
+            took = time.perf_counter() - t
+            self.metrics.stage.labels("prefill").observe(took)
+            served.prefill_cached_tokens = _cached_tokens(out)
+            self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
+            await self._quietly(self.conductor.prefilled, served.request_id, took)
+            if reply.decode_node != reply.prefill_node:
+                blocks = block_keys(tokens, layout.block_tokens, root_key(layout.namespace))
+                t = time.perf_counter()
+                await self._pull(
+                    "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
+                )
+                self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
+            body = {**call.forward, "model": model.name, "prompt": tokens}
+            if call.stream:
+                return await self.http.open_stream(decode, body)
+            result: dict[str, Any] = await self.http.post_json(decode, "/v1/completions", body)
+        except BaseException:
+            self.finish(served)
+            raise
+        self.finish(served)
+        return result
+
+    async def _schedule(
+        self, call: Completion, tokens: list[int], layout: KVLayout, served: Served
+    ) -> cpb.ScheduleReply:
+        t = time.perf_counter()
+        try:
+            reply: cpb.ScheduleReply = await self._run(
+                functools.partial(
+                    self.conductor.schedule,
+                    layout.namespace,
+                    tokens=tokens,
+                    request_id=served.request_id,
+                    prompt_tokens=len(tokens),
+                    output_tokens=call.max_tokens,
+                    ttft_slo_s=call.ttft_slo_s,
+                    tbt_slo_s=call.tbt_slo_s,
+                )
+            )
+        except KVCacheRpcError as e:
+            raise self._conductor_error(e) from None
+        finally:
+            self.metrics.stage.labels("schedule").observe(time.perf_counter() - t)
+        served.prefill_node, served.decode_node = reply.prefill_node, reply.decode_node
+        served.prompt_tokens = len(tokens)
+        served.reuse_blocks = reply.reuse_blocks
+        served.plan_blocks = sum(len(transfer_keys(p)) for p in reply.transfers)
+        self.metrics.prompt_tokens.inc(len(tokens))
+        return reply
+
+    def _engine(self, node: str) -> Engine:
+        engine = self.engines.get(node)
+        if engine is None:
+            raise RouterError(
+                503,
+                f"the conductor chose node {node!r}, which has no engine the router knows "
+                f"(engines: {', '.join(sorted(self.engines))})",
+                "service_unavailable",
+            )
+        return engine
+
+    async def _pull(self, kind: str, dst: str, src: str, keys: Any, served: Served) -> None:
+        """``dst``'s messenger fetches ``keys`` from ``src``'s. A failure is not the request's:
+        the engine computes what did not arrive."""
+        keys = list(keys)
+        if not keys or not dst or not src:
+            return
+        layout = await self.layout()
+        try:
+            status: mpb.TransferStatusReply = await self._run(
+                self._messenger(dst).pull,
+                layout.namespace,
+                keys,
+                src,
+                self.options.transfer_timeout_s,
+            )
+        except KVCacheRpcError as e:
+            log.warning("%s %s -> %s of %d pages failed: %s", kind, src, dst, len(keys), e)
+            self.metrics.kv_pages.labels(kind, "failed").inc(len(keys))
+            if kind == "decode_pull":
+                served.failed_pages += len(keys)
+            return
+        moved = status.bytes_moved // layout.page_bytes
+        held = status.done - moved
+        self.metrics.kv_bytes.labels(kind).inc(status.bytes_moved)
+        self.metrics.kv_pages.labels(kind, "moved").inc(moved)
+        self.metrics.kv_pages.labels(kind, "held").inc(held)
+        self.metrics.kv_pages.labels(kind, "failed").inc(status.failed)
+        if kind == "decode_pull":
+            served.pulled_pages, served.pulled_bytes = moved, status.bytes_moved
+            served.held_pages, served.failed_pages = held, status.failed
+
+    def finish(self, served: Served) -> None:
+        """Free the conductor's ledger entry (on the pool: also from a cancelled stream)."""
+        try:
+            self._pool.submit(self._complete_quietly, served.request_id)
+        except RuntimeError:  # shutting down: the conductor expires the entry by itself
+            log.info("Complete(%s) not sent: the router is stopping", served.request_id)
+
+    def _complete_quietly(self, request_id: str) -> None:
+        try:
+            self.conductor.complete(request_id)
+        except KVCacheRpcError as e:  # it expires on its own (stale ledger entries)
+            log.info("Complete(%s) failed: %s", request_id, e)
+
+    async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            await self._run(fn, *args)
+        except KVCacheRpcError as e:
+            log.info("%s failed: %s", getattr(fn, "__name__", fn), e)
+
+    def _conductor_error(self, e: KVCacheRpcError) -> RouterError:
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return RouterError(429, e.details, "rate_limit_exceeded")
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RouterError(400, e.details)
+        if e.code == grpc.StatusCode.FAILED_PRECONDITION:
+            return RouterError(503, e.details, "service_unavailable")
+        return RouterError(
+            503,
+            f"conductor at {self.options.conductor}: {e.code.name}: {e.details}",
+            "service_unavailable",
+        )
+
+
+def _cached_tokens(reply: Any) -> int:
+    try:
+        return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+    except (KeyError, TypeError, ValueError):
+        return 0  # the engine runs without --enable-prompt-tokens-details
+
+
+def _from_engine(e: EngineError) -> RouterError:
+    """An engine's 4xx goes to the client as the engine said it."""
+    return RouterError(e.status or 502, str(e), body=e.body)

@@ -1,0 +1,131 @@
+"""``[[engines]]``, ``[engine_defaults]`` and ``[router]`` in a cluster TOML: what they become
+(the engine command the launcher runs, the conductor's scrape flags), and the mistakes that
+stop ``kvcache up`` with a message naming the key, before anything starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcache.cluster import load_config
+from kvcache.cluster_config import ConfigError
+from kvcache.engines import Serving, serving_config
+
+NODES = """
+[[node]]
+id = "p0"
+role = "prefill"
+
+[[node]]
+id = "d0"
+role = "decode"
+"""
+ENGINES = """
+[engine_defaults]
+model = "models/tiny"
+args = ["--block-size", "32"]
+
+[[engines]]
+node = "p0"
+
+[[engines]]
+node = "d0"
+port = 8200
+"""
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "cluster.toml"
+    path.write_text(NODES + text)
+    return str(path)
+
+
+def test_engines_get_their_kv_role_by_node_role_and_the_conductor_their_metrics(tmp_path):
+    cfg = load_config(_config(tmp_path, ENGINES + '[router]\nlisten = "127.0.0.1:0"\n'))
+    serving = serving_config(cfg)
+    assert serving is not None
+    p0, d0 = serving.engines
+    # a relative model directory is relative to the config file, as state_dir is
+    assert p0.model == str(tmp_path / "models" / "tiny")
+    assert (p0.node, p0.kv_role, p0.served_model_name) == ("p0", "both", "tiny")
+    assert (d0.node, d0.kv_role, d0.port, d0.args) == (
+        "d0",
+        "consumer",
+        8200,
+        ("--block-size", "32"),
+    )
+    assert serving.router_listen == "127.0.0.1:0"
+    flags = Serving(serving, "127.0.0.1").plan(lambda host: 8100)
+    assert flags == [
+        "--engine-metrics",
+        "http://127.0.0.1:8100/metrics=p0",
+        "--engine-metrics",
+        "http://127.0.0.1:8200/metrics=d0",
+    ]
+
+
+def test_an_engine_entry_overrides_the_defaults(tmp_path):
+    text = ENGINES.replace(
+        "port = 8200", 'kv_role = "both"\nenv = ["VLLM_CPU_OMP_THREADS_BIND=1"]\nargs = []'
+    )
+    serving = serving_config(load_config(_config(tmp_path, text)))
+    assert serving is not None
+    d0 = serving.engines[1]
+    assert (d0.kv_role, d0.env, d0.args) == ("both", (("VLLM_CPU_OMP_THREADS_BIND", "1"),), ())
+
+
+def test_the_embedded_default_has_no_engines():
+    assert serving_config(load_config(None)) is None
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (ENGINES.replace("port = 8200", "gpu = 1"), "unknown key 'gpu'"),
+        (ENGINES.replace('node = "d0"', 'node = "d9"'), "not a [[node]] id"),
+        (ENGINES + '[[engines]]\nnode = "p0"\n', "one [[engines]] entry per node"),
+        (ENGINES.replace("port = 8200", 'kv_role = "decoder"'), "kv_role must be one of"),
+        (ENGINES.replace('model = "models/tiny"', ""), "no model"),
+        (ENGINES.replace("port = 8200", "port = 99999"), "a port is 0..65535"),
+        (ENGINES.replace('["--block-size", "32"]', '"--enforce-eager"'), "list of strings"),
+        (ENGINES.replace("port = 8200", 'env = ["NOEQUALS"]'), "NAME=VALUE"),
+        (ENGINES + "[router]\nport = 1\n", "unknown key 'port'"),
+        ('[router]\nlisten = "127.0.0.1:8000"\n', "needs [[engines]]"),
+        (
+            ENGINES.replace("port = 8200", 'served_model_name = "other"'),
+            "the same served_model_name",
+        ),
+    ],
+)
+def test_config_mistakes_name_the_key(tmp_path, text, says):
+    with pytest.raises(ConfigError) as e:
+        serving_config(load_config(_config(tmp_path, text)))
+    assert says in str(e.value)
+
+
+def test_kvcache_up_refuses_a_bad_engines_section_before_starting_anything(tmp_path):
+    config = _config(tmp_path, ENGINES.replace('node = "d0"', 'node = "d9"'))
+    state = tmp_path / "state"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "up", "--config", config, "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "(node 'd9'): not a [[node]] id" in proc.stderr
+    assert not (state / "cluster.json").exists()
+
+
+def test_kvcache_down_stops_engines_first_as_process_groups():
+    from kvcache.cluster_down import engine_groups, stop_stages
+
+    state = json.loads(
+        """{"nodes": [{"pids": [10, 11]}], "engines": [{"pid": 30}, {"pid": 20}],
+            "router": {"pid": 40}, "pids": [1, 10, 11, 30, 20, 40]}"""
+    )
+    assert stop_stages(state) == [[40], [20, 30], [11], [10], [1]]
+    assert engine_groups(state) == {20, 30}

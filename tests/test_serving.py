@@ -1,0 +1,373 @@
+"""Disaggregated serving with real vLLM engines: ``kvcache up`` with [[engines]] and [router]
+(2 prefill + 2 decode nodes, each with its messenger and a vLLM OpenAI server with our
+connector), driven through the router with the ``openai`` client as a user would.
+
+One cluster serves the whole module (4 engines take a minute or two to start here); the test
+that kills a decode engine runs last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Iterator
+
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.models import MODELS, make_model
+from clients.conductor_client import ConductorClient
+from kvcache.cluster import Cluster, load_config
+
+from helpers import wait_until
+
+pytest.importorskip("vllm")
+# Four vLLM servers start in the first test's setup: three processes each, each importing vLLM
+# (~7 s of CPU apiece on an idle core), so minutes on a busy 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+MODEL = "tiny-llama"
+BLOCK = 64  # kvcache block tokens (two vLLM blocks of 32)
+rng = np.random.default_rng(19)
+PLAIN = [int(x) for x in rng.integers(3, 500, 299)]  # 4 full blocks + 43 tokens
+STREAMED = [int(x) for x in rng.integers(3, 500, 299)]
+SHARED = [int(x) for x in rng.integers(3, 500, 4 * BLOCK)]
+FIRST = SHARED + [int(x) for x in rng.integers(3, 500, 40)]
+SECOND = SHARED + [int(x) for x in rng.integers(3, 500, 45)]
+MAX_TOKENS = 16
+
+CONFIG = """
+[cluster]
+host = "127.0.0.1"
+state_dir = "{state}"
+
+[conductor]
+policy = "global-cache"
+
+[defaults]
+layout = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
+dram = "64MiB"
+
+[[node]]
+id = "prefill-0"
+role = "prefill"
+
+[[node]]
+id = "prefill-1"
+role = "prefill"
+
+[[node]]
+id = "decode-0"
+role = "decode"
+
+[[node]]
+id = "decode-1"
+role = "decode"
+
+[engine_defaults]
+model = "{model}"
+served_model_name = "tiny-llama"
+args = ["--block-size", "32", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "8", "--dtype", "bfloat16", "--enforce-eager",
+        "--kv-cache-memory-bytes", "67108864", "--disable-uvicorn-access-log"]
+start_timeout_s = 900
+
+[[engines]]
+node = "prefill-0"
+env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+
+[[engines]]
+node = "prefill-1"
+env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+
+[[engines]]
+node = "decode-0"
+env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+
+[[engines]]
+node = "decode-1"
+env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+
+[router]
+listen = "127.0.0.1:0"
+args = ["--retry-backoff", "1.0"]
+"""
+
+
+class Serving:
+    def __init__(self, cluster: Cluster, state: dict, reference: dict[str, list[int]]) -> None:
+        self.cluster = cluster
+        self.state = state
+        self.reference = reference
+        self.url = state["router"]["url"]
+        self.engines = {e["node"]: e["url"] for e in state["engines"]}
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+
+    def engine_metric(self, node: str, name: str, **labels: str) -> float:
+        import urllib.request
+
+        with urllib.request.urlopen(self.engines[node] + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def computed(self, node: str) -> dict[str, float]:
+        """Prompt tokens the node's engine computed, found in its cache, loaded from kvcache."""
+        return {
+            source: self.engine_metric(node, "vllm:prompt_tokens_by_source_total", source=source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
+
+    def counted(self, node: str, before: dict[str, float], **expected: int) -> None:
+        """The engine's prompt-token counters moved by exactly ``expected`` since ``before``
+        (they are recorded beside the response, so wait until they moved at all)."""
+
+        def delta() -> dict[str, float]:
+            now = self.computed(node)
+            return {k: now[k] - before[k] for k in expected}
+
+        wait_until(lambda: all(delta()[k] >= v for k, v in expected.items()), 10, "counters")
+        assert delta() == expected
+
+    def node_status(self, node: str):
+        with ConductorClient(self.state["conductor"]["address"], self.state.get("token")) as c:
+            return next(s for s in c.list_nodes().nodes if s.node.node_id == node)
+
+
+def _reference(model: str, log_dir: str) -> subprocess.Popen[str]:
+    """A single vLLM engine, no connector, on the prompts the tests send (started at once: it
+    runs while the cluster starts)."""
+    spec = {
+        "model": model,
+        "max_model_len": 2048,
+        "prefix_caching": False,
+        "runs": [{"prompts": [PLAIN, STREAMED, FIRST, SECOND], "max_tokens": MAX_TOKENS}],
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.vllm_engine"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(os.path.join(log_dir, "reference.log"), "w"),
+        text=True,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    return proc
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serving")
+    model = str(work / MODEL)
+    make_model(model, MODELS["tiny"], max_len=2048, tokenizer=True)
+    ref = _reference(model, str(work))
+    config = work / "serve.toml"
+    config.write_text(CONFIG.format(state=work / "state", model=model))
+    cluster = Cluster(load_config(str(config)))
+    try:
+        state = cluster.start()
+        assert ref.stdout is not None
+        out = ref.stdout.read()  # its one line, at its end
+        assert ref.wait(60) == 0, (work / "reference.log").read_text()[-3000:]
+        outputs = json.loads(out.strip().splitlines()[-1])["runs"][0]["outputs"]
+        reference = {
+            name: o["tokens"] for name, o in zip(("plain", "streamed", "first", "second"), outputs)
+        }
+        yield Serving(cluster, state, reference)
+    finally:
+        ref.kill()
+        cluster.stop()
+
+
+def _token_ids(choice) -> list[int]:
+    return list(choice.model_extra["token_ids"])
+
+
+def test_greedy_completions_equal_a_single_engine_and_decode_loads_the_prompt(serving):
+    before = {n: serving.computed(n) for n in serving.engines}
+    raw = serving.client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=PLAIN,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    out = raw.parse()
+    prefill, decode = raw.headers["x-kvcache-prefill-node"], raw.headers["x-kvcache-decode-node"]
+    assert prefill.startswith("prefill-") and decode.startswith("decode-")
+    assert _token_ids(out.choices[0]) == serving.reference["plain"]
+    # The decode engine loaded the 4 full blocks its node's messenger pulled from the prefill
+    # node, and computed only the last 43 tokens.
+    assert raw.headers["x-kvcache-pulled-pages"] == "4"
+    assert out.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+    serving.counted(
+        decode,
+        before[decode],
+        external_kv_transfer=4 * BLOCK,
+        local_compute=len(PLAIN) - 4 * BLOCK,
+    )
+    serving.counted(prefill, before[prefill], local_compute=len(PLAIN), external_kv_transfer=0)
+
+    # Streamed: the same tokens, event by event.
+    with serving.client.completions.with_streaming_response.create(
+        model=MODEL,
+        prompt=STREAMED,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        chunks = list(response.parse())
+    tokens = [t for c in chunks for ch in c.choices for t in _token_ids(ch)]
+    assert tokens == serving.reference["streamed"]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+
+
+def test_text_prompts_are_tokenized_by_the_engines(serving):
+    text = "Prefill here, decode there, and the KV cache moves between them. " * 3
+    out = serving.client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens == len(text.encode())  # a byte-level tokenizer
+    assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens_details.cached_tokens == len(text.encode()) // BLOCK * BLOCK
+
+
+def test_a_shared_prefix_goes_to_its_holder_whose_prefill_computes_only_the_suffix(serving):
+    first = serving.client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=FIRST,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    holder = first.headers["x-kvcache-prefill-node"]
+    assert _token_ids(first.parse().choices[0]) == serving.reference["first"]
+    # Until the conductor's next scrape of the holder's engine, it may still count FIRST as
+    # queued there, and then fetching the prefix to the idle prefill node is the better plan.
+    wait_until(
+        lambda: serving.node_status(holder).load.queued_prefill_tokens == 0,
+        10,
+        "the conductor to see the holder's engine idle",
+    )
+    before = serving.computed(holder)
+    second = serving.client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=SECOND,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert second.headers["x-kvcache-prefill-node"] == holder  # the global-cache policy
+    assert second.headers["x-kvcache-reuse-blocks"] == "4"
+    assert second.headers["x-kvcache-prefill-cached-tokens"] == str(4 * BLOCK)
+    serving.counted(holder, before, local_compute=len(SECOND) - 4 * BLOCK)
+    assert _token_ids(second.parse().choices[0]) == serving.reference["second"]
+    # The decode node pulled the 4 full blocks, or held them already (FIRST's decode node).
+    moved = int(second.headers["x-kvcache-pulled-pages"])
+    held = int(second.headers["x-kvcache-held-pages"])
+    assert moved + held == 4
+    if second.headers["x-kvcache-decode-node"] == first.headers["x-kvcache-decode-node"]:
+        assert held == 4
+
+
+def test_a_request_the_conductor_rejects_is_429_naming_the_slo(serving):
+    with pytest.raises(openai.RateLimitError) as e:
+        serving.client.completions.create(
+            model=MODEL, prompt=PLAIN, max_tokens=4, extra_body={"ttft_slo_s": 1e-6}
+        )
+    assert e.value.status_code == 429
+    assert "TTFT SLO" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "body, status, says",
+    [
+        ({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": []}, 400, "empty"),
+        ({"model": MODEL, "prompt": [[1, 2], [3, 4]]}, 400, "one prompt per request"),
+        ({"model": MODEL, "prompt": [1, -2]}, 400, "token ids"),
+        ({"model": MODEL, "prompt": [5, 100000], "max_tokens": 2}, 400, "100000"),
+        ({"model": MODEL, "prompt": [5] * 2000, "max_tokens": 100}, 400, "context"),
+        ({"model": "gpt-9", "prompt": [1, 2]}, 404, "gpt-9"),
+        ({"prompt": [1, 2]}, 400, "model"),
+        ({"model": MODEL, "prompt": [1, 2], "ttft_slo_s": -1}, 400, "ttft_slo_s"),
+    ],
+)
+def test_bad_requests_get_a_clear_error(serving, body, status, says):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        serving.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=60)
+    assert e.value.code == status
+    error = json.loads(e.value.read())["error"]
+    assert says in error["message"], error
+
+
+@contextlib.contextmanager
+def long_stream(serving: Serving, prompt: list[int]) -> Iterator[tuple[str, Iterator]]:
+    """A streamed completion of 1500 tokens, opened and its first event read: (its decode
+    node, the rest of its events); the client leaves when the block ends."""
+    response = serving.client.completions.with_streaming_response.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    with response as stream:
+        events = iter(stream.parse())
+        next(events)
+        yield stream.headers["x-kvcache-decode-node"], events
+
+
+def test_the_conductor_learns_engine_load_from_the_engines(serving):
+    """While a long stream decodes, the conductor's view of the decode node (ListNodes, fed by
+    scraping the engine's metrics) counts it; when the client leaves, the engine drops it."""
+
+    def running(node: str) -> int:
+        return int(serving.node_status(node).load.running_decode_requests)
+
+    with long_stream(serving, PLAIN) as (decode, _):
+        wait_until(lambda: running(decode) >= 1, 20, "the conductor to see the running request")
+    wait_until(lambda: running(decode) == 0, 30, "the engine to drop the abandoned request")
+
+
+def test_killing_the_decode_engine_mid_stream_ends_the_stream_and_the_cluster_keeps_serving(
+    serving,
+):
+    with long_stream(serving, STREAMED) as (victim, events):
+        engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
+        engine.signal(signal.SIGKILL)  # the engine's server and its engine core: a crash
+        with pytest.raises(openai.APIError) as e:
+            for _ in events:
+                pass
+        assert "decode failed mid-stream" in e.value.message
+    # The next requests decode elsewhere: the conductor stopped scheduling the dead engine's
+    # node (or the router retried once it did).
+    for prompt in (PLAIN, FIRST):
+        raw = serving.client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0
+        )
+        assert raw.headers["x-kvcache-decode-node"] != victim
+        assert raw.parse().usage.completion_tokens == 4
