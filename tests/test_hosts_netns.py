@@ -251,6 +251,11 @@ def test_up_refuses_bad_host_options(tmp_path, net_prefix):
         ("count = 3", [], "[hosts] subnet: subnet 10.77.0.0/30 has room for 1 hosts"),
         ('rate = "fast"', ["--hosts", "3"], "[hosts] rate: link rate 'fast' is not like 10gbit"),
         ("node_port = 99999", ["--hosts", "3"], "[hosts] node_port: a port is 1..65535"),
+        (
+            '[engine_defaults]\nmodel = "models/tiny"\n[[engines]]\nnode = "prefill-0"',
+            ["--hosts", "3"],
+            "[[engines]] / [router] run on loopback only",
+        ),
     ]:
         subnet = "10.77.0.0/30" if "count" in extra else free_subnet()
         bad, state = hosts_config(tmp_path, net_prefix, subnet, extra=extra)
