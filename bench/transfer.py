@@ -97,13 +97,13 @@ class Measurement:
 # ---- raw socket reference ---------------------------------------------------------------------
 
 
-def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
+def _raw_sender(port: int, total: int, chunk: int, rounds: int, host: str = "127.0.0.1") -> None:
     """Child role: wait for a request byte, send ``total`` bytes in ``chunk`` slices, repeat."""
     data = bytearray(total)
     mv = memoryview(data)
     for off in range(0, total, MIB):  # prefault and give the bytes a value
         data[off : off + MIB] = b"\x09" * min(MIB, total - off)
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection((host, port)) as s:
         for _ in range(rounds):
             if s.recv(1) != b"G":
                 return
@@ -112,14 +112,23 @@ def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
 
 
 class RawReference:
-    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy."""
+    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy. The
+    sender connects to ``host``; ``wrap`` runs it elsewhere (``ip netns exec NS``)."""
 
-    def __init__(self, total: int, chunk: int, rounds: int) -> None:
+    def __init__(
+        self,
+        total: int,
+        chunk: int,
+        rounds: int,
+        host: str = "127.0.0.1",
+        wrap: list[str] | None = None,
+    ) -> None:
         self.total = total
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         port = listener.getsockname()[1]
         self.child = subprocess.Popen(
             [
+                *(wrap or []),
                 sys.executable,
                 "-m",
                 "bench.transfer",
@@ -133,6 +142,8 @@ class RawReference:
                 str(chunk),
                 "--rounds",
                 str(rounds),
+                "--host",
+                host,
             ],
             cwd=ROOT,
         )
@@ -275,66 +286,106 @@ def _bench_layout(page_bytes: int) -> str:
     )
 
 
+class NodePair:
+    """A source and a destination host, each a real node server and messenger process, with
+    ``total`` bytes of random pages on the source. ``sites`` places them: (command prefix, IP)
+    per host, e.g. ``ip netns exec NS`` and the namespace's address; loopback by default."""
+
+    def __init__(
+        self,
+        total: int,
+        page_bytes: int,
+        lanes: int,
+        sites: list[tuple[list[str], str]] | None = None,
+    ) -> None:
+        from clients.messenger_client import MessengerClient
+        from clients.node_client import KVStoreClient
+        from kvstore.keys import keys_from_block_ids, root_key
+        from node.config import parse_layout
+        from rpc.launch import start_service
+
+        layout_spec = _bench_layout(page_bytes)
+        self.namespace = parse_layout(layout_spec).namespace
+        self.n = n = total // page_bytes
+        dram = str(total + 64 * page_bytes)
+        self.procs: list = []
+        self.clients: list = []
+        try:
+            for wrap, ip in sites or [([], "127.0.0.1")] * 2:
+                self.procs.append(
+                    start_service(
+                        ["node", "--listen", f"{ip}:0", "--dram", dram, "--layout", layout_spec],
+                        wrap=wrap,
+                    )
+                )
+                self.procs.append(
+                    start_service(
+                        [
+                            "messenger",
+                            "--node",
+                            self.procs[-1].address,
+                            "--listen",
+                            f"{ip}:0",
+                            "--transport",
+                            "tcp",
+                            "--lanes",
+                            str(lanes),
+                        ],
+                        wrap=wrap,
+                    )  # fmt: skip
+                )
+            src_node, self.src_msg, dst_node, dst_msg = self.procs
+            a, self.dst = KVStoreClient(src_node.address), KVStoreClient(dst_node.address)
+            self.mb = MessengerClient(dst_msg.address)
+            self.clients += [a, self.dst, self.mb]
+            self.keys = keys_from_block_ids(list(range(n)), root_key(self.namespace, b"bench"))
+            self.pages = np.random.default_rng(0).integers(0, 256, (n, page_bytes), np.uint8)
+            for s in range(0, n, 64):
+                a.put(self.namespace, list(self.pages[s : s + 64]), keys=self.keys[s : s + 64])
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self) -> float:
+        """Drop the pages on the destination, then time SubmitTransfer -> all done."""
+        self.dst.remove(self.namespace, keys=self.keys)
+        t0 = time.perf_counter()
+        reply = self.mb.submit(self.namespace, [(k, self.src_msg.address) for k in self.keys])
+        status = self.mb.status(reply.batch_id, wait=True, timeout_s=600)
+        dt = time.perf_counter() - t0
+        if status.done != self.n:
+            bad = next(e for e in status.entries if e.state != 2)
+            raise RuntimeError(f"transfer: {status.done}/{self.n} done: {bad.code} {bad.reason}")
+        return dt
+
+    def verify(self) -> None:
+        """Every page on the destination equals the source's, byte for byte."""
+        for s in range(0, self.n, 64):
+            got = self.dst.get(self.namespace, keys=self.keys[s : s + 64])
+            if not all(np.array_equal(g, p) for g, p in zip(got, self.pages[s : s + 64])):
+                raise RuntimeError("transfer delivered wrong bytes")
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for sp in reversed(self.procs):
+            sp.stop()
+
+
 def bench_e2e(total: int, page_bytes: int, runs: int, lanes: int) -> Measurement:
     """SubmitTransfer of ``total`` bytes between two real node+messenger pairs, timed from the
     submit to the finished status: Acquire/Allocate/Commit RPCs and slab mapping included."""
-    from clients.messenger_client import MessengerClient
-    from clients.node_client import KVStoreClient
-    from kvstore.keys import keys_from_block_ids, root_key
-    from node.config import parse_layout
-    from rpc.launch import start_service
-
-    layout_spec = _bench_layout(page_bytes)
-    namespace = parse_layout(layout_spec).namespace
-    n = total // page_bytes
-    dram = str(total + 64 * page_bytes)
-    procs, clients = [], []
     m = Measurement(f"e2e messenger x{lanes}", page_bytes, total)
+    pair = NodePair(total, page_bytes, lanes)
     try:
-        for _ in range(2):
-            procs.append(start_service(["node", "--dram", dram, "--layout", layout_spec]))
-            procs.append(
-                start_service(
-                    [
-                        "messenger",
-                        "--node",
-                        procs[-1].address,
-                        "--transport",
-                        "tcp",
-                        "--lanes",
-                        str(lanes),
-                    ]
-                )
-            )
-        src_node, src_msg, dst_node, dst_msg = procs
-        a, b = KVStoreClient(src_node.address), KVStoreClient(dst_node.address)
-        mb = MessengerClient(dst_msg.address)
-        clients += [a, b, mb]
-        keys = keys_from_block_ids(list(range(n)), root_key(namespace, b"bench-transfer"))
-        pages = np.random.default_rng(0).integers(0, 256, (n, page_bytes), dtype=np.uint8)
-        for s in range(0, n, 64):
-            a.put(namespace, list(pages[s : s + 64]), keys=keys[s : s + 64])
         for r in range(runs + 1):
-            b.remove(namespace, keys=keys)
-            t0 = time.perf_counter()
-            reply = mb.submit(namespace, [(k, src_msg.address) for k in keys])
-            status = mb.status(reply.batch_id, wait=True, timeout_s=600)
-            dt = time.perf_counter() - t0
-            if status.done != n:
-                bad = next(e for e in status.entries if e.state != 2)
-                raise RuntimeError(f"e2e transfer: {status.done}/{n} done: {bad.code} {bad.reason}")
+            dt = pair.round()
             if r:
                 m.runs_s.append(dt)
-        step = max(1, n // 16)
-        sample = b.get(namespace, keys=keys[::step])
-        if not all(np.array_equal(g, pages[i]) for g, i in zip(sample, range(0, n, step))):
-            raise RuntimeError("e2e transfer delivered wrong bytes")
+        pair.verify()
         m.note = "verified"
     finally:
-        for c in clients:
-            c.close()
-        for sp in reversed(procs):
-            sp.stop()
+        pair.close()
     return m
 
 
@@ -427,6 +478,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also time SubmitTransfer between two real node+messenger pairs "
         "(needs 2x --total of shared memory)",
     )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="instead: real node+messenger pairs on two hosts in network namespaces, per link "
+        "rate in --rates, against a raw socket on the same link (needs root; "
+        "bench/transfer_hosts.py)",
+    )
+    parser.add_argument(
+        "--rates",
+        default="none,10gbit",
+        help="with --hosts: link rates (tc tbf, each way) to compare; 'none' is unshaped "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--subnet", default="10.77.10.0/24", help="with --hosts: the hosts' subnet (%(default)s)"
+    )
+    parser.add_argument(
+        "--net-prefix",
+        default="kvbench",
+        help="with --hosts: name prefix of the namespaces and links (%(default)s)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="write a GB/s bar chart PNG here")
     # Child role of the raw reference (internal).
@@ -434,13 +506,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--role", default="main", choices=["main", "raw-sender"], help=argparse.SUPPRESS
     )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=MIB, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.role == "raw-sender":
-        _raw_sender(args.port, args.total, args.chunk, args.rounds)
+        _raw_sender(args.port, args.total, args.chunk, args.rounds, args.host)
         return 0
     sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     lanes_list = [int(x) for x in str(args.lanes).split(",") if x.strip()]
@@ -452,6 +525,11 @@ def run(args: argparse.Namespace) -> int:
                 f"--total {args.total} must be a multiple of page size {size}, "
                 "and page sizes multiples of 4096"
             )
+    if args.hosts:
+        from .transfer_hosts import run_hosts
+
+        args.sizes_bytes = sizes
+        return run_hosts(args)
     print(
         f"transfer benchmark: {human(args.total)} per run, pages {', '.join(map(human, sizes))},"
         f" median of {args.runs} runs, loopback, 2 processes each",
