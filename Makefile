@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	  apt-get install -y -q libxxhash-dev >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev >/dev/null; } || \
 	  echo "note: libxxhash-dev not installed; kvstore runs without its C module"
+	# ip and tc (iproute2) for the hosts in network namespaces (kvcache up --hosts, their tests).
+	@command -v tc >/dev/null || ! command -v apt-get >/dev/null || \
+	  apt-get install -y -q iproute2 >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; } || \
+	  echo "note: iproute2 not installed; the network-namespace tests will skip"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the local CPU wheel: a bare `torch` requirement with no torch
 	# installed would download a multi-GB CUDA build.
@@ -46,11 +51,17 @@ DEMO_OUT ?= out/demo
 DEMO_REQUESTS ?= 500
 DEMO_SPEEDUP ?= 5
 DEMO_TTFT_SLO ?= 20
+# DEMO_HOSTS=3: the same cluster on 3 hosts in network namespaces (kvcache up --hosts; root).
+DEMO_HOSTS ?=
+# DEMO_CONDUCTORS=2: that many conductors, one leading by election in our own etcd (--etcd).
+DEMO_CONDUCTORS ?= 1
+DEMO_UP := $(if $(DEMO_HOSTS),--hosts $(DEMO_HOSTS)) \
+  $(if $(filter-out 1,$(DEMO_CONDUCTORS)),--etcd --set conductor.replicas=$(DEMO_CONDUCTORS))
 
-demo: $(STAMP)
+demo: $(STAMP) $(if $(filter-out 1,$(DEMO_CONDUCTORS)),etcd)
 	@status=0; \
 	trap '$(KVCACHE) down --state-dir $(DEMO_STATE); exit 130' INT TERM; \
-	if $(KVCACHE) up --detach; then \
+	if $(KVCACHE) up --detach $(DEMO_UP); then \
 	  $(KVCACHE) bench live --cluster $(DEMO_STATE)/cluster.json --requests $(DEMO_REQUESTS) \
 	    --speedup $(DEMO_SPEEDUP) --ttft-slo $(DEMO_TTFT_SLO) --out $(DEMO_OUT) || status=$$?; \
 	  $(KVCACHE) down --state-dir $(DEMO_STATE) || status=$$?; \

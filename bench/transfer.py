@@ -111,13 +111,13 @@ class Measurement:
 # ---- raw socket reference ---------------------------------------------------------------------
 
 
-def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
+def _raw_sender(port: int, total: int, chunk: int, rounds: int, host: str = "127.0.0.1") -> None:
     """Child role: wait for a request byte, send ``total`` bytes in ``chunk`` slices, repeat."""
     data = bytearray(total)
     mv = memoryview(data)
     for off in range(0, total, MIB):  # prefault and give the bytes a value
         data[off : off + MIB] = b"\x09" * min(MIB, total - off)
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection((host, port)) as s:
         for _ in range(rounds):
             if s.recv(1) != b"G":
                 return
@@ -126,14 +126,23 @@ def _raw_sender(port: int, total: int, chunk: int, rounds: int) -> None:
 
 
 class RawReference:
-    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy."""
+    """The raw socket pair for one page size; ``round()`` times one ``total``-byte copy. The
+    sender connects to ``host``; ``wrap`` runs it elsewhere (``ip netns exec NS``)."""
 
-    def __init__(self, total: int, chunk: int, rounds: int) -> None:
+    def __init__(
+        self,
+        total: int,
+        chunk: int,
+        rounds: int,
+        host: str = "127.0.0.1",
+        wrap: list[str] | None = None,
+    ) -> None:
         self.total = total
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         port = listener.getsockname()[1]
         self.child = subprocess.Popen(
             [
+                *(wrap or []),
                 sys.executable,
                 "-m",
                 "bench.transfer",
@@ -147,6 +156,8 @@ class RawReference:
                 str(chunk),
                 "--rounds",
                 str(rounds),
+                "--host",
+                host,
             ],
             cwd=ROOT,
         )
@@ -316,21 +327,37 @@ class MessengerPull:
             raise RuntimeError(f"messenger pull: {status.done}/{n} pages done: {why}")
         return dt
 
-    def verify(self, samples: int = 16) -> bool:
+    def verify(self, samples: int | None = 16) -> bool:
+        """``samples`` pages spread over the batch (None: every page, 64 at a time) equal the
+        source's on the destination."""
         n = len(self.keys)
-        idx = list(range(0, n, max(1, n // samples)))
-        got = self.dst.get(self.namespace, keys=[self.keys[i] for i in idx])
-        return all(g is not None and np.array_equal(g, self.pages[i]) for g, i in zip(got, idx))
+        idx = list(range(0, n, max(1, n // samples))) if samples else list(range(n))
+        for s in range(0, len(idx), 64):
+            part = idx[s : s + 64]
+            got = self.dst.get(self.namespace, keys=[self.keys[i] for i in part])
+            if not all(
+                g is not None and np.array_equal(g, self.pages[i]) for g, i in zip(got, part)
+            ):
+                return False
+        return True
 
     def cleanup(self) -> None:
         for client in (self.dst, self.src):
             client.remove(self.namespace, keys=self.keys)
 
 
-class E2eSide:
-    """Two real node + messenger pairs (processes) and a ``MessengerPull`` between them."""
+class NodePair:
+    """A source and a destination host, each a real node server and messenger process, and a
+    ``MessengerPull`` of ``total`` bytes between them. ``sites`` places them: (command prefix,
+    IP) per host, e.g. ``ip netns exec NS`` and the namespace's address; loopback by default."""
 
-    def __init__(self, total: int, page_bytes: int, lanes: int) -> None:
+    def __init__(
+        self,
+        total: int,
+        page_bytes: int,
+        lanes: int,
+        sites: list[tuple[list[str], str]] | None = None,
+    ) -> None:
         from node.config import parse_layout
         from rpc.launch import start_service
 
@@ -340,14 +367,28 @@ class E2eSide:
         self.procs: list = []
         self.clients: list = []
         try:
-            for _ in range(2):
-                node = start_service(["node", "--dram", dram, "--layout", layout_spec])
-                self.procs.append(node)
+            for wrap, ip in sites or [([], "127.0.0.1")] * 2:
                 self.procs.append(
                     start_service(
-                        ["messenger", "--node", node.address, "--transport", "tcp"]
-                        + ["--lanes", str(lanes)]
+                        ["node", "--listen", f"{ip}:0", "--dram", dram, "--layout", layout_spec],
+                        wrap=wrap,
                     )
+                )
+                self.procs.append(
+                    start_service(
+                        [
+                            "messenger",
+                            "--node",
+                            self.procs[-1].address,
+                            "--listen",
+                            f"{ip}:0",
+                            "--transport",
+                            "tcp",
+                            "--lanes",
+                            str(lanes),
+                        ],
+                        wrap=wrap,
+                    )  # fmt: skip
                 )
             src_node, src_msg, dst_node, dst_msg = self.procs
             a, b = KVStoreClient(src_node.address), KVStoreClient(dst_node.address)
@@ -361,6 +402,11 @@ class E2eSide:
 
     def round(self) -> float:
         return self.pull.round()
+
+    def verify(self) -> None:
+        """Every page on the destination equals the source's, byte for byte."""
+        if not self.pull.verify(samples=None):
+            raise RuntimeError("transfer delivered wrong bytes")
 
     def close(self) -> None:
         for c in self.clients:
@@ -472,7 +518,7 @@ def bench_size(
     try:
         side = MessengerSide(total, page_bytes, request_bytes)
         sides.append(side)
-        e2e = E2eSide(total, page_bytes, e2e_lanes) if e2e_lanes else None
+        e2e = NodePair(total, page_bytes, e2e_lanes) if e2e_lanes else None
         if e2e is not None:
             sides.append(e2e)
         out = [Measurement("raw socket", page_bytes, total)]
@@ -541,6 +587,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="skip the rounds between two real node+messenger pairs (they need 2x --total of "
         "shared memory)",
     )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="instead: real node+messenger pairs on two hosts in network namespaces, per link "
+        "rate in --rates, against a raw socket on the same link (needs root; "
+        "bench/transfer_hosts.py)",
+    )
+    parser.add_argument(
+        "--rates",
+        default="none,10gbit",
+        help="with --hosts: link rates (tc tbf, each way) to compare; 'none' is unshaped "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--subnet", default="10.77.10.0/24", help="with --hosts: the hosts' subnet (%(default)s)"
+    )
+    parser.add_argument(
+        "--net-prefix",
+        default="kvbench",
+        help="with --hosts: name prefix of the namespaces and links (%(default)s)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", help="write a GB/s bar chart PNG here")
     # Child role of the raw reference (internal).
@@ -548,6 +615,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--role", default="main", choices=["main", "raw-sender"], help=argparse.SUPPRESS
     )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=MIB, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -573,7 +641,7 @@ def _verdict(value: float | None, goal: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.role == "raw-sender":
-        _raw_sender(args.port, args.total, args.chunk, args.rounds)
+        _raw_sender(args.port, args.total, args.chunk, args.rounds, args.host)
         return 0
     try:
         sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
@@ -591,6 +659,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_e2e:
             _bench_layout(size)
     e2e_lanes = None if args.no_e2e else max(lanes_list)
+    if args.hosts:
+        from .transfer_hosts import run_hosts
+
+        args.sizes_bytes = sizes
+        return run_hosts(args)
     print(
         f"transfer benchmark: {human(args.total)} per round, pages {', '.join(map(human, sizes))},"
         f" median of {args.runs} rounds, every method's rounds interleaved, loopback",

@@ -17,11 +17,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "conductor": ("conductor.cli", "run the global scheduler (gRPC)"),
     "messenger": ("messenger.cli", "run a node's block mover (TCP / RDMA data plane)"),
     "router": ("router.cli", "serve OpenAI completions disaggregated over vLLM engines (HTTP)"),
-    "up": ("kvcache.cluster", "start a local cluster on loopback"),
+    "up": ("kvcache.cluster", "start a local cluster (loopback, or --hosts N namespaced hosts)"),
     "down": ("kvcache.cluster_down", "stop a local cluster started by 'kvcache up'"),
     "status": ("kvcache.status", "a running cluster at a glance: nodes, conductor, messengers"),
     "bench": ("bench.cli", "benchmarks: hitrate, schedule, live, store, node, transfer, ..."),
     "completion": ("kvcache.completion", "print a shell completion script (bash, zsh, tcsh)"),
+    "health": ("kvcache.health", "check a server's gRPC health (exit 0 when SERVING)"),
+    "deploy": ("kvcache.deploy", "render the Kubernetes manifests and the compose file"),
 }
 LOG_FORMATS = ("text", "json")
 
@@ -51,7 +53,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def command_parser(name: str, module: object) -> argparse.ArgumentParser:
+def command_parser(name: str, module: object | None = None) -> argparse.ArgumentParser:
+    """The real parser of ``kvcache <name>`` (also how the deployment tests check the command
+    lines of the Dockerfile, the compose file and the manifests)."""
+    module = module or importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"kvcache {name}", description=COMMANDS[name][1])
     add_common_args(parser)
     module.configure(parser)  # type: ignore[attr-defined]

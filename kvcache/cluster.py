@@ -1,5 +1,6 @@
 """``kvcache up``: a local cluster on loopback from one TOML config (embedded defaults; the
-schema, precedence and errors are ``cluster_config``'s).
+schema, precedence and errors are ``cluster_config``'s), or with ``--hosts N`` on N hosts in
+network namespaces (``cluster_hosts``: where each process runs and on which address).
 
 One conductor, then per node a node server and its messenger, each a separate process. Ports are
 chosen up front so that every process can be told its peers' addresses; the launcher waits for each
@@ -9,7 +10,8 @@ Ctrl-C / SIGTERM; with ``--detach`` it returns and ``kvcache down`` stops the cl
 
 With ``[etcd] enabled`` (``--etcd``) membership and the conductors' election live in etcd
 (``kvcache/etcd_server.py`` starts one unless ``endpoints`` names it) and ``[conductor] replicas``
-conductors run: one leader, the others hot standbys.
+conductors run: one leader, the others hot standbys. With both, etcd and the conductors share the
+control namespace and every process registers there by its host's address.
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from kvstore.shm import pid_alive
-from rpc.launch import ServiceProcess, process_identity, start_service
+from rpc.launch import ServiceProcess, free_port, process_identity, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 
@@ -40,18 +41,21 @@ from .cluster_config import (
     load_config,
     render,
 )
-from .engines import Serving, serving_config
+from .cluster_hosts import (
+    WILDCARDS,
+    Loopback,
+    Namespaced,
+    Site,
+    check_hosts,
+    network_record,
+    placement,
+)
+from .engines import Serving, ServingConfig, serving_config
 from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
 
 log = logging.getLogger("kvcache.cluster")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Cluster:
     detach: bool = False
     procs: list[ServiceProcess] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    place: Loopback | Namespaced | None = None
     serving: Serving | None = None  # [[engines]] and [router] (kvcache/engines.py)
 
     def start(self) -> dict:
@@ -68,6 +73,17 @@ class Cluster:
         os.makedirs(cfg.state_dir, exist_ok=True)
         logs = os.path.join(cfg.state_dir, "logs")
         os.makedirs(logs, exist_ok=True)
+        self.place = place = placement(cfg)
+        try:
+            return self._start_all(place, logs, wanted)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_all(
+        self, place: Loopback | Namespaced, logs: str, wanted: ServingConfig | None
+    ) -> dict:
+        cfg = self.config
         auth: list[str] = []
         token_file = None
         if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
@@ -83,7 +99,7 @@ class Cluster:
         ca: list[str] = []
         tls_ca = None
         if cfg.tls:
-            files = make_local_ca(os.path.join(cfg.state_dir, "tls"), [cfg.host])
+            files = make_local_ca(os.path.join(cfg.state_dir, "tls"), place.tls_hosts)
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
             tls_ca = files.ca_cert
             ca = [tls_ca]
@@ -91,129 +107,136 @@ class Cluster:
         if wanted is not None:  # engine ports first: the conductor scrapes their load
             self.serving = Serving(wanted, cfg.host)
             conductor_args = [*conductor_args, *self.serving.plan(free_port)]
-        try:
-            etcd = self._start_etcd() if cfg.get("etcd", "enabled") else None
-            etcd_args = etcd_role_args(etcd, cfg) if etcd else []
-            conductors = [
+        etcd = self._start_etcd(place) if cfg.get("etcd", "enabled") else None
+        etcd_args = etcd_role_args(etcd, cfg) if etcd else []
+        conductors = []
+        for i in range(cfg.get("conductor", "replicas")):
+            listen = place.conductor_listen(i)
+            conductors.append(
                 self._start(
                     [
                         "conductor",
                         "--listen",
-                        f"{cfg.host}:0",
+                        listen,
+                        *self._advertise(place, listen),
                         "--policy",
                         cfg.policy,
                         *auth,
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
-                        *self._metrics(cfg.get("conductor", "metrics_port") if i == 0 else 0),
+                        *self._metrics(
+                            place.ctl, cfg.get("conductor", "metrics_port") if i == 0 else 0
+                        ),
                         *etcd_args,
                         *conductor_args,
                     ],
                     logs,
+                    place.ctl,
                 )
-                for i in range(cfg.get("conductor", "replicas"))
+            )
+        conductor = conductors[0]
+        state = {
+            "conductor": {
+                "address": conductor.address,
+                "pid": conductor.pid,
+                "log": conductor.log_path,
+                "metrics": self._metrics_address(conductor, place.ctl),
+            },
+            "conductors": [
+                {
+                    "address": c.address,
+                    "pid": c.pid,
+                    "log": c.log_path,
+                    "metrics": self._metrics_address(c, place.ctl),
+                }
+                for c in conductors
+            ],
+            "etcd": etcd,
+            "nodes": [],
+            "token": cfg.token,
+            "tls_ca": tls_ca,
+            "state_dir": cfg.state_dir,
+            "network": place.state(),
+        }
+        for i, spec in enumerate(cfg.nodes):
+            site = place.node(i)
+            node_args = [
+                "node",
+                "--listen",
+                site.node,
+                *self._advertise(place, site.node),
+                "--node-id",
+                spec.id,
+                "--role",
+                spec.role,
+                "--dram",
+                spec.dram,
+                "--layout",
+                spec.layout,
+                *(etcd_args or ["--conductor", conductor.address]),
+                "--messenger",
+                site.messenger,
+                *auth,
+                *serve_tls,
+                *(["--conductor-tls-ca", *ca] if ca else []),
+                *self._metrics(site, spec.settings.get("metrics_port", 0)),
             ]
-            conductor = conductors[0]
-            state = {
-                "conductor": {
-                    "address": conductor.address,
-                    "pid": conductor.pid,
-                    "log": conductor.log_path,
-                    "metrics": self._metrics_address(conductor),
-                },
-                "conductors": [
-                    {
-                        "address": c.address,
-                        "pid": c.pid,
-                        "log": c.log_path,
-                        "metrics": self._metrics_address(c),
-                    }
-                    for c in conductors
-                ],
-                "etcd": etcd,
-                "nodes": [],
-                "token": cfg.token,
-                "tls_ca": tls_ca,
-                "state_dir": cfg.state_dir,
-            }
-            for spec in cfg.nodes:
-                node_addr = f"{cfg.host}:{free_port(cfg.host)}"
-                messenger_addr = f"{cfg.host}:{free_port(cfg.host)}"
-                node_args = [
-                    "node",
+            if cfg.token and not etcd_args:
+                node_args += ["--conductor-token-file", token_file]
+            if spec.ssd not in ("0", ""):
+                node_args += [
+                    "--ssd",
+                    spec.ssd,
+                    "--ssd-dir",
+                    os.path.join(cfg.state_dir, "ssd", spec.id),
+                ]
+            node = self._start(node_args, logs, site)
+            # NOTE: a metrics port per messenger: `kvcache bench live` reads the bytes each
+            # one received (exact totals, whoever submitted the transfer).
+            messenger = self._start(
+                [
+                    "messenger",
+                    "--node",
+                    node.address,
                     "--listen",
-                    node_addr,
-                    "--node-id",
-                    spec.id,
-                    "--role",
-                    spec.role,
-                    "--dram",
-                    spec.dram,
-                    "--layout",
-                    spec.layout,
-                    *(etcd_args or ["--conductor", conductor.address]),
-                    "--messenger",
-                    messenger_addr,
+                    site.messenger,
+                    *self._advertise(place, site.messenger),
+                    *(["--data-listen", site.data] if site.data else []),
+                    "--transport",
+                    cfg.transport,
+                    *self._metrics(site, spec.settings.get("messenger_metrics_port", 0)),
                     *auth,
                     *serve_tls,
-                    *(["--conductor-tls-ca", *ca] if ca else []),
-                    *self._metrics(spec.settings.get("metrics_port", 0)),
-                ]
-                if cfg.token and not etcd_args:
-                    node_args += ["--conductor-token-file", token_file]
-                if spec.ssd not in ("0", ""):
-                    node_args += [
-                        "--ssd",
-                        spec.ssd,
-                        "--ssd-dir",
-                        os.path.join(cfg.state_dir, "ssd", spec.id),
-                    ]
-                node = self._start(node_args, logs)
-                # NOTE: a metrics port per messenger: `kvcache bench live` reads the bytes each
-                # one received (exact totals, whoever submitted the transfer).
-                messenger = self._start(
-                    [
-                        "messenger",
-                        "--node",
-                        node.address,
-                        "--listen",
-                        messenger_addr,
-                        "--transport",
-                        cfg.transport,
-                        *self._metrics(spec.settings.get("messenger_metrics_port", 0)),
-                        *auth,
-                        *serve_tls,
-                        *(["--node-tls-ca", *ca] if ca else []),
-                        *etcd_args,
-                    ],
-                    logs,
-                )
-                state["nodes"].append(
-                    {
-                        "id": spec.id,
-                        "role": spec.role,
-                        "address": node.address,
-                        "messenger": messenger.address,
-                        "shm": node.info.get("shm", {}),
-                        "pids": [node.pid, messenger.pid],
-                        "logs": [node.log_path, messenger.log_path],
-                        "data_address": messenger.info.get("data_address"),
-                        "messenger_metrics_port": messenger.info.get("metrics_port"),
-                        "metrics": self._metrics_address(node),
-                        "messenger_metrics": self._metrics_address(messenger),
-                    }
-                )
-            if self.serving is not None:
-                layouts = {n.id: n.layout for n in cfg.nodes}
-                nodes = {n["id"]: {**n, "layout": layouts[n["id"]]} for n in state["nodes"]}
-                # every conductor: the router's client follows a standby's redirect to the leader
-                addresses = ",".join(c.address for c in conductors)
-                state.update(
-                    self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
-                )
-        except BaseException:
-            self.stop()
-            raise
+                    *(["--node-tls-ca", *ca] if ca else []),
+                    *etcd_args,
+                ],
+                logs,
+                site,
+            )
+            state["nodes"].append(
+                {
+                    "id": spec.id,
+                    "role": spec.role,
+                    "host": site.host,
+                    "address": node.address,
+                    "messenger": messenger.address,
+                    "shm": node.info.get("shm", {}),
+                    "pids": [node.pid, messenger.pid],
+                    "logs": [node.log_path, messenger.log_path],
+                    "data_address": messenger.info.get("data_address"),
+                    "messenger_metrics_port": messenger.info.get("metrics_port"),
+                    "metrics": self._metrics_address(node, site),
+                    "messenger_metrics": self._metrics_address(messenger, site),
+                }
+            )
+        if self.serving is not None:
+            layouts = {n.id: n.layout for n in cfg.nodes}
+            nodes = {n["id"]: {**n, "layout": layouts[n["id"]]} for n in state["nodes"]}
+            # every conductor: the router's client follows a standby's redirect to the leader
+            addresses = ",".join(c.address for c in conductors)
+            state.update(
+                self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
+            )
         roles = [(p.pid, p.role) for p in self.procs]
         roles += [(e["pid"], "engine") for e in state.get("engines", [])]
         if "router" in state:
@@ -232,42 +255,53 @@ class Cluster:
         write_prometheus_targets(state, os.path.join(cfg.state_dir, "prometheus-targets.json"))
         return state
 
-    def _metrics(self, port: int) -> list[str]:
-        """Every process serves Prometheus metrics (port 0: any free one, in cluster.json)."""
-        return [
-            "--metrics-host",
-            self.config.get("cluster", "metrics_host"),
-            "--metrics-port",
-            str(port),
-        ]
+    @staticmethod
+    def _advertise(place: Loopback | Namespaced, listen: str) -> list[str]:
+        """On hosts every address is fixed up front: each process publishes the one it
+        listens on (in etcd, or to the conductor), never one looked up from its hostname."""
+        return ["--advertise", listen] if place.fixed else []
 
-    def _metrics_address(self, sp: ServiceProcess) -> str | None:
+    def _metrics(self, site: Site, port: int) -> list[str]:
+        """Every process serves Prometheus metrics (port 0: any free one, in cluster.json)."""
+        host = site.metrics_host(self.config.get("cluster", "metrics_host"))
+        return ["--metrics-host", host, "--metrics-port", str(port)]
+
+    def _metrics_address(self, sp: ServiceProcess, site: Site) -> str | None:
         port = sp.info.get("metrics_port")
-        host = self.config.get("cluster", "metrics_host")
-        if host in ("0.0.0.0", "::", ""):
-            host = self.config.host  # bound everywhere: reachable where the process serves
+        host = site.metrics_host(self.config.get("cluster", "metrics_host"))
+        if host in WILDCARDS:
+            host = site.ip  # bound everywhere: reachable where the process serves
         return f"{host}:{port}" if port else None
 
-    def _start_etcd(self) -> dict:
-        """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one; what
-        cluster.json keeps of it."""
+    def _start_etcd(self, place: Loopback | Namespaced) -> dict:
+        """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one (on hosts: in
+        the control namespace, on its address); what cluster.json keeps of it."""
         cfg = self.config
         endpoints, pid = list(cfg.get("etcd", "endpoints")), None
         if not endpoints:
-            server = start_etcd(os.path.join(cfg.state_dir, "etcd"), cfg.host)
+            client_url, peer_url = place.etcd_urls() or (None, None)
+            server = start_etcd(
+                os.path.join(cfg.state_dir, "etcd"),
+                place.ctl.ip,
+                client_url=client_url,
+                peer_url=peer_url,
+                wrap=place.ctl.wrap,
+            )
             self.procs.append(server.process)
             endpoints, pid = [server.endpoint], server.pid
         return {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
 
-    def _start(self, args: list[str], log_dir: str) -> ServiceProcess:
-        sp = start_service(args, timeout_s=60, log_dir=log_dir, new_session=self.detach)
+    def _start(self, args: list[str], log_dir: str, site: Site) -> ServiceProcess:
+        sp = start_service(
+            args, timeout_s=60, log_dir=log_dir, new_session=self.detach, wrap=site.wrap
+        )
         self.procs.append(sp)
         return sp
 
     def stop(self, timeout_s: float = 15.0) -> list[int]:
-        """Stop the router and engines, then messengers, then node servers, then the conductor,
-        then etcd, each stage in parallel (one by one, their gRPC grace periods would add up);
-        returns exit codes."""
+        """Stop the router and engines, then messengers, then node servers, then the conductors,
+        then etcd, each stage in parallel (one by one, their gRPC grace periods would add up),
+        then remove the hosts' network; returns exit codes."""
         codes = self.serving.stop(timeout_s) if self.serving is not None else []
         for role in ("messenger", "node", "conductor", "etcd"):
             stage = [sp for sp in reversed(self.procs) if sp.role == role]
@@ -285,6 +319,9 @@ class Cluster:
                     sp.kill()
                 codes.append(sp.proc.returncode)
         self.procs.clear()
+        if self.place is not None:
+            self.place.teardown()
+            self.place = None
         return codes
 
 
@@ -306,13 +343,22 @@ def write_prometheus_targets(state: dict, path: str) -> None:
 
 
 def print_state(state: dict, path: str) -> None:
+    if state.get("network"):
+        net = state["network"]
+        hosts = ", ".join(f"{h} {v['address']}" for h, v in net["hosts"].items())
+        rate = f" (links capped at {net['rate']})" if net["rate"] else ""
+        print(f"network    {net['bridge']} {net['subnet']}{rate}: {hosts}")
     if state.get("etcd"):
         etcd = state["etcd"]
         print(f"etcd       {','.join(etcd['endpoints'])}  prefix {etcd['prefix']}")
     for c in state.get("conductors") or [state["conductor"]]:
         print(f"conductor  {c['address']}")
     for n in state["nodes"]:
-        print(f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}")
+        where = f"  on {n['host']}" if n.get("host") else ""
+        print(
+            f"node       {n['id']:<10} {n['role']:<8} {n['address']}  messenger {n['messenger']}"
+            f"{where}"
+        )
     for e in state.get("engines", []):
         print(f"engine     {e['node']:<10} {e['kv_role']:<8} {e['url']}  ({e['model']})")
     if "router" in state:
@@ -359,6 +405,20 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        check_hosts(cfg)
+    except ConfigError as e:
+        print(f"kvcache up: {e}", file=sys.stderr)
+        return 2
+    if cfg.get("hosts", "count") and serving_config(cfg) is not None:
+        # NOTE: engines and router are placed on [cluster] host with free loopback ports
+        # (kvcache/engines.py); placing them in the hosts' namespaces is not built yet.
+        print(
+            "kvcache up: [[engines]] / [router] run on loopback only: leave out [hosts] count "
+            "(--hosts) or the [[engines]] tables",
+            file=sys.stderr,
+        )
+        return 2
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).
@@ -371,11 +431,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if os.path.exists(network_record(cfg.state_dir)):
+        print(
+            f"kvcache up: {network_record(cfg.state_dir)} records host namespaces of an earlier "
+            f"cluster; 'kvcache down --state-dir {cfg.state_dir}' removes them",
+            file=sys.stderr,
+        )
+        return 1
     cluster = Cluster(cfg, detach=args.detach)
     try:
         state = cluster.start()
     except (RuntimeError, TimeoutError, OSError) as e:
-        # A process that failed to start: its own message (the last lines of its log) says why.
+        # A process that failed to start: its own message (the last lines of its log) says why;
+        # hosts that could not be made (NetnsError): what to fix.
         print(f"kvcache up: the cluster did not start: {e}", file=sys.stderr)
         return 1
     print_state(state, state_file)

@@ -96,6 +96,32 @@ def _port(value: Any) -> None:
         raise ValueError(f"a port is 0..65535 (0: any free port), got {value}")
 
 
+def _fixed_port(value: Any) -> None:
+    if not 1 <= value <= 65535:
+        raise ValueError(f"a port is 1..65535 (fixed: peers are told it up front), got {value}")
+
+
+def _hosts(value: Any) -> None:
+    if value < 0:
+        raise ValueError(f"the number of hosts (0: every process on loopback), got {value}")
+
+
+def _netns(name: str, empty_ok: bool = False) -> Callable[[Any], Any]:
+    """A check of ``rpc.netns`` (``NetnsError``, a RuntimeError there) as a config check."""
+
+    def check(value: Any) -> None:
+        from rpc import netns  # NOTE: lazily, as the node's checks above
+
+        if empty_ok and value == "":
+            return
+        try:
+            getattr(netns, name)(value)
+        except netns.NetnsError as e:
+            raise ValueError(str(e)) from None
+
+    return check
+
+
 # ---- the schema: add a key here ---------------------------------------------------------------
 
 SECTIONS: dict[str, dict[str, Key]] = {
@@ -137,6 +163,44 @@ SECTIONS: dict[str, dict[str, Key]] = {
         ),
         "prefix": Key(str, "/kvcache", "this cluster's key prefix in etcd", check=_prefix),
         "ttl": Key(int, 5, "etcd lease of every process, seconds", check=_ttl),
+    },
+    # kvcache up --hosts N: hosts in network namespaces on a bridge (kvcache/cluster_hosts.py).
+    "hosts": {
+        "count": Key(
+            int,
+            0,
+            "hosts in network namespaces, nodes round-robin, conductors and etcd in another "
+            "(0: all on loopback; needs root)",
+            flag="--hosts",
+            check=_hosts,
+        ),
+        "subnet": Key(
+            str,
+            "10.77.0.0/24",
+            "the bridge's network: .1 the bridge, .2 conductors",
+            check=_netns("check_subnet"),
+        ),
+        "prefix": Key(
+            str,
+            "kvc",
+            "names: netns <prefix>-ctl, -h0 ..., bridge <prefix>-br",
+            check=_netns("check_prefix"),
+        ),
+        "rate": Key(
+            str,
+            "",
+            "tc tbf cap on every link, each way, e.g. 10gbit (empty: none)",
+            check=_netns("parse_rate", empty_ok=True),
+        ),
+        "mtu": Key(int, 1500, "the links' MTU", check=_netns("check_mtu")),
+        "node_port": Key(
+            int, 7000, "a host's k-th node listens on node_port + k", check=_fixed_port
+        ),
+        "messenger_port": Key(int, 7100, "its messenger, + k", check=_fixed_port),
+        "data_port": Key(int, 7200, "its messenger's data port, + k", check=_fixed_port),
+        "conductor_port": Key(int, 7300, "the i-th conductor's, + i", check=_fixed_port),
+        "etcd_port": Key(int, 2379, "etcd's client port ([etcd] enabled)", check=_fixed_port),
+        "etcd_peer_port": Key(int, 2380, "etcd's peer port", check=_fixed_port),
     },
     "defaults": {
         "layout": Key(str, DEMO_LAYOUT, "a node's layout unless it names one", check=_layout),

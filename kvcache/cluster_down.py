@@ -4,7 +4,10 @@ SIGTERM to the router and the vLLM engines (each engine's whole process group), 
 messengers, then the node servers, then the conductor (each stage at once; each
 process shuts down cleanly: leases dropped, lmdb closed, shared memory unlinked), SIGKILL for any
 that does not exit in time, then a check that
-no shared-memory segment of the cluster is left behind.
+no shared-memory segment of the cluster is left behind. A cluster on hosts in network namespaces
+(``kvcache up --hosts N``) also loses its namespaces, links and bridge, as recorded in
+``<state_dir>/network.json`` when they were made: also after its launcher crashed, when
+whatever still runs in them is stopped first.
 
 The state dir comes from ``--state-dir``, else from the cluster config (``--config``,
 ``$KVCACHE_STATE_DIR``, the defaults: see ``cluster_config``), as ``kvcache up`` found it. A pid is
@@ -24,8 +27,10 @@ import time
 
 from kvstore.shm import SharedSlab, pid_alive
 from rpc.launch import still_same_process
+from rpc.netns import NetnsError
 
 from .cluster_config import ENV_PREFIX, ConfigError, load_config
+from .cluster_hosts import network_record, teardown_network
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     path = os.path.join(state_dir, "cluster.json")
     if not os.path.exists(path):
+        if os.path.exists(network_record(state_dir)):
+            return _remove_network(state_dir, 0)
         print(
             f"kvcache down: no cluster state at {path} (state dir from {source}); nothing was "
             "stopped. Name the cluster's state dir as 'kvcache up' printed it "
@@ -185,8 +192,20 @@ def run(args: argparse.Namespace) -> int:
             "stale state",
             file=sys.stderr,
         )
-        return 1
+        return _remove_network(state_dir, 1)
     print(f"cluster stopped ({len(running)} processes{'' if clean else ', some needed SIGKILL'})")
     if leftovers:
         print(f"removed leftover shared memory: {', '.join(leftovers)}")
-    return 0 if clean and not leftovers else 1
+    return _remove_network(state_dir, 0 if clean and not leftovers else 1)
+
+
+def _remove_network(state_dir: str, code: int) -> int:
+    if not os.path.exists(network_record(state_dir)):
+        return code
+    try:
+        removed = teardown_network(state_dir)
+    except NetnsError as e:
+        print(f"kvcache down: {e}", file=sys.stderr)
+        return 1
+    print(f"removed host network: {', '.join(removed) or 'nothing was left'}")
+    return code

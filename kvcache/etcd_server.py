@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from rpc.launch import ServiceProcess
+from rpc.launch import ServiceProcess, free_port
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
 
@@ -29,12 +28,6 @@ def etcd_binary() -> str:
     if path is None:
         raise RuntimeError(f"no etcd binary on PATH: {INSTALL_HINT}")
     return path
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -47,6 +40,7 @@ class EtcdServer:
     peer_url: str
     data_dir: str
     name: str
+    wrap: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int:
@@ -68,6 +62,7 @@ class EtcdServer:
             name=self.name,
             log_path=self.process.log_path,
             timeout_s=timeout_s,
+            wrap=list(self.wrap),
         )
 
 
@@ -88,14 +83,17 @@ def start_etcd(
     name: str = "kvcache",
     log_path: str | None = None,
     timeout_s: float = 30.0,
+    wrap: list[str] | None = None,
 ) -> EtcdServer:
     """Start one etcd member with its data in ``data_dir`` on free ports of ``host`` (or the
-    given URLs) and wait until it is healthy."""
+    given URLs) and wait until it is healthy. ``wrap`` runs it elsewhere (``ip netns exec NS``;
+    give its URLs then: free ports are looked up here)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    client_url = client_url or f"http://{host}:{_free_port(host)}"
-    peer_url = peer_url or f"http://{host}:{_free_port(host)}"
+    client_url = client_url or f"http://{host}:{free_port(host)}"
+    peer_url = peer_url or f"http://{host}:{free_port(host)}"
     log_path = log_path or os.path.join(os.path.dirname(os.path.abspath(data_dir)), "etcd.log")
     args = [
+        *(wrap or []),
         etcd_binary(),
         "--name",
         name,
@@ -123,7 +121,7 @@ def start_etcd(
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     process = ServiceProcess("etcd", proc, {"address": client_url}, log_path)
-    server = EtcdServer(process, client_url, peer_url, data_dir, name)
+    server = EtcdServer(process, client_url, peer_url, data_dir, name, tuple(wrap or ()))
     deadline = time.monotonic() + timeout_s
     while not healthy(client_url, timeout_s=0.5):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -11,6 +11,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the caller tells a process to listen there)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -105,13 +113,15 @@ def start_service(
     log_dir: str | None = None,
     new_session: bool = False,
     module: str = "kvcache.cli",
+    wrap: list[str] | None = None,
 ) -> ServiceProcess:
     """Run ``kvcache <args>`` (``python -m module <args>``) in a new process; return once it has
-    announced it is ready."""
+    announced it is ready. ``wrap`` is a command that execs its arguments, e.g. ``ip netns exec
+    NS`` (same PID)."""
     fd, log_path = tempfile.mkstemp(prefix=f"kvcache-{args[0]}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [*(wrap or []), sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,

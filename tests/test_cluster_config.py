@@ -79,10 +79,22 @@ def test_print_config_names_each_value_s_source(tmp_path):
     assert "s3cret" not in r.stdout
 
 
+# [hosts] values each key's own check accepts (a subnet, a name prefix, a tc rate, an MTU).
+HOSTS_VALUES = {
+    ("hosts", "subnet"): "10.9.8.0/24",
+    ("hosts", "prefix"): "kv2",
+    ("hosts", "rate"): "10gbit",
+    ("hosts", "mtu"): "9000",
+}
+
+
 def test_every_known_key_has_an_environment_variable():
     for section, keys in SECTIONS.items():
         for k, key in keys.items():
-            if key.type is bool:
+            if (section, k) in HOSTS_VALUES:
+                text = HOSTS_VALUES[section, k]
+                want = int(text) if key.type is int else text
+            elif key.type is bool:
                 text, want = "true", True
             elif key.type is int:
                 text, want = "7", 7
@@ -139,6 +151,15 @@ def test_malformed_toml_is_a_message_with_the_line(tmp_path):
         ),
         ('[defaults]\ndram = "lots"\n', "[defaults] dram: cannot parse size 'lots'"),
         ('[[node]]\nid = "a"\nrole = "both"\nmetrics_port = 70000\n', "a port is 0..65535"),
+        ("[hosts]\ncount = -2\n", "{path}:2: [hosts] count: the number of hosts (0: every"),
+        ('[hosts]\nsubnet = "10.77.0.0/33"\n', "[hosts] subnet: subnet '10.77.0.0/33' is not a"),
+        ("[hosts]\nmtu = 100\n", "{path}:2: [hosts] mtu: mtu 100 is outside 576..65535"),
+        ("[hosts]\nconductor_port = 0\n", "[hosts] conductor_port: a port is 1..65535"),
+        ('[hosts]\nrate = "10gb"\n', "[hosts] rate: link rate '10gb' is not like 10gbit"),
+        (
+            "[hosts]\nnode_prot = 7000\n",
+            "unknown key 'node_prot' in [hosts] (did you mean 'node_port'?",
+        ),
     ],
 )
 def test_config_mistakes_name_the_key_and_where(tmp_path, text, expect):
@@ -146,6 +167,33 @@ def test_config_mistakes_name_the_key_and_where(tmp_path, text, expect):
     path.write_text(text)
     msg = fails("--config", str(path))
     assert expect.format(path=path) in msg, msg
+
+
+def test_hosts_follow_the_precedence_like_every_key(tmp_path):
+    """[hosts] count: --hosts > $KVCACHE_HOSTS_COUNT > the file > 0 (loopback); --hosts 0 puts a
+    file's hosts cluster back on loopback. The other [hosts] keys through env and --set."""
+    config = tmp_path / "cluster.toml"
+    config.write_text('[hosts]\ncount = 3\nrate = "1gbit"\n')
+    assert printed()["hosts"]["count"] == 0
+    assert printed("--config", str(config))["hosts"] == {
+        **printed()["hosts"],
+        "count": 3,
+        "rate": "1gbit",
+    }
+    env = {"KVCACHE_HOSTS_COUNT": "2", "KVCACHE_HOSTS_SUBNET": "10.9.0.0/24"}
+    from_env = printed("--config", str(config), env=env)["hosts"]
+    assert (from_env["count"], from_env["subnet"]) == (2, "10.9.0.0/24")
+    r = kvcache_cli(
+        "up", "--print-config", "--config", str(config), "--hosts", "0",
+        "--set", "hosts.rate=10gbit", env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "count = 0  # --hosts" in lines
+    assert 'rate = "10gbit"  # --set' in lines
+    assert 'subnet = "10.9.0.0/24"  # $KVCACHE_HOSTS_SUBNET' in lines
+    msg = fails("--print-config", "--hosts", "three")
+    assert "--hosts: invalid int value: 'three'" in msg
 
 
 def test_bad_environment_and_set_values_name_their_source(tmp_path):

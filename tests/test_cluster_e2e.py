@@ -208,19 +208,17 @@ def test_bench_live_rejects_bad_options(tmp_path):
     assert r.returncode == 2 and f"{bad}:2" in r.stderr
 
 
-@pytest.mark.slow
-def test_up_in_the_foreground_stops_on_ctrl_c(tmp_path):
-    config, state_dir = write_config(tmp_path, dram="64MiB")
-    # Its own process group, like a shell job: Ctrl-C sends SIGINT to the whole group.
+def up_in_the_foreground(*args: str, timeout_s: float = 90) -> subprocess.Popen:
+    """``kvcache up ARGS`` in its own process group, like a shell job (Ctrl-C sends SIGINT to
+    the whole group), once it says the cluster is up."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache.cli", "up", "--config", config],
+        [sys.executable, "-m", "kvcache.cli", "up", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    seen, deadline = b"", time.monotonic() + timeout_s
     try:
-        deadline = time.monotonic() + 90
-        seen = b""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             while b"Ctrl-C stops it" not in seen:
@@ -229,15 +227,34 @@ def test_up_in_the_foreground_stops_on_ctrl_c(tmp_path):
                     chunk = os.read(proc.stdout.fileno(), 4096)
                     assert chunk, f"kvcache up exited early: {proc.wait()} {proc.stderr.read()}"
                     seen += chunk
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc
+
+
+def ctrl_c(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGINT to ``up_in_the_foreground``'s group; its exit code (SIGKILL if it hangs)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+@pytest.mark.slow
+def test_up_in_the_foreground_stops_on_ctrl_c(tmp_path):
+    config, state_dir = write_config(tmp_path, dram="64MiB")
+    proc = up_in_the_foreground("--config", config)
+    try:
         with open(os.path.join(state_dir, "cluster.json")) as f:
             state = json.load(f)
         assert all(alive(p) for p in state["pids"])
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code = ctrl_c(proc)
     assert code == 0, proc.stderr.read().decode()
     assert not os.path.exists(os.path.join(state_dir, "cluster.json"))
     assert_nothing_left(state)

@@ -8,13 +8,13 @@ import threading
 
 import pytest
 
-from kvcache.etcd_server import _free_port
 from rpc.etcd import (
     EtcdClient,
     EtcdUnavailable,
     check_prefix,
     parse_endpoints,
 )
+from rpc.launch import free_port
 from rpc.membership import Registration
 
 from helpers import wait_until
@@ -77,7 +77,7 @@ def test_keys_leases_and_a_watch_that_reports_its_end(etcd_server):
 
 
 def test_a_dead_endpoint_is_skipped(etcd_server):
-    dead = f"http://127.0.0.1:{_free_port('127.0.0.1')}"
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with EtcdClient(f"{dead},{etcd_server.endpoint}") as etcd:
         etcd.put("/t/x", b"1")
         assert etcd.get("/t/x").value == b"1"

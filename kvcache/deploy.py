@@ -1,0 +1,478 @@
+"""``kvcache deploy k8s|compose``: render the deployment files from one description.
+
+Both files describe the same cluster: an etcd, ``--conductors`` conductors electing a leader in
+etcd, and per role (``--prefill`` / ``--decode``) nodes, each node with its messenger beside it
+sharing a memory-backed ``/dev/shm`` sized from ``--dram``. Every process serves on its own
+pod's / container's address (``$(POD_IP)`` in Kubernetes, the service's host name in compose),
+gRPC and metrics alike, never on loopback; it publishes that address in etcd (``--advertise``)
+and finds the others there. The conductors elect their leader in etcd.
+
+- ``k8s``: plain manifests (``helm`` is not needed): a StatefulSet of nodes per role, each pod a
+  node container and a messenger sidecar on one ``emptyDir`` (medium Memory) at ``/dev/shm``; a
+  Deployment of conductors; an etcd StatefulSet unless ``--etcd`` names one; Services; readiness
+  and liveness probes on gRPC health (Kubernetes' own ``grpc`` probe: liveness on the server's
+  ``""``, readiness on the node's and the messenger's service, and on ``""`` for conductors, so
+  a standby is ready too); Prometheus scrape annotations (pods: the node's and the conductor's
+  metrics port; a Service: the messengers').
+- ``compose``: the same for ``docker compose``: a messenger joins its node's network and IPC
+  namespaces (``network_mode`` / ``ipc: service:...``), so it maps the node's shared memory.
+
+The committed files under ``deploy/`` are this command's output with its defaults
+(``tests/test_deploy.py`` checks that they are current and valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE = "kvcache:0.1.0"
+ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
+UID = 10001  # the image's non-root user (Dockerfile)
+PORTS = {"node": 7000, "messenger": 7100, "data": 7200, "conductor": 7300}
+# The gRPC health service a pod's readiness probe asks (liveness asks "": the process serves).
+# A conductor's is "" too: kvcache.v1.ConductorService is SERVING on the leader only, so a
+# standby's pod would never be Ready (a rollout would stall); a standby redirects callers to
+# the leader (FAILED_PRECONDITION naming it) and clients follow, so it may take connections.
+READY_SERVICE = {
+    "node": "kvcache.v1.NodeService",
+    "messenger": "kvcache.v1.MessengerService",
+    "conductor": "",
+}
+METRICS = {"node": 9100, "messenger": 9101, "conductor": 9100}
+DEFAULT_LAYOUT = (
+    "model=llama3-8b,num_layers=32,kv_heads=8,head_dim=128,dtype=bfloat16,block_tokens=256"
+)
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    image: str = IMAGE
+    prefill: int = 2
+    decode: int = 1
+    conductors: int = 2
+    dram: str = "4GiB"
+    layout: str = DEFAULT_LAYOUT
+    policy: str = "global-cache"
+    etcd: str = ""  # external endpoints; "" deploys one etcd member
+    etcd_prefix: str = "/kvcache"
+    name: str = "kvcache"
+
+    @property
+    def roles(self) -> dict[str, int]:
+        return {r: n for r, n in (("prefill", self.prefill), ("decode", self.decode)) if n}
+
+    @property
+    def etcd_urls(self) -> str:
+        return self.etcd or f"http://{self.name}-etcd:2379"
+
+
+def mib(size: str) -> int:
+    """'4GiB' -> 4096 (binary units, as the node's --dram takes them)."""
+    for unit, mult in UNITS.items():
+        if size.endswith(unit):
+            try:
+                value = float(size.removesuffix(unit)) * mult
+            except ValueError:
+                break
+            if value > 0:
+                return int(-(-value // (1 << 20)))
+    raise SystemExit(f"--dram {size!r}: give a size like 4GiB or 512MiB")
+
+
+def shm_mib(spec: Spec) -> int:
+    """/dev/shm for one node: its DRAM tier plus room for the slab's header and a spare 10%."""
+    dram = mib(spec.dram)
+    return dram + max(64, dram // 10)
+
+
+# ---- the command lines (shared by both files) -------------------------------------------------
+
+
+def etcd_flags(spec: Spec) -> list[str]:
+    return ["--etcd", spec.etcd_urls, "--etcd-prefix", spec.etcd_prefix]
+
+
+def serve_flags(role: str, host: str, metrics: str) -> list[str]:
+    """Listen and publish (in etcd, in the leader election) the pod's own address; metrics on
+    it too, where the scrape annotations point (the default metrics host is loopback)."""
+    address = f"{host}:{PORTS[role]}"
+    return ["--listen", address, "--advertise", address,
+            "--metrics-host", host, "--metrics-port", str(METRICS[metrics])]  # fmt: skip
+
+
+def conductor_args(spec: Spec, host: str) -> list[str]:
+    return ["conductor", *serve_flags("conductor", host, "conductor"), "--policy", spec.policy,
+            *etcd_flags(spec)]  # fmt: skip
+
+
+def node_args(spec: Spec, host: str, node_id: str, role: str) -> list[str]:
+    return ["node", *serve_flags("node", host, "node"), "--node-id", node_id, "--role", role,
+            "--dram", spec.dram, "--layout", spec.layout,
+            "--messenger", f"{host}:{PORTS['messenger']}", *etcd_flags(spec)]  # fmt: skip
+
+
+def messenger_args(spec: Spec, host: str) -> list[str]:
+    return ["messenger", "--node", f"{host}:{PORTS['node']}",
+            *serve_flags("messenger", host, "messenger"),
+            "--data-listen", f"{host}:{PORTS['data']}", "--transport", "tcp",
+            *etcd_flags(spec)]  # fmt: skip
+
+
+def etcd_command(name: str, advertise: str) -> list[str]:
+    return ["etcd", "--name", name, "--data-dir", "/var/lib/etcd",
+            "--listen-client-urls", "http://0.0.0.0:2379",
+            "--advertise-client-urls", advertise,
+            "--listen-peer-urls", "http://0.0.0.0:2380"]  # fmt: skip
+
+
+# ---- Kubernetes ---------------------------------------------------------------------------------
+
+
+def _labels(spec: Spec, component: str, role: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": spec.name, "app.kubernetes.io/component": component}
+    if role:
+        labels["kvcache.io/role"] = role
+    return labels
+
+
+def _scrape(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}  # fmt: skip
+
+
+POD_ENV = [
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+]
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": UID,
+    "runAsGroup": UID,
+    "fsGroup": UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _probes(port: int, ready_service: str) -> dict[str, Any]:
+    """Kubernetes' gRPC probe calls grpc.health.v1 on the pod's address (every kvcache server
+    serves it, without a token). Liveness is lenient: a busy node must not be restarted."""
+    return {
+        "readinessProbe": {
+            "grpc": {"port": port, "service": ready_service},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "grpc": {"port": port, "service": ""},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _container(
+    spec: Spec, name: str, args: list[str], ports: dict[str, int], memory: str, mounts: list
+) -> dict[str, Any]:
+    """``name`` is the role (``node``, ``messenger``, ``conductor``); its gRPC port comes first
+    in ``ports``."""
+    return {
+        "name": name,
+        "image": spec.image,
+        "args": args,
+        "env": POD_ENV,
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports.items()],
+        "resources": {
+            "requests": {"cpu": "500m", "memory": memory},
+            "limits": {"memory": memory},
+        },
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+        **_probes(next(iter(ports.values())), READY_SERVICE[name]),
+    }
+
+
+def _service(
+    spec: Spec, name: str, selector: dict, ports: dict[str, int], headless: bool, notes=None
+) -> dict[str, Any]:
+    svc: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": selector, **({"annotations": notes} if notes else {})},
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports.items()],
+        },
+    }
+    if headless:
+        svc["spec"]["clusterIP"] = "None"
+        svc["spec"]["publishNotReadyAddresses"] = True  # peers resolve a pod while it starts
+    return svc
+
+
+def render_k8s(spec: Spec) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    if not spec.etcd:
+        labels = _labels(spec, "etcd")
+        docs.append(_service(spec, f"{spec.name}-etcd", labels, {"client": 2379}, True))
+        docs.append({
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": f"{spec.name}-etcd", "labels": labels},
+            "spec": {
+                "serviceName": f"{spec.name}-etcd",
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "securityContext": POD_SECURITY,
+                        "containers": [{
+                            "name": "etcd",
+                            "image": ETCD_IMAGE,
+                            "command": etcd_command("etcd", f"http://{spec.name}-etcd:2379"),
+                            "ports": [{"name": "client", "containerPort": 2379}],
+                            "securityContext": CONTAINER_SECURITY,
+                            "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+                            "readinessProbe": {"httpGet": {"path": "/health", "port": 2379}},
+                            "livenessProbe": {"httpGet": {"path": "/livez", "port": 2379},
+                                              "initialDelaySeconds": 10},
+                        }],
+                    },
+                },
+                "volumeClaimTemplates": [{
+                    "metadata": {"name": "data"},
+                    "spec": {"accessModes": ["ReadWriteOnce"],
+                             "resources": {"requests": {"storage": "1Gi"}}},
+                }],
+            },
+        })  # fmt: skip
+    labels = _labels(spec, "conductor")
+    docs.append(
+        _service(spec, f"{spec.name}-conductor", labels, {"grpc": PORTS["conductor"]}, False)
+    )
+    docs.append({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"{spec.name}-conductor", "labels": labels},
+        "spec": {
+            "replicas": spec.conductors,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _scrape(METRICS["conductor"])},
+                "spec": {
+                    "securityContext": POD_SECURITY,
+                    # One leader, hot standbys: keep them on different machines.
+                    "affinity": {"podAntiAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [{
+                            "weight": 100,
+                            "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                                "topologyKey": "kubernetes.io/hostname"},
+                        }],
+                    }},
+                    "containers": [_container(
+                        spec, "conductor", conductor_args(spec, "$(POD_IP)"),
+                        {"grpc": PORTS["conductor"], "metrics": METRICS["conductor"]}, "1Gi", [],
+                    )],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    })  # fmt: skip
+    shm = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    node_memory = f"{shm_mib(spec) + 1024}Mi"  # the tmpfs pages count against the pod
+    for role in spec.roles:
+        name = f"{spec.name}-{role}"
+        labels = _labels(spec, "node", role)
+        docs.append(_service(spec, name, labels, {"grpc": PORTS["node"]}, True))
+        docs.append({
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "serviceName": name,
+                "replicas": spec.roles[role],
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels, "annotations": _scrape(METRICS["node"])},
+                    "spec": {
+                        "securityContext": POD_SECURITY,
+                        "terminationGracePeriodSeconds": 30,
+                        "containers": [
+                            _container(
+                                spec, "node", node_args(spec, "$(POD_IP)", "$(POD_NAME)", role),
+                                {"grpc": PORTS["node"], "metrics": METRICS["node"]},
+                                node_memory, shm,
+                            ),
+                            _container(
+                                spec, "messenger", messenger_args(spec, "$(POD_IP)"),
+                                # NOTE: port names are unique in a pod, not per container
+                                {"msg-grpc": PORTS["messenger"], "msg-data": PORTS["data"],
+                                 "msg-metrics": METRICS["messenger"]},
+                                "1Gi", shm,
+                            ),
+                        ],
+                        "volumes": [
+                            {"name": "tmp", "emptyDir": {}},
+                            # The node's DRAM tier: shared memory both containers map.
+                            {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                          "sizeLimit": f"{shm_mib(spec)}Mi"}},
+                        ],
+                    },
+                },
+            },
+        })  # fmt: skip
+    labels = _labels(spec, "node")
+    docs.append(
+        _service(
+            spec,
+            f"{spec.name}-messenger-metrics",
+            labels,
+            {"metrics": METRICS["messenger"]},
+            True,
+            _scrape(METRICS["messenger"]),
+        )  # fmt: skip
+    )
+    return docs
+
+
+# ---- docker compose ---------------------------------------------------------------------------
+
+
+def render_compose(spec: Spec) -> dict[str, Any]:
+    base = {
+        "image": spec.image,
+        "build": {"context": "..", "dockerfile": "Dockerfile"},
+        "read_only": True,
+        "tmpfs": ["/tmp"],
+        "restart": "unless-stopped",
+    }
+    services: dict[str, Any] = {}
+    if not spec.etcd:
+        services["etcd"] = {
+            "image": ETCD_IMAGE,
+            "command": etcd_command("etcd", "http://etcd:2379"),
+            "volumes": ["etcd-data:/var/lib/etcd"],
+            "healthcheck": {"test": ["CMD", "etcdctl", "endpoint", "health"],
+                            "interval": "5s", "retries": 10},
+        }  # fmt: skip
+    spec = Spec(**{**spec.__dict__, "etcd": spec.etcd or "http://etcd:2379"})
+    after_etcd = {} if "etcd" not in services else {
+        "depends_on": {"etcd": {"condition": "service_healthy"}}
+    }  # fmt: skip
+    for i in range(spec.conductors):
+        host = f"conductor-{i}"
+        services[host] = {
+            **base, "hostname": host, "command": conductor_args(spec, host),
+            "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['conductor']}"}, **after_etcd,
+        }  # fmt: skip
+    n = 0
+    for role, count in spec.roles.items():
+        for _ in range(count):
+            host = f"node-{n}"
+            services[host] = {
+                **base, "hostname": host, "command": node_args(spec, host, host, role),
+                "ipc": "shareable", "shm_size": f"{shm_mib(spec)}m",
+                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['node']}"}, **after_etcd,
+            }  # fmt: skip
+            # The messenger lives in its node's network and IPC namespaces: the same address
+            # and the same /dev/shm, as a Kubernetes sidecar does.
+            services[f"messenger-{n}"] = {
+                **base, "command": messenger_args(spec, host),
+                "network_mode": f"service:{host}", "ipc": f"service:{host}",
+                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['messenger']}"},
+                "depends_on": {host: {"condition": "service_healthy"}},
+            }  # fmt: skip
+            n += 1
+    doc: dict[str, Any] = {"name": spec.name, "services": services}
+    if "etcd" in services:
+        doc["volumes"] = {"etcd-data": {}}
+    return doc
+
+
+# ---- command -----------------------------------------------------------------------------------
+
+HEADER = """\
+# Rendered by `kvcache deploy {what}` (kvcache/deploy.py); edit the renderer, not this file.
+# {how}
+"""
+
+
+def dump(what: str, spec: Spec) -> str:
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # no &id001 anchors: every service reads on its own
+
+    def strings(dumper: yaml.SafeDumper, data: list) -> Any:
+        flow = bool(data) and all(isinstance(x, str) for x in data)  # command lines on one line
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+    Dumper.add_representer(list, strings)
+    if what == "k8s":
+        body = yaml.dump_all(render_k8s(spec), Dumper=Dumper, sort_keys=False, width=100)
+        how = f"docker build -t {spec.image} . && kubectl apply -f deploy/kubernetes/kvcache.yaml"
+    else:
+        body = yaml.dump(render_compose(spec), Dumper=Dumper, sort_keys=False, width=100)
+        how = "docker compose -f deploy/compose.yaml up --build"
+    return HEADER.format(what=what, how=how) + body
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    d = Spec()
+    parser.add_argument("what", choices=["k8s", "compose"], help="which file to render")
+    parser.add_argument("--out", help="write here (default: stdout)")
+    parser.add_argument("--image", default=d.image, help="the kvcache image (%(default)s)")
+    parser.add_argument(
+        "--prefill", type=int, default=d.prefill, help="prefill nodes (%(default)s)"
+    )
+    parser.add_argument("--decode", type=int, default=d.decode, help="decode nodes (%(default)s)")
+    parser.add_argument(
+        "--conductors", type=int, default=d.conductors, help="conductors, one leads (%(default)s)"
+    )
+    parser.add_argument(
+        "--dram", default=d.dram, help="each node's DRAM tier; sizes /dev/shm (%(default)s)"
+    )
+    parser.add_argument("--layout", default=d.layout, help="the layout the nodes serve")
+    parser.add_argument("--policy", default=d.policy, help="conductor policy (%(default)s)")
+    parser.add_argument(
+        "--etcd", default="", metavar="URLS", help="an existing etcd (default: deploy one)"
+    )
+    parser.add_argument("--etcd-prefix", default=d.etcd_prefix, help="(%(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prefill < 0 or args.decode < 0 or args.prefill + args.decode < 1:
+        raise SystemExit("kvcache deploy: --prefill and --decode: at least one node in all")
+    if args.conductors < 1:
+        raise SystemExit("kvcache deploy: --conductors must be at least 1")
+    spec = Spec(
+        image=args.image, prefill=args.prefill, decode=args.decode, conductors=args.conductors,
+        dram=args.dram, layout=args.layout, policy=args.policy, etcd=args.etcd,
+        etcd_prefix=args.etcd_prefix,
+    )  # fmt: skip
+    mib(spec.dram)
+    try:
+        text = dump(args.what, spec)
+    except ModuleNotFoundError as e:
+        raise SystemExit(
+            f"kvcache deploy needs PyYAML ({e}): pip install 'kvcache[deploy]'"
+        ) from None
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
