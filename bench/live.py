@@ -7,10 +7,14 @@ client library and shared memory), hot-block replication and prefill -> decode p
 messengers over TCP, byte-for-byte verification of every page loaded or moved, completions.
 
 References measured in the same run: the hit rate an infinite cache shared by all nodes would give
-the same requests (so the table prints hit rate as a fraction of it), and the bare gRPC round trip
+the same requests (so the table prints hit rate as a fraction of it), the bare gRPC round trip
 (health check) to the conductor and to a node (schedule and lookup latency are printed as
-multiples of it). Bytes moved between nodes come from the messengers' Prometheus counters (exact,
-whoever submitted the transfer) when ``kvcache up`` exposed them, else from the replies seen here.
+multiples of it), and the messenger bench between the same nodes (``--reference-runs`` bulk pulls
+of ``--reference-bytes`` from the first prefill node to the first decode node through their
+messengers, as ``kvcache bench transfer`` times them; half before the replay, half after, outside
+the byte counts), of which the prefill -> decode rate while pulls ran is printed as a fraction.
+Bytes moved between nodes come from the messengers' Prometheus counters (exact, whoever submitted
+the transfer) when ``kvcache up`` exposed them, else from the replies seen here.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from .live_engine import (
 )
 from .report import Progress, figure, write_json
 from .trace import DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, TraceError, TraceRequest, load_trace
+from .transfer import MessengerPull, human, parse_bytes
 
 DEFAULT_CLUSTER = os.path.join("out", "cluster", "cluster.json")
 RECEIVED_BYTES = "kvcache_messenger_received_bytes_total"
@@ -109,6 +114,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cache salt of every request (default: a fresh one per run, so each "
         "run starts cold; give a fixed one to reuse an earlier run's cache)",
+    )
+    parser.add_argument(
+        "--reference-runs",
+        type=int,
+        default=6,
+        help="bulk messenger pulls between the first prefill and the first decode node, half "
+        "before and half after the replay: the reference of the prefill -> decode rate "
+        "(median; 0: skip; default %(default)s)",
+    )
+    parser.add_argument(
+        "--reference-bytes",
+        type=parse_bytes,
+        default=128 << 20,
+        help="bytes of each reference pull (at most a quarter of the nodes' DRAM; default 128M)",
     )
     parser.add_argument("--token", default=None, help="bearer token (default: cluster.json's)")
     parser.add_argument(
@@ -220,6 +239,74 @@ def ideal_hits(
     return hits
 
 
+# ---- the messenger reference -----------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """The messenger bench between two nodes of the cluster: bulk pulls of the same pages."""
+
+    source: str  # node ids
+    destination: str
+    pull: MessengerPull
+    runs_s: list[float] = field(default_factory=list)
+
+    def measure(self, rounds: int) -> None:
+        try:
+            self.pull.store()  # the replay may have evicted them from the source
+            for _ in range(rounds):
+                self.runs_s.append(self.pull.round())
+        except (RuntimeError, KVCacheRpcError) as e:
+            raise LiveError(f"messenger reference {self.source} -> {self.destination}: {e}") from e
+
+    @property
+    def gbps(self) -> float | None:
+        if not self.runs_s:
+            return None
+        return self.pull.total_bytes / float(np.median(self.runs_s)) / 1e9
+
+    def runs_gbps(self) -> list[float]:
+        return [self.pull.total_bytes / t / 1e9 for t in self.runs_s]
+
+    def finish(self) -> None:
+        """Check the last round's bytes and remove the reference pages from both nodes."""
+        try:
+            ok = self.pull.verify()
+            self.pull.cleanup()
+        except KVCacheRpcError as e:
+            raise LiveError(f"messenger reference: {e}") from e
+        if not ok:
+            raise LiveError(
+                f"messenger reference {self.source} -> {self.destination}: wrong bytes arrived"
+            )
+
+
+def open_reference(
+    engine: Engine, cluster: ClusterInfo, namespace: str, total_bytes: int
+) -> Reference:
+    """Random pages on the first prefill node, pulled by the first decode node's messenger (the
+    pair the replay's prefill -> decode pulls run between); one warm-up round."""
+    src = next(n for n in cluster.nodes if n.role in ("prefill", "both"))
+    dst = next((n for n in cluster.nodes if n.role == "decode"), None) or next(
+        (n for n in cluster.nodes if n is not src), None
+    )
+    if dst is None:
+        raise LiveError("the messenger reference needs two nodes (--reference-runs 0 skips it)")
+    a, b = engine.node(src.address), engine.node(dst.address)
+    info_a, info_b = a.namespace_info(namespace), b.namespace_info(namespace)
+    # NOTE: a quarter of the smaller DRAM at most: the pages must fit beside the replay's.
+    pages = min(total_bytes // info_a.page_bytes, min(info_a.dram_pages, info_b.dram_pages) // 4)
+    salt = f"bench-live-reference-{engine.options.run_id}".encode()
+    try:
+        pull = MessengerPull(
+            a, b, engine.messenger(dst.messenger), src.messenger, namespace, max(1, pages), salt
+        )
+        pull.round()
+    except (RuntimeError, KVCacheRpcError) as e:
+        raise LiveError(f"messenger reference {src.id} -> {dst.id}: {e}") from e
+    return Reference(src.id, dst.id, pull)
+
+
 # ---- the replay ------------------------------------------------------------------------------
 
 
@@ -325,6 +412,12 @@ class LiveSummary:
     errors: dict[str, int]
     rejections: dict[str, int]
     per_node: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The messenger bench between the same nodes in this run (None: not measured).
+    reference_gbps: float | None = None
+    reference_runs_gbps: list[float] = field(default_factory=list)
+    reference_pair: str = ""
+    reference_bytes: int = 0
+    decode_vs_reference: float | None = None
 
 
 def summarize(
@@ -336,6 +429,7 @@ def summarize(
     rtts: tuple[float, float],
     before: dict[str, float] | None,
     after: dict[str, float] | None,
+    reference: Reference | None = None,
 ) -> LiveSummary:
     scheduled = [o for o in outcomes if o.prefill_node]
     blocks = sum(o.total_blocks for o in scheduled)
@@ -381,6 +475,8 @@ def summarize(
     for o in scheduled:
         per_node.setdefault(o.prefill_node, {"prefill": 0, "decode": 0})["prefill"] += 1
         per_node.setdefault(o.decode_node, {"prefill": 0, "decode": 0})["decode"] += 1
+    decode_gbps = decode_bytes / busy / 1e9 if busy else None
+    ref_gbps = reference.gbps if reference is not None else None
     errors = Counter(o.error for o in outcomes if o.status == "failed")
     rejections = Counter(o.error.split(":")[0] for o in outcomes if o.status == "rejected")
     return LiveSummary(
@@ -413,12 +509,17 @@ def summarize(
         bytes_source=source,
         decode_busy_s=busy,
         decode_held=sum(o.decode_held for o in scheduled),
-        decode_gbps=decode_bytes / busy / 1e9 if busy else None,
+        decode_gbps=decode_gbps,
         verified_pages=sum(o.verified_pages for o in outcomes),
         verify_failures=sum(o.verify_failures for o in outcomes),
         errors=dict(errors.most_common(10)),
         rejections=dict(rejections.most_common(5)),
         per_node=per_node,
+        reference_gbps=ref_gbps,
+        reference_runs_gbps=reference.runs_gbps() if reference is not None else [],
+        reference_pair=f"{reference.source} -> {reference.destination}" if reference else "",
+        reference_bytes=reference.pull.total_bytes if reference is not None else 0,
+        decode_vs_reference=decode_gbps / ref_gbps if decode_gbps and ref_gbps else None,
     )
 
 
@@ -479,6 +580,14 @@ def report_rows(s: LiveSummary) -> list[dict]:
             else f"{s.decode_gbps:.2f} GB/s while pulls ran ({s.decode_busy_s:.1f} s); pull p50 "
             f"{_ms(lat['decode_pull']['p50'])}, p99 {_ms(lat['decode_pull']['p99'])}; "
             f"{s.decode_held} pages already on the decode node",
+        },
+        {
+            "what": "  vs messenger bench",
+            "value": "-" if s.decode_vs_reference is None else f"{s.decode_vs_reference:.2f}x",
+            "detail": "not measured (--reference-runs 0)"
+            if s.reference_gbps is None
+            else f"bulk pulls {s.reference_pair} in this run: {s.reference_gbps:.2f} GB/s "
+            f"(median of {len(s.reference_runs_gbps)}, {human(s.reference_bytes)} each)",
         },
         {
             "what": "hot-block replication",
@@ -575,6 +684,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise LiveError("--ttft-slo and --tbt-slo must be >= 0 (0: none)")
     if not args.transfer_timeout > 0:
         raise LiveError(f"--transfer-timeout must be positive, got {args.transfer_timeout}")
+    if args.reference_runs < 0:
+        raise LiveError(f"--reference-runs must be >= 0 (0: skip), got {args.reference_runs}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -638,6 +749,12 @@ def run(args: argparse.Namespace) -> int:
             f"{layout.block_tokens}-token blocks",
             flush=True,
         )
+        reference = None
+        if args.reference_runs:
+            # NOTE: outside the byte counts below; half the rounds before the replay and half
+            # after, so load that changes during the run weighs on the reference as on the replay.
+            reference = open_reference(engine, cluster, namespace, args.reference_bytes)
+            reference.measure((args.reference_runs + 1) // 2)
         before = received_bytes(cluster)
         progress = Progress(len(requests), "live", enabled=not args.no_progress)
         t = time.perf_counter()
@@ -645,6 +762,9 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t
         progress.finish()
         after = received_bytes(cluster)
+        if reference is not None:
+            reference.measure(args.reference_runs // 2)
+            reference.finish()
         ideal = ideal_hits(
             requests,
             [bool(o.prefill_node) for o in outcomes],
@@ -662,7 +782,9 @@ def run(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.close()
 
-    summary = summarize(outcomes, ideal, cluster, layout.page_bytes, wall, rtts, before, after)
+    summary = summarize(
+        outcomes, ideal, cluster, layout.page_bytes, wall, rtts, before, after, reference
+    )
     print(
         f"\nlive replay against {cluster.source} (bytes between nodes from {summary.bytes_source})"
     )
@@ -690,6 +812,8 @@ def run(args: argparse.Namespace) -> int:
                 "concurrency": args.concurrency,
                 "ttft_slo_s": args.ttft_slo,
                 "tbt_slo_s": args.tbt_slo,
+                "reference_runs": args.reference_runs,
+                "reference_bytes": args.reference_bytes,
             },
             "summary": summary,
             "requests": outcomes,

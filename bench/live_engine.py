@@ -146,31 +146,43 @@ def prompt_tokens(request: TraceRequest, trace_block_tokens: int) -> np.ndarray:
 class SyntheticKV:
     """Synthetic KV pages: layer ``l`` of the page of ``key`` is the 16-byte key repeated, each
     byte XOR ``(l * 37 + 1) & 255``. Cheap to make and to check, and distinct per key and layer,
-    so a page landing under the wrong key or layer is caught."""
+    so a page landing under the wrong key or layer is caught.
+
+    NOTE: one broadcast numpy pass per page, not a tiled copy per layer: the emulated engines
+    share the machine with the nodes and messengers they measure (np.resize per layer cost
+    ~2 ms per 256 KiB page, a core's worth of CPU in ``bench live``)."""
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.page_bytes = layout.page_bytes
         self.layer_bytes = layout.layer_bytes
-        self._salts = [np.uint8((layer * 37 + 1) & 0xFF) for layer in range(layout.num_layers)]
+        self._salts = np.array(
+            [(layer * 37 + 1) & 0xFF for layer in range(layout.num_layers)], dtype=np.uint8
+        )
+        self._head = self.layer_bytes - self.layer_bytes % 16  # whole key repeats per layer
 
-    def _tiled(self, key: bytes) -> np.ndarray:
-        return np.resize(np.frombuffer(key, np.uint8), self.layer_bytes)
+    def _pattern(self, key: bytes) -> np.ndarray:
+        """(layers, 16): the key XOR each layer's salt."""
+        return np.frombuffer(key, np.uint8)[None, :] ^ self._salts[:, None]
+
+    def _parts(self, page: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Views of a (contiguous) page: whole 16-byte repeats (layers, n, 16) and the tails."""
+        rows = page.reshape(self.layout.num_layers, self.layer_bytes)
+        return rows[:, : self._head].reshape(len(self._salts), -1, 16), rows[:, self._head :]
 
     def fill(self, page: np.ndarray, key: bytes) -> None:
-        tiled = self._tiled(key)
-        lb = self.layer_bytes
-        for layer, salt in enumerate(self._salts):
-            np.bitwise_xor(tiled, salt, out=page[layer * lb : (layer + 1) * lb])
+        pattern = self._pattern(key)
+        body, tail = self._parts(page)
+        body[:] = pattern[:, None, :]
+        tail[:] = pattern[:, : tail.shape[1]]
 
     def matches(self, page: np.ndarray, key: bytes) -> bool:
         if page.size != self.page_bytes:
             return False
-        tiled = self._tiled(key)
-        lb = self.layer_bytes
-        return all(
-            np.array_equal(np.bitwise_xor(page[layer * lb : (layer + 1) * lb], salt), tiled)
-            for layer, salt in enumerate(self._salts)
+        pattern = self._pattern(key)
+        body, tail = self._parts(page)
+        return bool((body == pattern[:, None, :]).all()) and np.array_equal(
+            tail, pattern[:, : tail.shape[1]]
         )
 
 
@@ -251,8 +263,10 @@ class Engine:
         with self._lock:
             client = self._nodes.get(address)
             if client is None:
+                # NOTE: prefault, as a serving engine would: the engines' page faults (one per
+                # 4 KiB they write) would take the CPU the nodes and messengers measured here need.
                 client = self._nodes[address] = KVStoreClient(
-                    address, self.cluster.token, self.cluster.tls_ca
+                    address, self.cluster.token, self.cluster.tls_ca, prefault_shm=True
                 )
             return client
 

@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
-from kvstore.shm import MemfdSegment, SharedSlab, recv_segment
+from kvstore.shm import MemfdSegment, SharedSlab, prefault, recv_segment
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
@@ -188,13 +188,18 @@ class KVStoreClient:
         tls_ca_file: str | None = None,
         use_shm: bool = True,
         timeout_s: float = 30.0,
+        prefault_shm: bool = False,
     ) -> None:
+        """``prefault_shm``: map every page of the node's shared memory in the background as
+        soon as it is mapped (``kvstore.shm.prefault``), for long-lived clients that move many
+        pages through it (the messenger, an engine): their copies then take no page faults."""
         self.address = address
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
         # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
         self._stub = pbg.NodeServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._use_shm = use_shm
+        self._prefault = prefault_shm
         self._slabs: dict[str, Mapping | None] = {}
         self._info: dict[str, NamespaceInfo] | None = None
         self._lock = threading.Lock()
@@ -250,6 +255,12 @@ class KVStoreClient:
             mine = self._slabs.setdefault(namespace, slab)
         if mine is not slab and slab is not None:
             slab.close()  # another thread mapped it first
+        elif slab is not None and self._prefault:
+            # NOTE: the thread holds the array, so a close meanwhile leaves the mapping in place
+            # (SharedSlab.close: views still alive) until the thread is done with it.
+            threading.Thread(
+                target=prefault, args=(slab.array,), daemon=True, name="kvcache-prefault"
+            ).start()
         return mine
 
     def _open_segment(self, namespace: str) -> MemfdSegment | None:

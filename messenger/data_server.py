@@ -2,7 +2,9 @@
 
 One thread per connection; each connection carries requests one after another (the puller
 pipelines them, so the next request is already waiting when a response ends). ``FETCH`` is served
-here; the RDMA transport adds its control requests with ``add_handler``.
+here; the RDMA transport adds its control requests with ``add_handler``. A FETCH flagged HOLD is
+pinned at once but answered only after the puller's GO (which names the pages it still wants,
+once its own node has allocated them); the GO must come within the frame timeout.
 
 A connection that sends anything but this protocol (bad magic, unknown kind, oversized or
 inconsistent bodies, a frame cut short) is dropped with a warning; the process and every other
@@ -27,9 +29,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from .frames import (
+    FLAG_HOLD,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -53,9 +56,10 @@ from .transport import PageSource, PinnedPages
 log = logging.getLogger(__name__)
 
 # Pages and bytes per sendmsg call: few syscalls, a bounded iovec count, and pages sent soon
-# after their checksum pass read them (still in cache).
+# after their checksum pass read them (still in cache), so the peer starts receiving (and
+# checksumming) while the next pages are checksummed here.
 _SEND_BATCH_PAGES = 32
-_SEND_BATCH_BYTES = 4 << 20  # small enough that a page is still in cache from its checksum
+_SEND_BATCH_BYTES = 1 << 20
 # Accept errors back off from the first to the last delay (doubling): out of file descriptors,
 # accept fails at once for as long as a connection waits in the backlog.
 _ACCEPT_BACKOFF_S = (0.01, 1.0)
@@ -428,41 +432,77 @@ class DataServer:
         if header.count > MAX_KEYS_PER_REQUEST:
             raise ProtocolError(f"FETCH of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
         namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
-        # The whole response (pin, send, release) within the deadline: a peer that does not read
-        # is cut, which fails the blocked send, and the pins go back in the finally below.
+        # The whole response (pin, GO, send, release) within the deadline: a peer that does not
+        # read is cut, which fails the blocked send, and the pins go back in the finally below.
         deadline = self.limits.fetch_deadline_s
-        self._expect(
-            conn, deadline, f"a FETCH response of {len(keys)} pages not read within {deadline:g} s"
-        )
+        end = time.monotonic() + deadline
+        late = f"a FETCH response of {len(keys)} pages not read within {deadline:g} s"
+        self._expect(conn, deadline, late)
+        pinned, error = self._pin(namespace, page_bytes, keys)
+        try:
+            wanted = range(len(keys))
+            if header.flags & FLAG_HOLD:
+                wanted = self._await_go(conn, len(keys), end)
+                self._expect(conn, end - time.monotonic(), late)
+            if error is not None:
+                return self._send_error(conn, *error)
+            assert pinned is not None
+            self._stream_pages(conn, keys, pinned, wanted)
+        finally:
+            if pinned is not None:
+                pinned.release()
+
+    def _pin(
+        self, namespace: str, page_bytes: int, keys: list[bytes]
+    ) -> tuple[PinnedPages | None, tuple[Status, str] | None]:
+        """The request's pages pinned, or what to answer instead."""
         try:
             mine = self.source.page_bytes(namespace)
         except LookupError as e:
-            return self._send_error(conn, Status.INVALID, str(e))
+            return None, (Status.INVALID, str(e))
         if mine != page_bytes:
-            return self._send_error(
-                conn,
+            return None, (
                 Status.INVALID,
                 f"page size mismatch for {namespace!r}: source pages are "
                 f"{mine} bytes, the request expects {page_bytes}",
             )
         try:
-            pinned = self.source.pin(namespace, keys)
+            return self.source.pin(namespace, keys), None
         except LookupError as e:
-            return self._send_error(conn, Status.INVALID, str(e))
+            return None, (Status.INVALID, str(e))
         except ConnectionError as e:
-            return self._send_error(conn, Status.UNAVAILABLE, f"source cannot pin pages: {e}")
-        try:
-            self._stream_pages(conn, keys, pinned)
-        finally:
-            pinned.release()
+            return None, (Status.UNAVAILABLE, f"source cannot pin pages: {e}")
 
-    def _stream_pages(self, conn: PeerConnection, keys: list[bytes], pinned: PinnedPages) -> None:
+    def _await_go(self, conn: PeerConnection, count: int, end: float) -> list[int]:
+        """After a HOLD FETCH: the GO frame (within the frame timeout, and the FETCH deadline);
+        returns the indices of the pages still wanted."""
+        frame = self.limits.frame_timeout_s
+        wait = min(frame, end - time.monotonic())
+        self._expect(conn, wait, f"no GO within {frame:g} s of a held FETCH")
+        buf = bytearray(HEADER_BYTES)
+        recv_exact(conn.sock, memoryview(buf))
+        h = unpack_header(buf)
+        if h.kind is not Kind.GO or h.count != count:
+            raise ProtocolError(
+                f"expected a GO for {count} keys after a held FETCH, got {h.kind.name} "
+                f"for {h.count}"
+            )
+        check_request_size(h)
+        body = conn.read_body(h, limit=count)
+        if len(body) != count:
+            raise ProtocolError(f"GO of {len(body)} bytes for {count} keys")
+        return [i for i, wanted in enumerate(body) if wanted]
+
+    def _stream_pages(
+        self, conn: PeerConnection, keys: list[bytes], pinned: PinnedPages, wanted: Sequence[int]
+    ) -> None:
         views = pinned.views
         corrupt: list[int] = []
         batch: list = []
         batch_bytes = pages = sent_bytes = missing = 0
         corrupt_every = self.faults.corrupt_every
-        for i, (key, view) in enumerate(zip(keys, views)):
+        for i in wanted:
+            key, view = keys[i], views[i]
             if self.faults.stall_after:
                 batch, batch_bytes, sent_bytes = self._maybe_stall(
                     conn, batch, batch_bytes, sent_bytes

@@ -52,6 +52,14 @@ class Kind(enum.IntEnum):
     RDMA_RELEASE = 9  # dest -> src: count = 0, key[:8] = lease id; reply END
     HELLO = 10  # dest -> src, first on a connection when the source wants a token:
     # payload = the token (utf-8); reply END, or ERROR and a hang-up
+    GO = 11  # dest -> src, after a FETCH flagged HOLD: payload = one byte per key of the FETCH
+    # (1: send its page, 0: skip it); count = number of keys; the FETCH's response follows
+
+
+# FETCH flags. HOLD: pin the pages now but send the response only after a GO frame, which names
+# the pages still wanted: the puller allocates its pages while the source pins (two round trips
+# to two nodes at once instead of one after the other) and never pulls a page it holds already.
+FLAG_HOLD = 1
 
 
 class Status(enum.IntEnum):
@@ -79,9 +87,12 @@ class Header:
     key: bytes
     length: int
     checksum: int
+    flags: int = 0
 
     def pack(self) -> bytes:
-        return pack_header(self.kind, self.status, self.count, self.key, self.length, self.checksum)
+        return pack_header(
+            self.kind, self.status, self.count, self.key, self.length, self.checksum, self.flags
+        )
 
 
 def pack_header(
@@ -91,12 +102,13 @@ def pack_header(
     key: bytes = ZERO_KEY,
     length: int = 0,
     checksum_: int = 0,
+    flags: int = 0,
 ) -> bytes:
-    return HEADER.pack(MAGIC, kind, status, 0, count, key, length, checksum_, 0)
+    return HEADER.pack(MAGIC, kind, status, flags, count, key, length, checksum_, 0)
 
 
 def unpack_header(buf) -> Header:
-    magic, kind, status, _flags, count, key, length, csum, _ = HEADER.unpack(buf)
+    magic, kind, status, flags, count, key, length, csum, _ = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(
             f"bad magic {bytes(magic)!r}: the peer does not speak the messenger protocol"
@@ -106,7 +118,7 @@ def unpack_header(buf) -> Header:
         status_ = Status(status)
     except ValueError:
         raise ProtocolError(f"unknown frame kind {kind} / status {status}") from None
-    return Header(kind_, status_, count, key, length, csum)
+    return Header(kind_, status_, count, key, length, csum, flags)
 
 
 # ---- keyed bodies (FETCH, RDMA_PIN) -------------------------------------------------------------
@@ -175,13 +187,16 @@ def check_request_size(header: Header) -> None:
     Checked on the header, before a buffer is allocated: a peer cannot make the server reserve
     memory (or wait for a body) out of proportion to its request."""
     kind, n = header.kind, header.length
-    if kind in (Kind.FETCH, Kind.RDMA_PIN):
+    if kind in (Kind.FETCH, Kind.RDMA_PIN, Kind.GO):
         if header.count > MAX_KEYS_PER_REQUEST:
             raise ProtocolError(
                 f"{kind.name} of {header.count} keys exceeds the limit of {MAX_KEYS_PER_REQUEST}"
             )
-        limit = _BODY_HEAD.size + MAX_NAMESPACE_BYTES + header.count * KEY_BYTES
-        what = f"{header.count} keys and a namespace take at most {limit}"
+        if kind is Kind.GO:
+            limit, what = header.count, f"a GO of {header.count} keys takes {header.count}"
+        else:
+            limit = _BODY_HEAD.size + MAX_NAMESPACE_BYTES + header.count * KEY_BYTES
+            what = f"{header.count} keys and a namespace take at most {limit}"
     else:
         limit = {Kind.HELLO: MAX_TOKEN_BYTES, Kind.RDMA_RELEASE: 0}.get(kind, MAX_CONTROL_BYTES)
         what = f"the limit is {limit}"

@@ -97,6 +97,8 @@ class NodePageSource(PageSource):
         views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
 
         def release() -> None:
+            # NOTE: not in the background: a Release still pending when the node restarts
+            # would put the channel into reconnect backoff, failing the next pins for a second.
             try:
                 client.release(lease)
             except KVCacheRpcError as e:

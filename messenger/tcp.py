@@ -1,11 +1,15 @@
 """TCP transport, destination side: pull pages over raw sockets straight into page views.
 
-A fetch is split over ``lanes`` connections to the peer (contiguous runs of keys per lane, so the
-source pins neighbouring pages together). Each lane sends its keys as requests of at most
-``request_bytes`` of pages and keeps ``window`` requests in flight, so the source starts pinning
-and streaming the next request while the current one drains. Pages land with
-``recv_into(view, MSG_WAITALL)`` directly in the destination's page memory and are verified
-against the sender's xxh3-64 checksum; nothing is copied in Python.
+A fetch is a sequence of groups of at most ``request_bytes`` of consecutive pages, one FETCH
+request each (so the source pins neighbouring pages together). Up to ``lanes`` connections to
+the peer (at most one per group: a small fetch stays on one) take groups as they have room,
+each keeping ``window`` requests in flight, so the source pins and streams the next group while
+the current one drains; ``fetch_groups`` reports each group as soon as it is final (the mover
+commits it while the next ones stream). A group handed out before its pages are allocated is
+requested with HOLD (the source pins it while the destination allocates) and a GO follows with
+the pages still wanted. Pages land with ``recv_into(view, MSG_WAITALL)`` directly in the
+destination's page memory and are verified against the sender's xxh3-64 checksum; nothing is
+copied in Python.
 
 Failures are per entry: a missing key, a checksum mismatch, an error reply, or a cut connection
 marks the affected entries and never raises to the caller.
@@ -16,11 +20,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from .frames import (
+    FLAG_HOLD,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -36,7 +42,7 @@ from .frames import (
     send_buffers,
     set_io_timeout,
 )
-from .transport import OK, EntryResult, Outcome, Transport
+from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,37 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class Unauthenticated(ConnectionError):
     """The peer refused our token."""
+
+
+class _ConnectFailed(Exception):
+    """A new lane could not be opened (refused, unreachable, HELLO refused)."""
+
+
+class _BadAddress(Exception):
+    """The peer's data address is malformed."""
+
+
+class _InFlight:
+    """A group requested on a lane: whether it waits for a GO, its results as they arrive."""
+
+    __slots__ = ("group", "held", "results")
+
+    def __init__(self, group: FetchGroup) -> None:
+        self.group = group
+        self.held = False
+        self.results: list[EntryResult | None] = []
+
+
+class _Groups:
+    """The caller's group iterator, advanced by one lane at a time."""
+
+    def __init__(self, groups: Iterator[FetchGroup]) -> None:
+        self._groups = groups
+        self._lock = threading.Lock()
+
+    def take(self) -> FetchGroup | None:
+        with self._lock:
+            return next(self._groups, None)
 
 
 def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
@@ -97,8 +134,12 @@ def destination_views(keys: Sequence[bytes], views: Sequence) -> list[memoryview
 
 @dataclass(frozen=True, kw_only=True)
 class TcpConfig:
-    lanes: int = 2  # connections per fetch (per peer)
-    request_bytes: int = 32 << 20  # pages per request = request_bytes // page_bytes (>= 1)
+    lanes: int = 2  # connections per fetch (per peer), at most one per group
+    # Pages per request (a group) = request_bytes // page_bytes (>= 1). Each costs the source
+    # node an Acquire and a Release, and the mover an Allocate and a Commit: ~1 ms of CPU each
+    # in Python gRPC on both ends, so groups are large; the mover commits one while the next
+    # streams, so only the last group's commit is not hidden.
+    request_bytes: int = 64 << 20
     window: int = 2  # requests in flight per lane
     io_timeout_s: float = 30.0  # a stalled peer fails the lane after this long
     connect_timeout_s: float = 5.0
@@ -106,7 +147,7 @@ class TcpConfig:
     token: str | None = None  # sent in a HELLO on every new connection
 
     def __post_init__(self) -> None:
-        if self.lanes < 1 or self.window < 1 or self.request_bytes < 1:
+        if min(self.lanes, self.window, self.request_bytes) < 1:
             raise ValueError("lanes, window and request_bytes must be positive")
 
 
@@ -150,31 +191,54 @@ class TcpTransport(Transport):
 
     # ---- public ------------------------------------------------------------------------------
 
+    def group_pages(self, page_bytes: int) -> int:
+        return max(1, min(MAX_KEYS_PER_REQUEST, self.config.request_bytes // page_bytes))
+
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
         n = len(keys)
-        views = destination_views(keys, views)
+        checked = destination_views(keys, views)
         if n == 0:
             return []
-        page_bytes = views[0].nbytes
         results: list[EntryResult | None] = [None] * n
-        lanes = min(self.config.lanes, n)
-        bounds = [n * i // lanes for i in range(lanes + 1)]
-        runs = [range(bounds[i], bounds[i + 1]) for i in range(lanes)]
-        futures = [
-            self._pool.submit(
-                self._fetch_lane, peer, namespace, page_bytes, run, keys, views, results
-            )
-            for run in runs[1:]
-        ]
-        self._fetch_lane(peer, namespace, page_bytes, runs[0], keys, views, results)
-        for f in futures:
-            f.result()
+        per = self.group_pages(checked[0].nbytes)
+        groups = (
+            FetchGroup(list(keys[s : s + per]), checked[s : s + per], s) for s in range(0, n, per)
+        )
+
+        def done(group: FetchGroup, res: list[EntryResult]) -> None:
+            results[group.tag : group.tag + len(res)] = res
+
+        self.fetch_groups(peer, namespace, checked[0].nbytes, n, groups, done)
         return [
             r if r is not None else EntryResult(Outcome.INTERNAL, "entry left unresolved")
             for r in results
         ]
+
+    def fetch_groups(
+        self,
+        peer: str,
+        namespace: str,
+        page_bytes: int,
+        pages: int,
+        groups: Iterator[FetchGroup],
+        done: Callable[[FetchGroup, list[EntryResult]], None],
+    ) -> None:
+        """Lanes take groups as they have room (``window`` requests in flight each, one request
+        per group), so groups finish roughly in order and a group is committed while the next
+        ones stream; a fetch of one group stays on one lane."""
+        lanes = max(1, min(self.config.lanes, -(-pages // self.group_pages(page_bytes))))
+        source = _Groups(groups)
+        futures = [
+            self._pool.submit(self._lane, peer, namespace, page_bytes, source, done)
+            for _ in range(lanes - 1)
+        ]
+        try:
+            self._lane(peer, namespace, page_bytes, source, done)
+        finally:
+            for f in futures:
+                f.result()
 
     def close(self) -> None:
         with self._lock:
@@ -187,101 +251,148 @@ class TcpTransport(Transport):
 
     # ---- lanes ---------------------------------------------------------------------------------
 
-    def _fetch_lane(
-        self,
-        peer,
-        namespace,
-        page_bytes,
-        run: range,
-        keys,
-        views,
-        results,
-        allow_reuse: bool = True,
-    ) -> None:
-        try:
-            lane, reused = self._take(peer, allow_reuse)
-        except ValueError as e:  # a malformed address: per entry, like every other failure
-            self._fail(results, run, Outcome.INVALID, str(e))
-            return
-        except (OSError, ProtocolError) as e:
-            self._fail(results, run, Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
-            return
-        progress = [0]  # responses fully received on this lane
-        try:
-            self._run_requests(lane, namespace, page_bytes, run, keys, views, results, progress)
-        except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
-            lane.close()
-            if (
-                reused
-                and progress[0] == 0
-                and is_disconnect(e)
-                and all(results[i] is None for i in run)
-            ):
-                # A pooled connection the peer had closed meanwhile: retry once on a fresh one.
-                log.warning("stale pooled connection to %s (%s); reconnecting", peer, e)
-                self._fetch_lane(
-                    peer, namespace, page_bytes, run, keys, views, results, allow_reuse=False
-                )
-                return
-            with self._lock:
-                self.stats.lane_failures += 1
-            if isinstance(e, ProtocolError):
-                reason = f"protocol error from peer {peer}: {e}"
-                outcome = Outcome.UNAVAILABLE
-            elif is_disconnect(e):
-                reason = f"connection to peer {peer} lost: {e}"
-                outcome = Outcome.UNAVAILABLE
-            else:
-                log.exception("TCP lane to %s failed", peer)
-                reason, outcome = f"internal error: {e!r}", Outcome.INTERNAL
-            self._fail(results, run, outcome, reason)
-            return
-        self._give_back(peer, lane)
+    def _lane(self, peer: str, namespace: str, page_bytes: int, source: "_Groups", done) -> None:
+        """One connection's loop: keep ``window`` groups requested, receive them in order, and
+        report each; a failure fails the groups in flight and every group this lane takes
+        after it (the peer is gone or broken), except a pooled connection found stale before
+        it delivered anything, which is retried once on a fresh connection.
 
-    def _run_requests(
-        self, lane: _Lane, namespace, page_bytes, run: range, keys, views, results, progress
-    ) -> None:
-        per_request = max(1, min(MAX_KEYS_PER_REQUEST, self.config.request_bytes // page_bytes))
-        groups = [
-            range(s, min(s + per_request, run.stop))
-            for s in range(run.start, run.stop, per_request)
-        ]
-        window = self.config.window
-        for g in groups[:window]:
-            self._send_request(lane, namespace, page_bytes, g, keys)
-        for gi, g in enumerate(groups):
-            self._receive_response(lane, page_bytes, g, keys, views, results)
-            progress[0] += 1
-            if gi + window < len(groups):
-                self._send_request(lane, namespace, page_bytes, groups[gi + window], keys)
+        A group handed out before its pages were allocated is requested with HOLD (the source
+        pins it meanwhile) and resolved when it is next to be received: then a GO names the
+        pages still wanted, and the requests behind it are sent."""
+        inflight: deque[_InFlight] = deque()
+        lane: _Lane | None = None
+        reused = retried = False
+        received = 0  # responses received on this connection
+        broken: EntryResult | None = None  # set: fail whatever this lane takes
+        while True:
+            try:
+                if lane is None and inflight and broken is None:  # requests lost with a stale lane
+                    lane, reused = self._take(peer, allow_reuse=False)
+                    received = 0
+                    for f in inflight:
+                        self._send_request(lane, namespace, page_bytes, f)
+                # NOTE: nothing is sent behind a held request before its GO: the source reads
+                # the GO next.
+                while len(inflight) < self.config.window and not any(f.held for f in inflight):
+                    group = source.take()
+                    if group is None:
+                        break
+                    f = _InFlight(group)
+                    inflight.append(f)
+                    if broken is not None:
+                        continue
+                    if lane is None:
+                        lane, reused = self._take(peer, allow_reuse=not retried)
+                        received = 0
+                    self._send_request(lane, namespace, page_bytes, f)
+                if not inflight:
+                    break
+                f = inflight[0]
+                if broken is None:
+                    assert lane is not None
+                    if f.held:
+                        self._go(lane, f)
+                        continue  # requests behind it go out before its pages are received
+                    assert f.group.views is not None
+                    self._receive_response(lane, page_bytes, f.group.keys, f.group.views, f.results)
+                    received += 1
+            except _BadAddress as e:  # per entry, like every other failure
+                broken = EntryResult(Outcome.INVALID, str(e))
+            except _ConnectFailed as e:
+                broken = EntryResult(Outcome.UNAVAILABLE, f"cannot connect to peer {peer}: {e}")
+            except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
+                if lane is not None:
+                    lane.close()
+                    lane = None
+                untouched = all(r is None for f in inflight for r in f.results)
+                if reused and received == 0 and untouched and not retried and is_disconnect(e):
+                    # A pooled connection the peer had closed meanwhile: retry once on a fresh
+                    # one (every request in flight is sent again).
+                    log.warning("stale pooled connection to %s (%s); reconnecting", peer, e)
+                    retried = True
+                    continue
+                broken = self._lane_failure(peer, e)
+            if broken is not None:
+                for f in inflight:
+                    f.group.resolve()  # the caller learns which pages it set up, and fails them
+                    if len(f.results) != len(f.group.keys):  # never sent, or not resolved
+                        f.results = [None] * len(f.group.keys)
+                    if f.group.keys:
+                        done(f.group, [r if r is not None else broken for r in f.results])
+                inflight.clear()
+                continue
+            inflight.popleft()
+            if f.group.keys:
+                done(f.group, f.results)
+
+        if lane is not None:
+            self._give_back(peer, lane)
 
     @staticmethod
-    def _send_request(lane: _Lane, namespace, page_bytes, group: range, keys) -> None:
-        body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
+    def _send_request(lane: _Lane, namespace: str, page_bytes: int, f: "_InFlight") -> None:
+        """FETCH the group's keys; HOLD while its pages are not allocated yet."""
+        keys = f.group.keys
+        f.held = f.group.settle is not None
+        f.results = [None] * len(keys)
+        body = pack_keys_body(namespace, page_bytes, keys)
         send_buffers(
             lane.sock,
             [
                 pack_header(
-                    Kind.FETCH, count=len(group), length=len(body), checksum_=checksum(body)
+                    Kind.FETCH,
+                    count=len(keys),
+                    length=len(body),
+                    checksum_=checksum(body),
+                    flags=FLAG_HOLD if f.held else 0,
                 ),
                 body,
             ],
         )
 
+    @staticmethod
+    def _go(lane: _Lane, f: "_InFlight") -> None:
+        """Resolve a held group (wait for its pages) and tell the source which to send."""
+        count = len(f.group.keys)
+        mask = bytes(f.group.resolve())
+        f.held = False
+        f.results = [None] * len(f.group.keys)
+        send_buffers(
+            lane.sock,
+            [pack_header(Kind.GO, count=count, length=count, checksum_=checksum(mask)), mask],
+        )
+
+    def _lane_failure(self, peer: str, e: Exception) -> EntryResult:
+        with self._lock:
+            self.stats.lane_failures += 1
+        if isinstance(e, ProtocolError):
+            return EntryResult(Outcome.UNAVAILABLE, f"protocol error from peer {peer}: {e}")
+        if is_disconnect(e):
+            return EntryResult(Outcome.UNAVAILABLE, f"connection to peer {peer} lost: {e}")
+        log.exception("TCP lane to %s failed", peer)
+        return EntryResult(Outcome.INTERNAL, f"internal error: {e!r}")
+
     def _receive_response(
-        self, lane: _Lane, page_bytes, group: range, keys, views, results
+        self,
+        lane: _Lane,
+        page_bytes: int,
+        keys: list[bytes],
+        views: list[memoryview],
+        results: list[EntryResult | None],
     ) -> None:
+        """Receive one FETCH response into ``views``, setting ``results`` as pages arrive (those
+        set before a failure stand)."""
         sock, hbuf = lane.sock, lane.header
         pages = bad = 0
-        for i in group:
+        for i, key in enumerate(keys):
             h = recv_header(sock, hbuf)
             if h.kind is Kind.ERROR:
                 reason = self._read_error(sock, h)
                 outcome = _STATUS_OUTCOME.get(h.status, Outcome.INTERNAL)
-                for j in range(i, group.stop):
+                for j in range(i, len(keys)):
                     results[j] = EntryResult(outcome, reason)
                 return
-            if h.kind is not Kind.PAGE or h.key != keys[i]:
+            if h.kind is not Kind.PAGE or h.key != key:
                 raise ProtocolError(
                     f"expected the page of key #{i}, got {h.kind.name} for key {h.key.hex()}"
                 )
@@ -310,7 +421,7 @@ class TcpTransport(Transport):
                 pages += 1
         h = recv_header(sock, hbuf)
         if h.kind is not Kind.END:
-            raise ProtocolError(f"expected END after {len(group)} pages, got {h.kind.name}")
+            raise ProtocolError(f"expected END after {len(keys)} pages, got {h.kind.name}")
         with self._lock:
             self.stats.pages += pages
             self.stats.bytes += pages * page_bytes
@@ -324,13 +435,6 @@ class TcpTransport(Transport):
         recv_exact(sock, memoryview(body))
         return body.decode(errors="replace") or h.status.name
 
-    @staticmethod
-    def _fail(results, run: range, outcome: Outcome, reason: str) -> None:
-        failure = EntryResult(outcome, reason)
-        for i in run:
-            if results[i] is None:
-                results[i] = failure
-
     # ---- connection pool -----------------------------------------------------------------------
 
     def _take(self, peer: str, allow_reuse: bool) -> tuple[_Lane, bool]:
@@ -339,8 +443,14 @@ class TcpTransport(Transport):
                 idle = self._idle.get(peer)
                 if idle:
                     return idle.pop(), True
-        host, port = parse_address(peer)
-        sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
+        try:
+            host, port = parse_address(peer)
+        except ValueError as e:
+            raise _BadAddress(str(e)) from None
+        try:
+            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
+        except OSError as e:
+            raise _ConnectFailed(str(e)) from None
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_io_timeout(sock, self.config.io_timeout_s)
@@ -348,6 +458,9 @@ class TcpTransport(Transport):
         if self.config.token:
             try:
                 hello(sock, lane.header, self.config.token)
+            except (OSError, ProtocolError) as e:
+                lane.close()
+                raise _ConnectFailed(str(e)) from None
             except BaseException:
                 lane.close()
                 raise

@@ -4,7 +4,9 @@ Both ends are abstract here:
 - the **destination** calls ``Transport.fetch(peer, namespace, keys, views)``: one writable view
   per key (a page leased on the destination node), filled in place, and gets one ``EntryResult``
   per key. A transport never commits anything; the caller commits only entries that came back
-  ``ok``.
+  ``ok``. ``fetch_groups`` is the pipelined form: the caller hands out groups of pages as the
+  transport asks for them (allocating each group's pages then) and is told when each group is
+  final (so it commits it while later groups are still on the wire).
 - the **source** serves pages from a ``PageSource``: pin a batch of keys, hand out read-only views
   (and offsets in its registered region, for RDMA), release when done.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -48,6 +50,35 @@ class EntryResult:
 OK = EntryResult(Outcome.OK)
 
 
+@dataclass(slots=True, eq=False)
+class FetchGroup:
+    """Pages fetched together and then published together (one write lease on the destination):
+    ``views[i]`` receives the page of ``keys[i]``. ``tag`` is the caller's.
+
+    A group handed out before its pages are allocated has no views yet but ``settle``, which
+    waits for them and returns one view per key, None for a key no longer wanted (the
+    destination holds it, or could not allocate it). A transport may ask the source for the
+    keys first (so the source pins while the destination allocates) and must ``resolve`` the
+    group before any page moves."""
+
+    keys: list[bytes]
+    views: list[memoryview] | None
+    tag: Any = None
+    settle: Callable[[], list[memoryview | None]] | None = None
+
+    def resolve(self) -> list[bool]:
+        """Settle a group handed out early: keeps only the wanted keys (and their views);
+        returns, per key it had, whether it is wanted."""
+        if self.settle is None:
+            return [True] * len(self.keys)
+        views = self.settle()
+        wanted = [v is not None for v in views]
+        self.keys = [k for k, w in zip(self.keys, wanted) if w]
+        self.views = [v for v in views if v is not None]
+        self.settle = None
+        return wanted
+
+
 class Transport(ABC):
     """Pulls pages from peers. Thread-safe: several fetches may run at once."""
 
@@ -60,6 +91,36 @@ class Transport(ABC):
         """Fill ``views[i]`` with the page of ``keys[i]`` held by ``peer`` (its data address,
         ``host:port``). Every view has the namespace's page size. Never raises for per-entry or
         connection failures: they come back as results."""
+
+    def fetch_groups(
+        self,
+        peer: str,
+        namespace: str,
+        page_bytes: int,
+        pages: int,
+        groups: Iterator[FetchGroup],
+        done: Callable[[FetchGroup, list[EntryResult]], None],
+    ) -> None:
+        """Fetch every group ``groups`` yields (``pages`` in all, each ``page_bytes``) and call
+        ``done(group, results)`` once per group, as soon as its results are final. ``groups`` is
+        advanced only when the transport is ready for one more group (so the caller allocates a
+        group's pages late), from one thread at a time; ``done`` may be called from any thread
+        and groups may finish out of order. Never raises for per-entry or connection failures.
+
+        A group left with no keys once resolved is not reported (the caller settled it).
+
+        This default fetches one group after the other; ``group_pages`` says how big the
+        transport wants groups to be."""
+        for group in groups:
+            group.resolve()
+            if group.keys:
+                assert group.views is not None
+                done(group, self.fetch(peer, namespace, group.keys, group.views))
+
+    def group_pages(self, page_bytes: int) -> int:
+        """Pages per group for ``fetch_groups``: the unit a transport moves (and a caller
+        commits) at a time."""
+        return max(1, (64 << 20) // page_bytes)
 
     def register_local(self, region: np.ndarray) -> None:
         """Declare memory that views will point into (RDMA registers it once; TCP ignores it)."""

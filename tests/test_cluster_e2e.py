@@ -133,6 +133,10 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
             "10",
             "--concurrency",
             "1",
+            "--reference-runs",
+            "2",
+            "--reference-bytes",
+            "8M",
         )
         summary, requests = result["summary"], result["requests"]
         assert summary["requests"] == summary["scheduled"] == summary["ok"] == len(SESSIONS)
@@ -152,6 +156,12 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
         assert summary["bytes_source"] == "messenger counters"
         assert summary["decode_bytes"] == distinct * PAGE_BYTES
         assert summary["decode_held"] == sum(want)
+        # The messenger bench between the same nodes, in the same run, outside the byte counts.
+        assert summary["reference_pair"] == "prefill-0 -> decode-0"
+        assert summary["reference_bytes"] == 8 << 20 and len(summary["reference_runs_gbps"]) == 2
+        assert summary["decode_vs_reference"] == pytest.approx(
+            summary["decode_gbps"] / summary["reference_gbps"]
+        )
 
         # The real trace, time-compressed, several engines at once.
         if os.path.exists(DEFAULT_TRACE):
@@ -168,6 +178,8 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
             assert real["scheduled"] == 40 and real["failed"] == 0
             assert real["verify_failures"] == 0 and real["verified_pages"] > 0
             assert real["decode_bytes"] > 0 and real["written_bytes"] > 0
+            assert real["reference_gbps"] > 0 and real["decode_vs_reference"] > 0
+            assert real["reference_bytes"] == 64 << 20  # a quarter of the nodes' 256 MiB
     finally:
         down = kvcache("down", "--state-dir", state_dir)
     assert down.returncode == 0, down.stdout + down.stderr
@@ -186,6 +198,8 @@ def test_bench_live_without_a_cluster_says_how_to_start_one(tmp_path):
 def test_bench_live_rejects_bad_options(tmp_path):
     r = kvcache("bench", "live", "--cluster", str(tmp_path / "nope.json"), "--concurrency", "0")
     assert r.returncode == 2 and "--concurrency must be at least 1" in r.stderr
+    r = kvcache("bench", "live", "--cluster", str(tmp_path / "x.json"), "--reference-runs", "-1")
+    assert r.returncode == 2 and "--reference-runs must be >= 0" in r.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n'

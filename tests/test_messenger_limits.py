@@ -20,6 +20,7 @@ import pytest
 from clients.node_client import KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
 from messenger.frames import (
+    FLAG_HOLD,
     HEADER_BYTES,
     Kind,
     Status,
@@ -327,3 +328,80 @@ def test_a_fetch_of_1500_keys_mostly_missing_answers_not_found_per_key(source):
     assert missing[0].reason == "source does not hold the key"
     got = src.client.get(NS, keys=keys[1480:])
     assert all(np.array_equal(g, dest[1480 + i]) for i, g in enumerate(got))
+
+
+# ---- held fetches (HOLD, then GO) ---------------------------------------------------------------
+
+
+def held_fetch(keys: list[bytes]) -> bytes:
+    body = pack_keys_body(NS, PB, keys)
+    return (
+        pack_header(
+            Kind.FETCH, count=len(keys), length=len(body), checksum_=checksum(body), flags=FLAG_HOLD
+        )
+        + body
+    )
+
+
+def go_frame(mask: bytes) -> bytes:
+    return pack_header(Kind.GO, count=len(mask), length=len(mask), checksum_=checksum(mask)) + mask
+
+
+def test_a_held_fetch_pins_at_once_and_sends_only_what_its_go_names(source):
+    src = source()
+    keys = src.put(4)
+    pages = src.client.get(NS, keys=keys)
+    with src.connect() as s:
+        s.sendall(held_fetch(keys))
+        wait_until(lambda: src.pinned() == 4, 5, "the source to pin the held pages")
+        s.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            s.recv(1)  # nothing moves before the GO
+        s.settimeout(5)
+        s.sendall(go_frame(b"\x01\x00\x01\x00"))
+        h = bytearray(HEADER_BYTES)
+        for i in (0, 2):
+            recv_exact(s, memoryview(h))
+            header = unpack_header(h)
+            assert header.kind is Kind.PAGE and header.key == keys[i]
+            page = bytearray(header.length)
+            recv_exact(s, memoryview(page))
+            assert np.array_equal(np.frombuffer(page, np.uint8), pages[i])
+        recv_exact(s, memoryview(h))
+        assert unpack_header(h).kind is Kind.END
+        wait_until(lambda: src.pinned() == 0, 5, "the pins to be released")
+        s.sendall(fetch_frame(keys[3:]))  # the connection serves on
+        recv_exact(s, memoryview(h))
+        assert unpack_header(h).key == keys[3]
+
+
+@pytest.mark.parametrize(
+    "after, expect",
+    [
+        (b"", "no GO within 1 s of a held FETCH"),
+        (fetch_frame([bytes(16)]), "expected a GO for 4 keys after a held FETCH, got FETCH"),
+        (go_frame(b"\x01\x01"), "expected a GO for 4 keys after a held FETCH, got GO for 2"),
+    ],
+    ids=["no-go", "another-fetch", "go-of-the-wrong-size"],
+)
+def test_a_held_fetch_without_its_go_is_cut_and_its_pins_released(source, after, expect):
+    src = source("--frame-timeout", "1", "--pin-ttl", "60")
+    keys = src.put(4)
+    with src.connect() as s:
+        s.sendall(held_fetch(keys))
+        wait_until(lambda: src.pinned() == 4, 5, "the source to pin the held pages")
+        s.sendall(after)
+        assert closed_by_peer(s, 4.0) < 4.0
+    wait_until(lambda: src.pinned() == 0, 5, "the pins to be released")
+    wait_until(lambda: expect in src.messenger.log(), 5, "the reason in the log")
+    assert src.fetch_ok(keys)
+
+
+def test_a_go_without_a_held_fetch_drops_the_connection(source):
+    src = source()
+    keys = src.put(1)
+    with src.connect() as s:
+        s.sendall(go_frame(b"\x01"))
+        closed_by_peer(s, 2.0)
+    wait_until(lambda: "unexpected GO frame" in src.messenger.log(), 5, "the reason in the log")
+    assert src.fetch_ok(keys)

@@ -28,7 +28,7 @@ from messenger.frames import (
 )
 from messenger.slab_peer import NAMESPACE, expected_page, fill_pattern, pattern_keys
 from messenger.tcp import TcpConfig, TcpTransport
-from messenger.transport import Outcome
+from messenger.transport import FetchGroup, Outcome
 
 PAGES = 48
 PAGE_BYTES = 64 << 10
@@ -113,6 +113,34 @@ def test_fetch_moves_exact_bytes(peer, dest, lanes, request_bytes):
         t.close()
     stats = peer.stop()
     assert stats["pages_sent"] == PAGES + 4
+
+
+def test_groups_are_taken_as_the_lane_has_room_and_reported_one_by_one(peer, dest):
+    """fetch_groups asks for a group only when a lane can request it (window 2 here), so the
+    caller allocates late, and reports each group as soon as it landed, in order on one lane."""
+    t = TcpTransport(TcpConfig(lanes=1, request_bytes=4 * PAGE_BYTES))
+    keys, vs = pattern_keys(PAGES), views(dest)
+    events: list[tuple[str, int]] = []
+
+    def groups():
+        for s in range(0, PAGES, 4):
+            events.append(("take", s))
+            yield FetchGroup(keys[s : s + 4], vs[s : s + 4], s)
+
+    def done(group, results):
+        events.append(("done", group.tag))
+        assert [r.outcome for r in results] == [Outcome.OK] * 4
+
+    try:
+        t.fetch_groups(peer.address, NAMESPACE, PAGE_BYTES, PAGES, groups(), done)
+    finally:
+        t.close()
+    assert [s for kind, s in events if kind == "done"] == list(range(0, PAGES, 4))
+    outstanding = [0]
+    for kind, _ in events:
+        outstanding.append(outstanding[-1] + (1 if kind == "take" else -1))
+    assert max(outstanding) == 2  # never more groups taken than requests in flight
+    np.testing.assert_array_equal(dest, expected())
 
 
 def test_missing_keys_fail_not_found_rest_complete(dest):
