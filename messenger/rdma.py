@@ -60,7 +60,7 @@ from .frames import (
     unpack_pinned,
 )
 from .tcp import destination_views, hello, parse_address
-from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
+from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, PinnedPages, Transport
 from .verbs import (
     Access,
     MemoryRegion,
@@ -418,6 +418,26 @@ class RdmaTransport(Transport):
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
+        return self._fetch(peer, namespace, keys, views, None)
+
+    def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
+        # Every page READ is checked whole against the source's checksum: pass those on.
+        assert group.views is not None
+        verified = [0] * len(group.keys)
+        results = self._fetch(peer, namespace, group.keys, group.views, verified)
+        group.checksums = verified
+        return results
+
+    def _fetch(
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        verified: list[int] | None,
+    ) -> list[EntryResult]:
+        """``fetch``; ``verified`` (one per key), when given, gets the checksum each page was
+        verified against."""
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
@@ -443,7 +463,16 @@ class RdmaTransport(Transport):
                 for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
                     group = todo[s : s + MAX_KEYS_PER_REQUEST]
                     self._fetch_group(
-                        session, namespace, page_bytes, group, keys, views, local, lkeys, results
+                        session,
+                        namespace,
+                        page_bytes,
+                        group,
+                        keys,
+                        views,
+                        local,
+                        lkeys,
+                        results,
+                        verified,
                     )
                     if session.broken:
                         break
@@ -467,7 +496,17 @@ class RdmaTransport(Transport):
         return results
 
     def _fetch_group(
-        self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
+        self,
+        session: _Session,
+        namespace,
+        page_bytes,
+        group,
+        keys,
+        views,
+        local,
+        lkeys,
+        results,
+        verified: list[int] | None,
     ) -> None:
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
         h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
@@ -500,6 +539,8 @@ class RdmaTransport(Transport):
                     continue
                 if checksum(views[i]) == sums[i]:
                     results[i] = OK
+                    if verified is not None:
+                        verified[i] = sums[i]
                 else:
                     results[i] = EntryResult(
                         Outcome.DATA_LOSS, "checksum mismatch: page corrupted in transit"
@@ -637,14 +678,20 @@ class FallbackTransport(Transport):
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
+        return self.fetch_group(peer, namespace, FetchGroup(list(keys), list(views)))
+
+    def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         with self._lock:
             demoted = peer in self._tcp_only
         if demoted:
-            return self.fallback.fetch(peer, namespace, keys, views)
-        results = self.primary.fetch(peer, namespace, keys, views)
+            return self.fallback.fetch_group(peer, namespace, group)
+        results = self.primary.fetch_group(peer, namespace, group)
         retry = [i for i, r in enumerate(results) if r.outcome in _RETRYABLE]
         if not retry:
             return results
+        group.checksums = None  # the retried pages' are not known here: the node hashes them
+        keys, views = group.keys, group.views
+        assert views is not None
         reason = results[retry[0]].reason
         with self._lock:
             first = peer not in self._tcp_only
