@@ -418,30 +418,24 @@ class RdmaTransport(Transport):
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
-        return self._fetch(peer, namespace, keys, views, None)
+        return self._fetch(peer, namespace, keys, views)[0]
 
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         # Every page READ is checked whole against the source's checksum: pass those on.
         assert group.views is not None
-        verified = [0] * len(group.keys)
-        results = self._fetch(peer, namespace, group.keys, group.views, verified)
-        group.checksums = verified
+        results, verified = self._fetch(peer, namespace, group.keys, group.views)
+        group.checksums = [verified.get(i, 0) for i in range(len(group.keys))]
         return results
 
     def _fetch(
-        self,
-        peer: str,
-        namespace: str,
-        keys: Sequence[bytes],
-        views: Sequence[memoryview],
-        verified: list[int] | None,
-    ) -> list[EntryResult]:
-        """``fetch``; ``verified`` (one per key), when given, gets the checksum each page was
-        verified against."""
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> tuple[list[EntryResult], dict[int, int]]:
+        """``fetch``, and the checksum each page that came in whole was verified against."""
+        verified: dict[int, int] = {}
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
-            return []
+            return [], verified
         page_bytes = views[0].nbytes
         results: list[EntryResult | None] = [None] * n
         local = [buffer_address(v) for v in views]
@@ -457,23 +451,15 @@ class RdmaTransport(Transport):
         try:
             session = self._session(peer)
         except RdmaUnavailable as e:
-            return self._finish(results, Outcome.UNAVAILABLE, str(e))
+            return self._finish(results, Outcome.UNAVAILABLE, str(e)), verified
         with session.lock:
             try:
                 for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
                     group = todo[s : s + MAX_KEYS_PER_REQUEST]
-                    self._fetch_group(
-                        session,
-                        namespace,
-                        page_bytes,
-                        group,
-                        keys,
-                        views,
-                        local,
-                        lkeys,
-                        results,
-                        verified,
+                    checked = self._fetch_group(
+                        session, namespace, page_bytes, group, keys, views, local, lkeys, results
                     )
+                    verified.update(checked)
                     if session.broken:
                         break
             except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
@@ -486,7 +472,8 @@ class RdmaTransport(Transport):
                 self._finish(results, Outcome.UNAVAILABLE, reason)
         if session.broken:
             self.drop_session(peer)
-        return self._finish(results, Outcome.UNAVAILABLE, f"RDMA session with {peer} failed")
+        reason = f"RDMA session with {peer} failed"
+        return self._finish(results, Outcome.UNAVAILABLE, reason), verified
 
     @staticmethod
     def _finish(results, outcome: Outcome, reason: str) -> list[EntryResult]:
@@ -496,18 +483,9 @@ class RdmaTransport(Transport):
         return results
 
     def _fetch_group(
-        self,
-        session: _Session,
-        namespace,
-        page_bytes,
-        group,
-        keys,
-        views,
-        local,
-        lkeys,
-        results,
-        verified: list[int] | None,
-    ) -> None:
+        self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
+    ) -> dict[int, int]:
+        """READ one request's pages; returns the checksum each good page was verified against."""
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
         h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
         if h.kind is Kind.ERROR:
@@ -515,10 +493,11 @@ class RdmaTransport(Transport):
             reason = reply.decode(errors="replace") or h.status.name
             for i in group:
                 results[i] = EntryResult(outcome, reason)
-            return
+            return {}
         if h.kind is not Kind.RDMA_PINNED or h.count != len(group):
             raise ProtocolError(f"expected RDMA_PINNED for {len(group)} keys, got {h.kind.name}")
         pinned = unpack_pinned(reply, len(group))
+        verified: dict[int, int] = {}
         try:
             entries = []
             region_end = pinned.region_addr + pinned.region_length
@@ -539,8 +518,7 @@ class RdmaTransport(Transport):
                     continue
                 if checksum(views[i]) == sums[i]:
                     results[i] = OK
-                    if verified is not None:
-                        verified[i] = sums[i]
+                    verified[i] = sums[i]
                 else:
                     results[i] = EntryResult(
                         Outcome.DATA_LOSS, "checksum mismatch: page corrupted in transit"
@@ -551,6 +529,7 @@ class RdmaTransport(Transport):
         h, _ = session.request(Kind.RDMA_RELEASE, key=lease_key(pinned.lease_id))
         if h.kind is not Kind.END:
             raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
+        return verified
 
     def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
         """Post the segments as chained READs and wait until every one has landed; a failed
