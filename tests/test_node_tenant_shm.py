@@ -289,7 +289,7 @@ def test_checksums_of_the_wrong_length_are_invalid_and_the_lease_stays_open(writ
     code, msg = rpc_error(lambda: raw.Commit(request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "8 bytes per key" in msg, msg
     assert writing.reader.lookup(NS, tokens=tokens(3)).hit_blocks == 0  # nothing published
-    assert writing.writer.commit(lease, sums).stored == 3  # the same lease, now right
+    assert writing.writer.commit_async(lease, sums).result().stored == 3  # the same lease, right
     for want, got in zip(pages, writing.reader.get(NS, tokens=tokens(3))):
         np.testing.assert_array_equal(want, got)
 
