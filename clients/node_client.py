@@ -113,8 +113,8 @@ class WriteLease(_Lease):
     def to_write(self) -> list[int]:
         return [i for i, off in enumerate(self.offsets) if off >= 0]
 
-    def commit(self) -> CommitResult:
-        return self.client.commit(self)
+    def commit(self, checksums: Sequence[int] | NDArray[Any] | None = None) -> CommitResult:
+        return self.client.commit(self, checksums)
 
     def abort(self) -> None:
         self.client.abort(self)
@@ -172,6 +172,17 @@ class ReadLease(_Lease):
 
 def _lease_request(lease: _Lease) -> pb.LeaseRequest:
     return pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
+
+
+def _commit_request(lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None) -> Any:
+    """Commit's request; ``checksums`` (uint64, one per key of the lease) packed as the node
+    reads them: little-endian, 8 bytes each."""
+    request = _lease_request(lease)
+    if checksums is not None:
+        request.checksums = (
+            np.asarray(checksums, dtype=np.uint64).astype("<u8", copy=False).tobytes()
+        )
+    return request
 
 
 def _commit_result(reply: Any) -> CommitResult:
@@ -424,11 +435,20 @@ class KVStoreClient:
                 self._call(undo, request)
             raise
 
-    def commit(self, lease: WriteLease) -> CommitResult:
-        return _commit_result(self._call("Commit", _lease_request(lease)))
+    def commit(
+        self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
+    ) -> CommitResult:
+        """Publish the lease's pages. ``checksums``: the xxh3-64 of each page as written, one
+        per key of the lease in its order (any value where ``offsets`` is -1), for a writer
+        that has them already (it verified the pages): the node keeps them instead of hashing
+        every page again. A wrong one makes its page read back as corrupt (dropped, not served);
+        a wrong count is ``INVALID_ARGUMENT`` and the lease stays open."""
+        return _commit_result(self._call("Commit", _commit_request(lease, checksums)))
 
-    def commit_async(self, lease: WriteLease) -> Future[CommitResult]:
-        return self._call_async("Commit", _lease_request(lease), _commit_result)
+    def commit_async(
+        self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
+    ) -> Future[CommitResult]:
+        return self._call_async("Commit", _commit_request(lease, checksums), _commit_result)
 
     def abort(self, lease: WriteLease) -> None:
         self._call("Abort", _lease_request(lease))

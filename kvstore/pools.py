@@ -53,9 +53,10 @@ class PagePool(ABC):
     def drop_pages(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         """Forget pages (slab pools need not do anything)."""
 
-    def seal(self, slot: int) -> None:
+    def seal(self, slot: int, checksum: int | None = None) -> None:
         """The page's bytes are final (committed, or moved in): remember its checksum, if this
-        pool keeps them."""
+        pool keeps them. ``checksum``: the page's xxh3-64 as its writer verified it, adopted
+        instead of hashing the page again (a pool without checksums ignores it)."""
 
     def checksum(self, slot: int) -> int | None:
         """xxh3-64 of the page as sealed, or None when this pool keeps no checksums."""
@@ -70,8 +71,9 @@ class SharedDramPool(PagePool):
     ``shm_name``, or (``private``) an anonymous memfd no other process can open by name.
 
     Every committed page carries an xxh3-64 checksum (``seal``, at commit and when a page moves
-    in); ``read_page_into`` checks it, so a page scribbled on after its commit (a same-host writer
-    keeps its view of the shared slab) is reported corrupt instead of served. ``checksums=False``
+    in; at commit the writer's own when it sent one); ``read_page_into`` checks it, so a page
+    scribbled on after its commit (a same-host writer keeps its view of the shared slab) is
+    reported corrupt instead of served. ``checksums=False``
     skips them (the commit's pass over every page's bytes), and with them that protection.
     """
 
@@ -119,11 +121,15 @@ class SharedDramPool(PagePool):
         # layer's 32 KiB slices of a 1 MiB page cost about what the call around them costs.
         self._pages[np.asarray(slots, dtype=np.intp), offset : offset + rows.shape[1]] = rows
 
-    def seal(self, slot: int) -> None:
+    def seal(self, slot: int, checksum: int | None = None) -> None:
         if not self.checksums:
             self._sealed[slot] = False  # NOTE: a slot's previous occupant may have been sealed
             return
-        self._sums[slot] = xxhash.xxh3_64_intdigest(self._pages[slot])
+        # NOTE: a wrong adopted value makes the page fail its check on read (dropped, never
+        # served): only its writer's own page suffers.
+        self._sums[slot] = (
+            xxhash.xxh3_64_intdigest(self._pages[slot]) if checksum is None else checksum
+        )
         self._sealed[slot] = True
 
     def checksum(self, slot: int) -> int | None:

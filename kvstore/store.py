@@ -298,12 +298,30 @@ class TieredStore(LeaseBook, TierMovement):
         offset = self.layout.layer_offset(layer)
         return view[offset : offset + self.layout.layer_bytes]
 
-    def commit(self, lease_id: int, written_in_place: bool = False) -> CommitResult:
+    def commit(
+        self,
+        lease_id: int,
+        written_in_place: bool = False,
+        checksums: npt.NDArray[np.uint64] | None = None,
+    ) -> CommitResult:
         """Publish a lease's pages. Keys another writer published first keep the first copy.
         ``written_in_place``: the pages were filled through ``page_view`` (a same-host client's
-        shared memory, a stream), not ``write``: count their bytes as written now."""
+        shared memory, a stream), not ``write``: count their bytes as written now.
+        ``checksums``: the writer's xxh3-64 of each page, one per key of the lease (a key it had
+        nothing to write for: ignored), sealed as they are instead of hashing the pages again. A
+        wrong count raises ``InvalidArgument`` and leaves the lease as it was."""
         with self._lock:
             self._expire_locked()
+            live = self._write_leases.get(lease_id)
+            if checksums is not None and live is not None:
+                n = len(live.lease.keys)
+                if len(checksums) != n:
+                    raise InvalidArgument(
+                        f"commit of write lease {lease_id}: {len(checksums)} checksums for its "
+                        f"{n} keys; send one per key, in Allocate's order (or none: the node "
+                        "computes them)"
+                    )
+            sums = checksums.tolist() if checksums is not None else None
             state = self._write_leases.pop(lease_id, None)
             if state is None:
                 if lease_id in self._quarantined:
@@ -334,7 +352,7 @@ class TieredStore(LeaseBook, TierMovement):
             index, tree = self._index, self._tree
             new: list[int] = []
             prev: bytes | None = None
-            for key, slot in zip(lease.keys, lease.slots):
+            for i, (key, slot) in enumerate(zip(lease.keys, lease.slots)):
                 parent, prev = prev, key  # NOTE: a lease's keys are one chain, in order
                 if slot < 0:
                     continue
@@ -343,7 +361,8 @@ class TieredStore(LeaseBook, TierMovement):
                     ts.free.append(slot)
                     dup += 1
                     continue
-                ts.pool.seal(slot)  # the page's checksum: checked by copy-outs and moves
+                # The page's checksum (checked by copy-outs and moves): the writer's, if it sent it.
+                ts.pool.seal(slot, sums[i] if sums is not None else None)
                 up = index.get(parent) if tree is not None and parent is not None else -1
                 self._publish(ts, key, slot, up)
                 new.append(slot)

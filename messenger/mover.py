@@ -8,7 +8,8 @@ transport's ``group_pages`` each, 64 MiB over TCP):
    transport, so the round trip overlaps the transfer;
 2. ``transport.fetch_groups`` from the source's data address straight into the leased pages;
 3. ``Commit`` each group in the background as soon as every page of it arrived and verified,
-   while the next groups are on the wire. When only some did, the verified pages are
+   while the next groups are on the wire, with the checksums it was verified against (the node
+   keeps them instead of hashing every page again). When only some did, the verified pages are
    republished through a second lease (a local copy, failures only) and the first lease is
    aborted: a failed or cut page is never visible. Nothing arrived: ``Abort``.
 
@@ -468,8 +469,9 @@ class _Pipeline:
     """One job as a pipeline of groups (the transport's ``group_pages`` each): a group's pages
     are allocated on this node one group ahead of the transport asking for it, and each group is
     committed as soon as it landed, while the next groups are on the wire. So the destination
-    node's Allocate and Commit (which checksums every page) overlap the transfer instead of
-    adding to it, and pages become visible group by group."""
+    node's Allocate and Commit overlap the transfer instead of adding to it, and pages become
+    visible group by group. A Commit carries the checksums the transport verified the pages
+    against, so the node does not pass over every page again to take its own."""
 
     def __init__(self, mover: Mover, namespace: str, page_bytes: int, entries: list[_Entry]):
         self.mover, self.client = mover, mover.node.client
@@ -586,7 +588,8 @@ class _Pipeline:
                 if chunk[i].cancelled and results[i].ok:
                     results[i] = _CANCELLED
             if all(results[i].ok for i in todo):
-                future = self.mover._rpc.submit(self.client.commit, lease)
+                sums = self._verified_sums(lease, todo, group.checksums)
+                future = self.mover._rpc.submit(self.client.commit, lease, sums)
                 with self._lock:
                     self._committing += 1  # the callback (maybe at once, here) counts it down
                 future.add_done_callback(lambda f: self._committed(f, chunk, results))
@@ -598,6 +601,19 @@ class _Pipeline:
             log.exception("publishing a transfer group failed")
             results = {i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}") for i in todo}
         self.mover._resolve(chunk, results, self.page_bytes)
+
+    @staticmethod
+    def _verified_sums(
+        lease: WriteLease, todo: list[int], verified: list[int] | None
+    ) -> np.ndarray | None:
+        """The checksums the transport verified the group's pages against, one per key of the
+        lease (0 where it had no page), for the node to keep instead of hashing each page
+        again; None (the node hashes them) unless every page has one."""
+        if verified is None or len(verified) != len(todo) or 0 in verified:
+            return None
+        sums = np.zeros(len(lease.keys), dtype=np.uint64)
+        sums[todo] = verified
+        return sums
 
     def _committed(
         self, future: Future[Any], chunk: list[_Entry], results: dict[int, EntryResult]

@@ -60,7 +60,7 @@ from .frames import (
     unpack_pinned,
 )
 from .tcp import destination_views, hello, parse_address
-from .transport import OK, EntryResult, Outcome, PageSource, PinnedPages, Transport
+from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, PinnedPages, Transport
 from .verbs import (
     Access,
     MemoryRegion,
@@ -418,10 +418,24 @@ class RdmaTransport(Transport):
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
+        return self._fetch(peer, namespace, keys, views)[0]
+
+    def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
+        # Every page READ is checked whole against the source's checksum: pass those on.
+        assert group.views is not None
+        results, verified = self._fetch(peer, namespace, group.keys, group.views)
+        group.checksums = [verified.get(i, 0) for i in range(len(group.keys))]
+        return results
+
+    def _fetch(
+        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> tuple[list[EntryResult], dict[int, int]]:
+        """``fetch``, and the checksum each page that came in whole was verified against."""
+        verified: dict[int, int] = {}
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
-            return []
+            return [], verified
         page_bytes = views[0].nbytes
         results: list[EntryResult | None] = [None] * n
         local = [buffer_address(v) for v in views]
@@ -437,14 +451,15 @@ class RdmaTransport(Transport):
         try:
             session = self._session(peer)
         except RdmaUnavailable as e:
-            return self._finish(results, Outcome.UNAVAILABLE, str(e))
+            return self._finish(results, Outcome.UNAVAILABLE, str(e)), verified
         with session.lock:
             try:
                 for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
                     group = todo[s : s + MAX_KEYS_PER_REQUEST]
-                    self._fetch_group(
+                    checked = self._fetch_group(
                         session, namespace, page_bytes, group, keys, views, local, lkeys, results
                     )
+                    verified.update(checked)
                     if session.broken:
                         break
             except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
@@ -457,7 +472,8 @@ class RdmaTransport(Transport):
                 self._finish(results, Outcome.UNAVAILABLE, reason)
         if session.broken:
             self.drop_session(peer)
-        return self._finish(results, Outcome.UNAVAILABLE, f"RDMA session with {peer} failed")
+        reason = f"RDMA session with {peer} failed"
+        return self._finish(results, Outcome.UNAVAILABLE, reason), verified
 
     @staticmethod
     def _finish(results, outcome: Outcome, reason: str) -> list[EntryResult]:
@@ -468,7 +484,8 @@ class RdmaTransport(Transport):
 
     def _fetch_group(
         self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
-    ) -> None:
+    ) -> dict[int, int]:
+        """READ one request's pages; returns the checksum each good page was verified against."""
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
         h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
         if h.kind is Kind.ERROR:
@@ -476,10 +493,11 @@ class RdmaTransport(Transport):
             reason = reply.decode(errors="replace") or h.status.name
             for i in group:
                 results[i] = EntryResult(outcome, reason)
-            return
+            return {}
         if h.kind is not Kind.RDMA_PINNED or h.count != len(group):
             raise ProtocolError(f"expected RDMA_PINNED for {len(group)} keys, got {h.kind.name}")
         pinned = unpack_pinned(reply, len(group))
+        verified: dict[int, int] = {}
         try:
             entries = []
             region_end = pinned.region_addr + pinned.region_length
@@ -500,6 +518,7 @@ class RdmaTransport(Transport):
                     continue
                 if checksum(views[i]) == sums[i]:
                     results[i] = OK
+                    verified[i] = sums[i]
                 else:
                     results[i] = EntryResult(
                         Outcome.DATA_LOSS, "checksum mismatch: page corrupted in transit"
@@ -510,6 +529,7 @@ class RdmaTransport(Transport):
         h, _ = session.request(Kind.RDMA_RELEASE, key=lease_key(pinned.lease_id))
         if h.kind is not Kind.END:
             raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
+        return verified
 
     def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
         """Post the segments as chained READs and wait until every one has landed; a failed
@@ -637,14 +657,20 @@ class FallbackTransport(Transport):
     def fetch(
         self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
     ) -> list[EntryResult]:
+        return self.fetch_group(peer, namespace, FetchGroup(list(keys), list(views)))
+
+    def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         with self._lock:
             demoted = peer in self._tcp_only
         if demoted:
-            return self.fallback.fetch(peer, namespace, keys, views)
-        results = self.primary.fetch(peer, namespace, keys, views)
+            return self.fallback.fetch_group(peer, namespace, group)
+        results = self.primary.fetch_group(peer, namespace, group)
         retry = [i for i, r in enumerate(results) if r.outcome in _RETRYABLE]
         if not retry:
             return results
+        group.checksums = None  # the retried pages' are not known here: the node hashes them
+        keys, views = group.keys, group.views
+        assert views is not None
         reason = results[retry[0]].reason
         with self._lock:
             first = peer not in self._tcp_only

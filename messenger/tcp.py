@@ -295,7 +295,9 @@ class TcpTransport(Transport):
                         self._go(lane, f)
                         continue  # requests behind it go out before its pages are received
                     assert f.group.views is not None
-                    self._receive_response(lane, page_bytes, f.group.keys, f.group.views, f.results)
+                    f.group.checksums = self._receive_response(
+                        lane, page_bytes, f.group.keys, f.group.views, f.results
+                    )
                     received += 1
             except _BadAddress as e:  # per entry, like every other failure
                 broken = EntryResult(Outcome.INVALID, str(e))
@@ -379,11 +381,13 @@ class TcpTransport(Transport):
         keys: list[bytes],
         views: list[memoryview],
         results: list[EntryResult | None],
-    ) -> None:
+    ) -> list[int]:
         """Receive one FETCH response into ``views``, setting ``results`` as pages arrive (those
-        set before a failure stand)."""
+        set before a failure stand). Returns the checksum each page was verified against (0
+        where none was): every page comes as one frame whose payload is exactly the page."""
         sock, hbuf = lane.sock, lane.header
         pages = bad = 0
+        sums = [0] * len(keys)
         for i, key in enumerate(keys):
             h = recv_header(sock, hbuf)
             if h.kind is Kind.ERROR:
@@ -391,7 +395,7 @@ class TcpTransport(Transport):
                 outcome = _STATUS_OUTCOME.get(h.status, Outcome.INTERNAL)
                 for j in range(i, len(keys)):
                     results[j] = EntryResult(outcome, reason)
-                return
+                return sums
             if h.kind is not Kind.PAGE or h.key != key:
                 raise ProtocolError(
                     f"expected the page of key #{i}, got {h.kind.name} for key {h.key.hex()}"
@@ -418,6 +422,7 @@ class TcpTransport(Transport):
                 bad += 1
             else:
                 results[i] = OK
+                sums[i] = h.checksum
                 pages += 1
         h = recv_header(sock, hbuf)
         if h.kind is not Kind.END:
@@ -426,6 +431,7 @@ class TcpTransport(Transport):
             self.stats.pages += pages
             self.stats.bytes += pages * page_bytes
             self.stats.checksum_failures += bad
+        return sums
 
     @staticmethod
     def _read_error(sock: socket.socket, h) -> str:

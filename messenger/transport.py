@@ -65,6 +65,10 @@ class FetchGroup:
     views: list[memoryview] | None
     tag: Any = None
     settle: Callable[[], list[memoryview | None]] | None = None
+    # Set by a transport that checked each page whole, as it landed in its view, against the
+    # source's xxh3-64: that value per key (0 where a page failed). The caller's node can keep
+    # them instead of hashing the pages again at commit. None: not known.
+    checksums: list[int] | None = None
 
     def resolve(self) -> list[bool]:
         """Settle a group handed out early: keeps only the wanted keys (and their views);
@@ -114,8 +118,13 @@ class Transport(ABC):
         for group in groups:
             group.resolve()
             if group.keys:
-                assert group.views is not None
-                done(group, self.fetch(peer, namespace, group.keys, group.views))
+                done(group, self.fetch_group(peer, namespace, group))
+
+    def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
+        """``fetch`` of one resolved group for the default ``fetch_groups``; a transport that
+        verifies each page whole against the source's checksum sets ``group.checksums``."""
+        assert group.views is not None
+        return self.fetch(peer, namespace, group.keys, group.views)
 
     def group_pages(self, page_bytes: int) -> int:
         """Pages per group for ``fetch_groups``: the unit a transport moves (and a caller

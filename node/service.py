@@ -166,9 +166,22 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.node.disown(request.namespace, request.lease_id)
         return result
 
+    @staticmethod
+    def _checksums(raw: bytes) -> np.ndarray | None:
+        """LeaseRequest.checksums: packed little-endian uint64, one per key of the lease."""
+        if not raw:
+            return None
+        if len(raw) % 8:
+            raise InvalidArgument(
+                f"checksums must be packed little-endian uint64 (8 bytes per key of the lease), "
+                f"got {len(raw)} bytes"
+            )
+        return np.frombuffer(raw, dtype="<u8")
+
     @observed
     def Commit(self, request, context):
         segs = self.node.segments
+        sums = self._checksums(request.checksums)
 
         def commit(store: TieredStore, lease_id: int):
             if segs is not None:
@@ -180,7 +193,8 @@ class NodeServicer(pbg.NodeServiceServicer):
                     except KVStoreError:
                         pass  # expired already
                     raise
-            return store.commit(lease_id, written_in_place=True)  # by the client, or fill
+            # Written by the client or by fill; a length mismatch leaves the lease as it was.
+            return store.commit(lease_id, written_in_place=True, checksums=sums)
 
         res = self._end_lease(request, context, commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)

@@ -79,12 +79,14 @@ class AllocateReply(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id")
+    __slots__ = ("namespace", "lease_id", "checksums")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     lease_id: int
-    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("stored", "duplicates")

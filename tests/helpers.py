@@ -1,6 +1,6 @@
 """Helpers shared by the tests: polling a real condition with a deadline, reading the status
-of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``), and running
-the ``kvcache`` command as a user would."""
+of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``), running
+the ``kvcache`` command as a user would, and a node client that keeps what its commits sent."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import grpc
+import numpy as np
 
+from clients.node_client import CommitResult, KVStoreClient, WriteLease
 from rpc.status import KVCacheRpcError
 
 T = TypeVar("T")
@@ -63,3 +65,17 @@ def kvcache_cli(
         env={**base, **(env or {})},
         cwd=cwd,
     )
+
+
+class CommitLog(KVStoreClient):
+    """A real node client that also keeps each commit's lease and the checksums it sent (None:
+    none), to see what a writer built on it (the messenger's mover) hands the node."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commits: list[tuple[WriteLease, np.ndarray | None]] = []
+
+    def commit(self, lease: WriteLease, checksums: Any = None) -> CommitResult:
+        sent = None if checksums is None else np.asarray(checksums, dtype=np.uint64).copy()
+        self.commits.append((lease, sent))
+        return super().commit(lease, checksums)

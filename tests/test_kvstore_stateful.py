@@ -23,6 +23,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -314,9 +315,20 @@ class StoreMachine(RuleBasedStateMachine):
                 view = view.numpy()
             view[:] = page(self.seed()).view(np.uint8)
 
+    def written_sums(self, lease: WriteLease) -> np.ndarray:
+        """The xxh3-64 of each leased page as it is now (0 for keys with no page): what a
+        writer that verified its pages sends with its commit."""
+        sums = np.zeros(len(lease.keys), dtype=np.uint64)
+        for i in lease.to_write:
+            view = self.store.page_view(lease, i)
+            if hasattr(view, "numpy"):  # the GPU tier (torch, on the CPU here)
+                view = view.numpy()
+            sums[i] = xxhash.xxh3_64_intdigest(np.ascontiguousarray(view))
+        return sums
+
     @precondition(lambda self: self.writes)
-    @rule(data=st.data())
-    def commit(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), sums=st.sampled_from(["none", "writer's", "too few"]))
+    def commit(self, data: st.DataObject, sums: str) -> None:
         lid = data.draw(st.sampled_from(sorted(self.writes)), label="write lease")
         w = self.writes[lid]
         leased = [(i, k) for i, (k, s) in enumerate(zip(w.lease.keys, w.lease.slots)) if s >= 0]
@@ -328,7 +340,15 @@ class StoreMachine(RuleBasedStateMachine):
             with pytest.raises(FailedPrecondition, match="no such lease"):
                 self.store.commit(lid)
             return
-        assert self.store.commit(lid) == CommitResult(len(new), len(leased) - len(new))
+        checksums = None
+        if sums != "none":  # the writer's own checksums, adopted instead of hashing the pages
+            checksums = self.written_sums(w.lease)
+        if sums == "too few":  # refused, and the lease stays as it was
+            with pytest.raises(InvalidArgument, match="checksums for its"):
+                self.store.commit(lid, checksums=checksums[1:])
+            return
+        got = self.store.commit(lid, checksums=checksums)
+        assert got == CommitResult(len(new), len(leased) - len(new))
         del self.writes[lid]
         self.dead.append(lid)
         self.sync()

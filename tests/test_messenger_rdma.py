@@ -18,6 +18,7 @@ import types
 
 import numpy as np
 import pytest
+import xxhash
 
 from messenger import rdma as rdma_module
 from messenger.data_server import DataServer
@@ -33,11 +34,11 @@ from messenger.rdma import (
 from messenger.select import choose_transport, open_rdma_backend
 from messenger.slab_peer import fill_pattern, pattern_keys
 from messenger.tcp import TcpTransport
-from messenger.transport import Outcome, SlabPageSource
+from messenger.transport import FetchGroup, Outcome, SlabPageSource
 from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
 from messenger.verbs_fake import FakeFabric, FakeQueuePair, FakeVerbsBackend
 
-from helpers import wait_until
+from helpers import CommitLog, wait_until
 
 NS = "rdma|test"
 PAGES = 40
@@ -598,6 +599,22 @@ def test_completion_error_fails_entries_and_drops_the_session(setup):
     assert all(r.ok for r in res)
 
 
+def test_a_group_hands_back_the_checksums_its_pages_were_verified_against(setup):
+    group = FetchGroup(list(setup.keys), setup.views())
+    assert all(r.ok for r in setup.rdma.fetch_group(setup.server.address, NS, group))
+    assert group.checksums == [xxhash.xxh3_64_intdigest(page) for page in setup.dst]
+    transport = FallbackTransport(setup.rdma, TcpTransport())
+    try:
+        setup.fabric.fail_reads(1)
+        setup.dst[:] = 0
+        group = FetchGroup(list(setup.keys), setup.views())
+        assert all(r.ok for r in transport.fetch_group(setup.server.address, NS, group))
+        np.testing.assert_array_equal(setup.dst.reshape(-1), setup.src_region)
+        assert group.checksums is None  # some pages came over TCP: the node hashes them all
+    finally:
+        transport.fallback.close()
+
+
 def test_fallback_retries_failed_entries_over_tcp_and_keeps_the_peer_on_tcp(setup):
     transport = FallbackTransport(setup.rdma, TcpTransport())
     try:
@@ -936,7 +953,7 @@ def test_rdma_between_real_nodes_through_the_mover(start_node):
     from conftest import TEST_PAGE_BYTES
 
     node_a, node_b = start_node(), start_node()
-    ca, cb = KVStoreClient(node_a.address), KVStoreClient(node_b.address)
+    ca, cb = KVStoreClient(node_a.address), CommitLog(node_b.address)
     keys = keys_from_block_ids(list(range(20)), root_key(NS_NODE, b"rdma"))
     pages = np.random.default_rng(5).integers(0, 256, (20, TEST_PAGE_BYTES), dtype=np.uint8)
     ca.put(NS_NODE, list(pages), keys=keys)
@@ -954,7 +971,12 @@ def test_rdma_between_real_nodes_through_the_mover(start_node):
         assert snap.finished and snap.count("done") == 20, snap.entries[0]
         assert fabric.reads_posted >= 1 and fabric.bytes_read == 20 * TEST_PAGE_BYTES
         assert not transport.tcp_only_peers()  # no fallback was needed
-        got = cb.get(NS_NODE, keys=keys)
+        # The commit carries the checksums the READ pages were verified against.
+        (lease, sums), *more = cb.commits
+        assert not more and lease.keys == keys and sums is not None
+        assert sums.tolist() == [xxhash.xxh3_64_intdigest(p) for p in pages]
+        with KVStoreClient(node_b.address, use_shm=False) as reader:  # checked on the way out
+            got = reader.get(NS_NODE, keys=keys)
         assert all(np.array_equal(g, p) for g, p in zip(got, pages))
         stats = ca.stats().namespaces[0]
         assert sum(t.pinned_blocks for t in stats.tiers) == 0

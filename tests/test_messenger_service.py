@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import xxhash
 
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
@@ -25,7 +26,7 @@ from rpc.launch import start_service
 from conftest import TEST_LAYOUT
 from conftest import TEST_NAMESPACE as NS
 from conftest import TEST_PAGE_BYTES as PB
-from helpers import wait_until
+from helpers import CommitLog, wait_until
 
 DONE, FAILED, PENDING = pb.ENTRY_DONE, pb.ENTRY_FAILED, pb.ENTRY_PENDING
 
@@ -543,13 +544,13 @@ def leased(client: KVStoreClient) -> int:
     return tier.capacity_pages - tier.used_pages - tier.free_pages
 
 
-def pull_in_process(a: Pair, b: Pair, transport, keys: list[bytes]):
-    """Pull ``keys`` with a mover in this process over node B's client, from messenger A's data
-    port; the batch's final snapshot."""
+def pull_in_process(a: Pair, b: Pair, transport, keys: list[bytes], client=None):
+    """Pull ``keys`` with a mover in this process over node B's client (``client``, or a new
+    one), from messenger A's data port; the batch's final snapshot."""
     from messenger.mover import DataAddressResolver, EntryRequest, Mover, MoverConfig
     from messenger.node_access import NodeAccess
 
-    client = KVStoreClient(b.node.address)
+    client = client or KVStoreClient(b.node.address)
     data = a.messenger.info["data_address"]
     mover = Mover(NodeAccess(client), transport, DataAddressResolver(lambda s: data), MoverConfig())
     try:
@@ -615,3 +616,37 @@ def test_corrupt_pages_fail_alone_and_every_other_group_commits(cluster):
     got = b.client.get(NS, keys=keys)
     assert all(np.array_equal(got[i], pages[i]) for i in range(20) if i not in bad)
     assert leased(b.client) == 0
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupt-every-6"])
+def test_commits_carry_the_checksums_the_pages_were_verified_against(cluster, corrupt):
+    """The mover's Commit of a group that landed whole carries the xxh3-64 each page was verified
+    against, aligned with the lease's keys (0 for a key B held already): B keeps them instead
+    of hashing the pages again, and a reader through B's checksum checks gets the exact pages.
+    A group with a page corrupted on the wire is republished without them."""
+    from messenger.tcp import TcpConfig, TcpTransport
+
+    a, b = cluster(a_args=("--fault-corrupt-every", "6") if corrupt else ())
+    keys, pages = make_keys(12, start=700), make_pages(12, seed=13)
+    a.client.put(NS, list(pages), keys=keys)
+    b.client.put(NS, [pages[2]], keys=[keys[2]])  # held already: offset -1 in its lease
+    log = CommitLog(b.node.address)
+    transport = TcpTransport(TcpConfig(lanes=1, request_bytes=4 * PB))
+    snap = pull_in_process(a, b, transport, keys, client=log)
+    bad = {i for i, e in enumerate(snap.entries) if not e.result.ok}
+    assert bad == ({6} if corrupt else set()), snap.entries  # the 6th page sent (2 is not sent)
+    want = {k: xxhash.xxh3_64_intdigest(p) for k, p in zip(keys, pages)}
+    with_sums = [(lease, sums) for lease, sums in log.commits if sums is not None]
+    for lease, sums in with_sums:
+        assert sums.tolist() == [
+            want[k] if o >= 0 else 0 for k, o in zip(lease.keys, lease.offsets)
+        ]
+    # Groups of 4: [0..3] (2 held: no page), [4..7], [8..11]; a group with a bad page is
+    # republished through a second lease (its verified pages), without checksums.
+    whole = [keys[0:4], keys[8:12]] if corrupt else [keys[0:4], keys[4:8], keys[8:12]]
+    assert sorted(lease.keys for lease, _ in with_sums) == sorted(whole)  # commits run in parallel
+    assert len(log.commits) == 3
+    with KVStoreClient(b.node.address, use_shm=False) as reader:  # checked on the way out
+        got = reader.get(NS, keys=keys)
+    assert [g is not None for g in got] == [i not in bad for i in range(12)]
+    assert all(np.array_equal(got[i], pages[i]) for i in range(12) if i not in bad)

@@ -1,15 +1,19 @@
 """Same-host shared memory per tenant (real node processes): with tenant tokens, each tenant maps
 a memfd segment of its own, handed over a Unix socket for a one-time ticket; nothing is in
-/dev/shm, and a hostile local tenant cannot reach another tenant's pages. DRAM page checksums."""
+/dev/shm, and a hostile local tenant cannot reach another tenant's pages. DRAM page checksums,
+the node's own or the writer's (sent with Commit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import xxhash
 
 from clients import KVStoreClient
 from kvstore.errors import StorageError
@@ -202,6 +206,92 @@ def test_a_tenants_scribbles_after_commit_never_reach_the_stored_page(start_node
             np.testing.assert_array_equal(want, got)
         for want, got in zip(pages, alice.get(NS, tokens=tokens(2))):
             np.testing.assert_array_equal(want, got)
+
+
+# ---- the writer's checksums at Commit ------------------------------------------------------------
+
+
+def sums_of(pages: list[np.ndarray]) -> np.ndarray:
+    return np.array([xxhash.xxh3_64_intdigest(p) for p in pages], dtype=np.uint64)
+
+
+@dataclasses.dataclass
+class Writing:
+    node: Any
+    token: str | None  # alice's, with tenants
+    writer: KVStoreClient  # through shared memory only
+    reader: KVStoreClient  # streamed: through the node's checksum checks
+
+
+@pytest.fixture(params=[False, True], ids=["shared-slab", "tenants"])
+def writing(request, start_node):
+    """A node without tenants, or with them: a writer and a reader of the same tenant."""
+    node = start_node(*TENANTS) if request.param else start_node()
+    token = "tok-a" if request.param else None
+    with (
+        no_streaming(KVStoreClient(node.address, token=token)) as writer,
+        KVStoreClient(node.address, token=token, use_shm=False) as reader,
+    ):
+        yield Writing(node, token, writer, reader)
+
+
+def written(client: KVStoreClient, pages: list[np.ndarray]):
+    """A write lease for ``len(pages)`` blocks with its pages written in shared memory."""
+    lease = client.allocate(NS, tokens=tokens(len(pages)))
+    for i in lease.to_write:
+        lease.page(i)[:] = pages[i]
+    return lease
+
+
+def test_a_commit_with_the_writers_checksums_serves_its_pages_verified(writing):
+    pages = pages_for(4, seed=6)
+    writing.writer.put(NS, pages[:1], tokens=tokens(1))
+    lease = written(writing.writer, pages)
+    assert lease.to_write == [1, 2, 3]  # key 0 is stored: no page, its value is ignored
+    sums = sums_of(pages)
+    sums[0] = 12345
+    assert lease.commit(sums).stored == 3
+    for want, got in zip(pages, writing.reader.get(NS, tokens=tokens(4))):  # checked on the way
+        np.testing.assert_array_equal(want, got)
+    with writing.writer.acquire(NS, tokens=tokens(4)) as pinned:  # what messengers check against
+        assert pinned.checksums == sums_of(pages).tolist()
+
+
+def test_a_wrong_writers_checksum_drops_only_that_page_never_serves_it(writing):
+    pages = pages_for(3, seed=7)
+    sums = sums_of(pages)
+    sums[1] ^= 1  # a writer that got page 1's checksum wrong
+    assert written(writing.writer, pages).commit(sums).stored == 3
+    code, msg = rpc_error(lambda: writing.reader.get(NS, tokens=tokens(3)))
+    assert code == grpc.StatusCode.DATA_LOSS and "checksum" in msg
+    assert writing.reader.lookup(NS, tokens=tokens(3)).hit_blocks == 1  # page 1 dropped
+    got = writing.writer.get(NS, tokens=tokens(3))
+    np.testing.assert_array_equal(got[0], pages[0])
+    assert got[1] is None
+    np.testing.assert_array_equal(got[2], pages[2])
+    if writing.token is None:
+        return
+    theirs = pages_for(3, seed=8)
+    with no_streaming(KVStoreClient(writing.node.address, token="tok-b")) as bob:
+        bob.put(NS, theirs, tokens=tokens(3))  # the same tokens: his own blocks
+        for want, got in zip(theirs, bob.get(NS, tokens=tokens(3))):
+            np.testing.assert_array_equal(want, got)
+
+
+def test_checksums_of_the_wrong_length_are_invalid_and_the_lease_stays_open(writing):
+    pages = pages_for(3, seed=9)
+    lease, sums = written(writing.writer, pages), sums_of(pages)
+    code, msg = rpc_error(lambda: writing.writer.commit(lease, sums[:2]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2 checksums for its 3 keys" in msg, msg
+    raw = pbg.NodeServiceStub(make_channel(writing.node.address, writing.token))
+    request = pb.LeaseRequest(namespace=NS, lease_id=lease.lease_id, checksums=sums.tobytes()[:-1])
+    code, msg = rpc_error(lambda: raw.Commit(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "8 bytes per key" in msg, msg
+    assert writing.reader.lookup(NS, tokens=tokens(3)).hit_blocks == 0  # nothing published
+    assert writing.writer.commit_async(lease, sums).result().stored == 3  # the same lease, right
+    for want, got in zip(pages, writing.reader.get(NS, tokens=tokens(3))):
+        np.testing.assert_array_equal(want, got)
 
 
 # ---- TenantSegments in-process ----------------------------------------------------------------
