@@ -747,7 +747,6 @@ def _without(
     if not prefill or not decode:
         what = "prefill" if not prefill else "decode"
         raise NoNodeAvailable(
-            f"no live {what} node is left besides the excluded "
-            f"{', '.join(sorted(request.exclude))}"
+            f"no live {what} node is left besides the excluded {', '.join(sorted(request.exclude))}"
         )
     return prefill, decode
