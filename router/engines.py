@@ -81,8 +81,12 @@ class EngineClient:
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
+            # A connection per request: a request written to a kept-alive connection whose
+            # engine died is reset without a word, and the router could not tell whether the
+            # engine took it; a new connection to a dead engine is refused, which says it did
+            # not (retried elsewhere). A loopback or LAN connect costs far less than a prefill.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),  # the engines bound their own queues
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),  # engines queue
             )
         return self._session
 

@@ -53,7 +53,10 @@ class FakeEngines:
         self.held: list[str] = []
         self.cancelled: list[str] = []
         self.once: set[str] = set()  # behaviours already played once (e.g. 503-first:ID)
+        self.dying: set[str] = set()  # nodes whose engine dies after its next answer
+        self.dead: set[str] = set()  # ... and died: no longer listening, old connections reset
         self.urls: dict[str, str] = {}
+        self._sites: dict[str, web.TCPSite] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -70,11 +73,29 @@ class FakeEngines:
         app.router.add_post("/v1/completions", self._completions)
         runner = web.AppRunner(app, handler_cancellation=True)  # a left client cancels, as vLLM
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = self._sites[node] = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]
         self.urls[node] = f"http://127.0.0.1:{port}"
         return runner
+
+    async def _die(self, node: str) -> None:
+        """As a killed engine: nothing listens on its port (a new connection is refused), and
+        a request on a connection it had open is reset."""
+        await self._sites[node].stop()
+        with self._lock:
+            self.dead.add(node)
+
+    def revive(self, node: str) -> None:
+        async def listen() -> None:
+            site = web.TCPSite(self._sites[node]._runner, "127.0.0.1", int(self.urls[node][17:]))
+            await site.start()
+            self._sites[node] = site
+
+        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
+        with self._lock:
+            self.dying.discard(node)
+            self.dead.discard(node)
 
     def close(self) -> None:
         for runner in self._runners:
@@ -96,7 +117,13 @@ class FakeEngines:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         node, rid = request.app[NODE], request.headers.get("X-Request-Id", "")
+        if node in self.dead:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         kind = "decode" if "user" in body else "prefill"  # the router's prefill names no user
+        if node in self.dying:  # it stops listening now, and answers this one on its way out
+            await self._die(node)
         with self._lock:
             self.calls.append((node, kind, rid, body))
         if kind == "prefill":
@@ -348,6 +375,38 @@ def test_an_engine_that_did_not_take_the_request_is_retried_on_another_node(clus
     assert raw.headers["x-kvcache-decode-node"] == second
     assert raw.headers["x-kvcache-attempts"] == "2"
     wait_until(lambda: cluster.pending() == 0, 30, "both attempts' ledger entries to be freed")
+
+
+def test_an_engine_that_died_since_its_last_answer_is_retried_not_a_502(cluster):
+    """A kept-alive connection to an engine killed since would be reset without a word (did it
+    take the request?); the router connects anew per request, so a dead engine is a refused
+    connection: retried on another node."""
+    before = cluster.client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, user="whole"
+    )
+    victim = before.headers["x-kvcache-decode-node"]
+    cluster.engines.dying.add(victim)
+    try:
+        for _ in range(10):  # until one is decoded there (the conductor prefers it when idle)
+            cluster.client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=2, user="whole"
+            )
+            if victim in cluster.engines.dead:
+                break
+        assert victim in cluster.engines.dead
+        for _ in range(3):  # the next ones may be placed on the dead engine's node first
+            rid = _rid()
+            raw = cluster.client.completions.with_raw_response.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=2,
+                user="whole",
+                extra_headers={"X-Request-Id": rid},
+            )
+            assert raw.parse().usage.completion_tokens == 2
+            assert raw.headers["x-kvcache-decode-node"] != victim
+    finally:
+        cluster.engines.revive(victim)
 
 
 @pytest.mark.parametrize("behaviour, says", [("cut", "POST /v1/completions"), ("500", "500")])
