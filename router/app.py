@@ -105,8 +105,8 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
         given = request.headers.get("x-request-id", "")
-        rid = given if 0 < len(given) <= MAX_REQUEST_ID and given.isprintable() else None
-        rid = request.state.request_id = rid or disagg.new_request_id()
+        own = not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable())
+        rid = request.state.request_id = disagg.new_request_id() if own else given
         if inflight[0] >= options.max_inflight:
             metrics.requests.labels("busy").inc()
             raise RouterError(
@@ -119,7 +119,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         metrics.inflight.inc()
         streaming = False
         try:
-            response = await _complete(request, rid)
+            response = await _complete(request, rid, own)
             streaming = isinstance(response, StreamingResponse)
             return response
         except RouterError as e:
@@ -132,7 +132,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             if not streaming:  # a stream counts itself out when it ends
                 done()
 
-    async def _complete(request: Request, rid: str) -> Response:
+    async def _complete(request: Request, rid: str, own: bool) -> Response:
         t0 = time.perf_counter()
         try:
             body = await request.json()
@@ -149,7 +149,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             )
         # Until the answer (or a stream's headers) is ready, a client that leaves cancels it,
         # as vLLM's own endpoint does; a stream then watches for that itself.
-        work = asyncio.ensure_future(_serve(call, model, rid))
+        work = asyncio.ensure_future(_serve(call, model, rid, own))
         left = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -178,10 +178,10 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         return JSONResponse(result, headers=served.headers())
 
     async def _serve(
-        call: Completion, model: ModelInfo, rid: str
+        call: Completion, model: ModelInfo, rid: str, own: bool
     ) -> tuple[Served, dict[str, Any] | EngineStream]:
         tokens = await disagg.tokens(call, model)
-        return await disagg.serve(call, tokens, model, rid)
+        return await disagg.serve(call, tokens, model, rid, own)
 
     class _Relay:
         """The decode engine's events as they come; any failure to read them ends the stream

@@ -245,13 +245,19 @@ class Disaggregator:
     # ---- a request --------------------------------------------------------------------------
 
     async def serve(
-        self, call: Completion, tokens: list[int], model: ModelInfo, request_id: str
+        self,
+        call: Completion,
+        tokens: list[int],
+        model: ModelInfo,
+        request_id: str,
+        own_id: bool = False,
     ) -> tuple[Served, dict[str, Any] | EngineStream]:
         """Run steps 1-5; the decode engine's JSON reply, or its open stream (then ``finish``
         the request once the stream is done). Retries what never reached an engine, on other
-        nodes."""
+        nodes. ``own_id``: ``request_id`` is the router's (``new_request_id``), unique, so the
+        conductor's ids of the attempts are made from it; a client's may not be."""
         output_tokens = check_context(call, len(tokens), model.max_model_len)
-        base = self.new_request_id()
+        base = request_id if own_id else self.new_request_id()
         attempts = 1 + max(self.options.retries, 0)
         failed: list[str] = []  # nodes whose engine failed this request: not asked again
         for attempt in range(1, attempts + 1):
@@ -417,7 +423,7 @@ class Disaggregator:
                     messenger.status, batch.batch_id, True, timeout_s, pool=self._pulls
                 )
             except asyncio.CancelledError:
-                self._calls.submit(self._cancel_quietly, messenger, batch.batch_id)
+                self._calls.submit(self._cancel_quietly, messenger, batch.batch_id, True)
                 raise
             if not status.finished:
                 self._calls.submit(self._cancel_quietly, messenger, batch.batch_id)
@@ -446,12 +452,16 @@ class Disaggregator:
         self, messenger: MessengerClient, future: concurrent.futures.Future[Any]
     ) -> None:
         if not future.cancelled() and future.exception() is None:
-            self._cancel_quietly(messenger, future.result().batch_id)
+            self._cancel_quietly(messenger, future.result().batch_id, True)
 
-    def _cancel_quietly(self, messenger: MessengerClient, batch_id: str) -> None:
+    def _cancel_quietly(
+        self, messenger: MessengerClient, batch_id: str, left: bool = False
+    ) -> None:
+        """Cancel a transfer batch (``left``: because its client left)."""
         try:
             messenger.cancel(batch_id)
-            self.metrics.cancelled.labels("pull").inc()
+            if left:
+                self.metrics.cancelled.labels("pull").inc()
         except KVCacheRpcError as e:  # it times out on its own (transfer_timeout_s)
             log.info("Cancel(%s) at %s failed: %s", batch_id, messenger.address, e)
 

@@ -457,10 +457,14 @@ def test_bad_requests_are_refused_before_any_engine_with_the_request_id(cluster)
     assert e.value.response.headers["x-request-id"] == rid
     assert not cluster.engines.prefills(rid)
     # max_tokens null is vLLM's default, 16, as the engine would read it
-    out = cluster.client.completions.create(
+    raw = cluster.client.completions.with_raw_response.create(
         model=MODEL, prompt=PROMPT, max_tokens=None, user="whole", extra_body={"max_tokens": None}
     )
+    out = raw.parse()
     assert out.usage.completion_tokens == protocol.DEFAULT_MAX_TOKENS
+    # no X-Request-Id given: the router's own names the request, at the engines too
+    own = raw.headers["x-request-id"]
+    assert out.id == f"cmpl-{own}" and raw.headers["x-kvcache-request-id"] == f"{own}.1"
 
 
 # ---- clients that leave, and the in-flight bound ------------------------------------------------

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -433,6 +434,19 @@ class Reading:
         )
 
 
+def _dead(engine) -> bool:
+    """The killed engine is gone: its server exited and its port refuses connections (while the
+    kernel tears the processes down, a connection can still be accepted, then reset)."""
+    if engine.alive():
+        return False
+    host, port = engine.url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
 def _whole_or_failed(serving: Serving, prompt: list[int], max_tokens: int) -> dict:
     """A non-streamed completion: whole (every token, finish_reason length) or a 502."""
     try:
@@ -480,7 +494,9 @@ def test_killing_the_decode_engine_at_any_moment_ends_every_request_whole_or_wit
             for r in readings:
                 r.close()
     # The next requests decode elsewhere: the conductor stopped scheduling the dead engine's
-    # node (or the router's retry left it out).
+    # node, or the router's retry left it out. (A request that reaches an engine in the
+    # moment it dies is a 502: it may have taken it, so it is not run twice.)
+    wait_until(lambda: _dead(engine), 60, "the killed engine to be gone")
     for prompt in (PLAIN, FIRST):
         raw = serving.client.completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=4, temperature=0
@@ -514,9 +530,11 @@ def test_killing_a_prefill_engine_mid_request_ends_it_whole_or_with_an_error(ser
             120,
             "a prefill engine to compute a prompt",
         )
-        next(e for e in prefills if e.spec.node == victim).signal(signal.SIGKILL)
+        engine = next(e for e in prefills if e.spec.node == victim)
+        engine.signal(signal.SIGKILL)
         for f in futures:
             f.result(timeout=300)
+    wait_until(lambda: _dead(engine), 60, "the killed engine to be gone")
     raw = serving.client.completions.with_raw_response.create(
         model=MODEL, prompt=PLAIN, max_tokens=4, temperature=0
     )
