@@ -41,6 +41,7 @@ ENGINE_TIMEOUT_S = 3.0  # the router's --engine-timeout here
 MAX_INFLIGHT = 3
 MODEL = "fake"
 PROMPT = list(range(1, 41))  # two full 16-token blocks and 8 more
+STALL_PREFILL = 499  # a stop token id that makes the fake prefill hang
 
 
 class FakeEngines:
@@ -127,6 +128,8 @@ class FakeEngines:
         with self._lock:
             self.calls.append((node, kind, rid, body))
         if kind == "prefill":
+            if body.get("stop_token_ids") == [STALL_PREFILL]:  # the test's cue: a hung prefill
+                return await self._hold(rid)
             if (body.get("logprobs") or 0) > 20:  # vLLM's default --max-logprobs
                 return _error(
                     400,
@@ -426,6 +429,24 @@ def test_an_engine_that_failed_after_taking_the_request_is_a_502_not_a_second_ru
     assert "decode failed" in e.value.message and says in e.value.message
     assert e.value.body["request_id"] == rid and e.value.response.headers["x-request-id"] == rid
     assert len(cluster.engines.decodes(rid)) == 1 and len(cluster.engines.prefills(rid)) == 1
+
+
+def test_a_prefill_silent_past_the_engine_timeout_is_a_502_and_is_dropped(cluster):
+    rid = _rid()
+    with pytest.raises(openai.APIStatusError) as e:
+        cluster.client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=4,
+            user="whole",
+            extra_body={"stop_token_ids": [STALL_PREFILL]},  # the prefill request carries it
+            extra_headers={"X-Request-Id": rid},
+        )
+    assert e.value.status_code == 502
+    assert "prefill failed" in e.value.message and "no answer in time" in e.value.message
+    assert len(cluster.engines.prefills(rid)) == 1 and not cluster.engines.decodes(rid)
+    wait_until(lambda: rid in cluster.engines.cancelled, 30, "the hung prefill to be dropped")
+    wait_until(lambda: cluster.pending() == 0, 30, "its ledger entry to be freed")
 
 
 def test_a_value_the_model_refuses_fails_at_the_prefill_before_any_decode(cluster):
