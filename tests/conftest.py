@@ -8,6 +8,8 @@ import pytest
 
 from rpc.launch import ServiceProcess, start_service
 
+import leftovers
+
 # 8 KiB pages: 2 layers x K|V x 16 tokens x 2 heads x 32 dims x fp16.
 TEST_LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"
 TEST_NAMESPACE = "test|L2|H2|D32|float16|B16"
@@ -75,3 +77,27 @@ def etcd_server(tmp_path):
     yield Handle()
     for s in servers:
         s.stop()
+
+
+# ---- nothing left behind ---------------------------------------------------------------------
+# tests/leftovers.py: processes of this run, /dev/shm entries nobody holds, network namespaces
+# and links with this run's prefix. Checked after every module and at the end; what is found is
+# reported, removed, and fails the run.
+_BASELINE = leftovers.Baseline.take()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_behind(request):
+    yield
+    found = _BASELINE.find()
+    if found:
+        _BASELINE.clean(found)
+        pytest.fail(f"{request.module.__name__} left behind:\n{found.report()}", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    found = _BASELINE.find()
+    if found:
+        _BASELINE.clean(found)
+        session.config.get_terminal_writer().line(f"\nthe test run left behind:\n{found.report()}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
