@@ -43,8 +43,8 @@ def check_shm_room(size: int, what: str, directory: str = SHM_DIR) -> None:
 
     NOTE: a slab is a sparse tmpfs file: creating it always works, and the process that first
     writes a page the filesystem cannot back dies of SIGBUS, long after start. Checking the free
-    space up front turns that into a clear error at start (``reserve`` closes the remaining race
-    with other users of /dev/shm by allocating every page now).
+    space up front turns that into a clear error at start; ``reserve`` (the store's default)
+    closes the remaining race with other users of /dev/shm by allocating every page now.
     """
     free = shm_free_bytes(directory)
     if free is not None and size > free:
@@ -134,13 +134,17 @@ class SharedSlab:
                 os.ftruncate(fd, size)
                 if reserve:
                     # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear
-                    # error instead of a SIGBUS on some later page write.
+                    # error instead of a SIGBUS on some later page write, in whichever process
+                    # (node or same-host client) writes that page first.
                     try:
                         os.posix_fallocate(fd, 0, size)
                     except OSError as e:
                         raise StorageError(
-                            f"cannot reserve {size} bytes of shared memory for {name!r}: {e}; "
-                            "lower --dram or enlarge /dev/shm"
+                            f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared "
+                            f"memory for {name!r}: {e.strerror}; lower --dram, or enlarge "
+                            f"{SHM_DIR} (docker run --shm-size=...) or free space there; "
+                            "(--no-reserve-shm starts anyway, and a write that finds /dev/shm "
+                            "full later dies of SIGBUS)"
                         ) from None
             else:
                 size = os.fstat(fd).st_size
@@ -252,8 +256,10 @@ class MemfdSegment:
 
     A created segment is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
     F_SEAL_SEAL``): a process it was handed to cannot ``ftruncate`` it and so cannot make the
-    creator's next access of a page a SIGBUS. Pages are backed on first write (like a tmpfs file);
-    ``punch`` gives pages back to the system.
+    creator's next access of a page a SIGBUS. Pages are backed on first write (like a tmpfs file),
+    or at once with ``reserve``; ``punch`` gives pages back to the system. A memfd lives on the
+    kernel's internal tmpfs, not in /dev/shm: a full /dev/shm does not touch it (memory and its
+    cgroup limit it, as any allocation).
     """
 
     name = ""  # no name: never in /dev/shm
@@ -277,8 +283,9 @@ class MemfdSegment:
                         os.posix_fallocate(fd, 0, size)
                     except OSError as e:
                         raise StorageError(
-                            f"cannot reserve {size} bytes of memory for {label!r}: {e}; "
-                            "lower --dram"
+                            f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of memory "
+                            f"for {label!r}: {e.strerror}; lower --dram or give the node more "
+                            "memory"
                         ) from None
                 seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)

@@ -59,7 +59,8 @@ class Node:
         seen = set()
         try:
             # NOTE: all layouts' slabs at once, before any exists: one clear message naming --dram
-            # instead of a later SIGBUS (slabs are sparse: only their writes need the space).
+            # instead of a failed reservation halfway (or, with --no-reserve-shm, sparse slabs
+            # and a SIGBUS at the first write /dev/shm has no room for).
             slabs = sum(config.pages(layout)[1] * layout.page_bytes for layout in config.layouts)
             if not private:
                 check_shm_room(slabs, "--dram")
