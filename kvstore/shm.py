@@ -373,6 +373,28 @@ def deny(sock: socket.socket, reason: str) -> None:
         pass
 
 
+# A node's session socket (node/sessions.py): the client connects and keeps the connection for
+# its life; the node answers one line ``SESSION_HELLO <id hex>\n`` and then only watches it close.
+SESSION_HELLO = b"KVCACHE-SESSION/1"
+
+
+def open_session(address: str, timeout_s: float = 5.0) -> tuple[socket.socket, bytes]:
+    """Connect to a node's session socket: the connection to hold, and the session id. Raises
+    ``StorageError`` when refused or unreachable."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(socket_address(address))
+        words = _read_line(sock).split()
+        if len(words) != 2 or words[0] != SESSION_HELLO:
+            raise OSError("refused (too many sessions?)")
+        sid = bytes.fromhex(words[1].decode("ascii"))
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise StorageError(f"no session with the node at {address}: {e}") from None
+    return sock, sid
+
+
 def recv_segment(address: str, ticket: bytes, timeout_s: float = 5.0) -> MemfdSegment:
     """Present ``ticket`` on the node's segment socket and map the segment it hands back.
     Raises ``StorageError`` when refused or unreachable."""

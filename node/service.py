@@ -127,6 +127,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             namespaces=namespaces,
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            session_socket=self.node.sessions.socket_name if self.node.sessions else "",
         )
 
     @observed
@@ -144,7 +145,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         sel, tenant = self._select(request.blocks, context)
         store = sel.store
         lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, request.session)
         if self.node.segments is not None:  # written in the tenant's segment, copied at Commit
             self.node.segments.hold(store.namespace, lease.lease_id, tenant, lease.slots)
         page = store.layout.page_bytes
@@ -212,7 +213,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             keys = self._prefix(store, keys)
         n = len(keys)
         lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, request.session)
         offsets = self._offsets(store, lease)
         tiers = [tier_to_pb(t) for t in lease.tiers]
         if self.node.segments is not None:
