@@ -142,6 +142,10 @@ def test_a_session_id_is_one_connection_and_a_foreign_one_ties_nothing(start_nod
         lease = c.allocate(NS, keys=keys(0, 2))
         assert held(c) == (2, 1, 0)
         lease.abort()
+        c._session._sid = b"\x01" * 65  # type: ignore[attr-defined]
+        with pytest.raises(KVCacheRpcError) as bad:
+            c.allocate(NS, keys=keys(0, 2))
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and held(c) == (0, 0, 0)
         # The id of a session whose process is gone: a lease still on its way ends at once.
         dead = subprocess.run(
             [sys.executable, "-c", OPEN_SESSION, name],
