@@ -23,9 +23,14 @@ def start_kvcache(tmp_path):
     started: list[ServiceProcess] = []
 
     def start(
-        *args: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
+        *args: str,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> ServiceProcess:
-        sp = start_service(list(args), timeout_s=timeout_s, log_dir=str(tmp_path), env=env)
+        sp = start_service(
+            list(args), timeout_s=timeout_s, log_dir=str(tmp_path), env=env, wrap=wrap
+        )
         started.append(sp)
         return sp
 
@@ -38,9 +43,11 @@ def start_kvcache(tmp_path):
 def start_node(start_kvcache, tmp_path):
     """A node server with the 8 KiB test layout; extra flags pass through."""
 
-    def start(*extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT) -> ServiceProcess:
+    def start(
+        *extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT, wrap: list[str] | None = None
+    ) -> ServiceProcess:
         return start_kvcache(
-            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout, *extra
+            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout, *extra, wrap=wrap
         )
 
     return start
