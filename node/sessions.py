@@ -128,6 +128,7 @@ class Sessions:
             log.warning("session socket: cannot accept (%s)", e)
             self._stop.wait(0.1)  # NOTE: the listener stays readable: do not spin on it
             return
+        sid, pidfd = b"", None
         try:
             pid = _UCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -140,16 +141,22 @@ class Sessions:
                 return
             pidfd = _pidfd(pid)
             sid = secrets.token_bytes(16)
-            # NOTE: a fresh socket's buffer takes this one short line; never blocks.
+            session = _Session(sid, pid, conn, pidfd)
+            # NOTE: live before the client learns its id: its first Allocate may arrive on
+            # another thread the moment the hello is out, and an unknown id ties nothing.
+            with self._lock:
+                self._live[sid] = session
+            # A fresh socket's buffer takes this one short line; never blocks.
             conn.sendall(SESSION_HELLO + b" " + sid.hex().encode() + b"\n")
             conn.setblocking(False)
         except OSError as e:
             log.info("session socket: a client left during its hello: %s", e)
+            with self._lock:
+                self._live.pop(sid, None)
+            if pidfd is not None:
+                os.close(pidfd)
             conn.close()
             return
-        session = _Session(sid, pid, conn, pidfd)
-        with self._lock:
-            self._live[sid] = session
         self._sel.register(conn, selectors.EVENT_READ, ("conn", session))
         if pidfd is not None:
             self._sel.register(pidfd, selectors.EVENT_READ, ("pid", session))
