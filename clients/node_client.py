@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
-from kvstore.errors import StorageError
+from kvstore.errors import StorageError, echo
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
 from kvstore.shm import MemfdSegment, SharedSlab, prefault, recv_segment
@@ -367,7 +367,7 @@ class KVStoreClient:
         if info is None:
             raise KVCacheRpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"namespace {namespace!r} is not served by {self.address} "
+                f"namespace {echo(namespace)} is not served by {self.address} "
                 f"(it serves: {', '.join(self._namespaces())})",
             )
         return info
