@@ -82,9 +82,7 @@ def test_a_killed_engine_leaves_no_shared_memory_but_the_nodes_stays(tmp_path, n
     assert engine.proc.returncode is not None
 
 
-def test_stopping_engines_that_need_sigkill_removes_their_shared_memory(
-    tmp_path, node_segment
-):
+def test_stopping_engines_that_need_sigkill_removes_their_shared_memory(tmp_path, node_segment):
     """The fake engine ignores nothing but takes no SIGTERM handler either: SIGTERM kills it
     without cleanup, like a hard crash; its segments go all the same."""
     tag = f"kvt{os.getpid()}b"
