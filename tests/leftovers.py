@@ -4,9 +4,11 @@
   environment (conftest sets it before any test), through ``subprocess``, ``ip netns exec``,
   double forks and vLLM's spawned workers alike; a live process carrying this run's token
   after its module finished is a leftover, wherever it was reparented.
-- **Shared memory.** A ``/dev/shm`` entry made during the run that no live process maps or
+- **Shared memory.** A ``/dev/shm`` entry made during a module that no live process maps or
   holds open is a leftover (e.g. the ``psm_*`` segments of a SIGKILLed vLLM engine).
-  Segments that another process still holds are that process's business.
+  Segments that another process still holds are that process's business. /dev/shm names
+  carry no owner: another run of the suite on the same machine that orphans a segment during
+  this module's run is blamed here too (CI runs one suite at a time).
 - **Network namespaces and links** whose name starts with this run's prefix (``net_prefix``:
   the test helpers name theirs with it), so that another run on the same machine is never
   blamed.
