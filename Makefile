@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve-demo test test-quick check bench proto clean etcd
+.PHONY: demo serve-demo test test-quick test-repeat check bench proto clean etcd
 
 $(STAMP): pyproject.toml
 	# xxhash.h for kvstore/_native.c (block-key chain, key index; optional: without it the
@@ -97,6 +97,24 @@ test: $(STAMP) etcd
 
 test-quick: $(STAMP) etcd
 	$(PY) -m pytest -q -x -m "not slow"
+
+# The whole suite N times in a row, each run's result and time on one line (logs in
+# out/test-repeat/); LOAD=1 runs a CPU-bound loop pinned to one core beside it, as a busy
+# neighbour would. Exit 1 if any run failed.
+N ?= 5
+LOAD ?= 0
+REPEAT_OUT := out/test-repeat
+test-repeat: $(STAMP) etcd
+	@mkdir -p $(REPEAT_OUT); load=; \
+	if [ "$(LOAD)" = 1 ]; then taskset -c 0 $(PY) -c 'while True: pass' & load=$$!; fi; \
+	trap '[ -z "$$load" ] || kill $$load' EXIT INT TERM; \
+	failed=0; for i in $$(seq $(N)); do \
+	  log=$(REPEAT_OUT)/run-$$i.log; t0=$$(date +%s); \
+	  if $(PY) -m pytest -q -x -p no:cacheprovider >$$log 2>&1; then r=passed; \
+	  else r=FAILED; failed=$$((failed + 1)); fi; \
+	  echo "run $$i/$(N)$(if $(filter 1,$(LOAD)), with a busy core,): $$r in $$(( $$(date +%s) - t0 )) s: $$(tail -n 1 $$log)"; \
+	done; \
+	echo "test-repeat: $$failed of $(N) runs failed (logs in $(REPEAT_OUT)/)"; [ $$failed = 0 ]
 
 # Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.
 check: $(STAMP)

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
-from kvstore.errors import StorageError
+from kvstore.errors import StorageError, echo
 from kvstore.layout import KVLayout
 from kvstore.payload import as_uint8, copy_bytes
 from kvstore.shm import MemfdSegment, SharedSlab, prefault, recv_segment
@@ -41,6 +41,8 @@ from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
 from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb, tiers_from_codes
+
+from .node_session import NodeSession
 
 if TYPE_CHECKING:
     import torch
@@ -215,6 +217,8 @@ class KVStoreClient:
         self._info: dict[str, NamespaceInfo] | None = None
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for *_async calls, made on first use
+        self._session_socket = ""  # the node's (GetInfo); this client's session there:
+        self._session = NodeSession()
 
     # ---- plumbing -----------------------------------------------------------------------------
 
@@ -317,6 +321,10 @@ class KVStoreClient:
             )
         return fresh
 
+    def _session_id(self) -> bytes:
+        """This client's session with the node (``NodeSession``), for callers of shared memory."""
+        return self._session.id_for(self._session_socket)
+
     def shm_available(self, namespace: str) -> bool:
         return self._slab(namespace) is not None
 
@@ -338,7 +346,9 @@ class KVStoreClient:
     def _namespaces(self) -> dict[str, NamespaceInfo]:
         if self._info is None:
             out: dict[str, NamespaceInfo] = {}
-            for n in self.info().namespaces:
+            info = self.info()
+            self._session_socket = info.session_socket
+            for n in info.namespaces:
                 dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
                 out[n.namespace] = NamespaceInfo(
                     n.namespace,
@@ -357,7 +367,7 @@ class KVStoreClient:
         if info is None:
             raise KVCacheRpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"namespace {namespace!r} is not served by {self.address} "
+                f"namespace {echo(namespace)} is not served by {self.address} "
                 f"(it serves: {', '.join(self._namespaces())})",
             )
         return info
@@ -418,7 +428,9 @@ class KVStoreClient:
             )
 
         request = pb.AllocateRequest(
-            blocks=selector_to_pb(namespace, keys, tokens, salt), ttl_s=ttl_s
+            blocks=selector_to_pb(namespace, keys, tokens, salt),
+            ttl_s=ttl_s,
+            session=self._session_id() if slab is not None else b"",
         )
         return request, lease
 
@@ -509,6 +521,7 @@ class KVStoreClient:
             blocks=selector_to_pb(namespace, keys, tokens, salt),
             ttl_s=ttl_s,
             prefix_only=prefix_only,
+            session=self._session_id() if slab is not None else b"",
         )
         return request, lease
 
@@ -689,6 +702,7 @@ class KVStoreClient:
                 if slab is not None:
                     slab.close()
             self._slabs.clear()
+        self._session.close()
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, echo
 from kvstore.tiers import Tier
 
 from .costmodel import DEFAULT_COST_MODEL, CostModel
@@ -165,7 +165,7 @@ class Conductor:
     def _check_feed(self, node_id: str, generation: int) -> None:
         state = self.registry.find(node_id)
         if state is None or state.generation != generation:
-            raise StaleFeed(f"event feed of node {node_id!r} generation {generation} is stale")
+            raise StaleFeed(f"event feed of node {echo(node_id)} generation {generation} is stale")
 
     # ---- scheduling -----------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Iterable, Sequence
 
-from kvstore.errors import FailedPrecondition, NotFound
+from kvstore.errors import FailedPrecondition, NotFound, echo
 from kvstore.tiers import Tier
 
 _STORED = 1  # == kvstore.EventKind.STORED == proto EVENT_STORED
@@ -39,7 +39,7 @@ class SequenceGap(FailedPrecondition):
 
     def __init__(self, node_id: str, expected: int, got: int) -> None:
         super().__init__(
-            f"node {node_id!r}: event seq {got} arrived, expected {expected}; "
+            f"node {echo(node_id)}: event seq {got} arrived, expected {expected}; "
             f"{got - expected} event(s) lost, resync from a snapshot"
         )
         self.node_id, self.expected, self.got = node_id, expected, got
@@ -126,7 +126,9 @@ class GlobalIndex:
     def _apply(self, node_id: str, events: Iterable[tuple[int, int, bytes, int]]) -> int:
         feed = self._feed(node_id)
         if feed.shadow >= 0:
-            raise FailedPrecondition(f"node {node_id!r} is resyncing: finish the snapshot first")
+            raise FailedPrecondition(
+                f"node {echo(node_id)} is resyncing: finish the snapshot first"
+            )
         shift = 2 * feed.slot
         clear = ~(3 << shift)
         m = self._map
@@ -143,7 +145,7 @@ class GlobalIndex:
                 had = (old >> shift) & 3
                 if kind == _STORED:
                     if not 1 <= code <= 3:
-                        raise ValueError(f"node {node_id!r}: stored event {seq} has no tier")
+                        raise ValueError(f"node {echo(node_id)}: stored event {seq} has no tier")
                     m[key] = (old & clear) | (code << shift)
                     blocks += not had
                 elif kind == _EVICTED:
@@ -155,7 +157,7 @@ class GlobalIndex:
                             del m[key]
                         blocks -= 1
                 else:
-                    raise ValueError(f"node {node_id!r}: event {seq} has unknown kind {kind}")
+                    raise ValueError(f"node {echo(node_id)}: event {seq} has unknown kind {kind}")
                 last = seq
                 applied += 1
         finally:
@@ -179,14 +181,14 @@ class GlobalIndex:
         """Add ``(key, tier_code)`` pairs (code 1..3 as in proto ``Tier``) to the shadow."""
         feed = self._feed(node_id)
         if feed.shadow < 0:
-            raise FailedPrecondition(f"node {node_id!r}: load_snapshot before begin_resync")
+            raise FailedPrecondition(f"node {echo(node_id)}: load_snapshot before begin_resync")
         shift = 2 * feed.shadow
         clear = ~(3 << shift)
         m = self._map
         added = 0
         for key, code in items:
             if not 1 <= code <= 3:
-                raise ValueError(f"node {node_id!r}: snapshot entry without a tier")
+                raise ValueError(f"node {echo(node_id)}: snapshot entry without a tier")
             old = m.get(key, 0)
             added += not (old >> shift) & 3
             m[key] = (old & clear) | (code << shift)
@@ -199,7 +201,7 @@ class GlobalIndex:
         ``snapshot_seq``."""
         feed = self._feed(node_id)
         if feed.shadow < 0:
-            raise FailedPrecondition(f"node {node_id!r}: finish_resync before begin_resync")
+            raise FailedPrecondition(f"node {echo(node_id)}: finish_resync before begin_resync")
         old = feed.slot
         feed.slot, feed.shadow = feed.shadow, -1
         feed.last_seq = snapshot_seq
@@ -331,5 +333,7 @@ class GlobalIndex:
     def _feed(self, node_id: str) -> _Feed:
         feed = self._feeds.get(node_id)
         if feed is None:
-            raise NotFound(f"node {node_id!r} is not indexed (not registered, or its lease lapsed)")
+            raise NotFound(
+                f"node {echo(node_id)} is not indexed (not registered, or its lease lapsed)"
+            )
         return feed

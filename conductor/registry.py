@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvstore.errors import InvalidArgument, NotFound
+from kvstore.errors import InvalidArgument, NotFound, echo
 from kvstore.layout import KVLayout
 from rpc.cluster import NodeDescriptor, NodeLoad, Role, TierUsage
 
@@ -121,7 +121,7 @@ class Registry:
         state = self._nodes.get(node_id)
         if state is None or (generation and generation != state.generation):
             raise NotFound(
-                f"node {node_id!r} is not registered (lease lapsed or conductor "
+                f"node {echo(node_id)} is not registered (lease lapsed or conductor "
                 "restarted): register again"
             )
         state.lease_expires_at = now + state.lease_s
@@ -157,7 +157,8 @@ class Registry:
         state = self.get(descriptor.node_id)
         if descriptor.address != state.descriptor.address:
             raise InvalidArgument(
-                f"node {descriptor.node_id!r} moved to {descriptor.address}: register it again"
+                f"node {echo(descriptor.node_id)} moved to {echo(descriptor.address)}: "
+                "register it again"
             )
         state.descriptor = descriptor
         self.version += 1
@@ -180,7 +181,7 @@ class Registry:
     def get(self, node_id: str) -> NodeState:
         state = self._nodes.get(node_id)
         if state is None:
-            raise NotFound(f"node {node_id!r} is not registered")
+            raise NotFound(f"node {echo(node_id)} is not registered")
         return state
 
     def find(self, node_id: str) -> NodeState | None:

@@ -43,7 +43,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound
+from kvstore.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    echo,
+)
 
 from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample, fit_prefill
 from .registry import NodeDescriptor, NodeState, Registry
@@ -687,7 +693,8 @@ class Scheduler:
         pending = self._pending.get(request_id)
         if pending is None:
             raise NotFound(
-                f"request {request_id!r} is not scheduled (never, or already completed / expired)"
+                f"request {echo(request_id)} is not scheduled "
+                "(never, or already completed / expired)"
             )
         return pending
 
@@ -696,7 +703,7 @@ class Scheduler:
             raise InvalidArgument("request_id must be non-empty")
         if request.request_id in self._pending:
             raise InvalidArgument(
-                f"request {request.request_id!r} is already scheduled; "
+                f"request {echo(request.request_id)} is already scheduled; "
                 "complete it first or use a new id"
             )
         if request.block_tokens <= 0:
@@ -726,7 +733,7 @@ class Scheduler:
         decode = [s for s in nodes if s.descriptor.role.decodes]
         if not prefill or not decode:
             what = "prefill" if not prefill else "decode"
-            scope = f" serving namespace {namespace!r}" if namespace else ""
+            scope = f" serving namespace {echo(namespace)}" if namespace else ""
             down = sorted(s.node_id for s in serving if s.engine_down)
             raise NoNodeAvailable(
                 f"no live {what} node{scope} is registered; start one or wait for nodes to register"

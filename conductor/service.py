@@ -19,11 +19,12 @@ import uuid
 
 import grpc
 
-from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, echo
 from kvstore.keys import scope_keys, select_keys
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
+from rpc.cluster import check_node_id
 from rpc.membership import LEADER_METADATA
 from rpc.server import Auth
 from rpc.status import observed, status_for
@@ -164,6 +165,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     def Heartbeat(self, request, context):
         self._admin(context)
         self._etcd_membership(context)
+        check_node_id(request.node_id)
         load = load_from_pb(request.load) if request.HasField("load") else None
         self.conductor.heartbeat(request.node_id, load, request.generation)
         return pb.HeartbeatReply(lease_s=self.conductor.registry.lease_s)
@@ -172,6 +174,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     def UnregisterNode(self, request, context):
         self._admin(context)
         self._etcd_membership(context)
+        check_node_id(request.node_id)
         generation = self.conductor.unregister(request.node_id, request.generation)
         if generation is not None:
             self.feeds.stop(request.node_id, generation)
@@ -260,6 +263,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         tenant = self._tenant(context)
         if not request.request_id:
             raise InvalidArgument("request_id is required")
+        if len(request.request_id) > MAX_REQUEST_ID:  # longer than Schedule takes: never scheduled
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         rid = _scoped_id(tenant, request.request_id)
         if request.prefill_seconds < 0:
             raise InvalidArgument("prefill_seconds must be >= 0")
@@ -351,7 +356,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         served = layouts.get(namespace)
         if served is None:
             raise NoNodeAvailable(
-                f"no registered node serves namespace {namespace!r}; "
+                f"no registered node serves namespace {echo(namespace)}; "
                 f"served: {', '.join(sorted(layouts)) or 'none'}"
             )
         return served

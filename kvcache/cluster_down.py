@@ -26,7 +26,7 @@ import sys
 import time
 
 from kvstore.shm import SharedSlab, pid_alive
-from rpc.launch import still_same_process
+from rpc.launch import group_shm, release_shm, still_same_process
 from rpc.netns import NetnsError
 
 from .cluster_config import ENV_PREFIX, ConfigError, load_config
@@ -174,6 +174,16 @@ def run(args: argparse.Namespace) -> int:
     running, notes = _checked(state)
     for note in notes:
         print(f"kvcache down: {note}", file=sys.stderr)
+    # vLLM's shared memory: what the engines held at start and hold now, removed once they
+    # are gone (an engine that needs SIGKILL, or crashed, cannot unlink it).
+    engine_pids, engine_shm = (
+        set[int](),
+        {n for e in state.get("engines", []) for n in e.get("shm", [])},
+    )
+    for pid in engine_groups(state) & running:
+        pids, names = group_shm(pid)
+        engine_pids |= pids
+        engine_shm |= names
     clean = True
     for stage in stop_stages(state):
         stage = [p for p in stage if p in running]
@@ -185,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             if os.path.exists(f"/dev/shm/{name}"):
                 leftovers.append(name)
                 SharedSlab.remove(name)
+    leftovers += release_shm(engine_pids, engine_shm)
     os.remove(path)
     if not running:
         print(

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from rpc.launch import ServiceProcess, start_service
+from rpc.launch import ServiceProcess, group_shm, release_shm, start_service
 
 from .cluster_config import ClusterConfig, ConfigError
 
@@ -136,6 +136,8 @@ class EngineProcess:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: str
+    # The /dev/shm segments its processes held once it was healthy: removed after a crash too.
+    seen_shm: set[str] = field(default_factory=set)
 
     @property
     def pid(self) -> int:
@@ -163,6 +165,27 @@ class EngineProcess:
             os.killpg(self.proc.pid, signum)  # the API server and its engine-core process
         except ProcessLookupError:
             pass
+
+    def shm(self) -> tuple[set[int], set[str]]:
+        """The engine's processes and the /dev/shm segments they hold (vLLM's ``psm_*``),
+        with those seen before."""
+        pids, names = group_shm(self.proc.pid)
+        self.seen_shm |= names
+        return pids, set(self.seen_shm)
+
+    def kill(self) -> list[str]:
+        """SIGKILL the engine's process group, as a crash would, then remove the shared memory
+        its processes held: they cannot unlink it themselves, and vLLM's segments are hundreds
+        of MB each. Stopped first, so that nothing is made or handed on between the reading
+        and the kill. Returns the segments removed."""
+        self.signal(signal.SIGSTOP)
+        pids, names = self.shm()
+        self.signal(signal.SIGKILL)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        return release_shm(pids, names)
 
 
 @dataclass
@@ -200,6 +223,7 @@ class Serving:
         deadline = time.monotonic() + self.config.start_timeout_s
         for engine in self.engines:
             _wait_healthy(engine, deadline, self.config.start_timeout_s)
+            engine.shm()
         state: dict[str, Any] = {
             "engines": [
                 {
@@ -207,6 +231,7 @@ class Serving:
                     "url": e.url,
                     "pid": e.pid,
                     "log": e.log_path,
+                    "shm": sorted(e.seen_shm),
                     "kv_role": e.spec.kv_role,
                     "model": e.spec.served_model_name,
                 }
@@ -301,6 +326,11 @@ class Serving:
         if self.router is not None:
             codes.append(self.router.stop(timeout_s))
             self.router = None
+        pids, names = set[int](), set[str]()
+        for e in self.engines:
+            held = e.shm()
+            pids |= held[0]
+            names |= held[1]
         for e in self.engines:
             e.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -313,6 +343,7 @@ class Serving:
             e.signal(signal.SIGKILL)  # an engine-core child the server left behind
             codes.append(e.proc.returncode)
         self.engines.clear()
+        release_shm(pids, names)  # what engines that needed SIGKILL could not unlink
         return codes
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, echo
 
 _DTYPES = {
     "float16": 2,
@@ -44,7 +44,7 @@ class KVLayout:
                 raise InvalidArgument(f"layout.{name} must be a positive integer, got {value!r}")
         if self.dtype not in _DTYPES:
             raise InvalidArgument(
-                f"layout.dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+                f"layout.dtype {echo(self.dtype)} is not supported; use one of {sorted(_DTYPES)}"
             )
 
     @property

@@ -7,7 +7,8 @@ start of every operation that depends on a lease being alive.
 An expired write lease's pages are quarantined, not freed: a same-host writer fills shared memory
 directly, so a slow one may still write after its lease ended, and a page handed to the next
 writer would take those bytes. They go back to the free list ``quarantine_s`` after the deadline
-(an abort, which the writer sends itself, frees them at once). Each slot also carries a
+(an abort, which the writer sends itself, frees them at once; so does ``forget_holder`` when the
+writer is known to be dead). Each slot also carries a
 generation, bumped when it leaves the free list: a lease whose page generations changed is
 stale, and neither its page views nor its commit are honoured.
 """
@@ -175,6 +176,36 @@ class LeaseBook(BlockStore):
             ts.quarantined -= len(slots)
             ts.free.extend(slots)
             self._quarantined.discard(lease_id)
+
+    def forget_holder(self, lease_id: int) -> int:
+        """The lease's holder is known to be gone (its process exited): nothing can write into
+        its pages any more, so they need no quarantine. A live write lease is aborted, an
+        expired one leaves quarantine, a read lease is released. Returns the pages freed (0 for a
+        read lease, or a lease that ended already). Freed pages are fenced as any: their
+        generation changes when they are leased again."""
+        with self._lock:
+            self._expire_locked()
+            w = self._write_leases.pop(lease_id, None)
+            if w is not None:
+                self._free_write_lease(w.lease)
+                return len(w.lease.to_write)
+            r = self._read_leases.pop(lease_id, None)
+            if r is not None:
+                self._unpin_blocks(r.blocks)
+                return 0
+            if lease_id not in self._quarantined:
+                return 0
+            heap = self._quarantine
+            i = next(i for i, entry in enumerate(heap) if entry[1] == lease_id)
+            _, _, tier, slots = heap[i]
+            heap[i] = heap[-1]
+            heap.pop()
+            heapq.heapify(heap)
+            ts = self._tiers[tier]
+            ts.quarantined -= len(slots)
+            ts.free.extend(slots)
+            self._quarantined.discard(lease_id)
+            return len(slots)
 
     def _free_write_lease(self, lease: WriteLease) -> None:
         ts = self._tiers[lease.tier]

@@ -84,7 +84,7 @@ class SharedDramPool(PagePool):
         num_pages: int,
         page_bytes: int,
         shm_name: str | None = None,
-        reserve: bool = False,
+        reserve: bool = True,
         private: bool = False,
         checksums: bool = True,
     ) -> None:

@@ -31,7 +31,9 @@ class StoreConfig:
     write_tier: Tier = Tier.DRAM
     promote_on_hit: bool = True
     shm_name: str | None = None
-    reserve_shm: bool = False
+    # Allocate every DRAM page at start (posix_fallocate): a sparse slab's pages are taken on
+    # first write, and when /dev/shm is full by then, that write is a SIGBUS in its writer.
+    reserve_shm: bool = True
     private_dram: bool = False  # DRAM pages in an anonymous memfd, not a /dev/shm name
     # xxh3-64 of every DRAM page at commit, verified by copy-outs and moves (and handed to
     # same-host readers); off: commits skip that pass over the bytes, and scribbles go unnoticed

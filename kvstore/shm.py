@@ -43,8 +43,8 @@ def check_shm_room(size: int, what: str, directory: str = SHM_DIR) -> None:
 
     NOTE: a slab is a sparse tmpfs file: creating it always works, and the process that first
     writes a page the filesystem cannot back dies of SIGBUS, long after start. Checking the free
-    space up front turns that into a clear error at start (``reserve`` closes the remaining race
-    with other users of /dev/shm by allocating every page now).
+    space up front turns that into a clear error at start; ``reserve`` (the store's default)
+    closes the remaining race with other users of /dev/shm by allocating every page now.
     """
     free = shm_free_bytes(directory)
     if free is not None and size > free:
@@ -134,13 +134,17 @@ class SharedSlab:
                 os.ftruncate(fd, size)
                 if reserve:
                     # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear
-                    # error instead of a SIGBUS on some later page write.
+                    # error instead of a SIGBUS on some later page write, in whichever process
+                    # (node or same-host client) writes that page first.
                     try:
                         os.posix_fallocate(fd, 0, size)
                     except OSError as e:
                         raise StorageError(
-                            f"cannot reserve {size} bytes of shared memory for {name!r}: {e}; "
-                            "lower --dram or enlarge /dev/shm"
+                            f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared "
+                            f"memory for {name!r}: {e.strerror}; lower --dram, or enlarge "
+                            f"{SHM_DIR} (docker run --shm-size=...) or free space there; "
+                            "(--no-reserve-shm starts anyway, and a write that finds /dev/shm "
+                            "full later dies of SIGBUS)"
                         ) from None
             else:
                 size = os.fstat(fd).st_size
@@ -252,8 +256,10 @@ class MemfdSegment:
 
     A created segment is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
     F_SEAL_SEAL``): a process it was handed to cannot ``ftruncate`` it and so cannot make the
-    creator's next access of a page a SIGBUS. Pages are backed on first write (like a tmpfs file);
-    ``punch`` gives pages back to the system.
+    creator's next access of a page a SIGBUS. Pages are backed on first write (like a tmpfs file),
+    or at once with ``reserve``; ``punch`` gives pages back to the system. A memfd lives on the
+    kernel's internal tmpfs, not in /dev/shm: a full /dev/shm does not touch it (memory and its
+    cgroup limit it, as any allocation).
     """
 
     name = ""  # no name: never in /dev/shm
@@ -277,8 +283,9 @@ class MemfdSegment:
                         os.posix_fallocate(fd, 0, size)
                     except OSError as e:
                         raise StorageError(
-                            f"cannot reserve {size} bytes of memory for {label!r}: {e}; "
-                            "lower --dram"
+                            f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of memory "
+                            f"for {label!r}: {e.strerror}; lower --dram or give the node more "
+                            "memory"
                         ) from None
                 seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
@@ -364,6 +371,28 @@ def deny(sock: socket.socket, reason: str) -> None:
         sock.sendall(b"DENIED " + reason.encode("ascii", "replace") + b"\n")
     except OSError:
         pass
+
+
+# A node's session socket (node/sessions.py): the client connects and keeps the connection for
+# its life; the node answers one line ``SESSION_HELLO <id hex>\n`` and then only watches it close.
+SESSION_HELLO = b"KVCACHE-SESSION/1"
+
+
+def open_session(address: str, timeout_s: float = 5.0) -> tuple[socket.socket, bytes]:
+    """Connect to a node's session socket: the connection to hold, and the session id. Raises
+    ``StorageError`` when refused or unreachable."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(socket_address(address))
+        words = _read_line(sock).split()
+        if len(words) != 2 or words[0] != SESSION_HELLO:
+            raise OSError("refused (too many sessions?)")
+        sid = bytes.fromhex(words[1].decode("ascii"))
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise StorageError(f"no session with the node at {address}: {e}") from None
+    return sock, sid
 
 
 def recv_segment(address: str, ticket: bytes, timeout_s: float = 5.0) -> MemfdSegment:

@@ -6,5 +6,6 @@ Layers, each calling only the one below:
 - ``node_access.py``: this node's DRAM slabs (mapped by name) and the node-backed page source;
 - ``transport.py``: the transport interface; ``tcp.py`` (raw sockets, lanes, pipelining) and
   ``rdma.py`` (one-sided READs over a ``verbs.py`` backend) implement it; ``select.py`` picks;
-- ``data_server.py`` / ``frames.py``: the source side of the data port and its wire format.
+- ``data_server.py`` / ``frames.py``: the source side of the data port and its wire format;
+  ``pin_budget.py``: how much of the node's pool its peers may hold pinned at once.
 """

@@ -43,6 +43,7 @@ from rpc.server import (
 from .data_server import DataLimits, DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
+from .pin_budget import PinShares
 from .rdma import RdmaConfig, RdmaSource
 from .select import MODES, choose_transport
 from .service import MessengerMetrics, MessengerServicer
@@ -131,6 +132,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "pins are released; below --pin-ttl (default: 0.8 x --pin-ttl)",
     )
     parser.add_argument(
+        "--pin-share-per-connection",
+        type=float,
+        default=PinShares.connection,
+        help="share (0-1] of a namespace's DRAM pool one data-port connection may hold pinned "
+        "at once; a larger request is served in chunks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pin-share-per-peer",
+        type=float,
+        default=PinShares.peer,
+        help="share (0-1] of a namespace's DRAM pool one peer (host address, all its "
+        "connections) may hold pinned at once; more waits up to --fetch-deadline "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--advertise",
         default=None,
         type=address_arg,
@@ -207,6 +223,16 @@ _LIMIT_FLAGS = {
 }
 
 
+def _pin_shares(args) -> PinShares:
+    for flag, share in (
+        ("--pin-share-per-connection", args.pin_share_per_connection),
+        ("--pin-share-per-peer", args.pin_share_per_peer),
+    ):
+        if not 0 < share <= 1:
+            raise SystemExit(f"kvcache messenger: {flag} must be in (0, 1], got {share:g}")
+    return PinShares(connection=args.pin_share_per_connection, peer=args.pin_share_per_peer)
+
+
 def _limit_open_files(more: int) -> None:
     """Test-only: let the process open only ``more`` files beyond those open now."""
     import os
@@ -226,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         urls, prefix = etcd_settings("messenger", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
         etcd = EtcdClient(urls)
     limits = _data_limits(args)
+    pin_shares = _pin_shares(args)
     tls = tls_from_args(args)
     auth = Auth.from_args(args.token, args.tenant_token)
     client = _connect_node(args)
@@ -246,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         io_timeout_s=args.io_timeout,
         token=cluster_token,
         limits=limits,
+        pin_shares=pin_shares,
         faults=SenderFaults(
             corrupt_every=args.fault_corrupt_every,
             stall_after=args.fault_stall_after,

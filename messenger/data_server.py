@@ -4,7 +4,8 @@ One thread per connection; each connection carries requests one after another (t
 pipelines them, so the next request is already waiting when a response ends). ``FETCH`` is served
 here; the RDMA transport adds its control requests with ``add_handler``. A FETCH flagged HOLD is
 pinned at once but answered only after the puller's GO (which names the pages it still wants,
-once its own node has allocated them); the GO must come within the frame timeout.
+once its own node has allocated them); the GO must come within the frame timeout. A request
+larger than the connection's pin budget is pinned and sent a chunk at a time.
 
 A connection that sends anything but this protocol (bad magic, unknown kind, oversized or
 inconsistent bodies, a frame cut short) is dropped with a warning; the process and every other
@@ -13,13 +14,16 @@ connection carry on.
 Hostile or broken peers are bounded (``DataLimits``): at most ``max_connections`` at once (the
 excess is refused at accept), an idle deadline between requests, a deadline for each frame once
 its first byte arrived (a peer that trickles bytes is cut), and a deadline for sending a FETCH
-response, so a peer that never reads cannot hold pins on the node. A watchdog thread enforces the
-deadlines by shutting the socket down, which wakes the connection's thread from any blocked
-``recv`` or ``sendmsg``. Accept errors (out of file descriptors) back off instead of spinning.
+response, so a peer that never reads cannot hold pins on the node for long; and what one
+connection and one peer may hold pinned at once is a share of the pool (``pin_budget.py``). A
+watchdog thread enforces the deadlines by shutting the socket down, which wakes the connection's
+thread from any blocked ``recv`` or ``sendmsg``. Accept errors (out of file descriptors) back
+off instead of spinning.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hmac
 import itertools
@@ -51,6 +55,7 @@ from .frames import (
     unpack_header,
     unpack_keys_body,
 )
+from .pin_budget import PinBudget, PinnedChunk, PinShares, pin_chunk
 from .transport import PageSource, PinnedPages
 
 log = logging.getLogger(__name__)
@@ -117,8 +122,9 @@ class PeerConnection:
     """One accepted connection and what must be undone when it closes (RDMA leases, QPs)."""
 
     sock: socket.socket
-    peer: str
+    peer: str  # host:port
     conn_id: int
+    host: str = ""  # the peer's address, whose connections share a pin budget
     on_close: list[Callable[[], None]] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     # Set by the server under its lock; the watchdog cuts the connection past ``deadline``.
@@ -144,6 +150,9 @@ class PeerConnection:
 Handler = Callable[[PeerConnection, Header], None]
 
 
+_NOTHING_PINNED = PinnedPages([], [], lambda: None)
+
+
 class DataServer:
     """Serves pages from a ``PageSource`` on ``host:port`` (port 0: pick a free one)."""
 
@@ -156,9 +165,12 @@ class DataServer:
         faults: SenderFaults | None = None,
         token: str | None = None,
         limits: DataLimits | None = None,
+        pin_shares: PinShares | None = None,
     ) -> None:
-        """``token``: when set, a connection must open with a HELLO carrying it."""
+        """``token``: when set, a connection must open with a HELLO carrying it.
+        ``pin_shares``: how much of the pool a connection and a peer may hold pinned."""
         self.source = source
+        self.budget = PinBudget(pin_shares or PinShares(), source.pool_pages)
         self._token = token.encode() if token else None
         self.io_timeout_s = io_timeout_s
         self.faults = faults or SenderFaults()
@@ -253,7 +265,7 @@ class DataServer:
                     time.monotonic() - since,
                 )
                 delay = 0.0
-            conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids))
+            conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids), addr[0])
             with self._lock:
                 full = len(self._conns) >= self.limits.max_connections
                 if full:
@@ -438,40 +450,76 @@ class DataServer:
         end = time.monotonic() + deadline
         late = f"a FETCH response of {len(keys)} pages not read within {deadline:g} s"
         self._expect(conn, deadline, late)
-        pinned, error = self._pin(namespace, page_bytes, keys)
+        todo = list(range(len(keys)))  # the keys still to send, in order
+        chunk: PinnedChunk | None = None
+        error = self._check_request(namespace, page_bytes)
         try:
-            wanted = range(len(keys))
+            # Pinned a chunk at a time, each within the pin budget (pin_budget.py); the first
+            # one before a held request's GO, so it is pinned while the puller allocates.
+            if error is None and todo:
+                chunk, error = self.pin_chunk(conn, namespace, keys, todo, end, late)
             if header.flags & FLAG_HOLD:
-                wanted = self._await_go(conn, len(keys), end)
-                self._expect(conn, end - time.monotonic(), late)
+                todo = self._await_go(conn, len(keys), end if error is None else math.inf)
             if error is not None:
-                return self._send_error(conn, *error)
-            assert pinned is not None
-            self._stream_pages(conn, keys, pinned, wanted)
+                return self._answer_error(conn, error)
+            self._expect(conn, end - time.monotonic(), late)
+            while chunk is not None:
+                send = todo[: bisect.bisect_right(todo, chunk.indices[-1])]
+                todo = todo[len(send) :]
+                at = {k: j for j, k in enumerate(chunk.indices)}
+                chunk_keys = [keys[i] for i in chunk.indices]
+                self._stream_pages(
+                    conn, chunk_keys, chunk.pinned, [at[i] for i in send], last=not todo
+                )
+                chunk.release(self.budget)
+                chunk = None
+                if not todo:
+                    return
+                chunk, error = self.pin_chunk(conn, namespace, keys, todo, end, late)
+                if error is not None:
+                    return self._answer_error(conn, error)  # ends the response; pages sent stand
+            self._stream_pages(conn, [], _NOTHING_PINNED, [], last=True)  # no key to send
         finally:
-            if pinned is not None:
-                pinned.release()
+            if chunk is not None:
+                chunk.release(self.budget)
 
-    def _pin(
-        self, namespace: str, page_bytes: int, keys: list[bytes]
-    ) -> tuple[PinnedPages | None, tuple[Status, str] | None]:
-        """The request's pages pinned, or what to answer instead."""
+    def _answer_error(self, conn: PeerConnection, error: tuple[Status, str]) -> None:
+        self._expect(conn, self.limits.frame_timeout_s, "an ERROR frame not read")
+        self._send_error(conn, *error)
+
+    def _check_request(self, namespace: str, page_bytes: int) -> tuple[Status, str] | None:
+        """What to answer instead of pages when the request does not fit this source."""
         try:
             mine = self.source.page_bytes(namespace)
         except LookupError as e:
-            return None, (Status.INVALID, str(e))
+            return Status.INVALID, str(e)
         if mine != page_bytes:
-            return None, (
+            return (
                 Status.INVALID,
                 f"page size mismatch for {namespace!r}: source pages are "
                 f"{mine} bytes, the request expects {page_bytes}",
             )
-        try:
-            return self.source.pin(namespace, keys), None
-        except LookupError as e:
-            return None, (Status.INVALID, str(e))
-        except ConnectionError as e:
-            return None, (Status.UNAVAILABLE, f"source cannot pin pages: {e}")
+        return None
+
+    def pin_chunk(
+        self,
+        conn: PeerConnection,
+        namespace: str,
+        keys: list[bytes],
+        todo: list[int],
+        end: float,
+        late: str,
+    ) -> tuple[PinnedChunk | None, tuple[Status, str] | None]:
+        """The next keys of ``todo`` pinned (as many as the pin budget grants by ``end``), or
+        what to answer instead."""
+        # NOTE: waiting for the budget is not the peer's fault: the watchdog leaves it the
+        # frame timeout past the deadline to take the ERROR that answers a wait in vain.
+        self._expect(conn, end + self.limits.frame_timeout_s - time.monotonic(), late)
+        got = pin_chunk(
+            self.budget, self.source, namespace, keys, todo, conn.conn_id, conn.host, end
+        )
+        self._expect(conn, end - time.monotonic(), late)
+        return got
 
     def _await_go(self, conn: PeerConnection, count: int, end: float) -> list[int]:
         """After a HOLD FETCH: the GO frame (within the frame timeout, and the FETCH deadline);
@@ -494,8 +542,15 @@ class DataServer:
         return [i for i, wanted in enumerate(body) if wanted]
 
     def _stream_pages(
-        self, conn: PeerConnection, keys: list[bytes], pinned: PinnedPages, wanted: Sequence[int]
+        self,
+        conn: PeerConnection,
+        keys: list[bytes],
+        pinned: PinnedPages,
+        wanted: Sequence[int],
+        last: bool,
     ) -> None:
+        """Send the ``wanted`` pages of a pinned chunk (``keys[i]``: ``pinned.views[i]``), and
+        the END of the response after the ``last`` chunk."""
         views = pinned.views
         corrupt: list[int] = []
         batch: list = []
@@ -529,14 +584,16 @@ class DataServer:
                 conn.send(batch)
                 sent_bytes += batch_bytes
                 batch, batch_bytes = [], 0
-        batch.append(pack_header(Kind.END))
+        if last:
+            batch.append(pack_header(Kind.END))
         pinned.corrupt(corrupt)
         # NOTE: count before the END goes out: a peer that saw END may read the stats at once.
         with self._lock:
             self.stats.pages_sent += pages
             self.stats.bytes_sent += sent_bytes + batch_bytes
             self.stats.missing_pages += missing
-        conn.send(batch)
+        if batch:
+            conn.send(batch)
 
     def _maybe_stall(
         self, conn: PeerConnection, batch: list, batch_bytes: int, sent_bytes: int

@@ -150,6 +150,9 @@ def unpack_keys_body(body: bytes, count: int) -> tuple[str, int, list[bytes]]:
 
 
 _PINNED_HEAD = struct.Struct("<QQQII")
+# The offset of a key the source did not pin this time (its pin budget granted only the keys
+# before it): the puller asks for it again once it released this lease.
+DEFERRED = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +163,7 @@ class Pinned:
     region_addr: int
     region_length: int
     rkey: int
-    offsets: np.ndarray  # int64 per key; -1: the source does not hold it
+    offsets: np.ndarray  # int64 per key; -1: the source does not hold it; DEFERRED: ask again
     checksums: np.ndarray  # uint64 xxh3-64 per key (0 where absent)
 
 

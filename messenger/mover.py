@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from clients.node_client import KVCacheRpcError, WriteLease
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, echo
 from kvstore.keys import check_keys
 
 from .node_access import NodeAccess
@@ -196,7 +196,8 @@ class Mover:
         for i, r in enumerate(requests):
             if not r.source or ":" not in r.source:
                 raise InvalidArgument(
-                    f"entry #{i}: source must be the source messenger's host:port, got {r.source!r}"
+                    f"entry #{i}: source must be the source messenger's host:port, "
+                    f"got {echo(r.source)}"
                 )
             if r.source_data:
                 try:
@@ -281,7 +282,7 @@ class Mover:
         batch = self._batches.get(batch_id)
         if batch is None:
             raise NotFound(
-                f"no transfer batch {batch_id!r} (never submitted, or finished long "
+                f"no transfer batch {echo(batch_id)} (never submitted, or finished long "
                 "ago and forgotten)"
             )
         return batch

@@ -78,6 +78,12 @@ class NodePageSource(PageSource):
     def page_bytes(self, namespace: str) -> int:
         return self.node.info(namespace).page_bytes
 
+    def pool_pages(self, namespace: str) -> int:
+        try:
+            return self.node.info(namespace).dram_pages
+        except KVCacheRpcError as e:
+            raise ConnectionError(f"node Info failed: {e}") from None
+
     def region(self, namespace: str) -> np.ndarray:
         return self.node.region(namespace)
 

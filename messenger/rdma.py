@@ -35,6 +35,7 @@ import numpy as np
 
 from .data_server import DataServer, PeerConnection
 from .frames import (
+    DEFERRED,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -59,8 +60,9 @@ from .frames import (
     unpack_keys_body,
     unpack_pinned,
 )
+from .pin_budget import PinnedChunk
 from .tcp import destination_views, hello, parse_address
-from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, PinnedPages, Transport
+from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, Transport
 from .verbs import (
     Access,
     MemoryRegion,
@@ -152,8 +154,10 @@ class RdmaSource:
         self._lock = threading.Lock()
         self._mrs: dict[str, MemoryRegion] = {}
         self._leases = itertools.count(1)
+        self._server: DataServer | None = None
 
     def install(self, server: DataServer) -> None:
+        self._server = server
         server.add_handler(Kind.RDMA_CONNECT, self._connect)
         server.add_handler(Kind.RDMA_PIN, self._pin)
         server.add_handler(Kind.RDMA_RELEASE, self._release)
@@ -207,23 +211,38 @@ class RdmaSource:
                     f"{mine} bytes, the request expects {page_bytes}",
                 )
             mr = self.region_mr(namespace)
-            pinned = self.source.pin(namespace, keys)
         except LookupError as e:
             return _send_error(conn, Status.INVALID, str(e))
-        except ConnectionError as e:
-            return _send_error(conn, Status.UNAVAILABLE, f"source cannot pin pages: {e}")
         except VerbsError as e:
             return _send_error(conn, Status.UNAVAILABLE, f"source cannot register memory: {e}")
-        lease_id = next(self._leases)
-        conn.state.setdefault("leases", {})[lease_id] = pinned
-        if len(conn.state["leases"]) == 1:
-            conn.on_close.append(lambda: _release_all(conn))
-        sums = np.array(
-            [checksum(v) if v is not None else 0 for v in pinned.views], dtype=np.uint64
+        # Within the pin budget (pin_budget.py), like a FETCH: the leases a connection holds
+        # count together; keys past what the budget grants now are DEFERRED (asked again).
+        server = self._server
+        assert server is not None
+        deadline = server.limits.fetch_deadline_s
+        end = time.monotonic() + deadline
+        chunk, error = server.pin_chunk(
+            conn,
+            namespace,
+            keys,
+            list(range(len(keys))),
+            end,
+            f"an RDMA_PIN reply of {len(keys)} pages not read within {deadline:g} s",
         )
-        offsets = np.asarray(pinned.offsets, dtype=np.int64)
+        if chunk is None:
+            assert error is not None
+            return _send_error(conn, *error)
+        lease_id = next(self._leases)
+        conn.state.setdefault("leases", {})[lease_id] = chunk
+        if len(conn.state["leases"]) == 1:
+            conn.on_close.append(lambda: _release_all(conn, server))
+        pinned, n = chunk.pinned, len(chunk.indices)
+        sums = np.zeros(len(keys), dtype=np.uint64)
+        sums[:n] = [checksum(v) if v is not None else 0 for v in pinned.views]
+        offsets = np.full(len(keys), DEFERRED, dtype=np.int64)
+        offsets[:n] = pinned.offsets
         # A page changed since its commit is offered as missing, never as good bytes.
-        corrupt = [i for i in range(len(sums)) if pinned.expected(i) not in (0, int(sums[i]))]
+        corrupt = [i for i in range(n) if pinned.expected(i) not in (0, int(sums[i]))]
         for i in corrupt:
             offsets[i], sums[i] = -1, 0
         pinned.corrupt(corrupt)
@@ -240,19 +259,18 @@ class RdmaSource:
     def _release(self, conn: PeerConnection, header: Header) -> None:
         if header.length:
             raise ProtocolError("RDMA_RELEASE carries no body")
-        pinned: PinnedPages | None = conn.state.get("leases", {}).pop(
-            lease_of_key(header.key), None
-        )
-        if pinned is not None:
-            pinned.release()
+        chunk: PinnedChunk | None = conn.state.get("leases", {}).pop(lease_of_key(header.key), None)
+        if chunk is not None:
+            assert self._server is not None
+            chunk.release(self._server.budget)
         conn.send([pack_header(Kind.END)])
 
 
-def _release_all(conn: PeerConnection) -> None:
+def _release_all(conn: PeerConnection, server: DataServer) -> None:
     leases = conn.state.get("leases", {})
     while leases:
-        _, pinned = leases.popitem()
-        pinned.release()
+        _, chunk = leases.popitem()
+        chunk.release(server.budget)
 
 
 def _send_error(conn: PeerConnection, status: Status, message: str) -> None:
@@ -454,14 +472,13 @@ class RdmaTransport(Transport):
             return self._finish(results, Outcome.UNAVAILABLE, str(e)), verified
         with session.lock:
             try:
-                for s in range(0, len(todo), MAX_KEYS_PER_REQUEST):
-                    group = todo[s : s + MAX_KEYS_PER_REQUEST]
-                    checked = self._fetch_group(
+                while todo and not session.broken:
+                    group, todo = todo[:MAX_KEYS_PER_REQUEST], todo[MAX_KEYS_PER_REQUEST:]
+                    checked, deferred = self._fetch_group(
                         session, namespace, page_bytes, group, keys, views, local, lkeys, results
                     )
                     verified.update(checked)
-                    if session.broken:
-                        break
+                    todo = deferred + todo  # past the source's pin budget: asked again
             except Exception as e:  # noqa: BLE001 - every failure becomes per-entry results
                 session.broken = True
                 if isinstance(e, (ProtocolError, VerbsError)) or is_disconnect(e):
@@ -484,8 +501,9 @@ class RdmaTransport(Transport):
 
     def _fetch_group(
         self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
-    ) -> dict[int, int]:
-        """READ one request's pages; returns the checksum each good page was verified against."""
+    ) -> tuple[dict[int, int], list[int]]:
+        """READ one request's pages; returns the checksum each good page was verified against,
+        and the entries the source deferred (not pinned this time, to stay within its budget)."""
         body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
         h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
         if h.kind is Kind.ERROR:
@@ -493,16 +511,20 @@ class RdmaTransport(Transport):
             reason = reply.decode(errors="replace") or h.status.name
             for i in group:
                 results[i] = EntryResult(outcome, reason)
-            return {}
+            return {}, []
         if h.kind is not Kind.RDMA_PINNED or h.count != len(group):
             raise ProtocolError(f"expected RDMA_PINNED for {len(group)} keys, got {h.kind.name}")
         pinned = unpack_pinned(reply, len(group))
         verified: dict[int, int] = {}
+        deferred: list[int] = []
         try:
             entries = []
             region_end = pinned.region_addr + pinned.region_length
             for j, i in enumerate(group):
                 off = int(pinned.offsets[j])
+                if off == DEFERRED:
+                    deferred.append(i)
+                    continue
                 if off < 0:
                     results[i] = EntryResult(Outcome.NOT_FOUND, "source does not hold the key")
                     continue
@@ -529,7 +551,9 @@ class RdmaTransport(Transport):
         h, _ = session.request(Kind.RDMA_RELEASE, key=lease_key(pinned.lease_id))
         if h.kind is not Kind.END:
             raise ProtocolError(f"expected END after RDMA_RELEASE, got {h.kind.name}")
-        return verified
+        if len(deferred) == len(group):  # never granted nothing: a broken source
+            raise ProtocolError(f"the source deferred every key of an RDMA_PIN of {len(group)}")
+        return verified, deferred
 
     def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
         """Post the segments as chained READs and wait until every one has landed; a failed

@@ -130,7 +130,25 @@ class _DataServerCollector(Collector):
             "kvcache_messenger_open_connections", "Data-port connections open now"
         )
         open_.add_metric([], self._server.open_connections())
+        budget = self._server.budget
+        pinned = GaugeMetricFamily(
+            "kvcache_messenger_pinned_pages",
+            "Pages pinned on the node for peers now (reserved against the pin budget)",
+        )
+        pinned.add_metric([], budget.pinned)
+        waits = CounterMetricFamily(
+            "kvcache_messenger_pin_budget_waits",
+            "Requests that waited for their peer's other connections to release pins "
+            "(--pin-share-per-peer)",
+        )
+        waits.add_metric([], budget.waits)
+        refusals = CounterMetricFamily(
+            "kvcache_messenger_pin_budget_refusals",
+            "Requests refused for want of pin budget (--pin-share-per-*)",
+        )
+        refusals.add_metric([], budget.refusals)
         yield from (sent_pages, sent_bytes, dropped, refused, timed_out, accept_errors, open_)
+        yield from (pinned, waits, refusals)
 
 
 def status_reply(snap: BatchSnapshot) -> pb.TransferStatusReply:

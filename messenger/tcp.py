@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from kvstore.errors import echo
+
 from .frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -58,7 +60,7 @@ _STATUS_OUTCOME = {
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"data address {address!r} must be host:port (port 1-65535)")
+        raise ValueError(f"data address {echo(address)} must be host:port (port 1-65535)")
     return host.strip("[]"), int(port)
 
 

@@ -173,6 +173,10 @@ class PageSource(ABC):
         """Pin the keys' pages so they cannot move until ``release``. Raises ``LookupError`` for
         an unknown namespace, ``ConnectionError`` when pages cannot be pinned right now."""
 
+    def pool_pages(self, namespace: str) -> int:
+        """Pages in the namespace's pool, which the pin budget is a share of (0: no budget)."""
+        return 0
+
     def region(self, namespace: str) -> np.ndarray:
         """The whole memory region (flat uint8) the namespace's pages live in (for RDMA)."""
         raise LookupError(f"namespace {namespace!r} has no registrable region")
@@ -191,13 +195,20 @@ class SlabPageSource(PageSource):
         region: np.ndarray,
         page_bytes: int,
         slots: dict[bytes, int] | None = None,
+        pool_pages: int = 0,
     ) -> None:
+        """``pool_pages``: the pool size the pin budget is a share of (0: no budget)."""
         assert region.dtype == np.uint8 and region.ndim == 1
         self.namespace = namespace
         self._region = region
         self._page_bytes = page_bytes
         self.slots: dict[bytes, int] = dict(slots or {})
         self.pins = 0  # outstanding pinned batches, for tests
+        self._pool_pages = pool_pages
+
+    def pool_pages(self, namespace: str) -> int:
+        self._check(namespace)
+        return self._pool_pages
 
     def page_bytes(self, namespace: str) -> int:
         self._check(namespace)

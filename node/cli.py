@@ -82,11 +82,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "page; a page scribbled on after its commit is then served as it is)",
     )
     parser.add_argument(
+        "--no-reserve-shm",
+        dest="reserve_shm",
+        action="store_const",
+        const=False,
+        help="do not reserve the DRAM pool's memory at start: the pool stays sparse, and when "
+        "another process fills /dev/shm later, a write into a page not yet backed kills the "
+        "writer (node or same-host client) with SIGBUS. By default every page is allocated at "
+        "start, and a --dram beyond what /dev/shm (or memory) has is refused then",
+    )
+    # NOTE: reserving became the default; the old opt-in stays accepted.
+    parser.add_argument(
         "--reserve-shm",
+        dest="reserve_shm",
         action="store_const",
         const=True,
-        help="reserve all shared memory at start (without it, a --dram beyond /dev/shm's free "
-        "space is refused at start, but other processes may still fill /dev/shm later)",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--lease-ttl",

@@ -84,7 +84,7 @@ class NodeConfig:
     ssd_policy: str = "lru"
     gpu_policy: str = "lru"
     promote_on_hit: bool = True
-    reserve_shm: bool = False
+    reserve_shm: bool = True  # allocate the DRAM pool at start (see --no-reserve-shm)
     dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0

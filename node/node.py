@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvstore.errors import InvalidArgument, NotFound, echo
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, echo
 from kvstore.keys import BlockKey, scope_keys, select_keys
 from kvstore.shm import check_shm_room, sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
@@ -21,6 +21,7 @@ from kvstore.store import StoreConfig, TieredStore
 from .config import NodeConfig
 from .events import EventHub
 from .segments import TenantSegments
+from .sessions import Sessions
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
@@ -42,10 +43,12 @@ class Node:
         self.node_id = config.node_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:04x}"
         self.hub = EventHub()
         self.stores: dict[str, TieredStore] = {}
-        self._owners: dict[tuple[str, int], tuple[str, float]] = {}
+        # (namespace, lease id) -> (tenant, deadline, session id or b"")
+        self._owners: dict[tuple[str, int], tuple[str, float, bytes]] = {}
         self._owners_lock = threading.Lock()
         self._stop = threading.Event()
         self.segments: TenantSegments | None = None
+        self.sessions: Sessions | None = None
         # With tenants, shared memory is per tenant (node/segments.py): the DRAM pool lives in a
         # private memfd, and no /dev/shm name is ever created.
         private = bool(config.tenant_tokens)
@@ -59,7 +62,8 @@ class Node:
         seen = set()
         try:
             # NOTE: all layouts' slabs at once, before any exists: one clear message naming --dram
-            # instead of a later SIGBUS (slabs are sparse: only their writes need the space).
+            # instead of a failed reservation halfway (or, with --no-reserve-shm, sparse slabs
+            # and a SIGBUS at the first write /dev/shm has no room for).
             slabs = sum(config.pages(layout)[1] * layout.page_bytes for layout in config.layouts)
             if not private:
                 check_shm_room(slabs, "--dram")
@@ -96,6 +100,7 @@ class Node:
             if private:
                 self.segments = TenantSegments(self.stores)
                 _not_dumpable()
+            self.sessions = Sessions(self.holders_gone)
         except BaseException:
             self.close()
             raise
@@ -143,9 +148,25 @@ class Node:
 
     # ---- lease ownership: a tenant may only touch its own leases ---------------------------
 
-    def own(self, namespace: str, lease_id: int, tenant: str, deadline: float) -> None:
+    def own(
+        self,
+        namespace: str,
+        lease_id: int,
+        tenant: str,
+        deadline: float,
+        session: bytes | None = None,
+    ) -> None:
+        """Record a lease's owner and deadline; ``session``: the caller's session id, whose end
+        ends the lease (None: keep the one recorded, as ExtendLease does)."""
+        key = (namespace, lease_id)
         with self._owners_lock:
-            self._owners[(namespace, lease_id)] = (tenant, deadline)
+            if session is None:
+                session = self._owners.get(key, ("", 0.0, b""))[2]
+            self._owners[key] = (tenant, deadline, session)
+        if session and self.sessions is not None and not self.sessions.attach(session, key):
+            # Its client died while the call was on its way: nobody will write or release it.
+            self.holders_gone(0, [key])
+            raise FailedPrecondition("the caller's session ended (its process exited)")
 
     def check_owner(self, namespace: str, lease_id: int, tenant: str) -> TieredStore:
         """The store of a lease ``tenant`` took through Allocate / Acquire. Another tenant's lease,
@@ -160,9 +181,28 @@ class Node:
 
     def disown(self, namespace: str, lease_id: int) -> None:
         with self._owners_lock:
-            self._owners.pop((namespace, lease_id), None)
+            owner = self._owners.pop((namespace, lease_id), None)
+        if owner is not None and owner[2] and self.sessions is not None:
+            self.sessions.detach(owner[2], (namespace, lease_id))
         if self.segments is not None:
             self.segments.drop(namespace, lease_id)
+
+    def holders_gone(self, pid: int, keys: list) -> None:
+        """The process holding these leases is gone (``Sessions``): nobody can write into their
+        pages any more, so they end now instead of at their deadline plus the quarantine."""
+        pages = 0
+        for namespace, lease_id in keys:
+            store = self.stores.get(namespace)
+            if store is not None:
+                pages += store.forget_holder(lease_id)
+            self.disown(namespace, lease_id)
+        if keys:
+            log.info(
+                "client pid %d is gone: ended its %d leases, %d pages free again",
+                pid,
+                len(keys),
+                pages,
+            )
 
     def _reap(self) -> None:
         """Expire leases of dead or slow clients: their pins drop and their pages are freed."""
@@ -180,12 +220,9 @@ class Node:
             # store and hears why it failed (quarantined, content not trusted), not NOT_FOUND.
             keep = max([1.0, *(s.quarantine_s for s in self.stores.values())])
             with self._owners_lock:
-                stale = [k for k, (_, deadline) in self._owners.items() if deadline < now - keep]
-                for k in stale:
-                    del self._owners[k]
-            if self.segments is not None:
-                for ns, lease_id in stale:
-                    self.segments.drop(ns, lease_id)
+                stale = [k for k, (_, deadline, _) in self._owners.items() if deadline < now - keep]
+            for ns, lease_id in stale:
+                self.disown(ns, lease_id)
 
     # ---- lifetime -------------------------------------------------------------------------------
 
@@ -196,6 +233,8 @@ class Node:
         """Drop leases, close lmdb, unlink shared memory."""
         self._stop.set()
         self.hub.close()
+        if self.sessions is not None:
+            self.sessions.close()
         if self.segments is not None:
             self.segments.close()
         for store in self.stores.values():

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
 EVENT_BATCH = 4096
 MAX_LEASE_TTL_S = 3600.0  # a lease pins pages; a client cannot pin them for longer
+MAX_SESSION_BYTES = 64
 _EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_EVICTED}
 
 
@@ -80,6 +81,16 @@ class NodeServicer(pbg.NodeServiceServicer):
             )
         return ttl_s or None
 
+    @staticmethod
+    def _session(raw: bytes) -> bytes:
+        """AllocateRequest / AcquireRequest.session: an id the session socket handed out."""
+        if len(raw) > MAX_SESSION_BYTES:
+            raise InvalidArgument(
+                f"session must be an id from the node's session socket ({MAX_SESSION_BYTES} "
+                f"bytes at most), got {len(raw)} bytes"
+            )
+        return raw
+
     def _segment_name(self, store: TieredStore) -> str:
         """What a lease's offsets point into: the /dev/shm slab's name, or with tenants the
         name of this node process's segment socket (a tenant's memfd has no name of its own);
@@ -127,6 +138,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             namespaces=namespaces,
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            session_socket=self.node.sessions.socket_name if self.node.sessions else "",
         )
 
     @observed
@@ -142,9 +154,9 @@ class NodeServicer(pbg.NodeServiceServicer):
     @observed
     def Allocate(self, request, context):
         sel, tenant = self._select(request.blocks, context)
-        store = sel.store
+        store, session = sel.store, self._session(request.session)
         lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
         if self.node.segments is not None:  # written in the tenant's segment, copied at Commit
             self.node.segments.hold(store.namespace, lease.lease_id, tenant, lease.slots)
         page = store.layout.page_bytes
@@ -207,12 +219,12 @@ class NodeServicer(pbg.NodeServiceServicer):
     @observed
     def Acquire(self, request, context):
         sel, tenant = self._select(request.blocks, context)
-        store, keys = sel.store, sel.keys
+        store, keys, session = sel.store, sel.keys, self._session(request.session)
         if request.prefix_only:
             keys = self._prefix(store, keys)
         n = len(keys)
         lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
         offsets = self._offsets(store, lease)
         tiers = [tier_to_pb(t) for t in lease.tiers]
         if self.node.segments is not None:

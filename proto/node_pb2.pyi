@@ -33,16 +33,18 @@ class NamespaceInfo(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., shm_socket: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "namespaces", "hostname", "pid")
+    __slots__ = ("node_id", "namespaces", "hostname", "pid", "session_socket")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
     hostname: str
     pid: int
-    def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    session_socket: str
+    def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("hit_blocks", "total_blocks", "tier_codes")
@@ -55,12 +57,14 @@ class LookupReply(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("blocks", "ttl_s")
+    __slots__ = ("blocks", "ttl_s", "session")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     blocks: _common_pb2.BlockSelector
     ttl_s: float
-    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    session: bytes
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "ttl_s", "keys")
@@ -97,14 +101,16 @@ class CommitReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("blocks", "ttl_s", "prefix_only")
+    __slots__ = ("blocks", "ttl_s", "prefix_only", "session")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     blocks: _common_pb2.BlockSelector
     ttl_s: float
     prefix_only: bool
-    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: bool = ...) -> None: ...
+    session: bytes
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: bool = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys", "checksums")

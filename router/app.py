@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from kvstore.errors import echo
+
 from .disagg import Disaggregator, ModelInfo, RouterOptions, Served
 from .engines import EngineStream
 from .metrics import RouterMetrics
@@ -143,7 +145,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         if call.model != model.name:
             raise RouterError(
                 404,
-                f"model {call.model!r} is not served here; /v1/models lists {model.name!r}",
+                f"model {echo(call.model)} is not served here; /v1/models lists {model.name!r}",
                 "invalid_request_error",
                 "model",
             )

@@ -119,7 +119,9 @@ def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> 
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     elif not _is_int(max_tokens) or max_tokens < 1:
-        raise invalid(f"'max_tokens' must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+        raise invalid(
+            f"'max_tokens' must be an integer >= 1, got {_show(max_tokens)}", "max_tokens"
+        )
     stream = _boolean(body, "stream", optional=True) or False
     slos = {}
     for name, default in (("ttft_slo_s", default_ttft_s), ("tbt_slo_s", default_tbt_s)):
@@ -191,7 +193,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
     _number(body, "min_p", 0.0, 1.0, "in [0, 1]")
     n = body.get("n", 1)
     if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
+        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {_show(n)}", "n")
     if n > 1 and temperature is not None and temperature < SAMPLING_EPS:
         raise invalid(f"'n' must be 1 when sampling greedily (temperature 0), got {n}", "n")
     _integer(body, "seed", *INT64, "a 64-bit integer")
@@ -205,7 +207,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
     if stops is not None and (
         not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
     ):
-        raise invalid(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
+        raise invalid(f"'stop' must be a string or a list of strings, got {_show(stop)}", "stop")
     if stops is not None and not all(stops):
         raise invalid("'stop' cannot contain an empty string", "stop")
     _int_list(body, "stop_token_ids")
@@ -242,7 +244,9 @@ def _outputs(body: dict[str, Any], stream: bool) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         value = body.get(name)
         if value is not None and (not _is_int(value) or (value < 0 and value != -1)):
-            raise invalid(f"'{name}' must be an integer >= 0, or -1 (all), got {value!r}", name)
+            raise invalid(
+                f"'{name}' must be an integer >= 0, or -1 (all), got {_show(value)}", name
+            )
     prompt_logprobs = body.get("prompt_logprobs")
     if stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
         raise invalid("'prompt_logprobs' are not available when stream is true", "prompt_logprobs")
@@ -293,6 +297,12 @@ def _outputs(body: dict[str, Any], stream: bool) -> None:
             )
 
 
+def _show(value: Any, limit: int = 64) -> str:
+    """A client's value in an error message, cut short (a megabyte value, a short message)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -320,7 +330,7 @@ def _number(
     if value is None:
         return None
     if not _is_number(value) or not math.isfinite(value):
-        raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
+        raise invalid(f"'{name}' must be a finite number, got {_show(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(f"'{name}' must be {what}, got {value}", name)
     return float(value)
@@ -333,7 +343,7 @@ def _integer(
     if value is None:
         return None
     if not _is_int(value):
-        raise invalid(f"'{name}' must be an integer, got {value!r}", name)
+        raise invalid(f"'{name}' must be an integer, got {_show(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(f"'{name}' must be {what}, got {value}", name)
     return int(value)
@@ -353,7 +363,7 @@ def _boolean(body: dict[str, Any], name: str, optional: bool = False) -> bool | 
     if value is None and (optional or name not in body):
         return None
     if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false, got {value!r}", name)
+        raise invalid(f"'{name}' must be true or false, got {_show(value)}", name)
     return value
 
 

@@ -8,7 +8,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, echo
 from kvstore.layout import KVLayout
 from kvstore.tiers import Tier
 
@@ -28,7 +28,7 @@ class Role(enum.Enum):
             return cls(value.lower())
         except ValueError:
             raise InvalidArgument(
-                f"unknown node role {value!r}; use prefill, decode or both"
+                f"unknown node role {echo(value)}; use prefill, decode or both"
             ) from None
 
     @property
@@ -60,6 +60,15 @@ class NodeLoad:
     tiers: tuple[TierUsage, ...] = ()
 
 
+def check_node_id(node_id: str) -> None:
+    """InvalidArgument unless ``node_id`` is a valid node id (what a node may register as)."""
+    if not isinstance(node_id, str) or not _NODE_ID.match(node_id):
+        raise InvalidArgument(
+            f"node id {echo(node_id)} must be 1-128 characters of letters, digits and "
+            "._:@- starting with a letter or digit"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeDescriptor:
     """What a node tells the conductor when it registers."""
@@ -72,11 +81,7 @@ class NodeDescriptor:
     capacity: tuple[TierUsage, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.node_id, str) or not _NODE_ID.match(self.node_id):
-            raise InvalidArgument(
-                f"node id {self.node_id!r} must be 1-128 characters of letters, digits and "
-                "._:@- starting with a letter or digit"
-            )
+        check_node_id(self.node_id)
         object.__setattr__(self, "role", Role.parse(self.role))
 
     @property

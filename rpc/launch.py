@@ -170,3 +170,91 @@ def start_service(
     sp._drain = threading.Thread(target=lambda: [None for _ in stdout], daemon=True)
     sp._drain.start()
     return sp
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_holders() -> dict[str, set[int]]:
+    """Every ``/dev/shm`` name some live process maps or holds open -> those pids (read from
+    ``/proc``; processes of other users are invisible without privileges)."""
+    holders: dict[str, set[int]] = {}
+    prefix = SHM_DIR + "/"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        names = set()
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                for line in f:
+                    i = line.find(prefix.encode())
+                    if i >= 0:
+                        names.add(line[i + len(prefix) :].rstrip(b"\n").decode(errors="replace"))
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile, or not ours to read
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                names.add(target[len(prefix) :])
+        for name in names:
+            holders.setdefault(name.removesuffix(" (deleted)"), set()).add(pid)
+    return holders
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def group_shm(pgid: int) -> tuple[set[int], set[str]]:
+    """The live processes of group ``pgid`` and the /dev/shm names they hold."""
+    pids = set(group_pids(pgid))
+    return pids, {name for name, holders in shm_holders().items() if holders & pids}
+
+
+def release_shm(pids: set[int], names: set[str], timeout_s: float = 10.0) -> list[str]:
+    """Once ``pids`` have exited (their mappings go with them, before anyone reaps them),
+    remove those of ``names`` that no live process holds: what processes that were SIGKILLed
+    could not unlink themselves. Returns the names removed."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+    return remove_orphan_shm(names)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def remove_orphan_shm(names: set[str]) -> list[str]:
+    """Unlink those of ``names`` that still exist and no live process holds (what a SIGKILLed
+    process group leaves: it could not unlink its own segments). Returns the names removed."""
+    held = shm_holders()
+    removed = []
+    for name in sorted(names - held.keys()):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        removed.append(name)
+    return removed

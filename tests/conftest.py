@@ -8,6 +8,8 @@ import pytest
 
 from rpc.launch import ServiceProcess, start_service
 
+import leftovers
+
 # 8 KiB pages: 2 layers x K|V x 16 tokens x 2 heads x 32 dims x fp16.
 TEST_LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"
 TEST_NAMESPACE = "test|L2|H2|D32|float16|B16"
@@ -21,9 +23,14 @@ def start_kvcache(tmp_path):
     started: list[ServiceProcess] = []
 
     def start(
-        *args: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
+        *args: str,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> ServiceProcess:
-        sp = start_service(list(args), timeout_s=timeout_s, log_dir=str(tmp_path), env=env)
+        sp = start_service(
+            list(args), timeout_s=timeout_s, log_dir=str(tmp_path), env=env, wrap=wrap
+        )
         started.append(sp)
         return sp
 
@@ -36,9 +43,11 @@ def start_kvcache(tmp_path):
 def start_node(start_kvcache, tmp_path):
     """A node server with the 8 KiB test layout; extra flags pass through."""
 
-    def start(*extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT) -> ServiceProcess:
+    def start(
+        *extra: str, dram: str = "1MiB", layout: str = TEST_LAYOUT, wrap: list[str] | None = None
+    ) -> ServiceProcess:
         return start_kvcache(
-            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout, *extra
+            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout, *extra, wrap=wrap
         )
 
     return start
@@ -75,3 +84,28 @@ def etcd_server(tmp_path):
     yield Handle()
     for s in servers:
         s.stop()
+
+
+# ---- nothing left behind ---------------------------------------------------------------------
+# tests/leftovers.py: processes of this run, /dev/shm entries nobody holds, network namespaces
+# and links with this run's prefix. Checked after every module and at the end; what is found is
+# reported, removed, and fails the run.
+_BASELINE = leftovers.Baseline.take()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_behind(request):
+    _BASELINE.shm = leftovers.shm_entries()  # only what appears during the module is its own
+    yield
+    found = _BASELINE.find()
+    if found:
+        _BASELINE.clean(found)
+        pytest.fail(f"{request.module.__name__} left behind:\n{found.report()}", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    found = _BASELINE.find()
+    if found:
+        _BASELINE.clean(found)
+        session.config.get_terminal_writer().line(f"\nthe test run left behind:\n{found.report()}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -31,6 +31,7 @@ from test_cluster_e2e import (
 
 from rpc.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
 
+import leftovers
 from helpers import wait_until
 
 REASON = unavailable_reason()
@@ -57,7 +58,8 @@ def free_subnet() -> str:
 
 
 def unique_prefix() -> str:
-    return "t" + secrets.token_hex(3)
+    # This run's prefix (the leftover check looks for it) and 3 hex digits of this test's.
+    return leftovers.net_prefix() + secrets.token_hex(2)[:3]
 
 
 def namespaces(prefix: str) -> list[str]:

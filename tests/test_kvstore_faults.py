@@ -272,6 +272,33 @@ def test_an_expired_write_lease_returns_its_pages():
         assert store.put(keys(3, 4), [page(3), page(4)]).stored == 2
 
 
+def test_a_holder_known_gone_gives_back_live_expired_and_pinned_leases_at_once():
+    clock = FakeClock()
+    with make_store(dram_pages=6, clock=clock, lease_ttl_s=10) as store:  # quarantine: 30 s
+        store.put([key(1)], [page(1)])
+        expired = store.allocate(keys(2, 3))
+        clock.advance(10)  # expired: its 2 pages are quarantined
+        live = store.allocate(keys(4, 5))
+        pins = store.acquire([key(1)])
+        tier = store.stats().tiers[0]
+        assert (tier.quarantined_pages, tier.leased_pages, tier.pinned_blocks) == (2, 2, 1)
+        assert store.forget_holder(expired.lease_id) == 2
+        assert store.forget_holder(live.lease_id) == 2
+        assert store.forget_holder(pins.lease_id) == 0
+        assert store.forget_holder(live.lease_id) == 0  # ended already: nothing to do
+        store.check_invariants()
+        tier = store.stats().tiers[0]
+        assert (tier.quarantined_pages, tier.leased_pages, tier.pinned_blocks) == (0, 0, 0)
+        assert tier.free_pages == 5
+        with pytest.raises(FailedPrecondition):
+            store.commit(live.lease_id)  # its holder is gone: nothing publishes it
+        again = store.allocate(keys(6, 7, 8, 9, 10))  # the whole rest, no eviction
+        assert len(again.to_write) == 5 and store.stats().tiers[0].evictions == 0
+        assert set(again.slots) >= set(live.slots)  # fenced: the generations moved on
+        with pytest.raises(FailedPrecondition, match="stale"):
+            store.page_view(live, 0)
+
+
 def test_extend_keeps_a_write_lease_alive():
     clock = FakeClock()
     with make_store(dram_pages=2, clock=clock, lease_ttl_s=10) as store:

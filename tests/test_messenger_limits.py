@@ -2,8 +2,9 @@
 
 Each test starts one node and its messenger with short deadlines (flags) and plays the bad peer
 over a raw socket: out of file descriptors, too many connections, an idle or trickling peer, a
-header announcing a huge body, a FETCH whose response is never read. The messenger must cut or
-refuse the peer within its deadline, say why, release what it held and keep serving others.
+header announcing a huge body, a FETCH whose response is never read, a peer pinning more than its
+share of the pool. The messenger must cut or refuse the peer within its deadline (or hold it to
+its pin budget), say why, release what it held and keep serving others.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from messenger.frames import (
     recv_exact,
     unpack_header,
 )
-from messenger.tcp import TcpConfig, TcpTransport
+from messenger.tcp import TcpConfig, TcpTransport, hello
 from messenger.transport import Outcome
 
 from conftest import TEST_NAMESPACE as NS
@@ -45,12 +46,16 @@ def make_keys(n: int, start: int = 0) -> list[bytes]:
 class Source:
     """A node and its messenger; the test is the (bad) peer on the messenger's data port."""
 
-    def __init__(self, start_node, start_kvcache, messenger_args, dram: str) -> None:
-        self.node = start_node(dram=dram)
+    def __init__(
+        self, start_node, start_kvcache, messenger_args, dram: str, token: str | None = None
+    ) -> None:
+        auth = ("--token", token) if token else ()
+        self.node = start_node(*auth, dram=dram)
         self.messenger = start_kvcache(
-            "messenger", "--node", self.node.address, "--metrics-port", "0", *messenger_args
+            "messenger", "--node", self.node.address, "--metrics-port", "0", *auth, *messenger_args
         )
-        self.client = KVStoreClient(self.node.address)
+        self.client = KVStoreClient(self.node.address, token=token)
+        self.token = token
         host, port = self.messenger.info["data_address"].rsplit(":", 1)
         self.data = (host, int(port))
         self.data_address = self.messenger.info["data_address"]
@@ -72,7 +77,7 @@ class Source:
     def fetch_ok(self, keys: list[bytes]) -> bool:
         """A well-behaved peer's fetch: True when every page arrived."""
         dest = np.zeros((len(keys), PB), dtype=np.uint8)
-        t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5))
+        t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5, token=self.token))
         try:
             res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest])
         finally:
@@ -102,8 +107,8 @@ class Source:
 def source(start_node, start_kvcache):
     made: list[Source] = []
 
-    def start(*messenger_args: str, dram: str = "16MiB") -> Source:
-        s = Source(start_node, start_kvcache, messenger_args, dram)
+    def start(*messenger_args: str, dram: str = "16MiB", token: str | None = None) -> Source:
+        s = Source(start_node, start_kvcache, messenger_args, dram, token)
         made.append(s)
         return s
 
@@ -405,3 +410,83 @@ def test_a_go_without_a_held_fetch_drops_the_connection(source):
         closed_by_peer(s, 2.0)
     wait_until(lambda: "unexpected GO frame" in src.messenger.log(), 5, "the reason in the log")
     assert src.fetch_ok(keys)
+
+
+# ---- pin budget: what peers may hold pinned at once ----------------------------------------------
+
+
+def read_pages(s: socket.socket, keys: list[bytes]) -> list[bytes]:
+    """A whole FETCH response for ``keys`` (PAGE frames in order, then END)."""
+    h, pages = bytearray(HEADER_BYTES), []
+    for key in keys:
+        recv_exact(s, memoryview(h))
+        header = unpack_header(h)
+        assert header.kind is Kind.PAGE and header.status is Status.OK and header.key == key
+        page = bytearray(header.length)
+        recv_exact(s, memoryview(page))
+        assert checksum(page) == header.checksum
+        pages.append(bytes(page))
+    recv_exact(s, memoryview(h))
+    assert unpack_header(h).kind is Kind.END
+    return pages
+
+
+def test_a_peer_that_never_reads_pins_at_most_its_share_and_writers_keep_writing(source):
+    # Pins live 60 s and a FETCH may take 50: only the pin budget stands between this peer and
+    # every page of the pool (2048 pages of 8 KiB; a peer may hold 50%, a connection 25%).
+    src = source("--pin-ttl", "60", "--fetch-deadline", "50", dram="16MiB", token="t0k")
+    keys = src.put(2048)  # the pool is full: a writer needs unpinned pages to evict
+    # Without a HELLO nothing is pinned: the request is refused before it reaches the node.
+    with src.connect() as s:
+        s.sendall(fetch_frame(keys[:512]))
+        assert read_error(s) == (
+            Status.UNAUTHENTICATED,
+            "this data port needs a token: open with HELLO (the cluster's admin token)",
+        )
+        closed_by_peer(s, 5.0)
+    assert src.pinned() == 0
+    # With the token: four connections ask for a quarter of the pages each and never read.
+    stalled = [src.connect(SO_RCVBUF=4096) for _ in range(4)]
+    try:
+        for i, s in enumerate(stalled):
+            hello(s, bytearray(HEADER_BYTES), "t0k")
+            s.sendall(fetch_frame(keys[512 * i : 512 * (i + 1)]))
+        wait_until(lambda: src.pinned() == 1024, 10, "the peer's pins to reach its budget")
+        wait_until(
+            lambda: src.metric("kvcache_messenger_pin_budget_waits_total") == 2,
+            10,
+            "two requests to wait for the peer's budget",
+        )
+        assert src.metric("kvcache_messenger_pinned_pages") == 1024
+        # Writers keep writing (1536 new pages, evicting unpinned ones), and the pins stay put.
+        for n in range(6):
+            written = src.put(256, start=10_000 + 256 * n)
+            assert src.pinned() == 1024
+    finally:
+        for s in stalled:
+            s.close()
+    wait_until(lambda: src.pinned() == 0, 10, "the pins to be released once the peer left")
+    assert src.fetch_ok(written[-8:])
+
+
+def test_a_fetch_larger_than_a_connections_share_is_pinned_a_chunk_at_a_time(source):
+    src = source("--pin-share-per-connection", "0.1", dram="16MiB")  # 204 of 2048 pages
+    keys = src.put(1000)
+    wanted = [i for i in range(1000) if i % 3 != 1]
+    with src.connect() as s:
+        s.sendall(held_fetch(keys))  # held: the first chunk is pinned before the GO
+        wait_until(lambda: src.pinned() == 204, 10, "the first chunk to be pinned")
+        assert src.metric("kvcache_messenger_pinned_pages") == 204
+        s.sendall(go_frame(bytes(int(i % 3 != 1) for i in range(1000))))
+        s.settimeout(30)
+        got = read_pages(s, [keys[i] for i in wanted])  # chunk after chunk, every wanted page
+    stored = src.client.get(NS, keys=[keys[i] for i in wanted])
+    assert all(np.array_equal(np.frombuffer(g, np.uint8), p) for g, p in zip(got, stored))
+    wait_until(lambda: src.pinned() == 0, 5, "the last chunk to be released")
+
+
+def test_pin_shares_must_be_a_share_of_the_pool(start_node, start_kvcache):
+    node = start_node()
+    for flag, value in (("--pin-share-per-connection", "0"), ("--pin-share-per-peer", "1.5")):
+        with pytest.raises(RuntimeError, match=f"{flag} must be in \\(0, 1\\], got {value}"):
+            start_kvcache("messenger", "--node", node.address, flag, value)

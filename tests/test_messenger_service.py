@@ -286,6 +286,48 @@ def test_source_killed_mid_transfer(cluster):
     wait_until(lambda: a.pinned() == 0, 15, "the source pins to expire")
 
 
+def held_back(client: KVStoreClient) -> tuple[int, int]:
+    """DRAM pages leased or quarantined (neither used nor free), and write leases, of a node."""
+    ns = client.stats().namespaces[0]
+    t = next(t for t in ns.tiers if t.tier == cpb.TIER_DRAM)
+    return t.capacity_pages - t.used_pages - t.free_pages, ns.write_leases
+
+
+@pytest.mark.slow
+def test_a_destination_messenger_killed_mid_pull_gives_its_pages_back_at_once(cluster, tmp_path):
+    """Its node holds the messenger's session: when the process is gone, the pages it had leased
+    are free at once (not after --write-ttl and a quarantine), so the pull retried by a restarted
+    messenger fits without evicting anything."""
+    a, b = cluster(
+        a_args=("--fault-stall-after", "64", "--fault-stall-s", "60", "--lanes", "1"),
+        b_args=("--write-ttl", "60", "--lanes", "1"),
+        b_dram="2MiB",  # 256 pages
+        node_args=("--lease-ttl", "60"),  # quarantine: 180 s
+    )
+    others, other_pages = make_keys(56, start=50_000), make_pages(56, seed=11)
+    assert b.client.put(NS, list(other_pages), keys=others).stored == 56
+    keys, pages = make_keys(200), make_pages(200, seed=12)
+    a.client.put(NS, list(pages), keys=keys)
+    b.mclient.submit(NS, [(k, a.address) for k in keys])
+    wait_until(lambda: "stalling the data stream" in a.messenger.log(), 30, "the stall")
+    assert held_back(b.client)[0] > 0  # pages leased for the groups in flight
+    b.messenger.kill()
+    wait_until(lambda: held_back(b.client) == (0, 0), 5, "the dead messenger's pages to be free")
+    messenger = start_service(
+        ["messenger", "--node", b.node.address, "--write-ttl", "60"], log_dir=str(tmp_path)
+    )
+    try:
+        with MessengerClient(messenger.address) as m:
+            reply = m.submit(NS, [(k, a.address) for k in keys])
+            status = m.status(reply.batch_id, wait=True, timeout_s=60)
+        assert (status.done, status.failed) == (200, 0)
+    finally:
+        messenger.stop()
+    assert b.client.stats().namespaces[0].evictions.get("dram", 0) == 0
+    got = b.client.get(NS, keys=others + keys)
+    assert all(g is not None and np.array_equal(g, p) for g, p in zip(got, [*other_pages, *pages]))
+
+
 @pytest.mark.slow
 def test_cancel_stops_a_batch_and_commits_nothing_cancelled(cluster):
     a, b = cluster(
