@@ -54,6 +54,9 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     app.state.disagg = disagg
     expected = f"Bearer {api_key}".encode() if api_key else None
 
+    # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
+    # receive channel): a completion watches that channel, as uvicorn gives it, for its client
+    # leaving.
     def authorize(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
         if expected is not None and not secrets.compare_digest(given, expected):

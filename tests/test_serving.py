@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -485,7 +484,7 @@ def test_killing_the_decode_engine_at_any_moment_ends_every_request_whole_or_wit
             end.read(max_tokens)  # to the chunk with finish_reason; [DONE] is still to come
             plain = [pool.submit(_whole_or_failed, serving, PLAIN, max_tokens) for _ in range(2)]
             engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
-            engine.signal(signal.SIGKILL)  # the engine's server and its engine core: a crash
+            engine.kill()  # its server, engine core and workers at once: a crash (shm removed)
             for r in readings:
                 r.read().assert_whole_or_failed()
             for f in plain:
@@ -531,7 +530,7 @@ def test_killing_a_prefill_engine_mid_request_ends_it_whole_or_with_an_error(ser
             "a prefill engine to compute a prompt",
         )
         engine = next(e for e in prefills if e.spec.node == victim)
-        engine.signal(signal.SIGKILL)
+        engine.kill()
         for f in futures:
             f.result(timeout=300)
     wait_until(lambda: _dead(engine), 60, "the killed engine to be gone")
