@@ -81,6 +81,7 @@ class ConductorClient:
         output_tokens: int = 0,
         ttft_slo_s: float = 0.0,
         tbt_slo_s: float = 0.0,
+        exclude_nodes: Sequence[str] = (),
     ) -> pb.ScheduleReply:
         reply: pb.ScheduleReply = self._call(
             "Schedule",
@@ -91,6 +92,7 @@ class ConductorClient:
                 output_tokens=output_tokens,
                 ttft_slo_s=ttft_slo_s,
                 tbt_slo_s=tbt_slo_s,
+                exclude_nodes=list(exclude_nodes),
             ),
         )
         return reply

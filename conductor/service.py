@@ -244,6 +244,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     ttft_slo_s=request.ttft_slo_s or None,
                     tbt_slo_s=request.tbt_slo_s or None,
                     block_bytes=page_bytes,
+                    exclude=frozenset(request.exclude_nodes),
                 )
             )
         except SLORejected as e:
