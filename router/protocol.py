@@ -7,8 +7,8 @@ after the prefill and the page transfers already ran. Every field is then passed
 engine untouched (``max_tokens`` normalized as vLLM does), so sampling behaves as vLLM documents.
 The rules that need the model (its vocabulary, the engine's ``--max-logprobs``) are the engine's:
 the fields they read go with the prefill request too (``PREFILL_CHECKED``), which is refused
-before the pages move to the decode node and before the decode. Errors use OpenAI's shape, as vLLM does:
-``{"error": {"message", "type", "param", "code"}}``.
+before the pages move to the decode node and before the decode. Errors use OpenAI's shape, as
+vLLM does: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
