@@ -51,13 +51,13 @@ from conductor.registry import NodeDescriptor, Registry, Role
 from conductor.scheduler import POLICIES, Request, Scheduler
 from kvstore.layout import KVLayout
 from node.agent import NodeAgent
+from plumbing.launch import ServiceProcess, start_service
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
-from rpc.launch import ServiceProcess, start_service
 from rpc.wire import selector_to_pb
 
 LAYOUT = KVLayout(

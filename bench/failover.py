@@ -37,8 +37,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
+from plumbing.launch import ServiceProcess, start_service
 from rpc.channel import make_channel
-from rpc.launch import ServiceProcess, start_service
 from rpc.status import KVCacheRpcError
 
 from .report import Column, figure, print_table, write_json

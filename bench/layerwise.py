@@ -37,7 +37,7 @@ import torch
 
 from bench.report import MET, Column, print_table, targets_summary, write_json
 from bench.store import bench_layout, gbps, prefaulted
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 PUT_TARGET = 0.8
 

@@ -33,7 +33,7 @@ from bench.report import Column, print_table, write_json
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 from kvstore.store import StoreConfig, TieredStore
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 LAYOUT = KVLayout(
     model="bench", num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=256

@@ -69,9 +69,9 @@ from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
+from plumbing.launch import ServiceProcess, start_service
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as mpb
-from rpc.launch import ServiceProcess, start_service
 
 from .report import Column, print_table, write_json
 

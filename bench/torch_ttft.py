@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.report import Column, print_table, write_json
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 log = logging.getLogger("kvcache.bench.torch")
 

@@ -359,7 +359,7 @@ class NodePair:
         sites: list[tuple[list[str], str]] | None = None,
     ) -> None:
         from node.config import parse_layout
-        from rpc.launch import start_service
+        from plumbing.launch import start_service
 
         layout_spec = _bench_layout(page_bytes)
         namespace = parse_layout(layout_spec).namespace

@@ -1,7 +1,7 @@
 """``kvcache bench transfer --hosts``: pages between two hosts in network namespaces, on an
 unshaped link and on links shaped with ``tc tbf`` (e.g. 10 Gbit/s).
 
-Two hosts (network namespaces on one bridge, ``rpc/netns.py``) each run a real node server and
+Two hosts (network namespaces on one bridge, ``plumbing/netns.py``) each run a real node server and
 messenger; this process, in the root namespace, reaches both through the bridge. For each link
 rate in ``--rates`` (a tbf on both ends of both hosts' links, so each host sends and receives at
 most that rate; ``none``: unshaped) and each page size:
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from rpc.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
+from plumbing.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
 
 from .report import Column, print_table, write_json
 from .transfer import MIB, ROOT, Measurement, NodePair, RawReference, human

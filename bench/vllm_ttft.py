@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.models import MODELS, make_model
 from bench.report import Column, print_table, write_json
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 TARGETS = {"tiny": 1.0, "100m": 0.3}  # hit TTFT / recompute TTFT
 STORE_OVERHEAD_TARGET = 1.05  # cold prefill with the connector saving / without

@@ -24,15 +24,15 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from proto import conductor_pb2_grpc as pbg
-from rpc.etcd import EtcdClient
-from rpc.membership import (
+from plumbing.etcd import EtcdClient
+from plumbing.membership import (
     ConductorRecord,
     add_etcd_args,
     election_name,
     etcd_settings,
     nodes_prefix,
 )
+from proto import conductor_pb2_grpc as pbg
 from rpc.server import (
     Auth,
     Service,

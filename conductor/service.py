@@ -22,10 +22,10 @@ import grpc
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, echo
 from kvstore.keys import scope_keys, select_keys
 from kvstore.layout import KVLayout
+from plumbing.membership import LEADER_METADATA
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.cluster import check_node_id
-from rpc.membership import LEADER_METADATA
 from rpc.server import Auth
 from rpc.status import observed, status_for
 from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb

@@ -1,4 +1,4 @@
-"""Several hosts on one machine, for real: network namespaces on a bridge (``rpc/netns.py``),
+"""Several hosts on one machine, for real: network namespaces on a bridge (``plumbing/netns.py``),
 ``kvcache up --hosts N`` / ``kvcache down``, and pages moved between hosts by real messengers,
 verified byte for byte. Needs root (``ip netns add``); skipped with the reason otherwise."""
 
@@ -29,7 +29,7 @@ from test_cluster_e2e import (
     write_trace,
 )
 
-from rpc.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
+from plumbing.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
 
 import leftovers
 from helpers import wait_until
@@ -359,8 +359,8 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
         assert {c["pid"] for c in conductors} <= set(namespace_pids(ctl_ns))
         assert_nothing_on_loopback(network)
         # Membership from etcd: each node and messenger by its host's address (--advertise).
-        from rpc.etcd import EtcdClient
-        from rpc.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
+        from plumbing.etcd import EtcdClient
+        from plumbing.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
 
         with EtcdClient(state["etcd"]["endpoints"][0]) as etcd:
             _, node_kvs = etcd.get_prefix(nodes_prefix("/kvcache"))

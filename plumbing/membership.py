@@ -29,8 +29,9 @@ from google.protobuf import json_format
 from kvstore.errors import InvalidArgument
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
+from rpc.cluster import NodeDescriptor, NodeLoad
+from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
-from .cluster import NodeDescriptor, NodeLoad
 from .etcd import (
     DEFAULT_PREFIX,
     EtcdClient,
@@ -39,7 +40,6 @@ from .etcd import (
     check_prefix,
     parse_endpoints,
 )
-from .wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
 log = logging.getLogger(__name__)
 
