@@ -22,7 +22,7 @@ import grpc
 
 from kvstore.errors import KVStoreError
 from plumbing.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
-from plumbing.membership import LEADER_METADATA, ConductorRecord, election_name
+from plumbing.registration import LEADER_METADATA, ConductorRecord, election_name
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg

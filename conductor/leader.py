@@ -28,7 +28,7 @@ from typing import Callable
 
 from kvstore.errors import KVStoreError
 from plumbing.etcd import EtcdClient, EtcdError, EtcdUnavailable
-from plumbing.membership import ConductorRecord
+from plumbing.registration import ConductorRecord
 
 log = logging.getLogger(__name__)
 

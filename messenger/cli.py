@@ -18,7 +18,7 @@ import grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from plumbing.etcd import EtcdClient
-from plumbing.membership import (
+from plumbing.registration import (
     MessengerRecord,
     Registration,
     add_etcd_args,

@@ -22,7 +22,7 @@ from typing import Callable
 import grpc
 
 from plumbing.etcd import EtcdClient
-from plumbing.membership import NodeRecord, Registration, new_incarnation, nodes_prefix
+from plumbing.registration import NodeRecord, Registration, new_incarnation, nodes_prefix
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_channel

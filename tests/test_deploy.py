@@ -53,7 +53,7 @@ def check_command_line(argv: list[str]) -> argparse.Namespace:
             parse_layout(spec)
         parse_size(args.dram)
     if getattr(args, "etcd", None):
-        from plumbing.membership import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
+        from plumbing.registration import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
 
         # What every role runs on its etcd flags (a node's unset ones come from its config).
         prefix, ttl = args.etcd_prefix or DEFAULT_PREFIX, args.etcd_ttl_s or DEFAULT_TTL_S

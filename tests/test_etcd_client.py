@@ -1,4 +1,4 @@
-"""plumbing/etcd.py and plumbing/membership.py against a real etcd server: keys, leases, watches
+"""plumbing/etcd.py and plumbing/registration.py against a real etcd server: keys, leases, watches
 that report a broken stream, endpoint failover, etcd's election, and Registration's lease upkeep."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from plumbing.etcd import (
     parse_endpoints,
 )
 from plumbing.launch import free_port
-from plumbing.membership import Registration
+from plumbing.registration import Registration
 
 from helpers import wait_until
 

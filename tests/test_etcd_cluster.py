@@ -22,7 +22,7 @@ from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
 from conductor.service import SERVICE_NAME
 from plumbing.etcd import EtcdClient
-from plumbing.membership import LEADER_METADATA, NodeRecord, election_name
+from plumbing.registration import LEADER_METADATA, NodeRecord, election_name
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg

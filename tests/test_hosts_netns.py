@@ -360,7 +360,12 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
         assert_nothing_on_loopback(network)
         # Membership from etcd: each node and messenger by its host's address (--advertise).
         from plumbing.etcd import EtcdClient
-        from plumbing.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
+        from plumbing.registration import (
+            MessengerRecord,
+            NodeRecord,
+            messengers_prefix,
+            nodes_prefix,
+        )
 
         with EtcdClient(state["etcd"]["endpoints"][0]) as etcd:
             _, node_kvs = etcd.get_prefix(nodes_prefix("/kvcache"))

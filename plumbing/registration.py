@@ -1,5 +1,7 @@
-"""Cluster membership in etcd: where each record lives, how it is encoded, and ``Registration``,
-the thread that keeps one record alive under a lease.
+"""The member side of cluster membership in etcd: where each member's record lives, how it is
+encoded, and ``Registration``, the thread with which a node or messenger keeps its record alive
+under a lease (a conductor campaigns with its ``ConductorRecord``). The conductor side, which
+learns the membership from a watch of these keys, is ``conductor/membership_watch.py``.
 
 Keys under the prefix (``--etcd-prefix``, default ``/kvcache``):
 
