@@ -78,7 +78,7 @@ SERVE_STATE := out/serve
 SERVE_REQUESTS ?= 60
 
 serve-demo: $(STAMP)
-	$(PY) -m bench.models tiny $(SERVE_STATE)/tiny-llama
+	$(PY) -m bench.engines.models tiny $(SERVE_STATE)/tiny-llama
 	@status=0; \
 	trap '$(KVCACHE) down --state-dir $(SERVE_STATE); exit 130' INT TERM; \
 	if $(KVCACHE) up --config configs/serve.toml --detach; then \

@@ -204,7 +204,7 @@ def test_bad_network_specs_are_refused_and_leave_nothing(tmp_path, net_prefix):
 
 
 def test_pages_move_between_hosts_through_the_messengers(tmp_path, net_prefix):
-    from bench.transfer import NodePair
+    from bench.micro.transfer_rig import NodePair
 
     net = HostNetwork.create(
         NetSpec(prefix=net_prefix, subnet=free_subnet(), rate="1gbit"),
@@ -432,7 +432,7 @@ def test_down_cleans_up_after_a_crashed_launcher(tmp_path, net_prefix):
 
 
 def test_transfer_bench_across_hosts_reports_ratios_per_link(tmp_path, net_prefix, capsys):
-    from bench.transfer import main
+    from bench.micro.transfer import main
 
     out = tmp_path / "hosts.json"
     args = ["--hosts", "--total", "8M", "--sizes", "1M", "--runs", "1", "--rates", "none,1gbit",

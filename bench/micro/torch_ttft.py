@@ -355,6 +355,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.torch_ttft")
+    p = argparse.ArgumentParser(prog="python -m bench.micro.torch_ttft")
     configure(p)
     raise SystemExit(run(p.parse_args()))

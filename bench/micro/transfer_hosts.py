@@ -24,10 +24,10 @@ import sys
 import tempfile
 import time
 
+from bench.report import Column, human, print_table, write_json
 from plumbing.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
 
-from .report import Column, print_table, write_json
-from .transfer import MIB, ROOT, Measurement, NodePair, RawReference, human
+from .transfer_rig import MIB, ROOT, Measurement, NodePair, RawReference
 
 
 def _raw_receiver(host: str, total: int, rounds: int, sender_netns: str) -> None:
@@ -47,7 +47,7 @@ class RawLink:
 
     def __init__(self, net: HostNetwork, src: str, dst: str, total: int, rounds: int) -> None:
         self.receiver = subprocess.Popen(
-            [*net.exec_prefix(dst), sys.executable, "-m", "bench.transfer_hosts",
+            [*net.exec_prefix(dst), sys.executable, "-m", "bench.micro.transfer_hosts",
              "raw-receiver", net.host(dst).address, str(total), str(rounds),
              net.host(src).netns],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
