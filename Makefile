@@ -116,7 +116,8 @@ test-repeat: $(STAMP) etcd
 	done; \
 	echo "test-repeat: $$failed of $(N) runs failed (logs in $(REPEAT_OUT)/)"; [ $$failed = 0 ]
 
-# Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.
+# Lint, format, types (strict on kvstore/, rpc/, plumbing/, clients/, router/) and the layer
+# contracts.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
