@@ -21,12 +21,12 @@ from typing import Any, Callable, Sequence
 import grpc
 
 from kvstore.errors import KVStoreError
+from plumbing.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
+from plumbing.registration import LEADER_METADATA, ConductorRecord, election_name
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
-from rpc.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
-from rpc.membership import LEADER_METADATA, ConductorRecord, election_name
 from rpc.status import KVCacheRpcError
 from rpc.wire import selector_to_pb
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from rpc.launch import ServiceProcess, group_shm, release_shm, start_service
+from plumbing.launch import ServiceProcess, group_shm, release_shm, start_service
 
 from .cluster_config import ClusterConfig, ConfigError
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from clients.conductor_client import ConductorClient
 from kvcache.cluster import Cluster, load_config
 
@@ -158,7 +158,7 @@ def _reference(model: str, log_dir: str) -> subprocess.Popen[str]:
         "runs": [{"prompts": [PLAIN, STREAMED, FIRST, SECOND], "max_tokens": MAX_TOKENS}],
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.vllm_engine"],
+        [sys.executable, "-m", "bench.engines.vllm_engine"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=open(os.path.join(log_dir, "reference.log"), "w"),

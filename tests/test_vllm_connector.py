@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
 from kvstore.layout import KVLayout
@@ -39,7 +39,7 @@ def model(tmp_path_factory) -> str:
 def generate(
     model: str, prompts: list[list[int]], connector: dict | None = None, max_tokens: int = 8
 ) -> list[dict]:
-    """Run a fresh engine in a process of its own (bench.vllm_engine) on ``prompts``."""
+    """Run a fresh engine in a process of its own (bench.engines.vllm_engine) on ``prompts``."""
     spec = {
         "model": model,
         "connector": connector,
@@ -49,9 +49,9 @@ def generate(
 
 
 def run_engine(spec: dict) -> list[dict]:
-    """bench.vllm_engine in a process of its own; its runs."""
+    """bench.engines.vllm_engine in a process of its own; its runs."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_engine"],
+        [sys.executable, "-m", "bench.engines.vllm_engine"],
         input=json.dumps(spec),
         capture_output=True,
         text=True,
