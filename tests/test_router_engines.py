@@ -29,8 +29,8 @@ import pytest
 from aiohttp import web
 
 from clients.conductor_client import ConductorClient
+from plumbing.launch import ServiceProcess, start_service
 from router import protocol
-from rpc.launch import ServiceProcess, start_service
 
 from conftest import TEST_LAYOUT
 from helpers import wait_until
