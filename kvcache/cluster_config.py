@@ -110,7 +110,7 @@ def _netns(name: str, empty_ok: bool = False) -> Callable[[Any], Any]:
     """A check of ``plumbing.netns`` (``NetnsError``, a RuntimeError there) as a config check."""
 
     def check(value: Any) -> None:
-        from rpc import netns  # NOTE: lazily, as the node's checks above
+        from plumbing import netns  # NOTE: lazily, as the node's checks above
 
         if empty_ok and value == "":
             return
