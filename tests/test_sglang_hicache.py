@@ -93,6 +93,21 @@ def test_tp_ranks_pp_stages_models_and_layouts_keep_their_own_pages(start_node):
         assert other_layout.prefetch(ts)[0] == 0
 
 
+def test_keys_follow_docs_api_md(start_node):
+    """A key computed from docs/api.md's "SGLang HiCache keys" is the backend's."""
+    import xxhash
+
+    node = start_node(layout=FP16)
+    with ranks(rank(node.address, tp=(1, 2), pp=(0, 1), model="org/m")) as (r,):
+        name = hashes(tokens(1))[0]
+        identity = (
+            "model=org/m|dtype=float16|layout=page_first"
+            "|page=16:8192:MHATokenToKVPoolHost(2, 16, 2, 2, 32)|share=tp1/2,pp0/1|epoch="
+        )
+        doc = b"sglang/page/v2\x00" + identity.encode() + b"\x00" + name.encode()
+        assert r.backend._keys([name]) == [xxhash.xxh3_128_digest(doc)]
+
+
 def test_the_node_layout_must_fit_the_pools_dtype_and_model(start_node):
     node = start_node("--layout", BF16, layout=FP16)  # equal page sizes, two dtypes
     with ranks(rank(node.address), rank(node.address, dtype=torch.bfloat16)) as (f16, b16):
