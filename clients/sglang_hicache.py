@@ -15,8 +15,9 @@ page from the node's shared memory into the host pool (viewed in the pool's dtyp
 ``Allocate`` + one copy per page out of the host pool + ``Commit``. With the node on another
 host, pages are streamed. Errors are misses or failed writes, never exceptions into SGLang's
 storage threads; every call has a short deadline (``timeout_s``) and a node that does not answer
-opens a breaker (clients/sglang_guard.py), so SGLang's threads never wait on it. Nothing is asked
-of the node before the first page moves: a node that is down at engine start is a miss.
+opens a breaker (clients/sglang_guard.py), so SGLang's threads never wait on it. The node is first
+asked (for its layouts) when SGLang registers the host pool: a node that is down or hung then costs
+one deadline, and the engine starts with misses until the node answers.
 
 Only the KV pool is stored: models whose cache has other pools too (hybrid, DSA, Mamba, sliding
 window: SGLang's v2 interface) are refused when SGLang registers them. Extra config: ``node``
@@ -97,7 +98,7 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.config = storage_config
         self.timeout_s = _positive(extra, "timeout_s", 2.0)
         address, tls = str(extra["node"]), extra.get("tls_ca_file")
-        # No call here: a node that is down at engine start must not fail the start.
+        # No call here: the node is asked at registration, where a failure is a miss, not an error.
         self.client = KVStoreClient(
             address,
             token=token,

@@ -230,10 +230,17 @@ def rank(
         allocator = PagedTokenToKVPoolAllocator(kv.size, PAGE, dtype, "cpu", kv, False)
         ctl = HybridCacheController(
             allocator, group, PAGE, None, load_cache_event=threading.Event(),
-            io_backend="direct", storage_backend="dynamic", model_name=model,
-            storage_backend_extra_config=extra_config(node, **extra),
-            transfer_layer_id_max=LAYERS, enable_storage_metrics=metrics,
+            io_backend="direct", transfer_layer_id_max=LAYERS, enable_storage_metrics=metrics,
         )  # fmt: skip
+        # The attach the engine makes at start (and SGLang's attach API at run time).
+        try:
+            ctl.attach_storage_backend(
+                storage_backend="dynamic", model_name=model,
+                storage_backend_extra_config=extra_config(node, **extra), host_pools=entries,
+            )  # fmt: skip
+        except BaseException:
+            ctl.detach_storage_backend()  # its threads, when it got that far
+            raise
     return Rank(ctl, host, group)
 
 
