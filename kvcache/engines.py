@@ -178,8 +178,8 @@ class EngineProcess:
         its processes held: they cannot unlink it themselves, and vLLM's segments are hundreds
         of MB each. Stopped first, so that nothing is made or handed on between the reading
         and the kill. Python's multiprocessing resource tracker is spared: it unlinks the
-        semaphores the others registered (``sem.mp-*``, mapped by nobody, so not among the
-        segments read) once they are gone, and exits. Returns the segments removed."""
+        semaphores the others registered (``sem.mp-*``) once they are gone, and exits; what
+        it leaves (killed in its turn, or late) is removed here. Returns the segments removed."""
         self.signal(signal.SIGSTOP)
         pids, names = self.shm()
         trackers = {p for p in pids if _is_resource_tracker(p)}

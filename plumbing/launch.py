@@ -177,32 +177,43 @@ SHM_DIR = "/dev/shm"
 
 def shm_holders() -> dict[str, set[int]]:
     """Every ``/dev/shm`` name some live process maps or holds open -> those pids (read from
-    ``/proc``; processes of other users are invisible without privileges)."""
+    ``/proc``; processes of other users are invisible without privileges). Matched by inode:
+    a POSIX semaphore (``sem.mp-*``) is mapped under the temporary name glibc made it under,
+    so only its inode ties the mapping to the name."""
+    by_inode: dict[int, list[str]] = {}
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            by_inode.setdefault(os.stat(os.path.join(SHM_DIR, name)).st_ino, []).append(name)
+        except OSError:
+            continue
     holders: dict[str, set[int]] = {}
-    prefix = SHM_DIR + "/"
+    prefix = (SHM_DIR + "/").encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
-        names = set()
+        inodes = set()
         try:
             with open(f"/proc/{pid}/maps", "rb") as f:
                 for line in f:
-                    i = line.find(prefix.encode())
-                    if i >= 0:
-                        names.add(line[i + len(prefix) :].rstrip(b"\n").decode(errors="replace"))
+                    if prefix in line:  # address perms offset dev inode path
+                        inodes.add(int(line.split(maxsplit=5)[4]))
             fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # gone meanwhile, or not ours to read
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             fds = []
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM_DIR + "/"):
+                    inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
             except OSError:
                 continue
-            if target.startswith(prefix):
-                names.add(target[len(prefix) :])
-        for name in names:
-            holders.setdefault(name.removesuffix(" (deleted)"), set()).add(pid)
+        for inode in inodes:
+            for name in by_inode.get(inode, ()):
+                holders.setdefault(name, set()).add(pid)
     return holders
 
 

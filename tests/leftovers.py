@@ -118,26 +118,33 @@ def shm_entries() -> set[str]:
 
 
 def held_shm() -> set[str]:
-    """Names in /dev/shm that some live process maps or holds open."""
-    held = set()
-    prefix = SHM_DIR + "/"
+    """Names in /dev/shm that some live process maps or holds open, matched by inode: a
+    POSIX semaphore (``sem.mp-*``) is mapped under the temporary name glibc created it as."""
+    names: dict[int, list[str]] = {}
+    for name in shm_entries():
+        try:
+            names.setdefault(os.stat(os.path.join(SHM_DIR, name)).st_ino, []).append(name)
+        except OSError:
+            continue
+    prefix = (SHM_DIR + "/").encode()
+    inodes = set()
     for pid in _pids():
         for line in _read(f"/proc/{pid}/maps").splitlines():
-            i = line.find(prefix.encode())
-            if i >= 0:
-                held.add(line[i + len(prefix) :].split(b" (deleted)")[0].decode(errors="replace"))
+            if prefix in line:  # address perms offset dev inode path
+                fields = line.split(maxsplit=5)
+                if len(fields) > 4 and fields[4].isdigit():
+                    inodes.add(int(fields[4]))
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM_DIR + "/"):
+                    inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
             except OSError:
                 continue
-            if target.startswith(prefix):
-                held.add(target[len(prefix) :].split(" (deleted)")[0])
-    return held
+    return {n for inode in inodes for n in names.get(inode, ())}
 
 
 def netns_names(prefix: str) -> list[str]:

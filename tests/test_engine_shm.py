@@ -45,6 +45,12 @@ if len(sys.argv) > 3:  # a helper that leaves a semaphore to the tracker, and ex
     os.waitpid(helper, 0)
 if os.fork() == 0:
     held.append(segment(f"psm_{tag}_core"))
+    if os.environ.get("KVT_HOLD_SEMAPHORE"):  # a live lock (vLLM's), its tracker gone
+        import multiprocessing
+        lock = multiprocessing.get_context("spawn").Lock()
+        resource_tracker.unregister(lock._semlock.name, "semaphore")
+        with open(os.environ["KVT_HOLD_SEMAPHORE"], "w") as f:
+            f.write(lock._semlock.name)
     print("core", flush=True)
     time.sleep(600)
     os._exit(0)
@@ -61,7 +67,9 @@ def node_segment():
     shm.unlink()
 
 
-def _engine(tmp_path, tag: str, node: str, *extra: str) -> EngineProcess:
+def _engine(
+    tmp_path, tag: str, node: str, *extra: str, semaphore: str = "", segments: int = 3
+) -> EngineProcess:
     log = tmp_path / f"{tag}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -69,11 +77,12 @@ def _engine(tmp_path, tag: str, node: str, *extra: str) -> EngineProcess:
             stdout=subprocess.PIPE,
             stderr=out,
             start_new_session=True,
+            env={**os.environ, "KVT_HOLD_SEMAPHORE": semaphore},
         )
     assert proc.stdout is not None and proc.stdout.readline() == b"core\n", log.read_text()
     spec = EngineSpec(node="n0", model="m", served_model_name="m", kv_role="both")
     engine = EngineProcess(spec, "http://127.0.0.1:9", proc, str(log))
-    wait_until(lambda: len(engine.shm()[1]) == 3, 30, "the engine's three segments")
+    wait_until(lambda: len(engine.shm()[1]) == segments, 30, f"the engine's {segments} segments")
     return engine
 
 
@@ -128,5 +137,24 @@ def test_an_engine_that_crashed_before_the_stop_leaves_nothing(tmp_path, node_se
     engine.signal(9)  # a crash nobody saw coming: no reading of its segments now
     engine.proc.wait(10)
     serving.stop(timeout_s=5)
+    assert not _exists(f"psm_{tag}_core") and not _exists(f"psm_{tag}_leader")
+    assert _exists(node_segment)
+
+
+def test_a_semaphore_an_engine_holds_goes_with_it_when_nobody_else_would_unlink_it(
+    tmp_path, node_segment
+):
+    """A live multiprocessing lock is mapped under glibc's temporary name, not ``sem.mp-*``:
+    the engine's segments are matched by inode, so a stop that has to SIGKILL the group (its
+    resource tracker included) still removes the lock's name."""
+    tag = f"kvt{os.getpid()}l"
+    named = tmp_path / "semaphore"
+    serving = Serving(ServingConfig(engines=()), "127.0.0.1")
+    engine = _engine(tmp_path, tag, node_segment, semaphore=str(named), segments=4)
+    sem = "sem." + named.read_text().lstrip("/")
+    assert sem in engine.shm()[1]
+    serving.engines.append(engine)
+    serving.stop(timeout_s=5)
+    assert not _exists(sem)
     assert not _exists(f"psm_{tag}_core") and not _exists(f"psm_{tag}_leader")
     assert _exists(node_segment)
