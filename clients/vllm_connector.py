@@ -42,9 +42,10 @@ Extra config (``kv_connector_extra_config``): ``node`` (address, required), ``to
 (default: the node's layout for this model when it serves one, else 256), ``model`` (the
 layout's model name; default vLLM's served model name), ``salt``, ``save`` (``"prompt"``: save
 full prompt blocks, the default; ``"none"``: load only), ``lease_ttl_s``, ``overlap``
-(``"auto"``, true, false), ``timeout_ms`` (deadline of every node call, default 1000),
-``retry_s`` (how often a node that stopped answering is asked again, default 2),
-``model_fingerprint`` (the weights' identity, instead of sampling the weight files).
+(``"auto"``, true, false), ``timeout_ms`` (deadline of every node call, default 500; streamed
+pages get 10 ms more per MB), ``retry_s`` (how often a node that stopped answering is asked
+again, default 2), ``model_fingerprint`` (the weights' identity, instead of sampling the weight
+files).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class ConnectorConfig:
     overlap: str | bool = "auto"
     # A node call on the engine's path waits this long at most; one that does not answer opens
     # the breaker (the connector does nothing until the node answers again, asked every retry_s).
-    timeout_ms: float = 1000.0
+    timeout_ms: float = 500.0
     retry_s: float = 2.0
     model_fingerprint: str | None = None
 
@@ -285,7 +286,9 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tls_ca_file=self.config.tls_ca_file,
             timeout_s=self.config.timeout_ms / 1000,
         )
-        self.guard = NodeGuard(self.client, self.config.retry_s)
+        self.guard = NodeGuard(
+            self.client, self.config.retry_s, self.config.token, self.config.tls_ca_file
+        )
         self.model_name = self.config.model or _served_name(vllm_config)
         self.stats = ConnectorStats()
         self._reported: dict[str, Any] = {}
@@ -351,6 +354,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVCacheConnectorPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
+
+    def bulk_timeout(self, nbytes: int) -> float:
+        """The deadline of a streamed Get / Put of ``nbytes``: the call's, plus 100 MB/s."""
+        return self.client.timeout_s + nbytes / 100e6
 
     def get_kv_connector_stats(self) -> KVCacheConnectorStats | None:
         """This connector's counters since the last call (also added to ``STATS``)."""
@@ -499,14 +506,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         asked = request.kv_transfer_params or {}
         if st is None or not asked.get("kvcache_keys") or self._ranks is None:
             return False, None
-        if len(self._ranks) != 1:  # a rank's keys are derived: not the chain others compute
-            return False, None
-        keys = {
-            "namespace": self.namespace,
-            "salt": st.salt.hex(),
-            "engine": self._engine_salt.hex(),
-        }
-        return False, {"kvcache": keys}
+        salts = {"salt": st.salt.hex(), "engine": self._engine_salt.hex()}
+        # ranks: each rank's keys are the chain's derived with its tag (vllm_identity.rank_keys)
+        ranks = [r.tag for r in self._ranks if r.tag]
+        return False, {"kvcache": {"namespace": self.namespace, **salts, "ranks": ranks}}
 
     def _request(self, request: "Request") -> _Request | None:
         st = self._reqs.get(request.request_id)

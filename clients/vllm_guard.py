@@ -1,14 +1,15 @@
 """The connector's calls to its node, bounded: a cache must never make the engine slower than no
 cache. Every call on the engine's path has a short deadline (the client's ``timeout_s``); a call
-that fails for want of the node (deadline, unavailable) opens the breaker, and while it is open
-the connector is a no-op (no lookups, loads or saves) and costs the engine nothing. A background
-probe asks the node for its info every ``retry_s`` and closes the breaker when it answers."""
+that fails for want of the node (deadline, unavailable) opens the node's breaker, and while it
+is open the connector is a no-op (no lookups, loads or saves) and costs the engine nothing. A
+background probe asks the node for its info every ``retry_s`` and closes the breaker when it
+answers. The connectors of one process that use the same node (vLLM's scheduler and worker
+sides) share its breaker: an outage costs the engine one deadline, not one per side."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -40,31 +41,101 @@ class BreakerOpen(KVCacheRpcError):
         )
 
 
-class NodeGuard:
-    """Deadlines and the circuit breaker around one connector's ``KVStoreClient``."""
+class Breaker:
+    """Whether one node answers, for every connector of this process that uses it."""
 
-    def __init__(self, client: KVStoreClient, retry_s: float) -> None:
-        self.client = client
+    def __init__(self, probe: KVStoreClient, retry_s: float) -> None:
+        self.probe = probe  # its own client: a connector's may be closed at its shutdown
         self.retry_s = retry_s
+        self.users = 0
         self._lock = threading.Lock()
         self._open = False
-        self._probe: threading.Thread | None = None
-        self._closed = threading.Event()  # shutdown
-        self.trips = 0
-        self.skipped = 0  # calls not made while open
-        self.open_s = 0.0  # seconds spent open, closed spells only
-        self._opened_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def is_open(self) -> bool:
         return self._open
 
+    def trip(self, e: KVCacheRpcError) -> bool:
+        """Opens on a failure for want of the node; True if this call opened it."""
+        if e.code not in _GONE or isinstance(e, BreakerOpen):
+            return False
+        with self._lock:
+            if self._open:
+                return False
+            self._open = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._probing, daemon=True, name="kvcache-breaker"
+                )
+                self._thread.start()
+        log.warning(
+            "kvcache node %s does not answer (%s): the connector does nothing (no loads, no "
+            "saves) until it does; asking again every %.1f s",
+            self.probe.address,
+            e,
+            self.retry_s,
+        )
+        return True
+
+    def _probing(self) -> None:
+        while not self._stop.wait(self.retry_s):
+            try:
+                self.probe.info()
+            except KVCacheRpcError:
+                continue
+            except Exception:  # noqa: BLE001 - e.g. the channel closed at shutdown
+                return
+            with self._lock:
+                self._open = False
+            log.warning("kvcache node %s answers again: loads and saves resume", self.probe.address)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.probe.close()
+
+
+_BREAKERS: dict[tuple[str, str | None, str | None], Breaker] = {}
+_REGISTRY = threading.Lock()
+
+
+class NodeGuard:
+    """Deadlines and the node's shared breaker around one connector's ``KVStoreClient``; counts
+    what this connector saw (``trips``: outages it found, ``skipped``: calls it did not make)."""
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        retry_s: float,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+    ) -> None:
+        self.client = client
+        self._key = (client.address, token, tls_ca_file)
+        with _REGISTRY:
+            breaker = _BREAKERS.get(self._key)
+            if breaker is None:
+                probe = KVStoreClient(
+                    client.address, token, tls_ca_file, use_shm=False, timeout_s=client.timeout_s
+                )
+                breaker = _BREAKERS[self._key] = Breaker(probe, retry_s)
+            breaker.users += 1
+        self.breaker = breaker
+        self.trips = 0
+        self.skipped = 0
+        self._closed = False
+
+    @property
+    def is_open(self) -> bool:
+        return self.breaker.is_open
+
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` (a call of ``self.client``) unless the breaker is open (``BreakerOpen``);
         a failure for want of the node opens it."""
-        if self._open:
-            with self._lock:
-                self.skipped += 1
+        if self.breaker.is_open:
+            self.skipped += 1
             raise BreakerOpen(self.client.address)
         try:
             return fn()
@@ -81,42 +152,15 @@ class NodeGuard:
             raise
 
     def failed(self, e: KVCacheRpcError) -> None:
-        if e.code not in _GONE or isinstance(e, BreakerOpen):
-            return
-        with self._lock:
-            if self._open:
-                return
-            self._open = True
+        if self.breaker.trip(e):
             self.trips += 1
-            self._opened_at = time.monotonic()
-            if self._probe is None or not self._probe.is_alive():
-                self._probe = threading.Thread(
-                    target=self._probing, daemon=True, name="kvcache-breaker"
-                )
-                self._probe.start()
-        log.warning(
-            "kvcache node %s does not answer (%s): the connector does nothing (no loads, no "
-            "saves) until it does; asking again every %.1f s",
-            self.client.address,
-            e,
-            self.retry_s,
-        )
-
-    def _probing(self) -> None:
-        while not self._closed.wait(self.retry_s):
-            try:
-                self.client.info()
-            except KVCacheRpcError:
-                continue
-            except Exception:  # noqa: BLE001 - e.g. the channel closed at shutdown
-                return
-            with self._lock:
-                self._open = False
-                self.open_s += time.monotonic() - self._opened_at
-            log.warning(
-                "kvcache node %s answers again: loads and saves resume", self.client.address
-            )
-            return
 
     def close(self) -> None:
-        self._closed.set()
+        if self._closed:
+            return
+        self._closed = True
+        with _REGISTRY:
+            self.breaker.users -= 1
+            if self.breaker.users == 0:
+                _BREAKERS.pop(self._key, None)
+                self.breaker.close()

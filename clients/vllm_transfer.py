@@ -186,7 +186,10 @@ class _Step:
                     o if t is not None else -1 for o, t in zip(self.read.offsets, self.read.tiers)
                 ]
             else:
-                got = conn.guard.call(lambda: conn.client.get(conn.namespace, keys=keys))
+                wait = conn.bulk_timeout(len(keys) * page_bytes)
+                got = conn.guard.call(
+                    lambda: conn.client.get(conn.namespace, keys=keys, timeout_s=wait)
+                )
                 buf = np.zeros((len(keys), page_bytes), np.uint8)
                 offsets = []
                 for i, page in enumerate(got):
@@ -344,7 +347,10 @@ class _Step:
                 conn.guard.call(write.commit)
             elif self.streamed_out is not None and self.save_plan is not None:
                 out, keys = list(self.streamed_out), self.save_keys
-                conn.guard.call(lambda: conn.client.put(conn.namespace, out, keys=keys))
+                wait = conn.bulk_timeout(len(out) * self.layout.page_bytes)
+                conn.guard.call(
+                    lambda: conn.client.put(conn.namespace, out, keys=keys, timeout_s=wait)
+                )
         except KVCacheRpcError as e:
             log.warning("kvcache commit failed (%s); those blocks stay uncached", e)
         finally:

@@ -312,8 +312,8 @@ class Disaggregator:
         engine that reports none."""
         keys = (prefill.get("kv_transfer_params") or {}).get("kvcache") or {}
         try:
-            if keys.get("namespace") != layout.namespace:
-                return root_key(layout.namespace)
+            if keys.get("namespace") != layout.namespace or keys.get("ranks"):
+                return root_key(layout.namespace)  # a multi-rank engine's keys are derived
             salt, engine = bytes.fromhex(keys["salt"]), bytes.fromhex(keys["engine"])
         except (KeyError, TypeError, ValueError, AttributeError):
             return root_key(layout.namespace)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
 
 from bench.models import MODELS, make_model
 from clients import KVStoreClient
+from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
 from rpc.launch import start_service
 
+from helpers import wait_until
 from vllm_driver import Engine
 
 pytest.importorskip("vllm")
@@ -26,7 +29,13 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 BT = 64  # kvcache block tokens: two vLLM blocks of 32
 LAYOUT_FLAG = f"model={MODEL},num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens={BT}"
-NS = f"{MODEL}|L2|H2|D32|bfloat16|B{BT}"
+# fp8 KV with a draft model's 2 layers; MLA's latent cache (512 + 64 dims, one "head");
+# one rank of TP=2 (one KV head each)
+FP8_DRAFT = (
+    f"model={MODEL},num_layers=4,kv_heads=2,head_dim=32,dtype=float8_e4m3fn,block_tokens={BT}"
+)
+MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
+TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -54,9 +63,9 @@ def model(work) -> str:
 
 @pytest.fixture(scope="module")
 def node(work):
+    layouts = [a for layout in (LAYOUT_FLAG, FP8_DRAFT, MLA, TP2) for a in ("--layout", layout)]
     sp = start_service(
-        ["node", "--listen", "127.0.0.1:0", "--dram", "64MiB", "--layout", LAYOUT_FLAG],
-        log_dir=str(work),
+        ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
     )
     yield sp
     sp.stop()
@@ -223,3 +232,130 @@ def test_preempted_requests_get_their_load_when_they_resume(engine_b):
     after = engine_b.stats()
     assert [o["tokens"] for o in together] == [o["tokens"] for o in alone]
     assert after["resumed_loads"] > before["resumed_loads"], "no request was preempted"
+
+
+# ---- never a stalled engine ---------------------------------------------------------------------
+
+
+def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, reference, work):
+    """A node that hangs (SIGSTOP) from before the engine starts: the engine starts, serves
+    every request in full with the breaker open (node calls are not made: no 30 s deadlines in
+    the scheduler or the worker), and finds the node again once it answers. The time it costs is
+    bench.vllm_stall's figure, not asserted here."""
+    sp = start_service(
+        ["node", "--listen", "127.0.0.1:0", "--dram", "16MiB", "--layout", LAYOUT_FLAG],
+        log_dir=str(work),
+    )
+    try:
+        os.kill(sp.pid, signal.SIGSTOP)
+        conn = {"node": sp.address, "block_tokens": BT, "timeout_ms": 500, "retry_s": 0.5}
+        with Engine(model, conn, log_path=str(work / "stalled.log")) as e:
+            outs = e.generate([PROMPT, STORED])
+            assert [o["tokens"] for o in outs] == [reference["prompt"], reference["stored"]]
+            assert [o["cached"] for o in outs] == [0, 0]
+            more = e.generate([EXTENDED])
+            assert more[0]["tokens"] == reference["extended"]
+            stats = e.stats()
+            assert stats["breaker_open"] == 1 and stats["breaker_trips"] >= 1
+            assert stats["breaker_skipped"] >= 1, "the connector kept calling a node that hangs"
+            assert stats["saved_pages"] == 0
+            os.kill(sp.pid, signal.SIGCONT)
+            # Found again: PROMPT is stored, and then loaded.
+            wait_until(
+                lambda: e.generate([PROMPT])[0]["cached"] == 4 * BT,
+                timeout_s=120,
+                what="hits after the node answers again",
+            )
+            assert e.generate([PROMPT])[0]["tokens"] == reference["prompt"]
+            assert e.stats()["breaker_open"] == 0
+    finally:
+        os.kill(sp.pid, signal.SIGCONT)
+        sp.stop()
+
+
+# ---- what users hit at start -----------------------------------------------------------------
+
+
+def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(model, node, work):
+    """kv_cache_dtype fp8_e4m3 (pages of float8 bytes) and speculative decoding with a draft
+    model, whose 2 KV layers are stored with the target's 2: the engine starts, stores, and a
+    later run loads the prompt and gets the tokens of its full computation."""
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    with Engine(
+        model,
+        {"node": node.address},
+        engine={"kv_cache_dtype": "fp8_e4m3", "speculative_config": spec},
+        log_path=str(work / "fp8-draft.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|float8_e4m3fn|")
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+def test_an_mla_model_stores_and_loads(node, work):
+    """An MLA model (DeepSeek-V2 shape, CPU_MLA backend): one latent vector per token, not K|V
+    per head; its pages hold the latent cache as it is."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = str(work / "tiny-mla")
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        kv_lora_rank=512,  # the CPU MLA kernels take 512 + 64
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=1024,
+    )
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with Engine(path, {"node": node.address}, log_path=str(work / "mla.log")) as e:
+        (full,) = e.generate([PROMPT])
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0 and full["kvcache"]["namespace"].startswith("tiny-mla|L2|H1|D288|")
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+# ---- ranks --------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_ranks_store_their_own_shares_under_keys_of_their_own(
+    model, node, reference, work
+):
+    """TP=2 (a multi-process engine, one core per rank): each rank stores its KV head under
+    keys of its own in the same namespace, the scheduler offers what both hold, and a later run
+    loads both shares and gets the tokens of a TP=1 full computation."""
+    with Engine(
+        model,
+        {"node": node.address},
+        engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        log_path=str(work / "tp2.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        (loaded,) = e.generate([PROMPT])
+    assert full["tokens"] == reference["prompt"] and full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == reference["prompt"]
+    kv = full["kvcache"]
+    assert kv["namespace"].startswith(f"{MODEL}|L2|H1|D32|bfloat16|")
+    assert sorted(kv["ranks"]) == ["tp0/2|pp0/1", "tp1/2|pp0/1"]
+    root = root_key(kv["namespace"], bytes.fromhex(kv["salt"]))
+    chain = block_keys(PROMPT, BT, root)
+    with KVStoreClient(node.address) as c:
+        assert c.lookup(kv["namespace"], keys=chain).hit_blocks == 0  # no rank's own keys
+        for tag in kv["ranks"]:
+            got = c.lookup(kv["namespace"], keys=rank_keys(chain, tag)).hit_blocks
+            assert got == 4, f"rank {tag} holds {got} pages"
