@@ -792,12 +792,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 def _refuse_unsupported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
     """Features whose KV the connector cannot store faithfully: a clear error at start, never a
     crash or silently wrong KV later."""
-    cc, pc = vllm_config.cache_config, vllm_config.parallel_config
-    if getattr(cc, "calculate_kv_scales", False):
-        raise ValueError(
-            "kvcache connector: calculate_kv_scales makes each engine quantize KV with scales of "
-            "its own, so stored pages would be read with other scales; not supported"
-        )
+    pc = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, name, 1) > 1:
             raise ValueError(f"kvcache connector: {name} > 1 is not supported")

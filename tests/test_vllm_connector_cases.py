@@ -329,6 +329,26 @@ def test_an_mla_model_stores_and_loads(node, work):
     assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
 
 
+def test_a_sliding_window_model_is_refused_at_start_naming_the_feature(node, work):
+    """vLLM turns its hybrid allocator off for the connector: a sliding-window model would run
+    with blocks the connector cannot keep (freed outside the window). The engine does not start,
+    and says why."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = str(work / "tiny-mistral")
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        **MODELS["tiny"],
+        head_dim=32,
+        sliding_window=128,
+        max_position_embeddings=1024,
+    )
+    MistralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with pytest.raises(AssertionError, match="the model has sliding-window attention"):
+        Engine(path, {"node": node.address}, log_path=str(work / "sliding.log"))
+
+
 # ---- ranks --------------------------------------------------------------------------------------
 
 
@@ -359,3 +379,27 @@ def test_tensor_parallel_ranks_store_their_own_shares_under_keys_of_their_own(
         for tag in kv["ranks"]:
             got = c.lookup(kv["namespace"], keys=rank_keys(chain, tag)).hit_blocks
             assert got == 4, f"rank {tag} holds {got} pages"
+
+
+# ---- reset_cache and stats -------------------------------------------------------------------
+
+
+def test_reset_cache_forgets_what_the_engine_could_load_and_stats_reach_vllm(engine):
+    """vLLM's reset_prefix_cache(reset_connector=True) resets what this engine can load (its
+    keys move to a new epoch); the connector's counters reach vLLM's stats and metrics."""
+    prompt = tokens(60, 2 * BT + 10)
+    engine.generate([prompt])
+    (hit,) = engine.generate([prompt])
+    assert hit["cached"] == 2 * BT
+    assert engine.reset()
+    (after,) = engine.generate([prompt])
+    assert after["cached"] == 0, "reset_cache left the engine loading what it stored before"
+    (again,) = engine.generate([prompt])
+    assert again["cached"] == 2 * BT and again["tokens"] == hit["tokens"]
+    metrics = engine.metrics()
+    stats = engine.stats()
+    assert metrics["vllm:kvcache_hit_tokens"] >= 4 * BT
+    assert metrics["vllm:kvcache_loaded_pages"] >= 4 and metrics["vllm:kvcache_saved_pages"] >= 4
+    assert metrics["vllm:kvcache_loaded_bytes"] == stats["loaded_bytes"]
+    assert metrics["vllm:kvcache_steps"] == stats["steps"] > 0
+    assert metrics["vllm:kvcache_breaker_open"] == 0

@@ -47,7 +47,11 @@ class Engine:
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self._call({"model": model, "connector": connector, **spec}, timeout=300)
+        try:
+            self._call({"model": model, "connector": connector, **spec}, timeout=300)
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
