@@ -403,3 +403,25 @@ def test_reset_cache_forgets_what_the_engine_could_load_and_stats_reach_vllm(eng
     assert metrics["vllm:kvcache_loaded_bytes"] == stats["loaded_bytes"]
     assert metrics["vllm:kvcache_steps"] == stats["steps"] > 0
     assert metrics["vllm:kvcache_breaker_open"] == 0
+
+
+# ---- GPU (run where a GPU is; not on this project's CPU machines) ----------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_with_cuda_graphs_a_load_batched_as_a_decode_is_loaded(model, node, work):
+    """vLLM's default on GPUs captures full CUDA graphs; a replay runs no per-layer hook. A
+    request whose load leaves one token to compute, batched with decodes, is a uniform decode
+    batch: its loaded blocks must be filled all the same (piecewise graphs, every layer loaded
+    in start_load_kv)."""
+    prompt = tokens(70, 4 * BT + 1)
+    other = tokens(71, 100)
+    with Engine(
+        model, {"node": node.address}, engine={"enforce_eager": False}, log_path=str(work / "g.log")
+    ) as e:
+        (full,) = e.generate([prompt])
+        assert full["cached"] == 0
+        outs = e.generate([other, prompt], max_tokens=16)
+    assert outs[1]["cached"] == 4 * BT
+    assert outs[1]["tokens"][:8] == full["tokens"]

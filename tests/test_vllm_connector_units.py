@@ -178,16 +178,17 @@ def vllm_config(tmp_path_factory):
     return make
 
 
-def handshake(*tags: str) -> dict:
-    layout = {
-        "model": "tiny-llama",
-        "num_layers": 2,
-        "kv_heads": 1,
-        "head_dim": 32,
-        "dtype": "bfloat16",
-        "block_tokens": BT,
-    }
-    return {(0, i): KVCacheHandshake(NS_H1, layout, "fmt", tag) for i, tag in enumerate(tags)}
+def handshake(*tags: str, layers: tuple[int, ...] = ()) -> dict:
+    """Workers' handshakes: one per tag, (pp, tp) keyed; ``layers``: per rank (default 2,
+    one KV head each) for pipeline stages of their own size."""
+    out = {}
+    for i, tag in enumerate(tags):
+        n = layers[i] if layers else 2
+        layout = dict(model="tiny-llama", num_layers=n, kv_heads=1, head_dim=32, dtype="bfloat16")
+        ns = f"tiny-llama|L{n}|H1|D32|bfloat16|B{BT}"
+        key = (i, 0) if layers else (0, i)
+        out[key] = KVCacheHandshake(ns, {**layout, "block_tokens": BT}, "fmt", tag)
+    return out
 
 
 def test_the_scheduler_offers_only_what_every_rank_holds(vllm_config, start_node):
@@ -227,6 +228,28 @@ def test_a_prompt_embeds_request_is_neither_looked_up_nor_saved(vllm_config, sta
         r = request(prompt_embeds=torch.zeros(len(TOKENS), 128))
         assert conn.get_num_new_matched_tokens(r, 0) == (0, False)
         assert conn._reqs["r"].keys == [] and conn.stats.lookups == 0
+    finally:
+        conn.shutdown()
+
+
+def test_pipeline_stages_of_other_sizes_offer_what_both_hold(vllm_config, start_node):
+    """Uneven pipeline stages (2 layers and 1) store pages of other sizes, in namespaces of
+    their own: one Lookup per namespace, the offer is the shorter prefix. (The CPU build's
+    PP=2 engine dies at its first request, with or without the connector.)"""
+    layout_l1 = LAYOUT_H1.replace("num_layers=2", "num_layers=1")
+    node = start_node("--layout", layout_l1, layout=LAYOUT_H1, dram="8MiB")
+    conn = KVCacheConnector(vllm_config(node.address), KVConnectorRole.SCHEDULER, None)
+    tags = [rank_tag(0, 1, p, 2) for p in range(2)]
+    try:
+        conn.set_xfer_handshake_metadata_pp_aware(handshake(*tags, layers=(2, 1)))
+        assert conn.get_num_new_matched_tokens(request(), 0) == (0, False)
+        chain = conn._reqs["r"].keys
+        ns_l1 = NS_H1.replace("|L2|", "|L1|")
+        with KVStoreClient(node.address) as c:
+            for ns, tag, n in ((NS_H1, tags[0], 5), (ns_l1, tags[1], 3)):
+                page = np.zeros(c.layout(ns).page_bytes, np.uint8)
+                c.put(ns, [page] * n, keys=rank_keys(chain, tag)[:n])
+        assert conn.get_num_new_matched_tokens(request(rid="r2"), 0) == (3 * BT, False)
     finally:
         conn.shutdown()
 
@@ -280,3 +303,35 @@ def test_models_whose_kv_the_connector_cannot_keep_are_refused_at_start(vllm_con
     config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups)
     with pytest.raises(ValueError, match=re.escape(says)):
         KVCacheConnector(vllm_config("127.0.0.1:1"), KVConnectorRole.SCHEDULER, config)
+
+
+# ---- GPU paths (run where a GPU is) -------------------------------------------------------------
+
+
+def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
+    """A full CUDA graph replay skips the per-layer hooks (loads before attention): vLLM must
+    capture piecewise graphs with this connector (and a GPU step loads every layer up front)."""
+    assert KVCacheConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_scattered_rows_copy_between_cuda_blocks_and_host_pages():
+    """Index tensors on the host, vLLM's blocks on the GPU: the gather / scatter moves rows
+    across devices instead of indexing a CUDA tensor with a host index (index_put_)."""
+    import torch
+
+    from clients.vllm_transfer import _RowMap
+
+    rows = torch.arange(64 * 16, dtype=torch.int64).view(64, 16)
+    blocks = torch.zeros(40, 16, dtype=torch.int64, device="cuda")
+    pages, vblocks = [3, 9, 1, 30, 17, 5, 22, 11, 40, 2], [7, 0, 33, 12, 4, 25, 19, 2, 38, 9]
+    m = _RowMap(pages, vblocks)
+    assert not m.sliced
+    m.to_blocks(rows, 0, blocks)
+    for p, b in zip(pages, vblocks):
+        assert torch.equal(blocks[b].cpu(), rows[p])
+    back = torch.zeros_like(rows)
+    m.to_pages(blocks, back, 0)
+    for p in pages:
+        assert torch.equal(back[p], rows[p])

@@ -54,10 +54,15 @@ class Engine:
             raise
 
     def _read(self) -> None:
+        """Replies to the queue; vLLM's own output (it logs to stdout) to the log."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._lines.put(line[len(MARK) :])
+        with open(self.log_path + ".stdout", "w") as out:
+            for line in self.proc.stdout:
+                if line.startswith(MARK):
+                    self._lines.put(line[len(MARK) :])
+                else:
+                    out.write(line)
+                    out.flush()
         self._lines.put(None)
 
     def _call(self, cmd: dict, timeout: float = 300) -> Any:
@@ -78,9 +83,16 @@ class Engine:
         return reply
 
     def log(self, chars: int = 6000) -> str:
+        """The ends of the engine's stderr and stdout."""
         self._log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-chars:]
+        tails = []
+        for path in (self.log_path, self.log_path + ".stdout"):
+            try:
+                with open(path, errors="replace") as f:
+                    tails.append(f.read()[-chars:])
+            except OSError:
+                pass
+        return "\n".join(tails)
 
     def generate(self, prompts: list, max_tokens: int = 8) -> list[dict]:
         """Greedy outputs; a prompt is token ids or ``{"tokens", "cache_salt", "lora"}``."""
