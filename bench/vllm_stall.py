@@ -3,10 +3,12 @@
 engine without the connector; then the node is resumed (SIGCONT) and the time until hits come
 back is measured.
 
-    python -m bench.vllm_stall [--requests 20] [--timeout-ms 1000] [--retry-s 2]
+    python -m bench.vllm_stall [--requests 20] [--timeout-ms 500] [--retry-s 2] [--stop running]
 
 Each engine runs in a process of its own (in-process vLLM mode); requests go one at a time, so
-each is a new request the scheduler would look up. Prints a table and one JSON line.
+each is a new request the scheduler would look up. ``--stop running``: the node hangs once the
+engine serves instead (the run then holds the one deadline that opens the breaker). Prints a
+table and one JSON line.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
+    if args.stop == "running":  # the node hangs once the engine serves
+        os.kill(args.node_pid, signal.SIGSTOP)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     prompts = _prompts(args.requests, args.prompt_tokens)
     t0 = time.perf_counter()  # the first request included: it meets the first deadline
@@ -93,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-ms", type=float, default=500.0)
     ap.add_argument("--retry-s", type=float, default=2.0)
     ap.add_argument("--repeat", type=int, default=2, help="runs of each engine, alternated")
+    ap.add_argument(
+        "--stop",
+        choices=["before", "running"],
+        default="before",
+        help="SIGSTOP the node before the engine starts, or once it serves",
+    )
     ap.add_argument("--child", choices=["none", "connector"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--node", help=argparse.SUPPRESS)
@@ -113,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "connector": []}
     try:
         for mode in ("none", "connector") * args.repeat:
-            os.kill(node.pid, signal.SIGSTOP)
+            if args.stop == "before":
+                os.kill(node.pid, signal.SIGSTOP)
             cmd = [sys.executable, "-m", "bench.vllm_stall", *(argv or sys.argv[1:])]
             cmd += ["--child", mode, "--model", model, "--node", node.address]
             cmd += ["--node-pid", str(node.pid)]
@@ -128,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     # the best of the alternated runs of each: the machine's other load is not the engine's
     none, conn = (min(runs[m], key=lambda r: r["run_s"]) for m in ("none", "connector"))
     ratio = conn["run_s"] / none["run_s"]
-    print(f"{args.requests} requests of {args.prompt_tokens} tokens, node SIGSTOPped:")
+    when = "before the engine starts" if args.stop == "before" else "once the engine serves"
+    print(f"{args.requests} requests of {args.prompt_tokens} tokens, node SIGSTOPped {when}:")
     print(f"  {'engine':<22}{'start s':>10}{'run s':>10}")
     print(f"  {'no connector':<22}{none['start_s']:>10.2f}{none['run_s']:>10.2f}")
     print(f"  {'connector':<22}{conn['start_s']:>10.2f}{conn['run_s']:>10.2f}   ({ratio:.2f}x)")
