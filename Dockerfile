@@ -28,6 +28,7 @@ COPY conductor ./conductor
 COPY messenger ./messenger
 COPY node ./node
 COPY clients ./clients
+COPY plumbing ./plumbing
 COPY rpc ./rpc
 COPY router ./router
 COPY kvstore ./kvstore

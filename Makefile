@@ -78,7 +78,7 @@ SERVE_STATE := out/serve
 SERVE_REQUESTS ?= 60
 
 serve-demo: $(STAMP)
-	$(PY) -m bench.models tiny $(SERVE_STATE)/tiny-llama
+	$(PY) -m bench.engines.models tiny $(SERVE_STATE)/tiny-llama
 	@status=0; \
 	trap '$(KVCACHE) down --state-dir $(SERVE_STATE); exit 130' INT TERM; \
 	if $(KVCACHE) up --config configs/serve.toml --detach; then \
@@ -116,7 +116,8 @@ test-repeat: $(STAMP) etcd
 	done; \
 	echo "test-repeat: $$failed of $(N) runs failed (logs in $(REPEAT_OUT)/)"; [ $$failed = 0 ]
 
-# Lint, format, types (strict on kvstore/, rpc/, clients/, router/) and the layer contract.
+# Lint, format, types (strict on kvstore/, rpc/, plumbing/, clients/, router/) and the layer
+# contracts.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -1,7 +1,7 @@
 """``kvcache bench <command>``: the benchmark commands.
 
-Only the chosen command's module is imported (``bench.hitrate`` does not pay for grpc or torch).
-Each module exposes ``configure(parser)`` and ``run(args) -> int``.
+Only the chosen command's module is imported (``bench.replay.hitrate`` does not pay for grpc or
+torch). Each module exposes ``configure(parser)`` and ``run(args) -> int``.
 """
 
 from __future__ import annotations
@@ -11,22 +11,34 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "hitrate": ("bench.hitrate", "replay a trace through the kvstore index: hit rate vs capacity"),
-    "schedule": ("bench.schedule", "replay a trace through the conductor scheduler (simulated)"),
-    "store": ("bench.store", "kvstore throughput vs a raw-copy reference"),
-    "node": ("bench.node", "node server throughput over gRPC / shared memory"),
-    "transfer": ("bench.transfer", "messenger transfer throughput vs a raw socket reference"),
-    "conductor": ("bench.conductor_scale", "conductor Schedule latency and memory at scale"),
-    "live": ("bench.live", "replay a trace against a running cluster"),
-    "failover": ("bench.failover", "conductor failover in etcd mode vs an embedded restart"),
-    "soak": ("bench.soak", "a local cluster under load while processes are killed: no page lost"),
-    "torch": ("bench.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
+    "hitrate": (
+        "bench.replay.hitrate",
+        "replay a trace through the kvstore index: hit rate vs capacity",
+    ),
+    "schedule": (
+        "bench.replay.schedule",
+        "replay a trace through the conductor scheduler (simulated)",
+    ),
+    "store": ("bench.micro.store", "kvstore throughput vs a raw-copy reference"),
+    "node": ("bench.micro.node", "node server throughput over gRPC / shared memory"),
+    "transfer": ("bench.micro.transfer", "messenger transfer throughput vs a raw socket reference"),
+    "conductor": ("bench.micro.conductor_scale", "conductor Schedule latency and memory at scale"),
+    "live": ("bench.replay.live", "replay a trace against a running cluster"),
+    "failover": ("bench.faults.failover", "conductor failover in etcd mode vs an embedded restart"),
+    "soak": (
+        "bench.faults.soak",
+        "a local cluster under load while processes are killed: no page lost",
+    ),
+    "torch": ("bench.micro.torch_ttft", "torch prefill with and without cached prefixes (TTFT)"),
     "layerwise": (
-        "bench.layerwise",
+        "bench.micro.layerwise",
         "torch client layer-wise put/load vs memcpy; host<->device vs a pinned copy (CUDA)",
     ),
-    "vllm": ("bench.vllm_ttft", "vLLM TTFT with the prefix loaded from kvcache vs recomputed"),
-    "serve": ("bench.serve", "the trace through the router and vLLM engines, per policy"),
+    "vllm": (
+        "bench.micro.vllm_ttft",
+        "vLLM TTFT with the prefix loaded from kvcache vs recomputed",
+    ),
+    "serve": ("bench.replay.serve", "the trace through the router and vLLM engines, per policy"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import enum
@@ -240,3 +241,25 @@ def human_count(n: float) -> str:
             value = n / mult
             return f"{value:.0f}{suffix}" if value == int(value) else f"{value:.3g}{suffix}"
     return f"{n:g}"
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '64M', '4MiB', '4096' -> bytes (binary suffixes: these are buffer sizes)."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    if mult != 1:
+        s = s[:-1]
+    try:
+        value = float(s) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1G, 64M, 4096") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number of bytes")
+    return int(value)
+
+
+def human(n: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"

@@ -21,12 +21,12 @@ from typing import Any, Callable, Sequence
 import grpc
 
 from kvstore.errors import KVStoreError
+from plumbing.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
+from plumbing.registration import LEADER_METADATA, ConductorRecord, election_name
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
-from rpc.etcd import DEFAULT_PREFIX, EtcdClient, EtcdError, EtcdUnavailable
-from rpc.membership import LEADER_METADATA, ConductorRecord, election_name
 from rpc.status import KVCacheRpcError
 from rpc.wire import selector_to_pb
 
@@ -81,6 +81,7 @@ class ConductorClient:
         output_tokens: int = 0,
         ttft_slo_s: float = 0.0,
         tbt_slo_s: float = 0.0,
+        exclude_nodes: Sequence[str] = (),
     ) -> pb.ScheduleReply:
         reply: pb.ScheduleReply = self._call(
             "Schedule",
@@ -91,6 +92,7 @@ class ConductorClient:
                 output_tokens=output_tokens,
                 ttft_slo_s=ttft_slo_s,
                 tbt_slo_s=tbt_slo_s,
+                exclude_nodes=list(exclude_nodes),
             ),
         )
         return reply

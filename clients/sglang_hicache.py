@@ -3,45 +3,74 @@
     python -m sglang.launch_server ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kvcache", "module_path": "clients.sglang_hicache",
-          "class_name": "KVCacheHiCacheStorage", "node": "127.0.0.1:7000", "interface_v1": 1}'
+          "class_name": "KVCacheHiCacheStorage", "node": "127.0.0.1:7000",
+          "token_file": "/etc/kvcache/token", "interface_v1": 1}'
 
-SGLang names each page of its host KV pool by its own chained hash (a string); the node stores
-the page under ``xxh3_128`` of that name, in the node's layout whose page size equals SGLang's
-(``namespace`` in the extra config; by default the node's only one, or the one whose page
-size matches the host pool). Every call is one RPC for the whole batch: ``batch_exists`` is
-one ``Lookup`` (the node answers the leading run of hits, SGLang's semantics), ``batch_get_v1``
-one ``Acquire`` + copies from the node's shared memory into the host pool + ``Release``,
-``batch_set_v1`` one ``Allocate`` + copies out of the host pool + ``Commit``. The legacy
-``batch_get`` / ``batch_set`` move flat tensors the same way (streamed when the node is on
-another host). Errors are misses or failed writes, never exceptions into SGLang's cache
-controller. Extra config: ``node`` (required), ``token`` or ``token_file``, ``tls_ca_file``,
-``namespace``.
+Each rank keys its pages by SGLang's page hash under its own identity (model, page format,
+TP/PP/CP share, key epoch: clients/sglang_keys.py), in the node layout whose page size and dtype
+are the host pool's. Every call is one RPC for the whole batch: ``batch_exists`` one ``Lookup``
+(the leading run of hits, SGLang's semantics), ``batch_get_v1`` one ``Acquire`` + one copy per
+page from the node's shared memory into the host pool (viewed in the pool's dtype) + ``Release``
+(pages the node holds outside shared memory, on SSD say, streamed), ``batch_set_v1`` one
+``Allocate`` + one copy per page out of the host pool + ``Commit``. With the node on another
+host, pages are streamed. Errors are misses or failed writes, never exceptions into SGLang's
+storage threads; every call has a short deadline (``timeout_s``) and a node that does not answer
+opens a breaker (clients/sglang_guard.py), so SGLang's threads never wait on it. The node is first
+asked (for its layouts) when SGLang registers the host pool: a node that is down or hung then costs
+one deadline, and the engine starts with misses until the node answers.
+
+Only the KV pool is stored: models whose cache has other pools too (hybrid, DSA, Mamba, sliding
+window: SGLang's v2 interface) are refused when SGLang registers them. Extra config: ``node``
+(required), ``token_file`` (or ``token``, which SGLang prints with its server arguments),
+``tls_ca_file``, ``namespace``, ``timeout_s`` (2), ``retry_s`` (5), ``key_epoch``, ``use_shm``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+import os
+import threading
+import time
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
 )
 
 from kvstore.errors import KVStoreError
 
+from . import sglang_keys as sk
 from .node_client import KVCacheRpcError, KVStoreClient
+from .sglang_guard import Breaker, BreakerOpen
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# The key epoch of each identity in this process: a backend attached again after clear() keeps it.
+_EPOCHS: dict[bytes, str] = {}
+_EPOCHS_LOCK = threading.Lock()
 
 
-def page_key(name: str) -> bytes:
-    """The node key of an SGLang page name."""
-    return xxhash.xxh3_128_digest(b"sglang/page/v1\x00" + name.encode())
+def _positive(extra: dict[str, Any], name: str, default: float) -> float:
+    value = float(extra.get(name, default))
+    if not value > 0:
+        raise ValueError(f"kvcache HiCache backend: '{name}' must be > 0 seconds, got {value}")
+    return value
+
+
+def _logical_kv_dtype() -> str:
+    """SGLang's --kv-cache-dtype where published (fp8 KV is stored as uint8 either way)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return str(get_server_args().kv_cache_dtype)
+    except Exception:  # noqa: BLE001 - not published in this process
+        return ""
 
 
 class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -53,47 +82,118 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "(the kvcache node's host:port)"
             )
         token = extra.get("token")
+        if token:
+            log.warning(
+                "kvcache HiCache backend: 'token' in the extra config is printed with SGLang's "
+                "server arguments; put the token in a file and name it with 'token_file'"
+            )
         if extra.get("token_file"):
             with open(extra["token_file"]) as f:
                 token = f.read().strip()
+        if storage_config.should_split_heads:
+            raise ValueError(
+                "kvcache HiCache backend: tp_lcm_size (heads split across TP sizes) is not "
+                "supported; leave it out of the extra config"
+            )
         self.config = storage_config
+        self.timeout_s = _positive(extra, "timeout_s", 2.0)
+        address, tls = str(extra["node"]), extra.get("tls_ca_file")
+        # No call here: the node is asked at registration, where a failure is a miss, not an error.
         self.client = KVStoreClient(
-            extra["node"], token=token, tls_ca_file=extra.get("tls_ca_file")
+            address,
+            token=token,
+            tls_ca_file=tls,
+            use_shm=bool(extra.get("use_shm", True)),
+            timeout_s=self.timeout_s,
         )
-        self._wanted_ns = extra.get("namespace")
+        self.breaker = Breaker(
+            self.client,
+            _positive(extra, "retry_s", 5.0),
+            lambda: KVStoreClient(address, token, tls, use_shm=False, timeout_s=self.timeout_s),
+        )
+        self._wanted_ns: str | None = extra.get("namespace") or None
+        self._key_epoch = str(extra.get("key_epoch", ""))
         self.namespace: str | None = None
-        self.page_bytes = 0
-        if self._wanted_ns or len(self.client.namespaces()) == 1:
-            self._use(self._wanted_ns or self.client.namespaces()[0])
+        self.format: sk.PageFormat | None = None
+        self.refused: str | None = None  # why this backend stores nothing (found after start)
+        self._base: bytes = b""  # the identity at the configured epoch
+        self._prefix: bytes = b""  # the identity at the current epoch: the keys' prefix
+        self._lock = threading.Lock()
+        self._metrics: dict[str, list[float]] = {}
+        self._reset_metrics()
 
-    def _use(self, namespace: str) -> None:
-        self.page_bytes = self.client.namespace_info(namespace).page_bytes
-        self.namespace = namespace
+    # ---- registration ----------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        flat = mem_pool_host.get_dummy_flat_data_page()
-        nbytes = flat.numel() * flat.element_size()
-        if self.namespace is None:  # the layout whose page is the pool's page
-            match = [
-                ns
-                for ns in self.client.namespaces()
-                if self.client.namespace_info(ns).page_bytes == nbytes
-            ]
-            if len(match) != 1:
-                raise ValueError(
-                    f"kvcache HiCache backend: the host pool's page is {nbytes} "
-                    f"bytes; the node serves {len(match)} layouts of that size: "
-                    "name one with 'namespace' in the extra config"
-                )
-            self._use(match[0])
-        elif nbytes != self.page_bytes:
-            raise ValueError(
-                f"kvcache HiCache backend: the host pool's page is {nbytes} bytes, "
-                f"the node's {self.namespace} pages {self.page_bytes}"
-            )
+        self.format = sk.page_format(mem_pool_host)
+        logical = _logical_kv_dtype() if self.format.dtype == "uint8" else ""
+        self._base = sk.identity(self.config, self.format, logical, self._key_epoch)
+        with _EPOCHS_LOCK:
+            epoch = _EPOCHS.get(self._base)
+        self._prefix = (
+            sk.identity(self.config, self.format, logical, epoch) if epoch else self._base
+        )
+        self._resolve(at_start=True)
 
-    # ---- existence -----------------------------------------------------------------------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) == PoolName.KV.value and host_pool is self.mem_pool_host:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        self.refused = (
+            f"this model's cache has a {host_pool_name} pool besides its KV "
+            "(hybrid, DSA, Mamba or sliding-window attention), which the kvcache backend does "
+            "not store"
+        )
+        raise ValueError(
+            f"kvcache HiCache backend: {self.refused}; run it without "
+            "--hicache-storage-backend, or with a backend that implements SGLang's v2 interface"
+        )
+
+    def _resolve(self, at_start: bool = False) -> bool:
+        """Whether pages can move: the node layout is chosen (asking the node the first time it
+        answers). A layout that does not fit fails the start, or, found later, turns this
+        backend off (logged)."""
+        if self.namespace is not None:
+            return True
+        if self.refused is not None or self.format is None:
+            return False
+        try:
+            names = self.breaker.call(self.client.namespaces)
+            infos = {ns: self.client.namespace_info(ns) for ns in names}
+        except KVCacheRpcError as e:
+            if at_start:
+                log.warning("kvcache node not reachable at start (%s): misses until it is", e)
+            return False
+        try:
+            self.namespace = sk.choose_namespace(
+                infos, self.format, self.config.model_name or "", self._wanted_ns
+            )
+        except ValueError as e:
+            if at_start:
+                raise
+            self.refused = str(e)
+            log.error("%s; the kvcache HiCache backend stores nothing", e)
+            return False
+        log.info(
+            "kvcache HiCache backend: node %s, namespace %s", self.client.address, self.namespace
+        )
+        return True
+
+    def _keys(self, names: list[str]) -> list[bytes]:
+        return sk.page_keys(self._prefix, names)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return self.breaker.call(fn)
+
+    @staticmethod
+    def _failed(what: str, e: Exception) -> None:
+        # NOTE: while the breaker is open every call fails the same way: logged once, by it.
+        (log.debug if isinstance(e, BreakerOpen) else log.warning)(
+            "kvcache %s failed (%s)", what, e
+        )
+
+    # ---- existence -------------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -101,21 +201,25 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        if not keys or self.namespace is None:
+        if not keys or not self._resolve():
             return 0
+        ns = self.namespace
+        assert ns is not None
         try:
-            return int(
-                self.client.lookup(self.namespace, keys=[page_key(k) for k in keys]).hit_blocks
-            )
+            return int(self._call(lambda: self.client.lookup(ns, keys=self._keys(keys))).hit_blocks)
         except KVCacheRpcError as e:
-            log.warning("kvcache lookup failed (%s): a miss", e)
+            self._failed("lookup", e)
             return 0
 
-    # ---- zero-copy on the host pool (interface_v1) ---------------------------------------------
+    # ---- pages of the host pool (interface_v1) ---------------------------------------------------
 
-    def _pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
+    def _starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
         step = self.mem_pool_host.page_size
         return [int(i) for i in host_indices[::step][:n]]
+
+    def _as_pool(self, page: np.ndarray[Any, Any]) -> torch.Tensor:
+        """A node page (bytes) as a flat tensor of the pool's dtype, no copy."""
+        return torch.from_numpy(page).view(self.mem_pool_host.dtype)
 
     def batch_get_v1(
         self,
@@ -123,33 +227,56 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        if not keys or self.namespace is None:
+        if not keys or not self._resolve():
             return [False] * len(keys)
-        pool, starts = self.mem_pool_host, self._pages(host_indices, len(keys))
-        if not self.client.shm_available(self.namespace):  # node on another host: streamed
-            pages = self.batch_get(keys)
-            for start, page in zip(starts, pages):
-                if page is not None:
-                    pool.set_from_flat_data_page(start, page)
-            return [p is not None for p in pages]
+        ns, pool = self.namespace, self.mem_pool_host
+        assert ns is not None
+        starts, node_keys, t0 = (
+            self._starts(host_indices, len(keys)),
+            self._keys(keys),
+            time.perf_counter(),
+        )
+        found = [False] * len(keys)
         try:
-            lease = self.client.acquire(self.namespace, keys=[page_key(k) for k in keys])
-        except KVCacheRpcError as e:
-            log.warning("kvcache acquire failed (%s): %d misses", e, len(keys))
-            return [False] * len(keys)
-        try:
-            found = []
-            for i, start in enumerate(starts):
-                ok = lease.offsets[i] >= 0 and lease.tiers[i] is not None
-                if ok:
-                    pool.set_from_flat_data_page(start, torch.from_numpy(lease.page(i)))
-                found.append(ok)
-            return found
-        finally:
-            try:
-                lease.release()
-            except KVCacheRpcError:
-                pass  # the lease expires by itself
+            if not self._call(lambda: self.client.shm_available(ns)):
+                self._stream_into(ns, list(range(len(keys))), node_keys, starts, found)
+            else:
+                lease = self._call(lambda: self.client.acquire(ns, keys=node_keys))
+                try:
+                    region = lease.slab.array if lease.slab is not None else None
+                    size, elsewhere = lease.page_bytes, []
+                    for i, start in enumerate(starts):
+                        off = lease.offsets[i]
+                        if off >= 0 and region is not None:
+                            pool.set_from_flat_data_page(
+                                start, self._as_pool(region[off : off + size])
+                            )
+                            found[i] = True
+                        elif lease.tiers[i] is not None:  # stored, but not in shared memory
+                            elsewhere.append(i)
+                finally:
+                    with contextlib.suppress(KVCacheRpcError):
+                        self.client.release(lease)  # else it expires by itself
+                if elsewhere:
+                    self._stream_into(ns, elsewhere, node_keys, starts, found)
+        except Exception as e:  # noqa: BLE001 - a miss, never an error in SGLang's threads
+            self._failed(f"load of {len(keys)} pages", e)
+        self._metric("prefetch", sum(found), t0)
+        return found
+
+    def _stream_into(
+        self,
+        ns: str,
+        which: list[int],
+        node_keys: list[bytes],
+        starts: list[int],
+        found: list[bool],
+    ) -> None:
+        pages = self._call(lambda: self.client.get(ns, keys=[node_keys[i] for i in which]))
+        for i, page in zip(which, pages):
+            if page is not None:
+                self.mem_pool_host.set_from_flat_data_page(starts[i], self._as_pool(page))
+                found[i] = True
 
     def batch_set_v1(
         self,
@@ -157,13 +284,42 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        if not keys or self.namespace is None:
+        if not keys or not self._resolve():
             return [False] * len(keys)
-        pool, starts = self.mem_pool_host, self._pages(host_indices, len(keys))
-        pages = [pool.get_data_page(s, flat=True) for s in starts]
-        return [self.batch_set(keys, pages)] * len(keys)
+        ns, pool = self.namespace, self.mem_pool_host
+        assert ns is not None
+        starts, node_keys, t0 = (
+            self._starts(host_indices, len(keys)),
+            self._keys(keys),
+            time.perf_counter(),
+        )
+        try:
+            if not self._call(lambda: self.client.shm_available(ns)):
+                pages = [pool.get_data_page(s, flat=True).view(torch.uint8) for s in starts]
+                self._call(lambda: self.client.put(ns, pages, keys=node_keys))
+            else:
+                lease = self._call(lambda: self.client.allocate(ns, keys=node_keys))
+                try:
+                    region = lease.slab.array if lease.slab is not None else None
+                    if region is None:
+                        raise KVStoreError("the node's shared memory is not mapped")
+                    size = lease.page_bytes
+                    for i in lease.to_write:  # one copy: host pool -> the node's page
+                        src = pool.get_data_page(starts[i], flat=False)
+                        off = lease.offsets[i]
+                        self._as_pool(region[off : off + size]).view(src.shape).copy_(src)
+                except BaseException:
+                    with contextlib.suppress(KVCacheRpcError):
+                        self.client.abort(lease)
+                    raise
+                self._call(lambda: self.client.commit(lease))
+        except Exception as e:  # noqa: BLE001 - a failed write, never an error in SGLang's threads
+            self._failed(f"save of {len(keys)} pages", e)
+            return [False] * len(keys)
+        self._metric("backup", len(keys), t0)
+        return [True] * len(keys)
 
-    # ---- flat tensors (the legacy interface) ---------------------------------------------------
+    # ---- flat tensors (SGLang's legacy interface, without interface_v1) --------------------------
 
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None
@@ -174,25 +330,27 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        if not keys or self.namespace is None:
+        if not keys or not self._resolve():
             return [None] * len(keys)
+        ns = self.namespace
+        assert ns is not None
+        t0 = time.perf_counter()
         try:
-            pages = self.client.get(self.namespace, keys=[page_key(k) for k in keys])
+            pages = self._call(lambda: self.client.get(ns, keys=self._keys(keys)))
         except KVCacheRpcError as e:
-            log.warning("kvcache get failed (%s): %d misses", e, len(keys))
+            self._failed(f"get of {len(keys)} pages", e)
             return [None] * len(keys)
         out: list[torch.Tensor | None] = []
         for i, page in enumerate(pages):
             if page is None:
                 out.append(None)
-                continue
-            src = torch.from_numpy(page)
-            if target_locations is not None and target_locations[i] is not None:
+            elif target_locations is not None and target_locations[i] is not None:
                 dst = target_locations[i]
-                dst.view(-1).view(torch.uint8).copy_(src)
+                dst.view(-1).view(torch.uint8).copy_(torch.from_numpy(page))
                 out.append(dst)
             else:
-                out.append(src)
+                out.append(self._as_pool(page))
+        self._metric("prefetch", sum(p is not None for p in out), t0)
         return out
 
     def set(
@@ -207,23 +365,75 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        if not keys or values is None or self.namespace is None:
+        if not keys or values is None or not self._resolve():
             return False
+        ns = self.namespace
+        assert ns is not None
+        t0 = time.perf_counter()
         pages = [
-            np.asarray(v.detach().contiguous().view(-1).view(torch.uint8).cpu())
+            v.detach().contiguous().view(-1).view(torch.uint8).cpu()
             if isinstance(v, torch.Tensor)
             else v
             for v in values
         ]
         try:
-            self.client.put(self.namespace, pages, keys=[page_key(k) for k in keys])
-            return True
+            self._call(lambda: self.client.put(ns, pages, keys=self._keys(keys)))
         except (KVCacheRpcError, KVStoreError, ValueError) as e:
-            log.warning("kvcache put of %d pages failed (%s)", len(keys), e)
+            self._failed(f"put of {len(keys)} pages", e)
             return False
+        self._metric("backup", len(keys), t0)
+        return True
+
+    # ---- control ---------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Nothing to do: pages are the node's and leave by its eviction."""
+        """Nothing this engine stored before can be loaded by it any more (weights updated in
+        place, say): its keys move to a new epoch, in this process until it ends. Other engines
+        keep their pages; the old ones leave by the node's eviction. A model whose KV is the same
+        on every TP rank (MLA) is written by rank 0 and read by all, and its ranks cannot agree
+        on a new epoch without talking: refused (SGLang reports the failure)."""
+        if self.format is None:
+            raise RuntimeError(
+                "kvcache HiCache backend: clear() before the host pool is registered"
+            )
+        if self.config.is_mla_model and self.config.tp_size > 1:
+            raise RuntimeError(
+                "kvcache HiCache backend: clear() cannot move the key epoch of a model whose KV "
+                f"is shared by its {self.config.tp_size} TP ranks (MLA); restart the engine "
+                "with a new 'key_epoch' in --hicache-storage-backend-extra-config"
+            )
+        epoch = f"{self._key_epoch}/{os.urandom(8).hex()}"
+        logical = _logical_kv_dtype() if self.format.dtype == "uint8" else ""
+        with _EPOCHS_LOCK:
+            _EPOCHS[self._base] = epoch
+        self._prefix = sk.identity(self.config, self.format, logical, epoch)
+        log.info("kvcache HiCache backend: cleared (new key epoch %s)", epoch)
+
+    def _reset_metrics(self) -> None:
+        self._metrics = {k: [] for k in ("prefetch_pgs", "prefetch_bw", "backup_pgs", "backup_bw")}
+
+    def _metric(self, kind: str, pages: int, t0: float) -> None:
+        if not self.config.enable_storage_metrics or pages == 0 or self.format is None:
+            return
+        seconds = max(time.perf_counter() - t0, 1e-9)
+        with self._lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bw"].append(pages * self.format.page_bytes / seconds / (1 << 30))
+
+    def get_stats(self) -> Any:
+        """SGLang's storage metrics since the last call (pages and GB/s per load and save)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            m = self._metrics
+            self._reset_metrics()
+        return StorageMetrics(
+            prefetch_pgs=[int(p) for p in m["prefetch_pgs"]],
+            backup_pgs=[int(p) for p in m["backup_pgs"]],
+            prefetch_bandwidth=m["prefetch_bw"],
+            backup_bandwidth=m["backup_bw"],
+        )
 
     def close(self) -> None:
+        self.breaker.close()
         self.client.close()

@@ -3,7 +3,7 @@
 Prints one JSON line ``{"event": "ready", "role": "conductor", "address": ...}`` once it serves
 (``--listen 127.0.0.1:0`` picks a free port; read it from that line).
 
-With ``--etcd URLS`` it learns the nodes from etcd (``membership.py``) and runs for leader
+With ``--etcd URLS`` it learns the nodes from etcd (``membership_watch.py``) and runs for leader
 (``leader.py``); several such conductors make one leader and hot standbys. Health: the process
 ("") is SERVING while it runs; the ConductorService only while it leads.
 """
@@ -24,15 +24,15 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from proto import conductor_pb2_grpc as pbg
-from rpc.etcd import EtcdClient
-from rpc.membership import (
+from plumbing.etcd import EtcdClient
+from plumbing.registration import (
     ConductorRecord,
     add_etcd_args,
     election_name,
     etcd_settings,
     nodes_prefix,
 )
+from proto import conductor_pb2_grpc as pbg
 from rpc.server import (
     Auth,
     Service,
@@ -48,7 +48,7 @@ from .costmodel import CostModel, FlopsCostModel, HardwareSpec, fit_prefill
 from .engine_load import EngineLoadFeed, parse_engine_metrics
 from .feed import FeedOptions
 from .leader import EtcdLeadership
-from .membership import EtcdMembership
+from .membership_watch import EtcdMembership
 from .messenger_hook import make_transfer_hook
 from .metrics import ConductorMetrics
 from .registry import DEFAULT_LEASE_S

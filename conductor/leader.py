@@ -27,8 +27,8 @@ import time
 from typing import Callable
 
 from kvstore.errors import KVStoreError
-from rpc.etcd import EtcdClient, EtcdError, EtcdUnavailable
-from rpc.membership import ConductorRecord
+from plumbing.etcd import EtcdClient, EtcdError, EtcdUnavailable
+from plumbing.registration import ConductorRecord
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ class NodeState:
     last_heartbeat: float = 0.0
     reported: NodeLoad = field(default_factory=NodeLoad)  # the node's own last report
     engine_down: bool = False  # its engine answered before and does not now: not schedulable
-    lease_s: float = DEFAULT_LEASE_S  # inf: liveness is etcd's (conductor.membership)
+    lease_s: float = DEFAULT_LEASE_S  # inf: liveness is etcd's (conductor.membership_watch)
     # ---- scheduler ledger (conductor.scheduler) ----
     prefill_busy_until: float = 0.0  # when the prefill work sent here should be done
     prefill_pending_s: float = 0.0  # estimated seconds of prefill sent and not yet done

@@ -74,6 +74,7 @@ class Request:
     ttft_slo_s: float | None = None  # None / 0: no SLO
     tbt_slo_s: float | None = None
     block_bytes: int | None = None  # KV bytes per block; None: cost_model.kv_bytes(block)
+    exclude: frozenset[str] = frozenset()  # node ids not to place it on (a retry's failed ones)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,6 +428,8 @@ class Scheduler:
         now = self.clock() if now is None else now
         self._validate(request)
         prefill_nodes, decode_nodes = self._candidates_for(request.namespace)
+        if request.exclude:
+            prefill_nodes, decode_nodes = _without(request, prefill_nodes, decode_nodes)
         cost = self.cost_model
         n = request.prompt_tokens
         bt = request.block_tokens
@@ -740,3 +743,17 @@ class Scheduler:
             self._candidates.clear()
         self._candidates[namespace] = (self.registry.version, prefill, decode)
         return prefill, decode
+
+
+def _without(
+    request: Request, prefill: list[NodeState], decode: list[NodeState]
+) -> tuple[list[NodeState], list[NodeState]]:
+    """The candidates less the nodes ``request`` excludes; ``NoNodeAvailable`` if none is left."""
+    prefill = [s for s in prefill if s.node_id not in request.exclude]
+    decode = [s for s in decode if s.node_id not in request.exclude]
+    if not prefill or not decode:
+        what = "prefill" if not prefill else "decode"
+        raise NoNodeAvailable(
+            f"no live {what} node is left besides the excluded {', '.join(sorted(request.exclude))}"
+        )
+    return prefill, decode

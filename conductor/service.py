@@ -1,6 +1,6 @@
 """ConductorService: a thin gRPC layer over ``core.Conductor``.
 
-With etcd (``conductor.membership``, ``conductor.leader``) membership comes from etcd, so the
+With etcd (``conductor.membership_watch``, ``conductor.leader``) membership comes from etcd, so the
 registry RPCs answer FAILED_PRECONDITION, and only the elected leader schedules: a standby answers
 Schedule / ScheduleBatch / Complete with FAILED_PRECONDITION naming the leader.
 
@@ -22,10 +22,10 @@ import grpc
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, echo
 from kvstore.keys import scope_keys, select_keys
 from kvstore.layout import KVLayout
+from plumbing.registration import LEADER_METADATA
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.cluster import check_node_id
-from rpc.membership import LEADER_METADATA
 from rpc.server import Auth
 from rpc.status import observed, status_for
 from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
@@ -244,6 +244,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     ttft_slo_s=request.ttft_slo_s or None,
                     tbt_slo_s=request.tbt_slo_s or None,
                     block_bytes=page_bytes,
+                    exclude=frozenset(request.exclude_nodes),
                 )
             )
         except SLORejected as e:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvstore.shm import pid_alive
-from rpc.launch import ServiceProcess, free_port, process_identity, start_service
+from plumbing.launch import ServiceProcess, free_port, process_identity, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import make_local_ca
 

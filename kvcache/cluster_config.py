@@ -74,14 +74,14 @@ def _replicas(value: Any) -> None:
 
 
 def _endpoints(value: Any) -> None:
-    from rpc.etcd import parse_endpoints  # NOTE: lazily, as the node's checks above
+    from plumbing.etcd import parse_endpoints  # NOTE: lazily, as the node's checks above
 
     if value:
         parse_endpoints(value)
 
 
 def _prefix(value: Any) -> None:
-    from rpc.etcd import check_prefix
+    from plumbing.etcd import check_prefix
 
     check_prefix(value)
 
@@ -107,10 +107,10 @@ def _hosts(value: Any) -> None:
 
 
 def _netns(name: str, empty_ok: bool = False) -> Callable[[Any], Any]:
-    """A check of ``rpc.netns`` (``NetnsError``, a RuntimeError there) as a config check."""
+    """A check of ``plumbing.netns`` (``NetnsError``, a RuntimeError there) as a config check."""
 
     def check(value: Any) -> None:
-        from rpc import netns  # NOTE: lazily, as the node's checks above
+        from plumbing import netns  # NOTE: lazily, as the node's checks above
 
         if empty_ok and value == "":
             return

@@ -26,8 +26,8 @@ import sys
 import time
 
 from kvstore.shm import SharedSlab, pid_alive
-from rpc.launch import group_shm, release_shm, still_same_process
-from rpc.netns import NetnsError
+from plumbing.launch import group_shm, release_shm, still_same_process
+from plumbing.netns import NetnsError
 
 from .cluster_config import ENV_PREFIX, ConfigError, load_config
 from .cluster_hosts import network_record, teardown_network

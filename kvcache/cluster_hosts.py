@@ -4,10 +4,10 @@ Two placements: ``Loopback`` (the default: every process on the cluster's host, 
 ``Namespaced`` (``[hosts] count = N`` or ``kvcache up --hosts N``): the conductors (and with
 ``[etcd] enabled`` our etcd) in a control namespace (``<prefix>-ctl``), the nodes spread
 round-robin over N host namespaces (``<prefix>-h0`` ...), each node beside its messenger, all
-joined by a bridge whose address the root namespace holds (``rpc/netns.py``). In that mode every
-address comes from the ``[hosts]`` keys (``cluster_config``): the subnet gives each namespace its
-address, the ports are fixed per role (the k-th node of a host adds k to each, the i-th conductor
-adds i), metrics bind the host's address, and nothing listens on loopback.
+joined by a bridge whose address the root namespace holds (``plumbing/netns.py``). In that mode
+every address comes from the ``[hosts]`` keys (``cluster_config``): the subnet gives each namespace
+its address, the ports are fixed per role (the k-th node of a host adds k to each, the i-th
+conductor adds i), metrics bind the host's address, and nothing listens on loopback.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rpc.launch import free_port
-from rpc.netns import HostNetwork, NetnsError, NetSpec, check_subnet, unavailable_reason
+from plumbing.launch import free_port
+from plumbing.netns import HostNetwork, NetnsError, NetSpec, check_subnet, unavailable_reason
 
 from .cluster_config import ClusterConfig, ConfigError
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from rpc.launch import ServiceProcess, group_shm, release_shm, start_service
+from plumbing.launch import ServiceProcess, group_shm, release_shm, start_service
 
 from .cluster_config import ClusterConfig, ConfigError
 
@@ -174,18 +174,24 @@ class EngineProcess:
         return pids, set(self.seen_shm)
 
     def kill(self) -> list[str]:
-        """SIGKILL the engine's process group, as a crash would, then remove the shared memory
+        """SIGKILL the engine's processes, as a crash would, then remove the shared memory
         its processes held: they cannot unlink it themselves, and vLLM's segments are hundreds
         of MB each. Stopped first, so that nothing is made or handed on between the reading
-        and the kill. Returns the segments removed."""
+        and the kill. Python's multiprocessing resource tracker is spared: it unlinks the
+        semaphores the others registered (``sem.mp-*``, mapped by nobody, so not among the
+        segments read) once they are gone, and exits. Returns the segments removed."""
         self.signal(signal.SIGSTOP)
         pids, names = self.shm()
-        self.signal(signal.SIGKILL)
+        trackers = {p for p in pids if _is_resource_tracker(p)}
+        for pid in pids - trackers:
+            _signal_pid(pid, signal.SIGKILL)
+        for pid in trackers:
+            _signal_pid(pid, signal.SIGCONT)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        return release_shm(pids, names)
+        return release_shm(pids, names)  # waits for the trackers too (their unlinks)
 
 
 @dataclass
@@ -345,6 +351,21 @@ class Serving:
         self.engines.clear()
         release_shm(pids, names)  # what engines that needed SIGKILL could not unlink
         return codes
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _signal_pid(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _wait_healthy(engine: EngineProcess, deadline: float, timeout_s: float) -> None:

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from rpc.launch import ServiceProcess, free_port
+from plumbing.launch import ServiceProcess, free_port
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
 
@@ -110,7 +110,7 @@ def start_etcd(
         "--initial-cluster",
         f"{name}={peer_url}",
         # A watch with nothing to report still hears from etcd this often, so a silent
-        # stream means a dead one (rpc.etcd.Watch's idle timeout is longer).
+        # stream means a dead one (plumbing.etcd.Watch's idle timeout is longer).
         "--experimental-watch-progress-notify-interval",
         "5s",
         "--logger",

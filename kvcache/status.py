@@ -77,7 +77,7 @@ def _targets(args: argparse.Namespace) -> tuple[str | None, list[Any], str | Non
             path = os.path.join(load_config(args.config).state_dir, "cluster.json")
         except ConfigError as e:
             raise StatusError(str(e)) from None
-    from bench.live_engine import LiveError, load_cluster
+    from bench.replay.live_engine import LiveError, load_cluster
 
     try:
         info = load_cluster(path)  # the same reading of cluster.json as 'kvcache bench live'

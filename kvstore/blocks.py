@@ -2,9 +2,11 @@
 
 ``BlockStore`` holds the block index, the tiers' page bookkeeping, the event log and the counters,
 and knows how to publish a block, pin and unpin it, and take it out of the index. The store's other
-parts are mixins over it (``leases.LeaseBook``, ``movement.TierMovement``) and ``TieredStore``
+parts are mixins over it (``leases.LeaseBook``, ``movement.TierMovement``, ``tier_setup.TierSetup``,
+and over the first two ``writes.TwoPhaseWrites`` and ``reads.PinnedReads``) and ``TieredStore``
 combines them, so all of them work on this one state under the one store lock. Imports run one way:
-``store`` -> ``leases`` / ``movement`` -> ``blocks`` -> ``records``, ``pools``, ``policy``.
+``store`` -> ``writes`` / ``reads`` -> ``leases`` / ``movement`` (and ``store`` -> ``tier_setup``)
+-> ``blocks`` -> ``records``, ``pools``, ``policy``.
 
 A block is named by its *handle*, ``slot << 2 | tier``: where its page is. Everything else about it
 lives in flat per-slot arrays of its tier (its key, pins, whether it is doomed), and the index maps

@@ -1,8 +1,8 @@
 """The values the store API takes and returns: its configuration, lookup and commit results, stats.
 
 Plain dataclasses with no behaviour, in a module of their own so that every part of the store
-(``blocks``, ``leases``, ``movement``, ``store``) can import them without importing each other.
-``kvstore.store`` re-exports them; callers keep importing them from there.
+(``blocks``, ``leases``, ``movement``, ``writes``, ``reads``, ``store``) can import them without
+importing each other. ``kvstore.store`` re-exports them; callers keep importing them from there.
 """
 
 from __future__ import annotations

@@ -18,3 +18,6 @@ class Tier(IntEnum):
             return cls[name.upper()]
         except KeyError:
             raise ValueError(f"unknown tier {name!r}; expected one of gpu, dram, ssd") from None
+
+
+TIER_OF = (Tier.GPU, Tier.DRAM, Tier.SSD)  # by tier number, without an enum call per block

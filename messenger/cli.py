@@ -17,18 +17,18 @@ from typing import Any
 import grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from proto import messenger_pb2 as pb
-from proto import messenger_pb2_grpc as pbg
-from rpc.channel import make_channel
-from rpc.etcd import EtcdClient
-from rpc.logs import set_identity
-from rpc.membership import (
+from plumbing.etcd import EtcdClient
+from plumbing.registration import (
     MessengerRecord,
     Registration,
     add_etcd_args,
     etcd_settings,
     messengers_prefix,
 )
+from proto import messenger_pb2 as pb
+from proto import messenger_pb2_grpc as pbg
+from rpc.channel import make_channel
+from rpc.logs import set_identity
 from rpc.server import (
     Auth,
     Service,

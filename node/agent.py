@@ -21,12 +21,12 @@ from typing import Callable
 
 import grpc
 
+from plumbing.etcd import EtcdClient
+from plumbing.registration import NodeRecord, Registration, new_incarnation, nodes_prefix
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_channel
 from rpc.cluster import NodeDescriptor, NodeLoad, Role
-from rpc.etcd import EtcdClient
-from rpc.membership import NodeRecord, Registration, new_incarnation, nodes_prefix
 from rpc.wire import descriptor_to_pb, load_to_pb, usage_of
 
 from .config import NodeConfig

@@ -13,10 +13,10 @@ import grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.policy import POLICIES
+from plumbing.registration import Registration, add_etcd_args, etcd_settings
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
-from rpc.membership import Registration, add_etcd_args, etcd_settings
 from rpc.server import (
     Auth,
     Service,

@@ -107,7 +107,7 @@ class NodeConfig:
     role: str = "both"
     messenger: str = ""
     advertise: str | None = None  # address others use to reach this node (default: listen)
-    # registration in etcd instead (rpc/membership.py): endpoints, key prefix, lease TTL
+    # registration in etcd instead (plumbing/registration.py): endpoints, key prefix, lease TTL
     etcd: str | None = None
     etcd_prefix: str = "/kvcache"
     etcd_ttl_s: int = 5

@@ -92,20 +92,22 @@ class UnregisterNodeReply(_message.Message):
     def __init__(self, removed: bool = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "blocks", "prompt_tokens", "output_tokens", "ttft_slo_s", "tbt_slo_s")
+    __slots__ = ("request_id", "blocks", "prompt_tokens", "output_tokens", "ttft_slo_s", "tbt_slo_s", "exclude_nodes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_NODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     blocks: _common_pb2.BlockSelector
     prompt_tokens: int
     output_tokens: int
     ttft_slo_s: float
     tbt_slo_s: float
-    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ...) -> None: ...
+    exclude_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ..., exclude_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
     __slots__ = ("src_node", "src_address", "src_messenger", "dst_node", "dst_address", "dst_messenger", "namespace", "keys", "first_block", "bytes", "est_seconds", "key_bytes")

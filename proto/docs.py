@@ -64,6 +64,58 @@ Servers scope keys to the caller's tenant before storing them (`xxh3_128(b"kvcac
 tenant + b"\\x00" + key)`), so a client always sends and receives keys as computed above; the
 admin token (tenant "") sees keys unscoped. Selectors may carry token ids instead of keys
 (`token_bytes`: packed little-endian `uint32`); the server then computes the keys itself.
+
+### SGLang HiCache keys
+
+The SGLang backend (`clients/sglang_hicache.py`) does not use the token chain: SGLang names each
+page by its own chained hash (a 64-hex string over the tokens, `extra_key` and `cache_salt`), and
+every rank of an engine holds its own share of that page. The key of a page is
+`xxh3_128(b"sglang/page/v2\\x00" + identity + b"\\x00" + page_hash)`, with `identity` the UTF-8
+of `model=M|dtype=D|layout=L|page=T:B:S|share=R|epoch=E`:
+
+- `M`: SGLang's model name (`--served-model-name`, else the model path; with the host pool's own
+  page format tag when it has one);
+- `D`: the stored element type (`bfloat16`, `float16`, ...); fp8 KV is stored as `uint8` and gets
+  SGLang's `--kv-cache-dtype` after a colon (`uint8:fp8_e4m3`);
+- `L`: the host layout (`--hicache-mem-layout`: `layer_first`, `page_first`, `page_first_direct`,
+  `page_head`), which orders a page's bytes;
+- `T:B:S`: tokens per page, page bytes, and the host pool's class with one page's shape;
+- `R`: the rank's share, comma-separated: `tp{rank}/{size}` (left out for MLA-style KV, which is
+  the same on every TP rank: rank 0 writes it, all read it; under DP attention these are the
+  attention-TP rank and size, so DP replicas share), `pp{rank}/{size}`, and `cp{rank}/{size}` /
+  `dcp{rank}/{size}/page{tokens}` with context parallelism;
+- `E`: the key epoch: `key_epoch` from the extra config (empty by default); `clear()` moves it to
+  `key_epoch/<16 random hex digits>` for the rest of the process.
+
+The node layout must have the host pool's page bytes and dtype; tenant scoping applies on top.
+
+### vLLM connector keys
+
+The vLLM connector (`clients/vllm_connector.py`) keys pages by the token chain above, with a salt
+of its own: vLLM's pages hold more than the tokens decide. With `D = b"kvcache/vllm/v1\\x00"` and
+`P(a, b, ...)` the parts each as `u32le(len(x)) + x` (UTF-8 for text):
+
+- **engine salt** = `xxh3_128(D + P(b"engine", salt, model, *formats, epoch))`: `salt` is the
+  connector's `salt` (empty by default); `model` the model's fingerprint (hex of its config and
+  weight files: names, sizes, sampled bytes; or the connector's `model_fingerprint`), a draft
+  model's after a `+`; `formats` the page formats of the engine's ranks, sorted and without
+  repeats (`vllm{major.minor}|{device}|{attention backend}|{dtype}|{kv_cache_dtype}|{block shape}`,
+  e.g. `vllm0.32|cpu|CPU_ATTN|bfloat16|auto|2x32x64`); `epoch` empty until `reset_cache` makes
+  it 8 random bytes.
+- **request salt**: the engine salt, or for a request with vLLM's `cache_salt` or a LoRA adapter
+  `xxh3_128(D + P(b"request", engine salt, b"cache_salt", cache_salt, b"lora", name, adapter))`
+  (each pair only when present; `adapter`: the fingerprint of the adapter's files). Requests with
+  prompt embeddings have no keys.
+- **keys**: the chain from `root_key(namespace, request salt)`; a page that holds part of a
+  multimodal item chains from `xxh3_128(D + P(b"mm", parent, "identifier@offset", ...))` instead
+  of its parent (`offset`: the item's first token from the page's first, negative when it starts
+  in an earlier page), so every later page differs too.
+- **ranks**: in an engine of several ranks, rank `tp{t}/{T}|pp{p}/{P}` stores its share under
+  `xxh3_128(b"kvcache/vllm/rank/" + tag + b"\\x00" + key)`.
+
+The connector tells a caller that asks (`kv_transfer_params: {"kvcache_keys": true}` on a
+completion) the `namespace`, the request's `salt`, the `engine` salt (hex) and the rank tags
+(`ranks`); the router uses them for the decode node's pull and the conductor's `Schedule`.
 """
 
 

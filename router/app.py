@@ -2,37 +2,48 @@
 with server-sent events or not) and ``/v1/models``, plus ``/health`` and Prometheus
 ``/metrics``. Each completion is served disaggregated by ``disagg.Disaggregator``; the response
 carries ``x-kvcache-*`` headers saying where it ran and what moved (``Served.headers``).
+
+Every completion has a request id: the client's ``X-Request-Id``, or one the router makes. It
+is sent to the engines as their ``X-Request-Id`` (vLLM names the request after it in its logs
+and its response ``id``), and comes back in the ``x-request-id`` header and in every error body
+(``error.request_id``). At most ``max_inflight`` completions are served at once; more are
+answered 429 at once. A client that leaves before its answer stops the work in flight
+(``Disaggregator.serve`` is cancelled).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from kvstore.errors import echo
 
-from .disagg import Disaggregator, RouterOptions, Served
-from .engines import EngineError, EngineStream
+from .disagg import Disaggregator, ModelInfo, RouterOptions, Served
+from .engines import EngineStream
 from .metrics import RouterMetrics
-from .protocol import RouterError, parse_completion
+from .protocol import Completion, RouterError, parse_completion
 
 log = logging.getLogger(__name__)
 
 _OUTCOME = {429: "rejected", 503: "unavailable"}
+MAX_REQUEST_ID = 256
 
 
 def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     metrics = RouterMetrics()
+    metrics.max_inflight.set(options.max_inflight)
     disagg = Disaggregator(options, metrics)
+    inflight = [0]  # completions being served (the bound; the gauge mirrors it)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -41,30 +52,32 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="kvcache router", lifespan=lifespan)
     app.state.disagg = disagg
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
+    # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
+    # receive channel): a completion watches that channel, as uvicorn gives it, for its client
+    # leaving.
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if expected is not None and not secrets.compare_digest(given, expected):
+            raise RouterError(
+                401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
+            )
 
-        @app.middleware("http")
-        async def _authorize(request: Request, call_next: Any) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
-                error = RouterError(
-                    401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
-                )
-                return JSONResponse(error.body(), status_code=401)
-            response: Response = await call_next(request)
-            return response
+    def error_response(request: Request, e: RouterError) -> JSONResponse:
+        rid = getattr(request.state, "request_id", None)
+        headers = {"x-request-id": rid} if rid else None
+        return JSONResponse(e.body(rid), status_code=e.status, headers=headers)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, e: RouterError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(request, e)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s", request.url.path)
         error = RouterError(500, f"router error: {type(e).__name__}: {e}", "internal_error")
-        return JSONResponse(error.body(), status_code=500)
+        return error_response(request, error)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -74,7 +87,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
         model = await disagg.model()
         return {
@@ -90,12 +103,28 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
+    def done() -> None:
+        inflight[0] -= 1
+        metrics.inflight.dec()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
+        given = request.headers.get("x-request-id", "")
+        own = not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable())
+        rid = request.state.request_id = disagg.new_request_id() if own else given
+        if inflight[0] >= options.max_inflight:
+            metrics.requests.labels("busy").inc()
+            raise RouterError(
+                429,
+                f"the router is serving {inflight[0]} requests, its limit (--max-inflight): "
+                "retry later",
+                "rate_limit_exceeded",
+            )
+        inflight[0] += 1
         metrics.inflight.inc()
         streaming = False
         try:
-            response = await _complete(request)
+            response = await _complete(request, rid, own)
             streaming = isinstance(response, StreamingResponse)
             return response
         except RouterError as e:
@@ -106,9 +135,9 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             raise
         finally:
             if not streaming:  # a stream counts itself out when it ends
-                metrics.inflight.dec()
+                done()
 
-    async def _complete(request: Request) -> Response:
+    async def _complete(request: Request, rid: str, own: bool) -> Response:
         t0 = time.perf_counter()
         try:
             body = await request.json()
@@ -123,8 +152,24 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
                 "invalid_request_error",
                 "model",
             )
-        tokens = await disagg.tokens(call, model)
-        served, result = await disagg.serve(call, tokens, model)
+        # Until the answer (or a stream's headers) is ready, a client that leaves cancels it,
+        # as vLLM's own endpoint does; a stream then watches for that itself.
+        work = asyncio.ensure_future(_serve(call, model, rid, own))
+        left = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not work.done():
+                work.cancel()
+                with suppress(BaseException):
+                    await work  # its cleanup (ledger entry, transfers) is under way when it ends
+        if work.cancelled():
+            log.info("request %s: the client left; its work was cancelled", rid)
+            metrics.cancelled.labels("request").inc()
+            metrics.requests.labels("cut").inc()
+            return Response(status_code=499, headers={"x-request-id": rid})
+        served, result = work.result()
         if isinstance(result, EngineStream):
             relay = _Relay(result, served, t0)
             return StreamingResponse(
@@ -137,11 +182,17 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         metrics.stage.labels("total").observe(time.perf_counter() - t0)
         return JSONResponse(result, headers=served.headers())
 
+    async def _serve(
+        call: Completion, model: ModelInfo, rid: str, own: bool
+    ) -> tuple[Served, dict[str, Any] | EngineStream]:
+        tokens = await disagg.tokens(call, model)
+        return await disagg.serve(call, tokens, model, rid, own)
+
     class _Relay:
-        """The decode engine's events as they come; a failure mid-stream ends the stream with
-        an error event (OpenAI's clients raise it) and ``[DONE]``, never a hung connection.
-        ``close`` runs once: when the stream ends, or after the response if it never began
-        (the client left first)."""
+        """The decode engine's events as they come; any failure to read them ends the stream
+        with an error event (OpenAI's clients raise it) and ``[DONE]``, never a stream that
+        ends as if whole. ``close`` runs once: when the stream ends, or after the response if
+        it never began (the client left first)."""
 
         def __init__(self, stream: EngineStream, served: Served, t0: float) -> None:
             self.stream, self.served, self.t0 = stream, served, t0
@@ -158,11 +209,12 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
                         first = False
                     yield b"data: " + data + b"\n\n"
                 outcome = "ok"
-            except EngineError as e:
+            except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
                 outcome = "failed"
-                log.warning("request %s: decode failed mid-stream: %s", self.served.request_id, e)
+                rid = self.served.request_id
+                log.warning("request %s: decode failed mid-stream: %s", rid, e)
                 error = RouterError(502, f"decode failed mid-stream: {e}", "bad_gateway")
-                yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+                yield b"data: " + json.dumps(error.body(rid)).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:
                 await self.close(outcome)
@@ -175,9 +227,17 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             disagg.finish(self.served)
             metrics.requests.labels(outcome).inc()
             metrics.stage.labels("total").observe(time.perf_counter() - self.t0)
-            metrics.inflight.dec()
+            done()
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _outcome(status: int) -> str:

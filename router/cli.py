@@ -83,15 +83,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--engine-timeout",
         type=float,
         default=120.0,
-        help="seconds an engine may stay silent: a prefill, or between two streamed tokens "
-        "(default %(default)s)",
+        help="seconds an engine may stay silent: a prefill, a stream's headers, or between "
+        "two streamed events (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a non-streamed completion may take in all: its engine sends nothing "
+        "until the last token, so --engine-timeout does not apply to it (0: no limit; an "
+        "engine that dies ends it at once; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="completions served at once; more are answered 429 at once (default %(default)s)",
     )
     parser.add_argument(
         "--retries",
         type=int,
         default=1,
-        help="times a request is sent again when an engine fails before the client got a byte "
-        "(default %(default)s)",
+        help="times a request is sent again, on other nodes, when an engine did not take it "
+        "(refused the connection or answered 503; default %(default)s)",
     )
     parser.add_argument(
         "--retry-backoff",
@@ -157,6 +171,10 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
             raise SystemExit(f"kvcache router: --{name.replace('_', '-')} must be positive")
     if args.retries < 0 or not args.retry_backoff >= 0:
         raise SystemExit("kvcache router: --retries and --retry-backoff must be >= 0")
+    if not args.decode_timeout >= 0:
+        raise SystemExit("kvcache router: --decode-timeout must be >= 0 (0: no limit)")
+    if args.max_inflight < 1:
+        raise SystemExit("kvcache router: --max-inflight must be at least 1")
     return RouterOptions(
         conductor=conductor,
         engines=tuple(engines),
@@ -168,7 +186,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         transfer_timeout_s=args.transfer_timeout,
         retries=args.retries,
         retry_backoff_s=args.retry_backoff,
-        timeouts=EngineTimeouts(read_s=args.engine_timeout),
+        timeouts=EngineTimeouts(read_s=args.engine_timeout, decode_s=args.decode_timeout),
+        max_inflight=args.max_inflight,
     )
 
 

@@ -19,17 +19,25 @@ Per attempt (``Disaggregator.serve``):
    computed, then it generates (streamed or not). ``Complete`` frees the conductor's ledger entry
    whatever happened.
 
-An engine that does not answer, cuts the connection or fails with 5xx before the client got a
-byte is retried once more (``retries``) from step 1 after ``retry_backoff_s``: by then the
-conductor, which scrapes the engines' metrics, no longer schedules a node whose engine stopped
-answering. A failure after the first byte of a stream ends the stream with an error event.
+Retries: an engine that provably never took the work (refused the connection, not connected in
+time, answered 503) is retried up to ``retries`` times from step 1 after ``retry_backoff_s``, and
+the conductor is told to place the retry on other nodes (``exclude_nodes``). Anything after the
+engine took the work (a cut, a stall, a 5xx) is not retried: the request would run twice. A
+failure after the first byte of a stream ends the stream with an error event (``app``).
 
-Blocking gRPC calls (conductor, messengers) run on a thread pool beside the event loop.
+Cancelling ``serve`` (the client left) stops everything in flight: the engine requests are
+dropped (vLLM aborts a request whose connection closes), page transfers are cancelled at their
+messenger, and the ledger entry is freed (also one whose ``Schedule`` was still on its way).
+
+Blocking gRPC calls run on two thread pools beside the event loop: short calls (conductor,
+messenger ``Cancel``) on one, the waits on page transfers (up to ``transfer_timeout_s``) on the
+other, so slow pulls never delay a ``Schedule`` or a ``Complete``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -53,7 +61,7 @@ from rpc.wire import layout_from_pb, transfer_keys
 
 from .engines import Engine, EngineClient, EngineError, EngineStream, EngineTimeouts
 from .metrics import RouterMetrics
-from .protocol import Completion, RouterError, invalid
+from .protocol import Completion, RouterError, check_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,7 +80,9 @@ class RouterOptions:
     retries: int = 1
     retry_backoff_s: float = 1.0
     timeouts: EngineTimeouts = EngineTimeouts()
-    workers: int = 32  # threads for blocking gRPC calls
+    max_inflight: int = 256  # completions served at once; more are answered 429
+    call_workers: int = 8  # threads for short gRPC calls (Schedule, Prefilled, Complete, Cancel)
+    pull_workers: int = 32  # threads waiting on page transfers
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,10 @@ class ModelInfo:
 class Served:
     """What one request went through before its decode, for headers, metrics and benchmarks."""
 
-    request_id: str
+    request_id: str  # the router's id of the request (the client's X-Request-Id, or its own)
+    ledger_id: str = ""  # the conductor's id of this attempt
     attempts: int = 1
+    stage: str = "schedule"  # the step under way
     prefill_node: str = ""
     decode_node: str = ""
     prompt_tokens: int = 0
@@ -101,7 +113,8 @@ class Served:
 
     def headers(self) -> dict[str, str]:
         return {
-            "x-kvcache-request-id": self.request_id,
+            "x-request-id": self.request_id,
+            "x-kvcache-request-id": self.ledger_id,
             "x-kvcache-attempts": str(self.attempts),
             "x-kvcache-prefill-node": self.prefill_node,
             "x-kvcache-decode-node": self.decode_node,
@@ -124,7 +137,8 @@ class Disaggregator:
         self.engines = {e.node: e for e in options.engines}
         self.http = EngineClient(options.timeouts)
         self.conductor = ConductorClient(options.conductor, options.token, options.tls_ca)
-        self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="router-rpc")
+        self._calls = ThreadPoolExecutor(options.call_workers, thread_name_prefix="router-rpc")
+        self._pulls = ThreadPoolExecutor(options.pull_workers, thread_name_prefix="router-pull")
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
         self._layout: KVLayout | None = None
@@ -135,18 +149,24 @@ class Disaggregator:
         self._ids = itertools.count()
         self._prefix = f"r{os.getpid():x}-{time.time_ns() & 0xFFFFFF:06x}"
 
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
     async def close(self) -> None:
         await self.http.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pulls, self._calls):
+            pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             messengers, self._messengers = list(self._messengers.values()), {}
         for m in messengers:
             m.close()
         self.conductor.close()
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(
+        self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None
+    ) -> T:
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, functools.partial(fn, *args)
+            pool or self._calls, functools.partial(fn, *args)
         )
 
     def _messenger(self, address: str) -> MessengerClient:
@@ -217,9 +237,9 @@ class Disaggregator:
         for engine in self.engines.values():
             try:
                 return await self.http.tokenize(engine, model.name, call.text)
-            except EngineError as e:
-                if not e.retriable:
-                    raise _from_engine(e) from None
+            except EngineError as e:  # tokenizing twice costs nothing: ask the next one
+                if 400 <= e.status < 500:
+                    raise _from_engine(e, "tokenize") from None
                 errors.append(str(e))
         raise RouterError(
             503, "no engine could tokenize: " + "; ".join(errors), "service_unavailable"
@@ -228,53 +248,67 @@ class Disaggregator:
     # ---- a request --------------------------------------------------------------------------
 
     async def serve(
-        self, call: Completion, tokens: list[int], model: ModelInfo
+        self,
+        call: Completion,
+        tokens: list[int],
+        model: ModelInfo,
+        request_id: str,
+        own_id: bool = False,
     ) -> tuple[Served, dict[str, Any] | EngineStream]:
         """Run steps 1-5; the decode engine's JSON reply, or its open stream (then ``finish``
-        the request once the stream is done). Retries failures before the decode answered."""
-        if model.max_model_len and len(tokens) + call.max_tokens > model.max_model_len:
-            raise invalid(
-                f"{len(tokens)} prompt tokens + max_tokens {call.max_tokens} exceed the "
-                f"model's context of {model.max_model_len} tokens",
-                "max_tokens",
-            )
-        base = f"{self._prefix}-{next(self._ids)}"
+        the request once the stream is done). Retries what never reached an engine, on other
+        nodes. ``own_id``: ``request_id`` is the router's (``new_request_id``), unique, so the
+        conductor's ids of the attempts are made from it; a client's may not be."""
+        output_tokens = check_context(call, len(tokens), model.max_model_len)
+        base = request_id if own_id else self.new_request_id()
         attempts = 1 + max(self.options.retries, 0)
+        failed: list[str] = []  # nodes whose engine failed this request: not asked again
         for attempt in range(1, attempts + 1):
-            served = Served(request_id=f"{base}.{attempt}", attempts=attempt)
+            served = Served(request_id=request_id, ledger_id=f"{base}.{attempt}", attempts=attempt)
             try:
-                return served, await self._attempt(call, tokens, model, served)
+                return served, await self._attempt(
+                    call, tokens, model, served, output_tokens, failed
+                )
             except EngineError as e:
                 if not e.retriable:
-                    raise _from_engine(e) from None
+                    raise _from_engine(e, served.stage) from None
+                failed.append(e.engine.node)
                 if attempt == attempts:
                     raise RouterError(
-                        502, f"{e} (after {attempt} attempts)", "bad_gateway"
+                        502, f"{served.stage} failed: {e} (after {attempt} attempts)", "bad_gateway"
                     ) from None
-                stage = "prefill" if e.engine.node == served.prefill_node else "decode"
-                log.warning("request %s: %s; retrying", served.request_id, e)
-                self.metrics.retries.labels(stage).inc()
+                log.warning("request %s: %s; retrying without %s", request_id, e, e.engine.node)
+                self.metrics.retries.labels(served.stage).inc()
                 await asyncio.sleep(self.options.retry_backoff_s)
         raise AssertionError("unreachable")
 
     async def _attempt(
-        self, call: Completion, tokens: list[int], model: ModelInfo, served: Served
+        self,
+        call: Completion,
+        tokens: list[int],
+        model: ModelInfo,
+        served: Served,
+        output_tokens: int,
+        exclude: list[str],
     ) -> dict[str, Any] | EngineStream:
         layout = await self.layout()
-        reply = await self._schedule(call, tokens, layout, served)
+        reply = await self._schedule(tokens, output_tokens, call, layout, served, exclude)
         try:
             prefill, decode = self._engine(reply.prefill_node), self._engine(reply.decode_node)
+            served.stage = "plan"
             t = time.perf_counter()
             for plan in reply.transfers:
                 keys = transfer_keys(plan)
                 await self._pull("plan", plan.dst_messenger, plan.src_messenger, keys, served)
             if reply.transfers:
                 self.metrics.stage.labels("plan_wait").observe(time.perf_counter() - t)
+            served.stage = "prefill"
             t = time.perf_counter()
             out = await self.http.post_json(
                 prefill,
                 "/v1/completions",
                 {
+                    **call.prefill_checked,
                     "model": model.name,
                     "prompt": tokens,
                     "max_tokens": 1,
@@ -282,24 +316,33 @@ class Disaggregator:
                     # the connector answers with the namespace and salt of the prompt's keys
                     "kv_transfer_params": {"kvcache_keys": True},
                 },
+                request_id=served.request_id,
             )
             took = time.perf_counter() - t
             self.metrics.stage.labels("prefill").observe(took)
             served.prefill_cached_tokens = _cached_tokens(out)
             self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
-            await self._quietly(self.conductor.prefilled, served.request_id, took)
+            await self._quietly(self.conductor.prefilled, served.ledger_id, took)
             root = self._root(out, layout)
             if reply.decode_node != reply.prefill_node:
+                served.stage = "decode_pull"
                 blocks = block_keys(tokens, layout.block_tokens, root)
                 t = time.perf_counter()
                 await self._pull(
                     "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
                 )
                 self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
+            served.stage = "decode"
             body = {**call.forward, "model": model.name, "prompt": tokens}
             if call.stream:
-                return await self.http.open_stream(decode, body)
-            result: dict[str, Any] = await self.http.post_json(decode, "/v1/completions", body)
+                return await self.http.open_stream(decode, body, served.request_id)
+            result: dict[str, Any] = await self.http.post_json(
+                decode,
+                "/v1/completions",
+                body,
+                request_id=served.request_id,
+                whole_s=self.options.timeouts.decode_s,
+            )
         except BaseException:
             self.finish(served)
             raise
@@ -321,25 +364,37 @@ class Disaggregator:
         return root_key(layout.namespace, salt)
 
     async def _schedule(
-        self, call: Completion, tokens: list[int], layout: KVLayout, served: Served
+        self,
+        tokens: list[int],
+        output_tokens: int,
+        call: Completion,
+        layout: KVLayout,
+        served: Served,
+        exclude: list[str],
     ) -> cpb.ScheduleReply:
         t = time.perf_counter()
-        try:
-            reply: cpb.ScheduleReply = await self._run(
-                functools.partial(
-                    self.conductor.schedule,
-                    layout.namespace,
-                    tokens=tokens,
-                    salt=self._salt,
-                    request_id=served.request_id,
-                    prompt_tokens=len(tokens),
-                    output_tokens=call.max_tokens,
-                    ttft_slo_s=call.ttft_slo_s,
-                    tbt_slo_s=call.tbt_slo_s,
-                )
+        future = self._calls.submit(
+            functools.partial(
+                self.conductor.schedule,
+                layout.namespace,
+                tokens=tokens,
+                salt=self._salt,
+                request_id=served.ledger_id,
+                prompt_tokens=len(tokens),
+                output_tokens=output_tokens,
+                ttft_slo_s=call.ttft_slo_s,
+                tbt_slo_s=call.tbt_slo_s,
+                exclude_nodes=exclude,
             )
+        )
+        try:
+            reply: cpb.ScheduleReply = await asyncio.wrap_future(future)
         except KVCacheRpcError as e:
             raise self._conductor_error(e) from None
+        except asyncio.CancelledError:
+            # The conductor may enter it in its ledger still: free it when the call returns.
+            future.add_done_callback(functools.partial(self._complete_if_scheduled, served))
+            raise
         finally:
             self.metrics.stage.labels("schedule").observe(time.perf_counter() - t)
         served.prefill_node, served.decode_node = reply.prefill_node, reply.decode_node
@@ -348,6 +403,12 @@ class Disaggregator:
         served.plan_blocks = sum(len(transfer_keys(p)) for p in reply.transfers)
         self.metrics.prompt_tokens.inc(len(tokens))
         return reply
+
+    def _complete_if_scheduled(
+        self, served: Served, future: concurrent.futures.Future[Any]
+    ) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.finish(served)
 
     def _engine(self, node: str) -> Engine:
         engine = self.engines.get(node)
@@ -362,19 +423,36 @@ class Disaggregator:
 
     async def _pull(self, kind: str, dst: str, src: str, keys: Any, served: Served) -> None:
         """``dst``'s messenger fetches ``keys`` from ``src``'s. A failure is not the request's:
-        the engine computes what did not arrive."""
+        the engine computes what did not arrive. Cancelled, the batch is cancelled too."""
         keys = list(keys)
         if not keys or not dst or not src:
             return
         layout = await self.layout()
+        messenger = self._messenger(dst)
+        timeout_s = self.options.transfer_timeout_s
         try:
-            status: mpb.TransferStatusReply = await self._run(
-                self._messenger(dst).pull,
-                layout.namespace,
-                keys,
-                src,
-                self.options.transfer_timeout_s,
+            submitted = self._calls.submit(
+                messenger.submit, layout.namespace, [(k, src) for k in keys]
             )
+            try:
+                batch: mpb.SubmitTransferReply = await asyncio.wrap_future(submitted)
+            except asyncio.CancelledError:
+                submitted.add_done_callback(functools.partial(self._cancel_batch, messenger))
+                raise
+            try:
+                status: mpb.TransferStatusReply = await self._run(
+                    messenger.status, batch.batch_id, True, timeout_s, pool=self._pulls
+                )
+            except asyncio.CancelledError:
+                self._calls.submit(self._cancel_quietly, messenger, batch.batch_id, True)
+                raise
+            if not status.finished:
+                self._calls.submit(self._cancel_quietly, messenger, batch.batch_id)
+                raise KVCacheRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"not done after {timeout_s:g} s (cancelled)",
+                    "TransferStatus",
+                )
         except KVCacheRpcError as e:
             log.warning("%s %s -> %s of %d pages failed: %s", kind, src, dst, len(keys), e)
             self.metrics.kv_pages.labels(kind, "failed").inc(len(keys))
@@ -391,18 +469,35 @@ class Disaggregator:
             served.pulled_pages, served.pulled_bytes = moved, status.bytes_moved
             served.held_pages, served.failed_pages = held, status.failed
 
-    def finish(self, served: Served) -> None:
-        """Free the conductor's ledger entry (on the pool: also from a cancelled stream)."""
-        try:
-            self._pool.submit(self._complete_quietly, served.request_id)
-        except RuntimeError:  # shutting down: the conductor expires the entry by itself
-            log.info("Complete(%s) not sent: the router is stopping", served.request_id)
+    def _cancel_batch(
+        self, messenger: MessengerClient, future: concurrent.futures.Future[Any]
+    ) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._cancel_quietly(messenger, future.result().batch_id, True)
 
-    def _complete_quietly(self, request_id: str) -> None:
+    def _cancel_quietly(
+        self, messenger: MessengerClient, batch_id: str, left: bool = False
+    ) -> None:
+        """Cancel a transfer batch (``left``: because its client left)."""
         try:
-            self.conductor.complete(request_id)
+            messenger.cancel(batch_id)
+            if left:
+                self.metrics.cancelled.labels("pull").inc()
+        except KVCacheRpcError as e:  # it times out on its own (transfer_timeout_s)
+            log.info("Cancel(%s) at %s failed: %s", batch_id, messenger.address, e)
+
+    def finish(self, served: Served) -> None:
+        """Free the conductor's ledger entry (on the pool: also from a cancelled request)."""
+        try:
+            self._calls.submit(self._complete_quietly, served.ledger_id)
+        except RuntimeError:  # shutting down: the conductor expires the entry by itself
+            log.info("Complete(%s) not sent: the router is stopping", served.ledger_id)
+
+    def _complete_quietly(self, ledger_id: str) -> None:
+        try:
+            self.conductor.complete(ledger_id)
         except KVCacheRpcError as e:  # it expires on its own (stale ledger entries)
-            log.info("Complete(%s) failed: %s", request_id, e)
+            log.info("Complete(%s) failed: %s", ledger_id, e)
 
     async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -431,6 +526,9 @@ def _cached_tokens(reply: Any) -> int:
         return 0  # the engine runs without --enable-prompt-tokens-details
 
 
-def _from_engine(e: EngineError) -> RouterError:
-    """An engine's 4xx goes to the client as the engine said it."""
-    return RouterError(e.status or 502, str(e), body=e.body)
+def _from_engine(e: EngineError, stage: str) -> RouterError:
+    """An engine's 4xx goes to the client as the engine said it; anything else after the
+    engine took the request is a 502 (not retried: it would run twice)."""
+    if 400 <= e.status < 500:
+        return RouterError(e.status, str(e), body=e.body)
+    return RouterError(502, f"{stage} failed: {e}", "bad_gateway")

@@ -15,8 +15,9 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "kvcache_router_requests",
-            "Completion requests by outcome: ok, rejected (SLO, HTTP 429), invalid (4xx), "
-            "unavailable (no node, 503), failed (an engine or node failed), cut (client left)",
+            "Completion requests by outcome: ok, rejected (SLO, HTTP 429), busy (more than "
+            "--max-inflight requests, HTTP 429), invalid (4xx), unavailable (no node, 503), "
+            "failed (an engine or node failed), cut (client left)",
             ["outcome"],
             registry=r,
         )
@@ -59,4 +60,16 @@ class RouterMetrics:
         )
         self.inflight = Gauge(
             "kvcache_router_inflight_requests", "Requests being served", registry=r
+        )
+        self.max_inflight = Gauge(
+            "kvcache_router_max_inflight_requests",
+            "Requests served at once above which the router answers 429 (--max-inflight)",
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "kvcache_router_cancelled",
+            "Work stopped because its client left: request (a completion whose engine "
+            "requests were dropped and ledger entry freed), pull (a page transfer batch)",
+            ["what"],
+            registry=r,
         )

@@ -1,19 +1,49 @@
 """The OpenAI completions request as the router reads it, and its error responses.
 
-The router reads only what it needs (the prompt, ``max_tokens``, ``stream``, ``model`` and its own
-SLO fields) and passes every other field to the decode engine untouched, so sampling options
-behave exactly as vLLM documents them. Errors use OpenAI's shape, as vLLM does:
-``{"error": {"message", "type", "param", "code"}}``.
+The whole request is checked before anything is scheduled, by the rules vLLM's OpenAI server
+applies (its ``CompletionRequest`` validators and ``SamplingParams._verify_args``): a value vLLM
+would refuse gets the same 400 here, naming the parameter, instead of failing at the decode engine
+after the prefill and the page transfers already ran. Every field is then passed to the decode
+engine untouched (``max_tokens`` normalized as vLLM does), so sampling behaves as vLLM documents.
+The rules that need the model (its vocabulary, the engine's ``--max-logprobs``) are the engine's:
+the fields they read go with the prefill request too (``PREFILL_CHECKED``), which is refused
+before the pages move to the decode node and before the decode. Errors use OpenAI's shape, as
+vLLM does: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids travel to the conductor as uint32
 # The router's own request fields: SLOs for the conductor, never sent to an engine.
 ROUTER_FIELDS = ("ttft_slo_s", "tbt_slo_s")
+# vLLM's CompletionRequest: a null max_tokens is its default (normalize_null_max_tokens).
+DEFAULT_MAX_TOKENS = 16
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+INT64 = (-(2**63), 2**63 - 1)
+SAMPLING_EPS = 1e-5  # below it vLLM samples greedily (and then n must be 1)
+# Checked by the engine against its model: the prefill request carries them (cheap for one
+# token), so a bad value is refused there, before the pulls and the decode.
+PREFILL_CHECKED = (
+    "logprobs",
+    "logprob_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
+    "stop_token_ids",
+)
+# bool fields: vLLM's ``bool | None`` ones take null, the others need a bool.
+_OPTIONAL_BOOLS = ("echo", "return_token_ids", "return_tokens_as_token_ids", "watermarking")
+_BOOLS = (
+    "use_beam_search",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "add_special_tokens",
+)
 
 
 class RouterError(Exception):
@@ -34,18 +64,23 @@ class RouterError(Exception):
         self.param = param
         self._body = body
 
-    def body(self) -> dict[str, Any]:
-        """OpenAI's error object (an engine's own, passed through, when it gave one)."""
-        if self._body is not None:
-            return self._body
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        """OpenAI's error object (an engine's own, passed through, when it gave one), with the
+        router's request id (``error.request_id``) when given."""
+        if self._body is not None and isinstance(self._body.get("error"), dict):
+            body = {**self._body, "error": dict(self._body["error"])}
+        else:
+            body = {
+                "error": {
+                    "message": self.message,
+                    "type": self.kind,
+                    "param": self.param,
+                    "code": self.status,
+                }
             }
-        }
+        if request_id is not None:
+            body["error"]["request_id"] = request_id
+        return body
 
 
 def invalid(message: str, param: str | None = None) -> RouterError:
@@ -55,7 +90,8 @@ def invalid(message: str, param: str | None = None) -> RouterError:
 @dataclass(kw_only=True)
 class Completion:
     """A parsed ``/v1/completions`` body: ``tokens`` or ``text`` (one of them), the fields the
-    router acts on, and ``forward``: the body the decode engine gets (prompt set later)."""
+    router acts on, ``forward``: the body the decode engine gets (prompt set later), and
+    ``prefill_checked``: what the prefill request carries besides its own fields."""
 
     model: str
     tokens: list[int] | None
@@ -64,7 +100,9 @@ class Completion:
     stream: bool
     ttft_slo_s: float
     tbt_slo_s: float
+    truncate_prompt_tokens: int | None = None
     forward: dict[str, Any] = field(default_factory=dict)
+    prefill_checked: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> Completion:
@@ -74,29 +112,259 @@ def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required: the model name /v1/models lists", "model")
+    if body.get("prompt_embeds") is not None:
+        raise invalid("'prompt_embeds' is not served by the router: send a prompt", "prompt_embeds")
     tokens, text = _prompt(body.get("prompt"))
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise invalid(f"'max_tokens' must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise invalid(f"'stream' must be true or false, got {stream!r}", "stream")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise invalid(
+            f"'max_tokens' must be an integer >= 1, got {_show(max_tokens)}", "max_tokens"
+        )
+    stream = _boolean(body, "stream", optional=True) or False
     slos = {}
     for name, default in (("ttft_slo_s", default_ttft_s), ("tbt_slo_s", default_tbt_s)):
         value = body.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise invalid(f"'{name}' must be a number of seconds >= 0 (0: none)", name)
         slos[name] = float(value)
+    _sampling(body, max_tokens, stream)
+    _outputs(body, stream)
     forward = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
+    forward["max_tokens"] = max_tokens
     return Completion(
         model=model,
         tokens=tokens,
         text=text,
         max_tokens=max_tokens,
         stream=stream,
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         forward=forward,
+        prefill_checked={k: body[k] for k in PREFILL_CHECKED if body.get(k) is not None},
         **slos,
     )
+
+
+def check_context(call: Completion, prompt_tokens: int, max_model_len: int) -> int:
+    """vLLM's length rules: ``max_tokens`` above the context, or a prompt that leaves no room
+    for one output token, is a 400; otherwise the output is clamped to what the context holds
+    (vLLM's ``get_max_tokens``). Returns the output tokens the decode may generate."""
+    if not max_model_len:
+        return call.max_tokens
+    if call.max_tokens > max_model_len:
+        raise invalid(
+            f"'max_tokens' {call.max_tokens} is more than the model's context of "
+            f"{max_model_len} tokens",
+            "max_tokens",
+        )
+    limit = call.truncate_prompt_tokens
+    if limit is not None and limit > max_model_len:
+        raise invalid(
+            f"'truncate_prompt_tokens' {limit} is more than the model's context of "
+            f"{max_model_len} tokens",
+            "truncate_prompt_tokens",
+        )
+    if limit is not None:
+        prompt_tokens = min(prompt_tokens, max_model_len if limit == -1 else limit)
+    if prompt_tokens + 1 > max_model_len:
+        raise invalid(
+            f"the prompt ({prompt_tokens} tokens) leaves no room for an output token in the "
+            f"model's context of {max_model_len} tokens",
+            "prompt",
+        )
+    return min(call.max_tokens, max_model_len - prompt_tokens)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
+    """vLLM's sampling parameter rules (``SamplingParams._verify_args``)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(body, name, -2.0, 2.0, "in [-2, 2]")
+    rep = _number(body, "repetition_penalty")
+    if rep is not None and rep <= 0:
+        raise invalid(
+            f"'repetition_penalty' must be greater than 0, got {rep}", "repetition_penalty"
+        )
+    temperature = _number(body, "temperature", 0.0, 2.0, "in [0, 2]")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise invalid(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    _integer(body, "top_k", -1, None, "0 (disabled) or at least 1")
+    _number(body, "min_p", 0.0, 1.0, "in [0, 1]")
+    n = body.get("n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {_show(n)}", "n")
+    if n > 1 and temperature is not None and temperature < SAMPLING_EPS:
+        raise invalid(f"'n' must be 1 when sampling greedily (temperature 0), got {n}", "n")
+    _integer(body, "seed", *INT64, "a 64-bit integer")
+    min_tokens = _integer(body, "min_tokens", 0, None, ">= 0")
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise invalid(
+            f"'min_tokens' must be at most max_tokens={max_tokens}, got {min_tokens}", "min_tokens"
+        )
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and (
+        not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
+    ):
+        raise invalid(f"'stop' must be a string or a list of strings, got {_show(stop)}", "stop")
+    if stops is not None and not all(stops):
+        raise invalid("'stop' cannot contain an empty string", "stop")
+    _int_list(body, "stop_token_ids")
+    bad_words = body.get("bad_words")
+    if bad_words is not None and (
+        not isinstance(bad_words, list) or not all(isinstance(w, str) and w for w in bad_words)
+    ):
+        raise invalid("'bad_words' must be a list of non-empty strings", "bad_words")
+    allowed = _int_list(body, "allowed_token_ids")
+    if allowed is not None and not allowed:
+        raise invalid(
+            "'allowed_token_ids' is empty: leave it out to allow every token", "allowed_token_ids"
+        )
+    bias = body.get("logit_bias")
+    if bias is not None and (
+        not isinstance(bias, dict)
+        or not all(_is_int_text(k) and _is_number(v) for k, v in bias.items())
+    ):
+        raise invalid("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
+    for name in _BOOLS:
+        _boolean(body, name)
+    for name in _OPTIONAL_BOOLS:
+        _boolean(body, name, optional=True)
+    if body.get("use_beam_search") and stream:
+        raise invalid("streaming is not supported with beam search", "use_beam_search")
+    _integer(body, "priority", *INT64, "a 64-bit integer")
+    _integer(body, "truncate_prompt_tokens", -1, INT64[1], "-1 (the context) or >= 0")
+    _integer(body, "stream_interval", 1, None, ">= 1")
+
+
+def _outputs(body: dict[str, Any], stream: bool) -> None:
+    """vLLM's rules for logprobs, stream options and structured outputs."""
+    logprobs = body.get("logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or (value < 0 and value != -1)):
+            raise invalid(
+                f"'{name}' must be an integer >= 0, or -1 (all), got {_show(value)}", name
+            )
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        raise invalid("'prompt_logprobs' are not available when stream is true", "prompt_logprobs")
+    if _int_list(body, "logprob_token_ids") and logprobs is None:
+        raise invalid("'logprob_token_ids' needs 'logprobs' set", "logprob_token_ids")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid("'stream_options' must be an object", "stream_options")
+        if options and not stream:
+            raise invalid(
+                "'stream_options' can only be given when stream is true", "stream_options"
+            )
+        for name in ("include_usage", "continuous_usage_stats"):
+            if options.get(name) is not None and not isinstance(options[name], bool):
+                raise invalid(f"'stream_options.{name}' must be true or false", "stream_options")
+    for name in ("user", "suffix"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise invalid(f"'{name}' must be a string", name)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 1024):
+        raise invalid("'cache_salt' must be a string of 1 to 1024 characters", "cache_salt")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+            "structural_tag",
+        ):
+            raise invalid(
+                "'response_format' must be an object whose type is text, json_object, "
+                "json_schema or structural_tag",
+                "response_format",
+            )
+        if fmt["type"] == "json_schema" and fmt.get("json_schema") is None:
+            raise invalid(
+                "a response_format of type json_schema needs its 'json_schema'", "response_format"
+            )
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise invalid("'structured_outputs' must be an object", "structured_outputs")
+        if sum(structured.get(k) is not None for k in ("json", "regex", "choice")) > 1:
+            raise invalid(
+                "'structured_outputs' takes one kind of constraint ('json', 'regex' or 'choice')",
+                "structured_outputs",
+            )
+
+
+def _show(value: Any, limit: int = 64) -> str:
+    """A client's value in an error message, cut short (a megabyte value, a short message)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int_text(value: Any) -> bool:
+    try:
+        int(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _number(
+    body: dict[str, Any],
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    what: str = "",
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number, got {_show(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise invalid(f"'{name}' must be {what}, got {value}", name)
+    return float(value)
+
+
+def _integer(
+    body: dict[str, Any], name: str, lo: int | None, hi: int | None, what: str
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise invalid(f"'{name}' must be an integer, got {_show(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise invalid(f"'{name}' must be {what}, got {value}", name)
+    return int(value)
+
+
+def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise invalid(f"'{name}' must be a list of integers", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, optional: bool = False) -> bool | None:
+    value = body.get(name)
+    if value is None and (optional or name not in body):
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be true or false, got {_show(value)}", name)
+    return value
 
 
 def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
@@ -115,10 +383,7 @@ def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("'prompt' is an empty list of token ids", "prompt")
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
-            for t in prompt
-        ):
+        if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
             raise invalid("'prompt' token ids must be integers in [0, 2**32)", "prompt")
         return list(prompt), None
     raise invalid("'prompt' is required: a string or a list of token ids", "prompt")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rpc.launch import ServiceProcess, start_service
+from plumbing.launch import ServiceProcess, start_service
 
 import leftovers
 

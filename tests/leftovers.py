@@ -182,11 +182,12 @@ class Baseline:
         new = shm_entries() - self.shm
         if new:
             held = held_shm()
-            # A name the run made and nobody holds; one made in the last moment by another
-            # process (not ours) may not be mapped yet, so young entries get one more look.
+            # A name the run made and nobody holds. One another process made a moment ago may
+            # not be held yet (a semaphore between its creator and the child that opens it):
+            # each gets a second look a second later.
             orphans = sorted(n for n in new if n not in held)
             if orphans:
-                time.sleep(0.2)
+                time.sleep(1.0)
                 held = held_shm()
                 orphans = sorted(n for n in orphans if n not in held and _exists(n))
             found.shm = orphans

@@ -15,7 +15,7 @@ from google.protobuf import __version__ as protobuf_version
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.node_client import KVStoreClient
-from rpc.launch import start_service
+from plumbing.launch import start_service
 from rpc.status import KVCacheRpcError
 
 LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"

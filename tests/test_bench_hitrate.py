@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from bench import cli as bench_cli
-from bench.hitrate import CacheSetup, replay, run_setups, theoretical_max
-from bench.trace import Trace, TraceRequest, load_trace
+from bench.replay.hitrate import CacheSetup, replay, run_setups, theoretical_max
+from bench.replay.trace import Trace, TraceRequest, load_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BT = 4  # tokens per block in these hand-made traces
@@ -301,7 +301,7 @@ def test_bench_dispatcher_reports_missing_modules(monkeypatch):
     monkeypatch.setitem(bench_cli.COMMANDS, "ghost", ("bench.ghost_not_written", "test"))
     with pytest.raises(SystemExit, match="not available yet"):
         bench_cli.load_command("ghost")
-    assert bench_cli.load_command("hitrate").__name__ == "bench.hitrate"
+    assert bench_cli.load_command("hitrate").__name__ == "bench.replay.hitrate"
 
 
 def test_real_trace_prefix_reaches_its_documented_maximum():

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from bench.layerwise import main
+from bench.micro.layerwise import main
 
 
 @pytest.mark.slow

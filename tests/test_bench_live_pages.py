@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.live_engine import SyntheticKV
+from bench.replay.live_engine import SyntheticKV
 from node.config import parse_layout
 
 LAYOUTS = [

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from bench.schedule import ClusterSim, ClusterSpec, offered_load, simulate
-from bench.trace import Trace, TraceRequest
+from bench.replay.schedule import ClusterSim, ClusterSpec, offered_load, simulate
+from bench.replay.trace import Trace, TraceRequest
 
 BT = 512
 DOC = list(range(1000, 1016))  # a 16-block shared document (8,192 tokens)

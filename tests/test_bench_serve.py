@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from bench.serve import arrival_times, ideal_hit_tokens, output_tokens, prompt_tokens
-from bench.trace import TraceRequest
+from bench.replay.serve import arrival_times, ideal_hit_tokens, output_tokens, prompt_tokens
+from bench.replay.trace import TraceRequest
 
 
 def _request(ids: list[int], length: int, output: int = 512, at_ms: float = 0.0) -> TraceRequest:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench import soak
+from bench.faults import soak
 
 
 def run_soak(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

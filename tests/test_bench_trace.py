@@ -9,8 +9,8 @@ import math
 
 import pytest
 
+from bench.replay.trace import SyntheticSpec, TraceError, load_trace, synthetic_trace, write_trace
 from bench.report import parse_count, parse_count_list
-from bench.trace import SyntheticSpec, TraceError, load_trace, synthetic_trace, write_trace
 
 from helpers import kvcache_cli
 
@@ -77,7 +77,7 @@ def test_out_of_order_timestamps_are_sorted_with_a_warning(tmp_path, caplog):
     path = _write(
         tmp_path / "t.jsonl", [_req(10, 4, [1]), _req(3, 4, [2]), _req(7, 4, [3]), _req(12, 4, [4])]
     )
-    with caplog.at_level(logging.WARNING, logger="bench.trace"):
+    with caplog.at_level(logging.WARNING, logger="bench.replay.trace"):
         trace = load_trace(path, block_tokens=4)
     assert [r.timestamp_ms for r in trace.requests] == [3, 7, 10, 12]
     assert [r.hash_ids for r in trace.requests] == [(2,), (3,), (1,), (4,)]

@@ -12,9 +12,9 @@ import sys
 import grpc
 import pytest
 
+from plumbing.launch import process_identity, start_service
 from proto import common_pb2 as cpb
 from proto import node_pb2_grpc as pbg
-from rpc.launch import process_identity, start_service
 
 from helpers import kvcache_cli
 

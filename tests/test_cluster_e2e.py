@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from bench.trace import DEFAULT_TRACE
+from bench.replay.trace import DEFAULT_TRACE
 
 PAGE_BYTES = 256 << 10  # the embedded demo layout: 4 layers x K|V x 512 x 1 x 32 x fp16
 BLOCK = 512

@@ -508,6 +508,16 @@ def test_bad_requests_and_missing_nodes():
         c.schedule("y", keys)
 
 
+def test_excluded_nodes_are_not_chosen_even_when_they_hold_the_prefix():
+    c = Cluster(prefill=2, decode=2)
+    c.put("p0", chain(8))
+    assert c.schedule("r0", chain(8)).prefill_node == "p0"  # the holder, when allowed
+    d = c.schedule("r1", chain(8), exclude=frozenset({"p0", "d0"}))
+    assert (d.prefill_node, d.decode_node) == ("p1", "d1")
+    with pytest.raises(NoNodeAvailable, match="no live decode node is left besides the excluded"):
+        c.schedule("r2", chain(8), exclude=frozenset({"d0", "d1"}))
+
+
 def test_both_role_nodes_prefill_and_decode():
     c = Cluster(prefill=0, decode=0)
     c.add("n0", Role.BOTH)

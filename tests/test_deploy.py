@@ -53,7 +53,7 @@ def check_command_line(argv: list[str]) -> argparse.Namespace:
             parse_layout(spec)
         parse_size(args.dram)
     if getattr(args, "etcd", None):
-        from rpc.membership import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
+        from plumbing.registration import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
 
         # What every role runs on its etcd flags (a node's unset ones come from its config).
         prefix, ttl = args.etcd_prefix or DEFAULT_PREFIX, args.etcd_ttl_s or DEFAULT_TTL_S
@@ -368,9 +368,9 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
     from kvcache.cluster_config import DEMO_LAYOUT
     from kvcache.deploy import render_k8s
     from kvcache.etcd_server import start_etcd
+    from plumbing.launch import start_service
+    from plumbing.netns import HostNetwork, NetSpec
     from rpc.channel import make_channel
-    from rpc.launch import start_service
-    from rpc.netns import HostNetwork, NetSpec
 
     if REASON:
         pytest.skip(f"no network namespaces: {REASON}")

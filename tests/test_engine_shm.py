@@ -34,6 +34,15 @@ def segment(name):
 tag, node = sys.argv[1], sys.argv[2]
 held = [segment(f"psm_{tag}_leader"), shared_memory.SharedMemory(name=node)]
 resource_tracker.unregister("/" + node, "shared_memory")
+if len(sys.argv) > 3:  # a helper that leaves a semaphore to the tracker, and exits
+    helper = os.fork()
+    if helper == 0:
+        import multiprocessing
+        lock = multiprocessing.get_context("spawn").Lock()  # sem.mp-*, registered
+        with open(sys.argv[3], "w") as f:
+            f.write(lock._semlock.name)
+        os._exit(0)  # mapped by nobody now; the tracker unlinks it when the others are gone
+    os.waitpid(helper, 0)
 if os.fork() == 0:
     held.append(segment(f"psm_{tag}_core"))
     print("core", flush=True)
@@ -52,11 +61,11 @@ def node_segment():
     shm.unlink()
 
 
-def _engine(tmp_path, tag: str, node: str) -> EngineProcess:
+def _engine(tmp_path, tag: str, node: str, *extra: str) -> EngineProcess:
     log = tmp_path / f"{tag}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", ENGINE, tag, node],
+            [sys.executable, "-c", ENGINE, tag, node, *extra],
             stdout=subprocess.PIPE,
             stderr=out,
             start_new_session=True,
@@ -80,6 +89,23 @@ def test_a_killed_engine_leaves_no_shared_memory_but_the_nodes_stays(tmp_path, n
     assert not _exists(f"psm_{tag}_core") and not _exists(f"psm_{tag}_leader")
     assert _exists(node_segment)  # still held by this process: not the engine's to remove
     assert engine.proc.returncode is not None
+
+
+def test_a_killed_engine_leaves_no_semaphore_its_resource_tracker_would_unlink(
+    tmp_path, node_segment
+):
+    """vLLM's processes register semaphores with multiprocessing's resource tracker (a process
+    of the engine's group); one mapped by nobody is not among the segments read, and only the
+    tracker knows it: ``kill`` spares the tracker, which unlinks it once the others died."""
+    tag = f"kvt{os.getpid()}s"
+    named = tmp_path / "semaphore"
+    engine = _engine(tmp_path, tag, node_segment, str(named))
+    sem = "sem." + named.read_text().lstrip("/")
+    assert _exists(sem)
+    engine.kill()
+    wait_until(lambda: not _exists(sem), 30, "the tracker to unlink the semaphore")
+    assert not _exists(f"psm_{tag}_core") and not _exists(f"psm_{tag}_leader")
+    wait_until(lambda: not engine.shm()[0], 30, "every process of the engine to be gone")
 
 
 def test_stopping_engines_that_need_sigkill_removes_their_shared_memory(tmp_path, node_segment):

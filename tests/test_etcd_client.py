@@ -1,5 +1,5 @@
-"""rpc/etcd.py and rpc/membership.py against a real etcd server: keys, leases, watches that
-report a broken stream, endpoint failover, etcd's election, and Registration's lease upkeep."""
+"""plumbing/etcd.py and plumbing/registration.py against a real etcd server: keys, leases, watches
+that report a broken stream, endpoint failover, etcd's election, and Registration's lease upkeep."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import threading
 
 import pytest
 
-from rpc.etcd import (
+from plumbing.etcd import (
     EtcdClient,
     EtcdUnavailable,
     check_prefix,
     parse_endpoints,
 )
-from rpc.launch import free_port
-from rpc.membership import Registration
+from plumbing.launch import free_port
+from plumbing.registration import Registration
 
 from helpers import wait_until
 

@@ -21,12 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
 from conductor.service import SERVICE_NAME
+from plumbing.etcd import EtcdClient
+from plumbing.registration import LEADER_METADATA, NodeRecord, election_name
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_channel
-from rpc.etcd import EtcdClient
-from rpc.membership import LEADER_METADATA, NodeRecord, election_name
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
 from helpers import rpc_error, wait_until

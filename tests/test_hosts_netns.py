@@ -1,4 +1,4 @@
-"""Several hosts on one machine, for real: network namespaces on a bridge (``rpc/netns.py``),
+"""Several hosts on one machine, for real: network namespaces on a bridge (``plumbing/netns.py``),
 ``kvcache up --hosts N`` / ``kvcache down``, and pages moved between hosts by real messengers,
 verified byte for byte. Needs root (``ip netns add``); skipped with the reason otherwise."""
 
@@ -29,7 +29,7 @@ from test_cluster_e2e import (
     write_trace,
 )
 
-from rpc.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
+from plumbing.netns import HostNetwork, NetnsError, NetSpec, namespace_pids, unavailable_reason
 
 import leftovers
 from helpers import wait_until
@@ -204,7 +204,7 @@ def test_bad_network_specs_are_refused_and_leave_nothing(tmp_path, net_prefix):
 
 
 def test_pages_move_between_hosts_through_the_messengers(tmp_path, net_prefix):
-    from bench.transfer import NodePair
+    from bench.micro.transfer_rig import NodePair
 
     net = HostNetwork.create(
         NetSpec(prefix=net_prefix, subnet=free_subnet(), rate="1gbit"),
@@ -359,8 +359,13 @@ def test_up_hosts_with_etcd_replays_the_trace_through_a_leader_sigkill(tmp_path,
         assert {c["pid"] for c in conductors} <= set(namespace_pids(ctl_ns))
         assert_nothing_on_loopback(network)
         # Membership from etcd: each node and messenger by its host's address (--advertise).
-        from rpc.etcd import EtcdClient
-        from rpc.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
+        from plumbing.etcd import EtcdClient
+        from plumbing.registration import (
+            MessengerRecord,
+            NodeRecord,
+            messengers_prefix,
+            nodes_prefix,
+        )
 
         with EtcdClient(state["etcd"]["endpoints"][0]) as etcd:
             _, node_kvs = etcd.get_prefix(nodes_prefix("/kvcache"))
@@ -427,7 +432,7 @@ def test_down_cleans_up_after_a_crashed_launcher(tmp_path, net_prefix):
 
 
 def test_transfer_bench_across_hosts_reports_ratios_per_link(tmp_path, net_prefix, capsys):
-    from bench.transfer import main
+    from bench.micro.transfer import main
 
     out = tmp_path / "hosts.json"
     args = ["--hosts", "--total", "8M", "--sizes", "1M", "--runs", "1", "--rates", "none,1gbit",

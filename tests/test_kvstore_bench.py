@@ -11,13 +11,13 @@ import math
 
 import pytest
 
-import bench.store
+import bench.micro.store
 
 
 @pytest.mark.slow
 def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    bench.store.configure(parser)
+    bench.micro.store.configure(parser)
     args = parser.parse_args(
         [
             "--page-kib",
@@ -42,7 +42,7 @@ def test_store_benchmark_writes_every_figure(tmp_path, capsys):
             str(tmp_path / "out"),
         ]
     )
-    assert bench.store.run(args) == 0
+    assert bench.micro.store.run(args) == 0
     doc = json.loads((tmp_path / "out" / "store.json").read_text())
     groups = {f["group"] for f in doc["figures"]}
     assert groups == {

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from bench.transfer import DEFAULT_MC_PYTHON, DEFAULT_PEERS, main, parse_bytes
+from bench.micro.transfer import DEFAULT_MC_PYTHON, DEFAULT_PEERS, main
+from bench.report import parse_bytes
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ import xxhash
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
+from plumbing.launch import start_service
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
-from rpc.launch import start_service
 
 from conftest import TEST_LAYOUT
 from conftest import TEST_NAMESPACE as NS

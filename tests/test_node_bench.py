@@ -9,18 +9,18 @@ import math
 
 import pytest
 
-import bench.node
+import bench.micro.node
 
 
 @pytest.mark.slow
 def test_node_benchmark_writes_every_figure(tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    bench.node.configure(parser)
+    bench.micro.node.configure(parser)
     args = parser.parse_args(
         "--total-mib 8 --batch 4 --runs 1 --lookups 20 --lookup-blocks 50 --no-peers --out".split()
         + [str(tmp_path)]
     )
-    assert bench.node.run(args) == 0
+    assert bench.micro.node.run(args) == 0
     doc = json.loads((tmp_path / "node.json").read_text())
     for path in ("in_process", "client_shm", "client_pipelined", "client_streamed"):
         for op in ("write_GBps", "read_GBps"):

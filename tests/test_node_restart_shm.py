@@ -16,8 +16,8 @@ import numpy as np
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
+from plumbing.launch import ServiceProcess, start_service
 from proto import messenger_pb2 as mpb
-from rpc.launch import ServiceProcess, start_service
 
 from conftest import TEST_LAYOUT
 from conftest import TEST_NAMESPACE as NS

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients import KVCacheRpcError, KVStoreClient
+from clients.node_client import WriteLease
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
@@ -24,7 +25,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.channel import make_channel
 
 from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES, shm_exists
-from helpers import rpc_error
+from helpers import rpc_error, wait_until
 
 NS = TEST_NAMESPACE
 
@@ -174,6 +175,14 @@ def test_two_writers_same_key_one_wins_no_corruption(start_node):
 
 
 @pytest.mark.slow
+def _allocate_or_none(client: KVStoreClient, toks) -> WriteLease | None:
+    try:
+        return client.allocate(NS, tokens=toks)
+    except KVCacheRpcError as e:
+        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "pinned" in e.details
+        return None
+
+
 def test_pins_of_a_killed_client_expire(start_node):
     node = start_node("--lease-ttl", "1.5", dram="32KiB")  # 4 pages
     with KVStoreClient(node.address) as c:
@@ -204,8 +213,11 @@ def test_pins_of_a_killed_client_expire(start_node):
             assert "pinned" in e.value.details
             holder.kill()
             holder.wait(5)
-            time.sleep(1.6)  # the pins' lease time: after it, the next allocation may evict
-            lease = c.allocate(NS, tokens=tokens(1, start=10_000))
+            # Its pins end (at once now that the node sees it gone; at the latest after their
+            # lease time): then the next allocation may evict.
+            lease = wait_until(
+                lambda: _allocate_or_none(c, tokens(1, start=10_000)), 30, "the pins to end"
+            )
             assert lease.to_write == [0]
             lease.abort()
     finally:
@@ -220,13 +232,13 @@ def test_write_lease_expires_and_its_pages_return(start_node):
         with pytest.raises(KVCacheRpcError) as e:
             c.allocate(NS, tokens=tokens(1, start=500))
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        time.sleep(1.1)
+        wait_until(lambda: c.stats().namespaces[0].expired_leases == 1, 30, "the lease to expire")
         with pytest.raises(KVCacheRpcError) as e:
             dead.commit()
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "quarantined" in e.value.details
         # Held back from reuse for --write-quarantine after the deadline, then back in the pool.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: the quarantine is 2 s
         while True:
             try:
                 c.allocate(NS, tokens=tokens(2, start=500)).abort()
@@ -244,7 +256,8 @@ def test_a_late_shared_memory_writer_cannot_corrupt_the_next_writers_page(start_
         assert slow.shm_available(NS)
         late = slow.allocate(NS, tokens=tokens(1))
         view = late.page(0)  # mapped once, as a layer-wise writer does
-        time.sleep(1.6)  # stalls past its lease (the reaper sweeps every 0.5 s)
+        # It stalls past its lease, until the node's reaper has swept it.
+        wait_until(lambda: fast.stats().namespaces[0].expired_leases == 1, 30, "the expiry")
         lease = fast.allocate(NS, tokens=tokens(1, start=500))
         lease.page(0)[:] = theirs
         lease.commit()
@@ -413,7 +426,9 @@ def test_auth_and_tenant_isolation(start_node):
 def test_a_streamed_puts_lease_cannot_be_touched_by_another_tenant(start_node):
     """A Put holds a lease inside the node while its bytes arrive; no RPC can reach it (it used to
     be abortable by any tenant that guessed its id, which then let that tenant write the key)."""
-    node = start_node("--tenant-token", "tok-a=alice", "--tenant-token", "tok-b=bob")
+    node = start_node(
+        "--token", "adm", "--tenant-token", "tok-a=alice", "--tenant-token", "tok-b=bob"
+    )
     go = threading.Event()
     sel = cpb.BlockSelector(namespace=NS, token_ids=list(range(16)))
     page = pages_for(1, 3)[0].tobytes()
@@ -424,7 +439,10 @@ def test_a_streamed_puts_lease_cannot_be_touched_by_another_tenant(start_node):
         go.wait(10)
         yield pb.PutChunk(data=page[100:])
 
-    with KVStoreClient(node.address, token="tok-b") as bob:
+    with (
+        KVStoreClient(node.address, token="tok-b") as bob,
+        KVStoreClient(node.address, token="adm") as admin,
+    ):
         probe = bob.allocate(NS, tokens=tokens(1, start=700))  # the next lease ids follow it
         bob.abort(probe)
         result: list = []
@@ -432,7 +450,9 @@ def test_a_streamed_puts_lease_cannot_be_touched_by_another_tenant(start_node):
             target=lambda: result.append(stub(node.address, "tok-a").Put(chunks(), timeout=20))
         )
         put.start()
-        time.sleep(0.3)  # the Put's lease is open
+        wait_until(
+            lambda: admin.stats().namespaces[0].write_leases == 1, 30, "the Put's lease to open"
+        )
         for lease_id in range(probe.lease_id + 1, probe.lease_id + 4):
             fake = dataclasses.replace(probe, lease_id=lease_id)
             assert rpc_error(lambda fake=fake: bob.abort(fake))[0] == grpc.StatusCode.NOT_FOUND

@@ -3,8 +3,10 @@ then never read or send must not take the gRPC workers unary calls need, and are
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -17,6 +19,7 @@ from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 
 from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE, TEST_PAGE_BYTES
+from helpers import wait_until
 
 NS = TEST_NAMESPACE
 BLOCKS = 1024  # 8 MiB per Get: far more than a client buffers without reading
@@ -31,6 +34,13 @@ def raw_stub(address: str) -> tuple[grpc.Channel, pbg.NodeServiceStub]:
     # window, and an unread Get must not stall the test's own calls on the client side.
     channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
     return channel, pbg.NodeServiceStub(channel)
+
+
+def metric_sum(node, name: str) -> float:
+    """A counter of the node's Prometheus metrics, summed over its labels."""
+    port = node.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
 
 
 def code_of(call, stream: bool) -> grpc.StatusCode:
@@ -48,7 +58,8 @@ def code_of(call, stream: bool) -> grpc.StatusCode:
 
 
 def test_idle_streams_leave_workers_for_unary_calls_and_are_cut(start_node):
-    node = start_node("--stream-idle-timeout", "2", dram="16MiB")  # 16 Get/Put, 4 Events
+    # 16 Get/Put, 4 Events
+    node = start_node("--stream-idle-timeout", "2", "--metrics-port", "0", dram="16MiB")
     rng = np.random.default_rng(7)
     pages = [rng.integers(0, 256, TEST_PAGE_BYTES, dtype=np.uint8) for _ in range(BLOCKS)]
     never = threading.Event()
@@ -80,7 +91,13 @@ def test_idle_streams_leave_workers_for_unary_calls_and_are_cut(start_node):
                     puts.append(stub.Put.future(put))  # never sends (more)
                 else:
                     events.append(stub.Events(pb.EventsRequest(after_seq=0)))  # never read
-            time.sleep(0.5)  # every stream reached the node
+            # Every stream reached the node: those over the caps were refused.
+            over_caps = (27 - 16) + (13 - 3)  # Get/Put over 16, Events over 4 (the feed holds one)
+            wait_until(
+                lambda: metric_sum(node, "kvcache_node_streams_refused_total") == over_caps,
+                30,
+                "the streams over the caps to be refused",
+            )
 
             # Unary calls are still served, at once (they timed out: every worker was taken).
             channel, stub = raw_stub(node.address)
@@ -92,7 +109,11 @@ def test_idle_streams_leave_workers_for_unary_calls_and_are_cut(start_node):
 
             # The streams over the caps were refused at once; the rest are cut when idle (a Get
             # whose client stopped reading: its chunks buffered so far, then the status).
-            time.sleep(3)  # the idle timeout (2 s) and a watchdog period
+            wait_until(
+                lambda: metric_sum(node, "kvcache_node_streams_cut_total") >= 16,
+                30,
+                "the idle Get and Put streams to be cut",
+            )
             codes = [code_of(g, True) for g in gets] + [code_of(p, False) for p in puts]
             counts = {code: codes.count(code) for code in set(codes)}
             assert counts == {

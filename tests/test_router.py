@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 
 def _closed_port() -> int:

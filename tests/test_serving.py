@@ -8,12 +8,14 @@ that kills a decode engine runs last.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
+from collections import Counter
 from typing import Iterator
 
 import numpy as np
@@ -21,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from clients.conductor_client import ConductorClient
 from kvcache.cluster import Cluster, load_config
 
@@ -156,7 +158,7 @@ def _reference(model: str, log_dir: str) -> subprocess.Popen[str]:
         "runs": [{"prompts": [PLAIN, STREAMED, FIRST, SECOND], "max_tokens": MAX_TOKENS}],
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.vllm_engine"],
+        [sys.executable, "-m", "bench.engines.vllm_engine"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=open(os.path.join(log_dir, "reference.log"), "w"),
@@ -301,7 +303,9 @@ def test_a_request_the_conductor_rejects_is_429_naming_the_slo(serving):
         ({"model": MODEL, "prompt": [[1, 2], [3, 4]]}, 400, "one prompt per request"),
         ({"model": MODEL, "prompt": [1, -2]}, 400, "token ids"),
         ({"model": MODEL, "prompt": [5, 100000], "max_tokens": 2}, 400, "100000"),
-        ({"model": MODEL, "prompt": [5] * 2000, "max_tokens": 100}, 400, "context"),
+        ({"model": MODEL, "prompt": [5] * 2048, "max_tokens": 1}, 400, "context"),
+        ({"model": MODEL, "prompt": [5, 6], "max_tokens": 4096}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [5, 6], "n": 2, "temperature": 0}, 400, "'n'"),
         ({"model": "gpt-9", "prompt": [1, 2]}, 404, "gpt-9"),
         ({"prompt": [1, 2]}, 400, "model"),
         ({"model": MODEL, "prompt": [1, 2], "ttft_slo_s": -1}, 400, "ttft_slo_s"),
@@ -336,7 +340,7 @@ def long_stream(
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     with response as stream:
         events = iter(stream.parse())
@@ -352,37 +356,186 @@ def test_the_conductor_learns_engine_load_from_the_engines(serving):
     def running(node: str) -> int:
         return int(serving.node_status(node).load.running_decode_requests)
 
-    # The whole context to generate: a shorter stream can end between two scrapes here.
-    with long_stream(serving, PLAIN, 2048 - len(PLAIN)) as (decode, _):
-        wait_until(lambda: running(decode) >= 1, 20, "the conductor to see the running request")
-    wait_until(lambda: running(decode) == 0, 30, "the engine to drop the abandoned request")
+    # A stream can end before the conductor's next good scrape of its engine (one every
+    # 0.5 s; a busy engine can miss one): then another one is opened, until one is seen.
+    seen = None
+    for _ in range(5):
+        with long_stream(serving, PLAIN, 2048 - len(PLAIN)) as (decode, _):
+            seen = wait_until(
+                lambda: (
+                    "seen"
+                    if running(decode) >= 1
+                    else "ended"
+                    if serving.engine_metric(decode, "vllm:num_requests_running") == 0
+                    else None
+                ),
+                120,
+                "the conductor to see the running request, or the request to end",
+            )
+        if seen == "seen":
+            break
+    assert seen == "seen", "five streams of 1749 tokens each ended unseen by the conductor"
+    wait_until(lambda: running(decode) == 0, 60, "the engine to drop the abandoned request")
 
 
-def test_killing_the_decode_engine_mid_stream_ends_the_stream_and_the_cluster_keeps_serving(
+class Reading:
+    """A streamed completion read by the openai client: the tokens its chunks carried
+    (``return_token_ids``: vLLM merges several tokens into one chunk when its server falls
+    behind), the last chunk's ``finish_reason``, and the error it ended with."""
+
+    def __init__(self, serving: Serving, prompt: list[int], max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.stream = serving.client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        self.node = self.stream.response.headers["x-kvcache-decode-node"]
+        self.events = iter(self.stream)
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.error: openai.APIError | None = None
+        self.ended = False
+
+    def read(self, until: int | None = None) -> "Reading":
+        """Read until ``until`` tokens came (None: to the end of the stream)."""
+        try:
+            while until is None or len(self.tokens) < until:
+                chunk = next(self.events)
+                for choice in chunk.choices:
+                    self.tokens += _token_ids(choice)
+                    self.finish = choice.finish_reason
+                if self.finish is not None and until is not None:
+                    break
+        except StopIteration:
+            self.ended = True
+        except openai.APIError as e:
+            self.error, self.ended = e, True
+        return self
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def assert_whole_or_failed(self) -> None:
+        """A stream ends with a last chunk carrying finish_reason, every token there, or with
+        the router's error event; never cut short as if whole."""
+        assert self.ended
+        if self.error is not None:
+            assert not isinstance(self.error, openai.APIConnectionError), self.error
+            assert "decode failed" in self.error.message, self.error.message
+            return
+        assert len(self.tokens) == self.max_tokens and self.finish == "length", (
+            f"a stream cut after {len(self.tokens)} of {self.max_tokens} tokens ended "
+            f"without an error (finish_reason {self.finish!r})"
+        )
+
+
+def _dead(engine) -> bool:
+    """The killed engine is gone: its server exited and its port refuses connections (while the
+    kernel tears the processes down, a connection can still be accepted, then reset)."""
+    if engine.alive():
+        return False
+    host, port = engine.url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _whole_or_failed(serving: Serving, prompt: list[int], max_tokens: int) -> dict:
+    """A non-streamed completion: whole (every token, finish_reason length) or a 502."""
+    try:
+        out = serving.client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    except openai.APIStatusError as e:
+        assert e.status_code == 502 and "failed" in e.message, e.message
+        return {"error": e.message}
+    choice = out.choices[0]
+    assert len(_token_ids(choice)) == max_tokens and choice.finish_reason == "length"
+    return {"ok": True}
+
+
+def test_killing_the_decode_engine_at_any_moment_ends_every_request_whole_or_with_an_error(
     serving,
 ):
-    # Killed as soon as the stream's headers arrive, with the whole context left to generate.
-    # On these 2 cores the test process can still lose the CPU long enough for the tiny model
-    # to finish first (seen: all tokens, finish_reason "length"); then the client must have got
-    # the whole completion. What may never happen: a stream cut short that ends as if whole.
+    """One decode engine is killed while streams on it are at different moments (just opened,
+    half read, read to their finish_reason) and non-streamed requests run: each ends whole or
+    with an error, whichever the kill found; the cluster keeps serving on the other one."""
     max_tokens = 2048 - len(STREAMED)
-    with long_stream(serving, STREAMED, max_tokens, first_event=False) as (victim, events):
-        engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
-        engine.signal(signal.SIGKILL)  # the engine's server and its engine core: a crash
-        got = []
+    readings: list[Reading] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         try:
-            got.extend(events)
-        except openai.APIError as e:
-            assert "decode failed mid-stream" in e.message
-        else:
-            assert len(got) == max_tokens and got[-1].choices[0].finish_reason == "length", (
-                f"a stream cut after {len(got)} of {max_tokens} tokens ended without an error"
-            )
+            # The conductor spreads streams over both decode nodes: open until three share one.
+            while max(Counter(r.node for r in readings).values(), default=0) < 3:
+                assert len(readings) < 8, "the conductor put no three of 8 streams on one node"
+                readings.append(Reading(serving, STREAMED, max_tokens))
+            victim = Counter(r.node for r in readings).most_common(1)[0][0]
+            opened, half, end = [r for r in readings if r.node == victim][:3]
+            half.read(max_tokens // 2)
+            end.read(max_tokens)  # to the chunk with finish_reason; [DONE] is still to come
+            plain = [pool.submit(_whole_or_failed, serving, PLAIN, max_tokens) for _ in range(2)]
+            engine = next(e for e in serving.cluster.serving.engines if e.spec.node == victim)
+            engine.kill()  # its server, engine core and workers at once: a crash (shm removed)
+            for r in readings:
+                r.read().assert_whole_or_failed()
+            for f in plain:
+                f.result(timeout=300)
+        finally:
+            for r in readings:
+                r.close()
     # The next requests decode elsewhere: the conductor stopped scheduling the dead engine's
-    # node (or the router retried once it did).
+    # node, or the router's retry left it out. (A request that reaches an engine in the
+    # moment it dies is a 502: it may have taken it, so it is not run twice.)
+    wait_until(lambda: _dead(engine), 60, "the killed engine to be gone")
     for prompt in (PLAIN, FIRST):
         raw = serving.client.completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=4, temperature=0
         )
         assert raw.headers["x-kvcache-decode-node"] != victim
         assert raw.parse().usage.completion_tokens == 4
+
+
+def test_killing_a_prefill_engine_mid_request_ends_it_whole_or_with_an_error(serving):
+    """A prefill engine killed while it computes prompts: each request ends whole or with a
+    502 (its prefill engine had taken it: not run twice), and the cluster serves on."""
+    prompts = [[int(x) for x in rng.integers(3, 500, 1800)] for _ in range(3)]
+    prefills = [e for e in serving.cluster.serving.engines if e.spec.node.startswith("prefill-")]
+
+    def busy() -> str | None:
+        return next(
+            (
+                e.spec.node
+                for e in prefills
+                if serving.engine_metric(e.spec.node, "vllm:num_requests_running") > 0
+            ),
+            None,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_whole_or_failed, serving, p, 16) for p in prompts]
+        # Killed as soon as one computes a prompt; if they were all faster than the probe,
+        # the first prefill engine is killed anyway: the rest must hold either way.
+        victim = wait_until(
+            lambda: busy() or (all(f.done() for f in futures) and prefills[0].spec.node),
+            120,
+            "a prefill engine to compute a prompt",
+        )
+        engine = next(e for e in prefills if e.spec.node == victim)
+        engine.kill()
+        for f in futures:
+            f.result(timeout=300)
+    wait_until(lambda: _dead(engine), 60, "the killed engine to be gone")
+    raw = serving.client.completions.with_raw_response.create(
+        model=MODEL, prompt=PLAIN, max_tokens=4, temperature=0
+    )
+    assert raw.headers["x-kvcache-prefill-node"] != victim
+    assert raw.parse().usage.completion_tokens == 4

@@ -10,7 +10,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
 from kvstore.keys import block_keys, root_key

@@ -14,11 +14,11 @@ import signal
 import numpy as np
 import pytest
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 from helpers import wait_until
 from vllm_driver import Engine
@@ -241,7 +241,7 @@ def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, ref
     """A node that hangs (SIGSTOP) from before the engine starts: the engine starts, serves
     every request in full with the breaker open (node calls are not made: no 30 s deadlines in
     the scheduler or the worker), and finds the node again once it answers. The time it costs is
-    bench.vllm_stall's figure, not asserted here."""
+    bench.faults.vllm_stall's figure, not asserted here."""
     sp = start_service(
         ["node", "--listen", "127.0.0.1:0", "--dram", "16MiB", "--layout", LAYOUT_FLAG],
         log_dir=str(work),

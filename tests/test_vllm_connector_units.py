@@ -145,6 +145,38 @@ def test_prompt_embeddings_cache_salts_and_lora_adapters_in_the_salt(tmp_path):
     assert request_salt(ENGINE, request(lora_request=lora)) != first
 
 
+def test_keys_follow_docs_api_md():
+    """Salts and rank keys computed from docs/api.md's "vLLM connector keys" are the
+    connector's."""
+    import xxhash
+    from vllm.lora.request import LoRARequest
+
+    from clients.vllm_identity import adapter_fingerprint
+
+    def parts(*xs: bytes | str) -> bytes:
+        out = b""
+        for x in xs:
+            b = x.encode() if isinstance(x, str) else x
+            out += len(b).to_bytes(4, "little") + b
+        return out
+
+    d = b"kvcache/vllm/v1\x00"
+    fmts = ["vllm0.32|cpu|CPU_ATTN|bfloat16|auto|2x32x64", "a-format"]
+    engine = xxhash.xxh3_128_digest(d + parts(b"engine", "s", "fp", *sorted(fmts), b"e"))
+    assert engine_salt("s", "fp", fmts + fmts[:1], b"e") == engine
+    lora = LoRARequest("ad", 1, "/no/such/adapter")
+    adapter = adapter_fingerprint(lora.lora_path)
+    want = xxhash.xxh3_128_digest(
+        d + parts(b"request", engine, b"cache_salt", "u", b"lora", "ad", adapter)
+    )
+    assert request_salt(engine, request(cache_salt="u", lora_request=lora)) == want
+    key = block_keys(TOKENS, BT, root_key(NS_H1, engine))[0]
+    tag = "tp1/2|pp0/1"
+    assert rank_keys([key], tag) == [
+        xxhash.xxh3_128_digest(b"kvcache/vllm/rank/" + tag.encode() + b"\x00" + key)
+    ]
+
+
 # ---- a scheduler-side connector of a real VllmConfig ---------------------------------------------
 
 
@@ -152,7 +184,7 @@ def test_prompt_embeddings_cache_salts_and_lora_adapters_in_the_salt(tmp_path):
 def vllm_config(tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
 
-    from bench.models import MODELS, make_model
+    from bench.engines.models import MODELS, make_model
 
     model = str(tmp_path_factory.mktemp("units") / "tiny-llama")
     make_model(model, MODELS["tiny"], max_len=1024)

@@ -48,7 +48,7 @@ def _port() -> int:
 @pytest.mark.slow
 def test_a_real_engines_cache_is_routed_by_the_conductor(tmp_path, start_kvcache):
     pytest.importorskip("vllm")
-    from bench.models import MODELS, make_model
+    from bench.engines.models import MODELS, make_model
 
     model = str(tmp_path / "tiny-llama")
     make_model(model, MODELS["tiny"], max_len=1024)
@@ -69,7 +69,7 @@ def test_a_real_engines_cache_is_routed_by_the_conductor(tmp_path, start_kvcache
         "kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"},
     }
     engine = subprocess.Popen(
-        [sys.executable, "-m", "bench.vllm_engine"],
+        [sys.executable, "-m", "bench.engines.vllm_engine"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

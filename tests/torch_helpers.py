@@ -7,7 +7,7 @@ import torch
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
 from kvstore.shm import SharedSlab
-from rpc.launch import ServiceProcess
+from plumbing.launch import ServiceProcess
 
 BLOCK_TOKENS = 16
 

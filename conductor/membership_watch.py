@@ -1,5 +1,6 @@
-"""Membership from etcd: the conductor's registry follows the node and messenger records under
-``<prefix>/`` (``rpc.membership``) through a watch, instead of RegisterNode / Heartbeat RPCs.
+"""The conductor side of cluster membership in etcd: the registry follows the node and messenger
+records under ``<prefix>/`` (written by the members: ``plumbing.registration``) through a watch,
+instead of RegisterNode / Heartbeat RPCs.
 
 Leader and standbys alike run this (and so subscribe to every node's event stream): a standby's
 index is as warm as the leader's when it takes over.
@@ -24,8 +25,8 @@ from dataclasses import replace
 from typing import Callable
 
 from kvstore.errors import KVStoreError
-from rpc.etcd import EtcdClient, EtcdUnavailable, KeyValue, Watch, WatchCompacted, WatchIdle
-from rpc.membership import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
+from plumbing.etcd import EtcdClient, EtcdUnavailable, KeyValue, Watch, WatchCompacted, WatchIdle
+from plumbing.registration import MessengerRecord, NodeRecord, messengers_prefix, nodes_prefix
 
 from .core import Conductor
 from .feed import FeedManager

@@ -1,5 +1,7 @@
-"""Cluster membership in etcd: where each record lives, how it is encoded, and ``Registration``,
-the thread that keeps one record alive under a lease.
+"""The member side of cluster membership in etcd: where each member's record lives, how it is
+encoded, and ``Registration``, the thread with which a node or messenger keeps its record alive
+under a lease (a conductor campaigns with its ``ConductorRecord``). The conductor side, which
+learns the membership from a watch of these keys, is ``conductor/membership_watch.py``.
 
 Keys under the prefix (``--etcd-prefix``, default ``/kvcache``):
 
@@ -29,8 +31,9 @@ from google.protobuf import json_format
 from kvstore.errors import InvalidArgument
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
+from rpc.cluster import NodeDescriptor, NodeLoad
+from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
-from .cluster import NodeDescriptor, NodeLoad
 from .etcd import (
     DEFAULT_PREFIX,
     EtcdClient,
@@ -39,7 +42,6 @@ from .etcd import (
     check_prefix,
     parse_endpoints,
 )
-from .wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@
    empty RPC (health ``Check``) on the conductor, the reference; ``Schedule`` (goal >= 0.8x the
    empty RPC's rate); ``ScheduleBatch`` with ``--batch`` requests per call (a front end batching
    its arrivals; goal >= 10,000 decisions/s); and the empty RPC on a bare sync server and a bare
-   ``grpc.aio`` server (``bench.rpc_floor``), the floor of each server kind. Figures are medians
-   over the runs; ratios pair runs of the same repetition. The server's CPU time per call (from
-   /proc) is printed next to each: on a shared machine it moves less than the rates do. The
+   ``grpc.aio`` server (``bench.micro.rpc_floor``), the floor of each server kind. Figures are
+   medians over the runs; ratios pair runs of the same repetition. The server's CPU time per call
+   (from /proc) is printed next to each: on a shared machine it moves less than the rates do. The
    conductor runs with ``--transfer-hook record`` (the synthetic nodes have no messengers).
 
 Workload: ``--blocks`` keys in chains of ``--chain-blocks``; each chain's first holder has all
@@ -43,21 +43,21 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.micro.rpc_floor import KINDS as FLOOR_KINDS
 from bench.report import Column, Progress, parse_count, print_table, write_json
-from bench.rpc_floor import KINDS as FLOOR_KINDS
 from conductor.cli import DEFAULT_WORKERS
 from conductor.index import GlobalIndex
 from conductor.registry import NodeDescriptor, Registry, Role
 from conductor.scheduler import POLICIES, Request, Scheduler
 from kvstore.layout import KVLayout
 from node.agent import NodeAgent
+from plumbing.launch import ServiceProcess, start_service
 from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
-from rpc.launch import ServiceProcess, start_service
 from rpc.wire import selector_to_pb
 
 LAYOUT = KVLayout(
@@ -464,7 +464,7 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
     try:
         for kind in FLOOR_KINDS:
             floors[kind] = start_service(
-                [kind, "--workers", str(args.workers)], module="bench.rpc_floor"
+                [kind, "--workers", str(args.workers)], module="bench.micro.rpc_floor"
             )
         rss_idle = rss_mb(conductor.pid)
         progress = Progress(

@@ -3,7 +3,7 @@
 engine without the connector; then the node is resumed (SIGCONT) and the time until hits come
 back is measured.
 
-    python -m bench.vllm_stall [--requests 20] [--timeout-ms 500] [--retry-s 2] [--stop running]
+    python -m bench.faults.vllm_stall [--requests 20] [--timeout-ms 500] [--stop running]
 
 Each engine runs in a process of its own (in-process vLLM mode); requests go one at a time, so
 each is a new request the scheduler would look up. ``--stop running``: the node hangs once the
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)), flush=True)
         return 0
 
-    from rpc.launch import start_service
+    from plumbing.launch import start_service
 
-    from .models import MODELS, make_model
+    from ..engines.models import MODELS, make_model
 
     work = tempfile.mkdtemp(prefix="kvcache-stall-")
     model = os.path.join(work, "tiny-llama")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("none", "connector") * args.repeat:
             if args.stop == "before":
                 os.kill(node.pid, signal.SIGSTOP)
-            cmd = [sys.executable, "-m", "bench.vllm_stall", *(argv or sys.argv[1:])]
+            cmd = [sys.executable, "-m", "bench.faults.vllm_stall", *(argv or sys.argv[1:])]
             cmd += ["--child", mode, "--model", model, "--node", node.address]
             cmd += ["--node-pid", str(node.pid)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

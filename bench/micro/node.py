@@ -8,7 +8,7 @@ Same-host pages (1 MiB, batches of ``--batch``), each figure a ratio to the in-p
 - streamed: the gRPC Put/Get fallback for remote clients, for scale;
 - Mooncake's store, zero-copy batch put/get (``batch_put_from`` / ``batch_get_into``), and
   LMCache's server (its shared-memory mode; as a ratio to the memcpy of its own run), when their
-  venvs exist (``bench/peers.py``).
+  venvs exist (``bench/micro/peers.py``).
 
 Lookup of ``--lookup-blocks`` cached blocks (16-token blocks, vLLM's granularity) by keys and by
 token ids (hashed by the server), p50 as a ratio to an empty unary gRPC call (health Check) on the
@@ -28,12 +28,12 @@ from typing import Callable
 
 import numpy as np
 
-from bench import peers
+from bench.micro import peers
 from bench.report import Column, print_table, write_json
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 from kvstore.store import StoreConfig, TieredStore
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 LAYOUT = KVLayout(
     model="bench", num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=256

@@ -2,8 +2,8 @@
 with its own rounds (load from elsewhere on the machine then hits every method alike).
 
 Run by a Python that has ``mooncake-transfer-engine-non-cuda`` (not this project's venv; nothing
-of the project is imported): ``python bench/mooncake_rounds.py --peers DIR --total BYTES``. It uses
-``DIR/mooncake_te_bench.py`` (shared/peers) for everything Mooncake: a private loopback-only
+of the project is imported): ``python bench/micro/mooncake_rounds.py --peers DIR --total BYTES``.
+It uses ``DIR/mooncake_te_bench.py`` (shared/peers) for everything Mooncake: a private loopback-only
 network namespace, a target process with a registered buffer of ``--total`` bytes, the initiator's
 engine and buffer, the warm-up, and the timed ``batch_transfer_sync_read`` / ``_write`` loop.
 

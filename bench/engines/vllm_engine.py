@@ -1,6 +1,6 @@
 """Run one real vLLM engine (in-process mode) in this process and print what it did, as JSON.
 
-    python -m bench.vllm_engine < SPEC_JSON
+    python -m bench.engines.vllm_engine < SPEC_JSON
 
 SPEC: ``model`` (path), ``runs`` (a list of ``{"prompts": [[token ids]...], "max_tokens": n}``,
 each one ``LLM.generate`` call, timed), and optionally ``connector`` (the

@@ -40,14 +40,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.engines.models import MODELS, make_model
+from bench.report import Column, figure, print_table, write_json
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVCacheRpcError
 from kvstore.keys import block_keys, root_key
 
 from .live import received_bytes
 from .live_engine import LiveError, load_cluster
-from .models import MODELS, make_model
-from .report import Column, figure, print_table, write_json
 from .trace import DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, TraceError, TraceRequest, load_trace
 
 DEFAULT_CONFIG = os.path.join("configs", "serve.toml")

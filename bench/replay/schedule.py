@@ -40,6 +40,15 @@ from typing import Sequence
 
 import numpy as np
 
+from bench.report import (
+    Column,
+    Progress,
+    human_count,
+    parse_count,
+    plot_bars,
+    print_table,
+    write_json,
+)
 from conductor import (
     FlopsCostModel,
     GlobalIndex,
@@ -60,7 +69,6 @@ from kvstore.policy import POLICIES as EVICTION_POLICIES
 from kvstore.store import StoreConfig, TieredStore
 
 from .parallel import Step, fork_map
-from .report import Column, Progress, human_count, parse_count, plot_bars, print_table, write_json
 from .trace import DEFAULT_TRACE, Trace, TraceError, add_trace_args, describe, trace_from_args
 
 # Mooncake (FAST'25) Fig. 5: average TTFT on the conversation trace with 16 prefill nodes.

@@ -525,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.store", description=__doc__.split("\n")[0]
+        prog="python -m bench.micro.store", description=__doc__.split("\n")[0]
     )
     configure(parser)
     return run(parser.parse_args(argv))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.report import Column, print_table, write_json
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 log = logging.getLogger("kvcache.bench.torch")
 
@@ -355,6 +355,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.torch_ttft")
+    p = argparse.ArgumentParser(prog="python -m bench.micro.torch_ttft")
     configure(p)
     raise SystemExit(run(p.parse_args()))

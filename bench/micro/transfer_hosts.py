@@ -1,7 +1,7 @@
 """``kvcache bench transfer --hosts``: pages between two hosts in network namespaces, on an
 unshaped link and on links shaped with ``tc tbf`` (e.g. 10 Gbit/s).
 
-Two hosts (network namespaces on one bridge, ``rpc/netns.py``) each run a real node server and
+Two hosts (network namespaces on one bridge, ``plumbing/netns.py``) each run a real node server and
 messenger; this process, in the root namespace, reaches both through the bridge. For each link
 rate in ``--rates`` (a tbf on both ends of both hosts' links, so each host sends and receives at
 most that rate; ``none``: unshaped) and each page size:
@@ -24,10 +24,10 @@ import sys
 import tempfile
 import time
 
-from rpc.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
+from bench.report import Column, human, print_table, write_json
+from plumbing.netns import HostNetwork, NetnsError, NetSpec, parse_rate, unavailable_reason
 
-from .report import Column, print_table, write_json
-from .transfer import MIB, ROOT, Measurement, NodePair, RawReference, human
+from .transfer_rig import MIB, ROOT, Measurement, NodePair, RawReference
 
 
 def _raw_receiver(host: str, total: int, rounds: int, sender_netns: str) -> None:
@@ -47,7 +47,7 @@ class RawLink:
 
     def __init__(self, net: HostNetwork, src: str, dst: str, total: int, rounds: int) -> None:
         self.receiver = subprocess.Popen(
-            [*net.exec_prefix(dst), sys.executable, "-m", "bench.transfer_hosts",
+            [*net.exec_prefix(dst), sys.executable, "-m", "bench.micro.transfer_hosts",
              "raw-receiver", net.host(dst).address, str(total), str(rounds),
              net.host(src).netns],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

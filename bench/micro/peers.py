@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT.parent / "shared" / "peers"
 MOONCAKE_PYTHON = os.environ.get("KVCACHE_MOONCAKE_PYTHON", "/tmp/mc-venv/bin/python")
 LMCACHE_PYTHON = os.environ.get("KVCACHE_LMCACHE_PYTHON", "/tmp/lmc-venv/bin/python")

@@ -1,7 +1,7 @@
 """A bare gRPC server serving only health checking and reflection: the floor of one unary call.
 
-``python -m bench.rpc_floor sync|aio [--workers N]`` prints the ready line every kvcache server
-prints and serves until SIGTERM. ``sync`` is built exactly as the role servers are
+``python -m bench.micro.rpc_floor sync|aio [--workers N]`` prints the ready line every kvcache
+server prints and serves until SIGTERM. ``sync`` is built exactly as the role servers are
 (``rpc.server.make_server``: a thread pool, the auth interceptor, the channel options); ``aio`` is
 a ``grpc.aio`` server with the same options, health and reflection (one event loop, no pool).
 ``kvcache bench conductor`` times an empty health ``Check`` on both next to the conductor's own,
@@ -67,7 +67,7 @@ async def serve_aio(listen: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.rpc_floor", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.rpc_floor", description=__doc__)
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--workers", type=int, default=8, help="thread pool of the sync server")

@@ -35,13 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.report import Column, figure, print_table, write_json
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
+from plumbing.launch import ServiceProcess, start_service
 from rpc.channel import make_channel
-from rpc.launch import ServiceProcess, start_service
 from rpc.status import KVCacheRpcError
-
-from .report import Column, figure, print_table, write_json
 
 LAYOUT = "model=bench,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,block_tokens=16"
 NAMESPACE = "bench|L2|H2|D32|float16|B16"

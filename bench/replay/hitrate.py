@@ -29,14 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.keys import BlockKey
-from kvstore.layout import KVLayout
-from kvstore.policy import POLICIES
-from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers import Tier
-
-from .parallel import fork_map
-from .report import (
+from bench.report import (
     Column,
     Progress,
     Series,
@@ -46,6 +39,13 @@ from .report import (
     print_table,
     write_json,
 )
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.policy import POLICIES
+from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers import Tier
+
+from .parallel import fork_map
 from .trace import Trace, TraceError, add_trace_args, describe, trace_from_args
 
 log = logging.getLogger(__name__)

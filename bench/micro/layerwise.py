@@ -35,9 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from bench.micro.store import bench_layout, gbps, prefaulted
 from bench.report import MET, Column, print_table, targets_summary, write_json
-from bench.store import bench_layout, gbps, prefaulted
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 PUT_TARGET = 0.8
 
@@ -351,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.layerwise", description=__doc__.split("\n")[0]
+        prog="python -m bench.micro.layerwise", description=__doc__.split("\n")[0]
     )
     configure(parser)
     return run(parser.parse_args(argv))

@@ -1,10 +1,11 @@
 """``kvcache bench live``: replay a trace against a running cluster with real page bytes.
 
 The first ``--requests`` requests of a Mooncake-format trace arrive at their timestamps divided by
-``--speedup`` and are served by ``--concurrency`` emulated engines (``bench/live_engine.py``):
-conductor ``Schedule``, prefix load and synthetic prefill on the chosen prefill node (through the
-client library and shared memory), hot-block replication and prefill -> decode pulls by the
-messengers over TCP, byte-for-byte verification of every page loaded or moved, completions.
+``--speedup`` and are served by ``--concurrency`` emulated engines
+(``bench/replay/live_engine.py``): conductor ``Schedule``, prefix load and synthetic prefill on the
+chosen prefill node (through the client library and shared memory), hot-block replication and
+prefill -> decode pulls by the messengers over TCP, byte-for-byte verification of every page
+loaded or moved, completions.
 
 References measured in the same run: the hit rate an infinite cache shared by all nodes would give
 the same requests (so the table prints hit rate as a fraction of it), the bare gRPC round trip
@@ -33,6 +34,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.micro.transfer_rig import MessengerPull
+from bench.report import Progress, figure, human, parse_bytes, write_json
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import block_keys, root_key
@@ -47,9 +50,7 @@ from .live_engine import (
     load_cluster,
     prompt_tokens,
 )
-from .report import Progress, figure, write_json
 from .trace import DEFAULT_BLOCK_TOKENS, DEFAULT_TRACE, TraceError, TraceRequest, load_trace
-from .transfer import MessengerPull, human, parse_bytes
 
 DEFAULT_CLUSTER = os.path.join("out", "cluster", "cluster.json")
 RECEIVED_BYTES = "kvcache_messenger_received_bytes_total"

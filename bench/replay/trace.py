@@ -37,6 +37,7 @@ DEFAULT_TRACE = os.path.normpath(
         os.path.dirname(os.path.abspath(__file__)),
         "..",
         "..",
+        "..",
         "shared",
         "data",
         "conversation_trace.jsonl",

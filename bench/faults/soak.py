@@ -64,16 +64,15 @@ import grpc
 import numpy as np
 import xxhash
 
+from bench.report import Column, print_table, write_json
 from clients.conductor_client import ConductorClient
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
+from plumbing.launch import ServiceProcess, start_service
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as mpb
-from rpc.launch import ServiceProcess, start_service
-
-from .report import Column, print_table, write_json
 
 # 8 KiB pages: 2 layers x K|V x 16 tokens x 1 head x 64 dims x fp16.
 LAYOUT = "model=soak,num_layers=2,kv_heads=1,head_dim=64,dtype=float16,block_tokens=16"

@@ -5,7 +5,7 @@ For each model (random weights, made here): a node serving its layout; engine A 
 a fresh engine B (prefix caching off, so every request asks the connector) generates one token
 for it ``--reps`` times, loading the prefix from kvcache each time; a plain engine recomputes it
 ``--reps`` times. Then both engines prefill ``--reps`` fresh prompts: the store's overhead on a
-cold prefill. Each engine runs in a process of its own (``bench.vllm_engine``). The first
+cold prefill. Each engine runs in a process of its own (``bench.engines.vllm_engine``). The first
 generate of each engine is a warm-up on an unrelated prompt and is not counted.
 
 Models: ``tiny`` (2 layers, hidden 128: LMCache's peer model, where a hit can at best match a
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.models import MODELS, make_model
+from bench.engines.models import MODELS, make_model
 from bench.report import Column, print_table, write_json
-from rpc.launch import start_service
+from plumbing.launch import start_service
 
 TARGETS = {"tiny": 1.0, "100m": 0.3}  # hit TTFT / recompute TTFT
 STORE_OVERHEAD_TARGET = 1.05  # cold prefill with the connector saving / without
@@ -61,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _engine(spec: dict[str, Any], log_path: str) -> dict[str, Any]:
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "bench.vllm_engine"],
+            [sys.executable, "-m", "bench.engines.vllm_engine"],
             input=json.dumps(spec),
             stdout=subprocess.PIPE,
             stderr=log,

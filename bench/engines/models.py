@@ -1,6 +1,6 @@
 """Random-weight Llama models for real vLLM engines on a CPU, made locally (no downloads).
 
-    python -m bench.models tiny out/serve/tiny-llama     # model + a byte-level tokenizer
+    python -m bench.engines.models tiny out/serve/tiny-llama     # model + a byte-level tokenizer
 
 ``tiny`` (2 layers, hidden 128, head_dim 32: what vLLM's CPU attention accepts,
 shared/notes/vllm-cpu.md) and ``100m`` (12 layers, hidden 768). With ``tokenizer`` the directory
@@ -80,7 +80,7 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.engines.models", description=__doc__)
     parser.add_argument("shape", choices=sorted(MODELS))
     parser.add_argument("path")
     parser.add_argument("--max-len", type=int, default=4096, help="max position embeddings")
