@@ -42,10 +42,10 @@ Extra config (``kv_connector_extra_config``): ``node`` (address, required), ``to
 (default: the node's layout for this model when it serves one, else 256), ``model`` (the
 layout's model name; default vLLM's served model name), ``salt``, ``save`` (``"prompt"``: save
 full prompt blocks, the default; ``"none"``: load only), ``lease_ttl_s``, ``overlap``
-(``"auto"``, true, false), ``timeout_ms`` (deadline of every node call, default 500; streamed
-pages get 10 ms more per MB), ``retry_s`` (how often a node that stopped answering is asked
-again, default 2), ``model_fingerprint`` (the weights' identity, instead of sampling the weight
-files).
+(``"auto"``, true, false), ``timeout_ms`` (deadline of every node call, default 1000 or
+``$KVCACHE_CONNECTOR_TIMEOUT_MS``; streamed pages get 10 ms more per MB), ``retry_s`` (how often
+a node that stopped answering is asked again, default 2), ``model_fingerprint`` (the weights'
+identity, instead of sampling the weight files).
 """
 
 from __future__ import annotations

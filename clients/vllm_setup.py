@@ -4,6 +4,7 @@ what each worker tells the scheduler at start (``KVCacheHandshake``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,9 @@ from .vllm_identity import model_fingerprint
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+TIMEOUT_ENV = "KVCACHE_CONNECTOR_TIMEOUT_MS"  # timeout_ms when the extra config has none
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class ConnectorConfig:
     overlap: str | bool = "auto"
     # A node call on the engine's path waits this long at most; one that does not answer opens
     # the breaker (the connector does nothing until the node answers again, asked every retry_s).
-    timeout_ms: float = 500.0
+    timeout_ms: float = 1000.0
     retry_s: float = 2.0
     model_fingerprint: str | None = None
 
@@ -54,6 +58,9 @@ class ConnectorConfig:
                 "(the kvcache node's host:port)"
             )
         values = dict(extra)
+        if "timeout_ms" not in values and os.environ.get(TIMEOUT_ENV):
+            # an engine launcher's default (a test machine under load, say)
+            values["timeout_ms"] = float(os.environ[TIMEOUT_ENV])
         token_file = values.pop("token_file", None)
         if token_file:
             with open(token_file) as f:

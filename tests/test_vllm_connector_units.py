@@ -71,6 +71,18 @@ def test_answers_of_a_node_that_is_there_do_not_open_the_breaker(start_node):
             guard.close()
 
 
+def test_the_deadline_comes_from_the_extra_config_else_the_launchers_environment(monkeypatch):
+    from clients.vllm_setup import TIMEOUT_ENV, ConnectorConfig
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert ConnectorConfig.from_extra({"node": "n"}).timeout_ms == 1000
+    monkeypatch.setenv(TIMEOUT_ENV, "7500")
+    assert ConnectorConfig.from_extra({"node": "n"}).timeout_ms == 7500
+    assert ConnectorConfig.from_extra({"node": "n", "timeout_ms": 200}).timeout_ms == 200
+    with pytest.raises(ValueError, match="positive"):
+        ConnectorConfig.from_extra({"node": "n", "timeout_ms": 0})
+
+
 # ---- vLLM's objects -----------------------------------------------------------------------------
 
 vllm = pytest.importorskip("vllm")

@@ -3,7 +3,7 @@
 engine without the connector; then the node is resumed (SIGCONT) and the time until hits come
 back is measured.
 
-    python -m bench.faults.vllm_stall [--requests 20] [--timeout-ms 500] [--stop running]
+    python -m bench.faults.vllm_stall [--requests 20] [--timeout-ms 1000] [--stop running]
 
 Each engine runs in a process of its own (in-process vLLM mode); requests go one at a time, so
 each is a new request the scheduler would look up. ``--stop running``: the node hangs once the
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--timeout-ms", type=float, default=500.0)
+    ap.add_argument("--timeout-ms", type=float, default=1000.0)
     ap.add_argument("--retry-s", type=float, default=2.0)
     ap.add_argument("--repeat", type=int, default=2, help="runs of each engine, alternated")
     ap.add_argument(
