@@ -109,9 +109,11 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{self.ratio} of them ({self.layout.block_tokens} tokens) should fill a "
                 f"{self.layout.layer_bytes}-byte layer slice of {self.namespace}"
             )
-        # Rows are copied as the widest word that tiles them: torch's row gather / scatter
-        # costs per element, so 8-byte words copy ~6x faster than bytes.
-        self._word = _word_for(vblock_bytes, [t.data_ptr() for t in layers])
+        # Rows are copied as the widest word that tiles them (and their addresses and strides):
+        # torch's row gather / scatter costs per element, so 8-byte words copy ~6x faster.
+        self._word = _word_for(
+            vblock_bytes, [a for t in layers for a in (t.data_ptr(), t.stride(0))]
+        )
         self._on_gpu = first.device.type != "cpu"
         self.overlap = self._on_gpu if self.config.overlap == "auto" else bool(self.config.overlap)
         self._layers = [t.view(self._word) for t in layers]
