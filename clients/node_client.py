@@ -548,15 +548,17 @@ class KVStoreClient:
         keys: Sequence[bytes] | None = None,
         tokens: Any = None,
         salt: bytes | str = b"",
+        timeout_s: float | None = None,
     ) -> CommitResult:
-        """Store one page per block (numpy / torch / bytes of page_bytes each)."""
+        """Store one page per block (numpy / torch / bytes of page_bytes each). ``timeout_s``:
+        the deadline of a streamed Put (default the client's)."""
         info = self.namespace_info(namespace)
         srcs = [
             as_uint8(p, info.page_bytes, info.layout.dtype, f"page #{i}")
             for i, p in enumerate(pages)
         ]
         if self._slab(namespace) is None:
-            return self._put_streamed(namespace, srcs, keys, tokens, salt)
+            return self._put_streamed(namespace, srcs, keys, tokens, salt, timeout_s)
         lease = self.allocate(namespace, keys, tokens, salt)
         if len(lease.keys) != len(srcs):
             self.abort(lease)
@@ -576,6 +578,7 @@ class KVStoreClient:
         keys: Sequence[bytes] | None,
         tokens: Any,
         salt: bytes | str,
+        timeout_s: float | None = None,
     ) -> CommitResult:
         selector = selector_to_pb(namespace, keys, tokens, salt)
 
@@ -590,7 +593,7 @@ class KVStoreClient:
                     yield pb.PutChunk(data=bytes(mv[off : off + STREAM_CHUNK_BYTES]))
 
         try:
-            r = self._stub.Put(chunks(), timeout=self.timeout_s)
+            r = self._stub.Put(chunks(), timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             raise KVCacheRpcError.of(e, "Put") from None
         return CommitResult(r.stored, r.duplicates)
@@ -602,8 +605,10 @@ class KVStoreClient:
         tokens: Any = None,
         salt: bytes | str = b"",
         prefix_only: bool = False,
+        timeout_s: float | None = None,
     ) -> list[NDArray[np.uint8] | None]:
-        """Copies of the pages (None where missing)."""
+        """Copies of the pages (None where missing). ``timeout_s``: the deadline of a streamed
+        Get (default the client's)."""
         if self._slab(namespace) is not None:
             with self.acquire(namespace, keys, tokens, salt, prefix_only=prefix_only) as lease:
                 out: list[NDArray[np.uint8] | None] = []
@@ -619,12 +624,17 @@ class KVStoreClient:
                     for i, page in zip(
                         streamed,
                         self._get_streamed(
-                            namespace, [lease.keys[i] for i in streamed], None, salt, False
+                            namespace,
+                            [lease.keys[i] for i in streamed],
+                            None,
+                            salt,
+                            False,
+                            timeout_s,
                         ),
                     ):
                         out[i] = page
                 return out
-        return self._get_streamed(namespace, keys, tokens, salt, prefix_only)
+        return self._get_streamed(namespace, keys, tokens, salt, prefix_only, timeout_s)
 
     def _get_streamed(
         self,
@@ -633,12 +643,13 @@ class KVStoreClient:
         tokens: Any,
         salt: bytes | str,
         prefix_only: bool,
+        timeout_s: float | None = None,
     ) -> list[NDArray[np.uint8] | None]:
         request = pb.GetRequest(
             blocks=selector_to_pb(namespace, keys, tokens, salt), prefix_only=prefix_only
         )
         try:
-            stream = self._stub.Get(request, timeout=self.timeout_s)
+            stream = self._stub.Get(request, timeout=timeout_s or self.timeout_s)
             header = next(stream).header
             page = header.page_bytes
             out: list[NDArray[np.uint8] | None] = [

@@ -132,7 +132,12 @@ def scope_keys(keys: Sequence[bytes], tenant: str) -> list[BlockKey]:
     """
     if not tenant:
         return list(keys)  # type: ignore[arg-type]
-    prefix = b"kvcache/tenant/" + tenant.encode() + b"\x00"
+    return derive_keys(keys, b"kvcache/tenant/" + tenant.encode() + b"\x00")
+
+
+def derive_keys(keys: Sequence[bytes], prefix: bytes) -> list[BlockKey]:
+    """``xxh3_128(prefix || key)`` for every key: a key space derived from another one, e.g. a
+    tenant's (``scope_keys``) or one rank's share of an engine's pages."""
     if _scope_c is not None:
         try:
             return cast(list[BlockKey], _scope_c(keys, prefix))

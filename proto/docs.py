@@ -88,6 +88,34 @@ of `model=M|dtype=D|layout=L|page=T:B:S|share=R|epoch=E`:
   `key_epoch/<16 random hex digits>` for the rest of the process.
 
 The node layout must have the host pool's page bytes and dtype; tenant scoping applies on top.
+
+### vLLM connector keys
+
+The vLLM connector (`clients/vllm_connector.py`) keys pages by the token chain above, with a salt
+of its own: vLLM's pages hold more than the tokens decide. With `D = b"kvcache/vllm/v1\\x00"` and
+`P(a, b, ...)` the parts each as `u32le(len(x)) + x` (UTF-8 for text):
+
+- **engine salt** = `xxh3_128(D + P(b"engine", salt, model, *formats, epoch))`: `salt` is the
+  connector's `salt` (empty by default); `model` the model's fingerprint (hex of its config and
+  weight files: names, sizes, sampled bytes; or the connector's `model_fingerprint`), a draft
+  model's after a `+`; `formats` the page formats of the engine's ranks, sorted and without
+  repeats (`vllm{major.minor}|{device}|{attention backend}|{dtype}|{kv_cache_dtype}|{block shape}`,
+  e.g. `vllm0.32|cpu|CPU_ATTN|bfloat16|auto|2x32x64`); `epoch` empty until `reset_cache` makes
+  it 8 random bytes.
+- **request salt**: the engine salt, or for a request with vLLM's `cache_salt` or a LoRA adapter
+  `xxh3_128(D + P(b"request", engine salt, b"cache_salt", cache_salt, b"lora", name, adapter))`
+  (each pair only when present; `adapter`: the fingerprint of the adapter's files). Requests with
+  prompt embeddings have no keys.
+- **keys**: the chain from `root_key(namespace, request salt)`; a page that holds part of a
+  multimodal item chains from `xxh3_128(D + P(b"mm", parent, "identifier@offset", ...))` instead
+  of its parent (`offset`: the item's first token from the page's first, negative when it starts
+  in an earlier page), so every later page differs too.
+- **ranks**: in an engine of several ranks, rank `tp{t}/{T}|pp{p}/{P}` stores its share under
+  `xxh3_128(b"kvcache/vllm/rank/" + tag + b"\\x00" + key)`.
+
+The connector tells a caller that asks (`kv_transfer_params: {"kvcache_keys": true}` on a
+completion) the `namespace`, the request's `salt`, the `engine` salt (hex) and the rank tags
+(`ranks`); the router uses them for the decode node's pull and the conductor's `Schedule`.
 """
 
 

@@ -142,6 +142,9 @@ class Disaggregator:
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
         self._layout: KVLayout | None = None
+        # The salt of the engines' keys (model, page format; docs/api.md), learned from the
+        # prefill engines' answers: what the conductor needs to find the prompt's pages.
+        self._salt = b""
         self._model: ModelInfo | None = None
         self._ids = itertools.count()
         self._prefix = f"r{os.getpid():x}-{time.time_ns() & 0xFFFFFF:06x}"
@@ -310,6 +313,8 @@ class Disaggregator:
                     "prompt": tokens,
                     "max_tokens": 1,
                     "temperature": 0,
+                    # the connector answers with the namespace and salt of the prompt's keys
+                    "kv_transfer_params": {"kvcache_keys": True},
                 },
                 request_id=served.request_id,
             )
@@ -318,9 +323,10 @@ class Disaggregator:
             served.prefill_cached_tokens = _cached_tokens(out)
             self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
             await self._quietly(self.conductor.prefilled, served.ledger_id, took)
+            root = self._root(out, layout)
             if reply.decode_node != reply.prefill_node:
                 served.stage = "decode_pull"
-                blocks = block_keys(tokens, layout.block_tokens, root_key(layout.namespace))
+                blocks = block_keys(tokens, layout.block_tokens, root)
                 t = time.perf_counter()
                 await self._pull(
                     "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
@@ -343,6 +349,20 @@ class Disaggregator:
         self.finish(served)
         return result
 
+    def _root(self, prefill: dict[str, Any], layout: KVLayout) -> bytes:
+        """The root of the prompt's keys as the prefill engine's connector reported it; its
+        engine salt is kept for scheduling the next prompts. The plain namespace root for an
+        engine that reports none."""
+        keys = (prefill.get("kv_transfer_params") or {}).get("kvcache") or {}
+        try:
+            if keys.get("namespace") != layout.namespace or keys.get("ranks"):
+                return root_key(layout.namespace)  # a multi-rank engine's keys are derived
+            salt, engine = bytes.fromhex(keys["salt"]), bytes.fromhex(keys["engine"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return root_key(layout.namespace)
+        self._salt = engine
+        return root_key(layout.namespace, salt)
+
     async def _schedule(
         self,
         tokens: list[int],
@@ -358,6 +378,7 @@ class Disaggregator:
                 self.conductor.schedule,
                 layout.namespace,
                 tokens=tokens,
+                salt=self._salt,
                 request_id=served.ledger_id,
                 prompt_tokens=len(tokens),
                 output_tokens=output_tokens,

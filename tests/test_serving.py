@@ -82,19 +82,19 @@ start_timeout_s = 900
 
 [[engines]]
 node = "prefill-0"
-env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=0", "KVCACHE_CONNECTOR_TIMEOUT_MS=10000"]
 
 [[engines]]
 node = "prefill-1"
-env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=1", "KVCACHE_CONNECTOR_TIMEOUT_MS=10000"]
 
 [[engines]]
 node = "decode-0"
-env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=0", "KVCACHE_CONNECTOR_TIMEOUT_MS=10000"]
 
 [[engines]]
 node = "decode-1"
-env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=1", "KVCACHE_CONNECTOR_TIMEOUT_MS=10000"]
 
 [router]
 listen = "127.0.0.1:0"

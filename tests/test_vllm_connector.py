@@ -3,10 +3,8 @@ a fresh engine loads, producing exactly the tokens of a full computation; faults
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import tempfile
 
 import lmdb
 import numpy as np
@@ -15,7 +13,10 @@ import pytest
 from bench.engines.models import MODELS, make_model
 from clients import KVStoreClient
 from clients.torch_client import TorchKVClient
+from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
+
+from vllm_driver import Engine
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -39,26 +40,23 @@ def model(tmp_path_factory) -> str:
 def generate(
     model: str, prompts: list[list[int]], connector: dict | None = None, max_tokens: int = 8
 ) -> list[dict]:
-    """Run a fresh engine in a process of its own (bench.engines.vllm_engine) on ``prompts``."""
-    spec = {
-        "model": model,
-        "connector": connector,
-        "runs": [{"prompts": prompts, "max_tokens": max_tokens}],
-    }
-    return run_engine(spec)[0]["outputs"]
+    """Run a fresh engine in a process of its own (tests/vllm_driver.py) on ``prompts``."""
+    with Engine(model, connector, prefix_caching=True, log_path=_log()) as e:
+        return e.generate(prompts, max_tokens)
 
 
-def run_engine(spec: dict) -> list[dict]:
-    """bench.engines.vllm_engine in a process of its own; its runs."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.engines.vllm_engine"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["runs"]
+def _log() -> str:
+    fd, path = tempfile.mkstemp(prefix="vllm-engine-", suffix=".log")
+    os.close(fd)
+    return path
+
+
+def held(address: str, out: dict, prompt: list[int], token: str | None = None) -> int:
+    """Leading pages of ``prompt`` the node holds under the keys the engine reported for it."""
+    kv = out["kvcache"]
+    root = root_key(kv["namespace"], bytes.fromhex(kv["salt"]))
+    with KVStoreClient(address, token=token) as c:
+        return c.lookup(kv["namespace"], keys=block_keys(prompt, 64, root)).hit_blocks
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +72,11 @@ def test_a_fresh_engine_loads_what_another_stored(model, reference, start_node):
     conn = {"node": node.address}
     (a,) = generate(model, [PROMPT], conn)
     assert a["tokens"] == reference and a["cached"] == 0
-    # The same chain of keys as every client: the torch client sees the 4 stored blocks.
+    assert held(node.address, a, PROMPT) == 4
+    # vLLM's pages hold its attention backend's bytes: the torch client, same layout and
+    # tokens, finds none of them.
     with TorchKVClient.connect(node.address, LAYOUT) as kv:
-        assert kv.lookup(PROMPT) == 4 * 64  # tokens
+        assert kv.lookup(PROMPT) == 0
     (b,) = generate(model, [PROMPT], conn)
     assert b["cached"] == 4 * 64, "engine B did not load the prefix from kvcache"
     assert b["tokens"] == reference
@@ -117,15 +117,14 @@ def test_corrupt_pages_and_a_stopped_node_fall_back_to_recompute(
     env.close()
     assert len(keys) >= 4
     node = start_kvcache(*args)  # recovers the (now corrupt) SSD pages into its index
-    with KVStoreClient(node.address) as c:
-        assert c.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    assert held(node.address, a, PROMPT) == 4
     (b,) = generate(model, [PROMPT], {"node": node.address})
     assert b["tokens"] == reference
     with KVStoreClient(node.address) as c:  # B tried: the node caught the rot and dropped pages
         (ns,) = c.stats().namespaces
         assert ns.corrupt_pages >= 1
-        # What B recomputed in place of the rotten pages it stored again.
-        assert c.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    # What B recomputed in place of the rotten pages it stored again.
+    assert held(node.address, b, PROMPT) == 4
     # The node is gone: every lookup fails, the engine computes everything and still answers.
     address = node.address
     node.stop()
@@ -166,25 +165,17 @@ def test_a_producer_only_stores_and_a_consumer_only_loads(model, reference, star
     other = [int(x) for x in np.random.default_rng(6).integers(1, 500, 200)]  # 3 full blocks
 
     def runs(kv_role: str, *prompts: list[int]) -> list[dict]:
-        spec = {
-            "model": model,
-            "connector": {"node": node.address},
-            "kv_role": kv_role,
-            "prefix_caching": False,
-            "runs": [{"prompts": [p], "max_tokens": 8} for p in prompts],
-        }
-        return [r["outputs"][0] for r in run_engine(spec)]
+        with Engine(model, {"node": node.address}, kv_role=kv_role, log_path=_log()) as e:
+            return [e.generate([p])[0] for p in prompts]
 
     stored, again = runs("kv_producer", PROMPT, PROMPT)
     assert stored["tokens"] == again["tokens"] == reference
     assert stored["cached"] == again["cached"] == 0, "a producer loaded"
-    with KVStoreClient(node.address) as kv:
-        assert kv.lookup(LAYOUT.namespace, tokens=PROMPT).hit_blocks == 4
+    assert held(node.address, stored, PROMPT) == 4
     fresh, loaded = runs("kv_consumer", other, PROMPT)
     assert fresh["cached"] == 0
     assert loaded["cached"] == 4 * 64 and loaded["tokens"] == reference
-    with KVStoreClient(node.address) as kv:
-        assert kv.lookup(LAYOUT.namespace, tokens=other).hit_blocks == 0, "a consumer stored"
+    assert held(node.address, fresh, other) == 0, "a consumer stored"
 
 
 def test_requests_sharing_a_prefix_in_one_step_store_it_once_and_a_fresh_engine_loads_it(
@@ -202,9 +193,8 @@ def test_requests_sharing_a_prefix_in_one_step_store_it_once_and_a_fresh_engine_
     # prefix the first computes in the same step, and both save it.
     stored = generate(model, [first, second], conn)
     assert stored[0]["cached"] == 0
-    with KVStoreClient(node.address) as kv:
-        assert kv.lookup(LAYOUT.namespace, tokens=first).hit_blocks == 5
-        assert kv.lookup(LAYOUT.namespace, tokens=second).hit_blocks == 5
+    assert held(node.address, stored[0], first) == 5
+    assert held(node.address, stored[1], second) == 5
     loaded = generate(model, [first, second], conn)
     assert [o["cached"] for o in loaded] == [5 * 64, 5 * 64]
     assert [o["tokens"] for o in loaded] == [o["tokens"] for o in stored]

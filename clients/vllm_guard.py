@@ -1,0 +1,166 @@
+"""The connector's calls to its node, bounded: a cache must never make the engine slower than no
+cache. Every call on the engine's path has a short deadline (the client's ``timeout_s``); a call
+that fails for want of the node (deadline, unavailable) opens the node's breaker, and while it
+is open the connector is a no-op (no lookups, loads or saves) and costs the engine nothing. A
+background probe asks the node for its info every ``retry_s`` and closes the breaker when it
+answers. The connectors of one process that use the same node (vLLM's scheduler and worker
+sides) share its breaker: an outage costs the engine one deadline, not one per side."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+import grpc
+
+from rpc.status import KVCacheRpcError
+
+from .node_client import KVStoreClient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# The node is not there (or too slow to be worth waiting for): the breaker opens. Other codes
+# (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS, ...) are answers, the node is there.
+_GONE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+class BreakerOpen(KVCacheRpcError):
+    """The node did not answer lately: the call was not made."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, f"kvcache node {address} not answering (breaker open)"
+        )
+
+
+class Breaker:
+    """Whether one node answers, for every connector of this process that uses it."""
+
+    def __init__(self, probe: KVStoreClient, retry_s: float) -> None:
+        self.probe = probe  # its own client: a connector's may be closed at its shutdown
+        self.retry_s = retry_s
+        self.users = 0
+        self._lock = threading.Lock()
+        self._open = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def trip(self, e: KVCacheRpcError) -> bool:
+        """Opens on a failure for want of the node; True if this call opened it."""
+        if e.code not in _GONE or isinstance(e, BreakerOpen):
+            return False
+        with self._lock:
+            if self._open:
+                return False
+            self._open = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._probing, daemon=True, name="kvcache-breaker"
+                )
+                self._thread.start()
+        log.warning(
+            "kvcache node %s does not answer (%s): the connector does nothing (no loads, no "
+            "saves) until it does; asking again every %.1f s",
+            self.probe.address,
+            e,
+            self.retry_s,
+        )
+        return True
+
+    def _probing(self) -> None:
+        while not self._stop.wait(self.retry_s):
+            try:
+                self.probe.info()
+            except KVCacheRpcError:
+                continue
+            except Exception:  # noqa: BLE001 - e.g. the channel closed at shutdown
+                return
+            with self._lock:
+                self._open = False
+            log.warning("kvcache node %s answers again: loads and saves resume", self.probe.address)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.probe.close()
+
+
+_BREAKERS: dict[tuple[str, str | None, str | None], Breaker] = {}
+_REGISTRY = threading.Lock()
+
+
+class NodeGuard:
+    """Deadlines and the node's shared breaker around one connector's ``KVStoreClient``; counts
+    what this connector saw (``trips``: outages it found, ``skipped``: calls it did not make)."""
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        retry_s: float,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+    ) -> None:
+        self.client = client
+        self._key = (client.address, token, tls_ca_file)
+        with _REGISTRY:
+            breaker = _BREAKERS.get(self._key)
+            if breaker is None:
+                probe = KVStoreClient(
+                    client.address, token, tls_ca_file, use_shm=False, timeout_s=client.timeout_s
+                )
+                breaker = _BREAKERS[self._key] = Breaker(probe, retry_s)
+            breaker.users += 1
+        self.breaker = breaker
+        self.trips = 0
+        self.skipped = 0
+        self._closed = False
+
+    @property
+    def is_open(self) -> bool:
+        return self.breaker.is_open
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a call of ``self.client``) unless the breaker is open (``BreakerOpen``);
+        a failure for want of the node opens it."""
+        if self.breaker.is_open:
+            self.skipped += 1
+            raise BreakerOpen(self.client.address)
+        try:
+            return fn()
+        except KVCacheRpcError as e:
+            self.failed(e)
+            raise
+
+    def result(self, pending: Future[T], timeout_s: float | None = None) -> T:
+        """The result of an async call started through the client (deadline included)."""
+        try:
+            return pending.result(timeout=timeout_s)
+        except KVCacheRpcError as e:
+            self.failed(e)
+            raise
+
+    def failed(self, e: KVCacheRpcError) -> None:
+        if self.breaker.trip(e):
+            self.trips += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _REGISTRY:
+            self.breaker.users -= 1
+            if self.breaker.users == 0:
+                _BREAKERS.pop(self._key, None)
+                self.breaker.close()

@@ -1,0 +1,260 @@
+"""The scheduler side of the vLLM connector: a request's keys, the Lookup that says how much of
+its prompt every rank holds, and the plan of each step's loads (new and resumed requests) and
+saves (full prompt pages, once) that the workers carry out."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kvstore.keys import root_key
+from kvstore.layout import KVLayout
+
+from .node_client import KVCacheRpcError, KVStoreClient
+from .vllm_guard import NodeGuard
+from .vllm_identity import engine_salt, rank_keys, request_keys, request_salt
+from .vllm_setup import ConnectorConfig, KVCacheHandshake
+from .vllm_stats import ConnectorStats
+from .vllm_transfer import KVCacheConnectorMetadata, _Transfer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("clients.vllm_connector")
+
+
+@dataclass
+class _Rank:
+    namespace: str
+    layout: KVLayout
+    tag: str
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    keys: list[bytes]
+    salt: bytes = b""
+    block_ids: list[int] = field(default_factory=list)
+    saved_pages: int = 0
+    load: tuple[int, int] | None = None  # (first token, end token) offered to vLLM
+
+
+class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
+    """``KVCacheConnector``'s scheduler-side methods (its state is set up in its ``__init__``)."""
+
+    config: ConnectorConfig
+    client: KVStoreClient
+    guard: NodeGuard
+    stats: ConnectorStats
+    loads: bool
+    saves: bool
+    vblock_tokens: int
+    layout: KVLayout | None
+    namespace: str
+    ratio: int
+    _reqs: dict[str, _Request]
+    _ranks: list[_Rank] | None
+    _formats: list[str]
+    _epoch: bytes
+    _engine_salt: bytes
+    _fingerprint: str
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's namespace, layout, page format and rank: the keys the scheduler asks
+        the node about are what every rank holds."""
+        infos = [m for _, m in sorted(metadata.items()) if isinstance(m, KVCacheHandshake)]
+        if not infos:
+            return
+        ranks = [_Rank(m.namespace, KVLayout(**m.layout), m.rank) for m in infos]
+        tokens = {r.layout.block_tokens for r in ranks}
+        if len(tokens) != 1:
+            raise ValueError(
+                f"kvcache connector: ranks resolved different block_tokens {sorted(tokens)}; "
+                "set block_tokens in kv_connector_extra_config"
+            )
+        self._ranks = ranks
+        self.layout, self.namespace = ranks[0].layout, ranks[0].namespace
+        self.ratio = self.layout.block_tokens // self.vblock_tokens
+        self._formats = [m.page_format for m in infos]
+        self._engine_salt = engine_salt(
+            self.config.salt, self._fingerprint, self._formats, self._epoch
+        )
+        log.info(
+            "kvcache connector: %d rank(s), namespace %s, %d vLLM blocks per page",
+            len(ranks),
+            self.namespace,
+            self.ratio,
+        )
+
+    def reset_cache(self) -> bool:
+        """Nothing stored before can be loaded by this engine any more: its keys move to a new
+        epoch (weights updated in place, say). Other engines keep theirs."""
+        self._epoch = os.urandom(8)
+        if self._ranks is not None:
+            self._engine_salt = engine_salt(
+                self.config.salt, self._fingerprint, self._formats, self._epoch
+            )
+        self.stats.resets += 1
+        log.info("kvcache connector: cache reset (new key epoch)")
+        return True
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        st = self._request(request)  # a producer needs it too: it plans the saves
+        if st is None or not st.keys or not self.loads:
+            return 0, False
+        t0 = time.perf_counter()
+        try:
+            hit = self._lookup(st.keys)
+        except KVCacheRpcError as e:
+            log.debug("kvcache lookup failed (%s); computing the prompt in full", e)
+            return 0, False
+        self.stats.lookups += 1
+        self.stats.lookup_s += time.perf_counter() - t0
+        assert self.layout is not None
+        # vLLM must compute at least the last prompt token; offers are whole vLLM blocks.
+        last = (len(st.tokens) - 1) // self.vblock_tokens * self.vblock_tokens
+        end = min(hit * self.layout.block_tokens, last)
+        if end <= num_computed_tokens:
+            st.load = None
+            return 0, False
+        st.load = (num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        """Leading pages every rank holds: per namespace one Lookup of the ranks' keys
+        interleaved (page 0 of every rank, then page 1, ...), so its hit counts whole pages."""
+        assert self._ranks is not None
+        hit = len(keys)
+        for ns in dict.fromkeys(r.namespace for r in self._ranks):
+            tags = [r.tag for r in self._ranks if r.namespace == ns]
+            per_rank = [rank_keys(keys, t) for t in tags]
+            mixed = [k for page in zip(*per_rank) for k in page]
+            got = self.guard.call(functools.partial(self.client.lookup, ns, keys=mixed))
+            hit = min(hit, got.hit_blocks // len(tags))
+        return hit
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens == 0:
+            st.load = None
+        elif st.load is not None:  # what vLLM took of the offer
+            st.load = (st.load[0], st.load[0] + num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCacheConnectorMetadata:
+        meta = KVCacheConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_load(meta, new.req_id, st)
+            self._plan_save(meta, new.req_id, st, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:  # preempted: its blocks were freed, these are all of them
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i]
+            if self.layout is not None and computed < st.saved_pages * self.layout.block_tokens:
+                # A load failed and vLLM recomputes from there: save what it recomputes.
+                st.saved_pages = computed // self.layout.block_tokens
+            if resumed and self._plan_load(meta, req_id, st):
+                self.stats.resumed_loads += 1
+            self._plan_save(meta, req_id, st, computed + scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        return meta
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Finished: forgotten. A caller that asks (``kv_transfer_params: {"kvcache_keys":
+        true}``, the router) learns the namespace and salt of the request's keys, and the
+        engine's salt (that of requests without cache_salt, LoRA or multimodal inputs)."""
+        st = self._reqs.pop(request.request_id, None)
+        asked = request.kv_transfer_params or {}
+        if st is None or not asked.get("kvcache_keys") or self._ranks is None:
+            return False, None
+        salts = {"salt": st.salt.hex(), "engine": self._engine_salt.hex()}
+        # ranks: each rank's keys are the chain's derived with its tag (vllm_identity.rank_keys)
+        ranks = [r.tag for r in self._ranks if r.tag]
+        return False, {"kvcache": {"namespace": self.namespace, **salts, "ranks": ranks}}
+
+    def _request(self, request: "Request") -> _Request | None:
+        st = self._reqs.get(request.request_id)
+        if st is None and self._ranks is not None and self.layout is not None:
+            tokens = list(request.prompt_token_ids or [])
+            salt = request_salt(self._engine_salt, request)
+            keys: list[bytes] = []
+            if tokens and salt is not None:
+                root = root_key(self.namespace, salt)
+                mm = getattr(request, "mm_features", None)
+                keys = list(request_keys(tokens, self.layout.block_tokens, root, mm))
+            st = self._reqs[request.request_id] = _Request(tokens, keys, salt or b"")
+        return st
+
+    def _transfer(self, req_id: str, st: _Request, first_vblock: int, end_vblock: int) -> _Transfer:
+        first_page = first_vblock // self.ratio
+        end_page = -(-end_vblock // self.ratio)
+        return _Transfer(
+            req_id,
+            st.keys[first_page:end_page],
+            first_page,
+            first_vblock,
+            st.block_ids[first_vblock:end_vblock],
+        )
+
+    def _plan_load(self, meta: KVCacheConnectorMetadata, req_id: str, st: _Request) -> bool:
+        """The load vLLM took (``update_state_after_alloc``), for a new or a resumed request."""
+        load, st.load = st.load, None
+        if load is None or load[1] <= load[0]:
+            return False
+        assert self.layout is not None
+        first, end = load
+        meta.loads.append(
+            self._transfer(req_id, st, first // self.vblock_tokens, end // self.vblock_tokens)
+        )
+        # The last page loaded in part is on the node: it is not saved again.
+        st.saved_pages = max(st.saved_pages, -(-end // self.layout.block_tokens))
+        self.stats.hit_tokens += end - first
+        return True
+
+    def _plan_save(
+        self, meta: KVCacheConnectorMetadata, req_id: str, st: _Request, computed: int
+    ) -> None:
+        """Save the request's prompt blocks completed by this step (full pages only). Not while
+        the node does not answer: they are saved once it does (the request holds its blocks)."""
+        if not self.saves or not st.keys or self.layout is None or self.guard.is_open:
+            return
+        done = min(computed, len(st.tokens)) // self.layout.block_tokens
+        done = min(done, len(st.block_ids) // self.ratio, len(st.keys))
+        if done > st.saved_pages:
+            meta.saves.append(
+                self._transfer(req_id, st, st.saved_pages * self.ratio, done * self.ratio)
+            )
+            st.saved_pages = done

@@ -1,0 +1,417 @@
+"""The vLLM connector off the happy path, with real vLLM engines (CPU, tiny model) and a real
+node: a page gone between the scheduler's Lookup and the worker's Acquire, cache salts and LoRA
+adapters, a model of the same name, preempted requests, a node that stops answering, fp8 KV
+caches, reset_cache and the connector's stats. Engines are driven one call at a time
+(tests/vllm_driver.py) and shared by the tests of the module where they can be; prefix caching
+is off, so every run asks the connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from bench.engines.models import MODELS, make_model
+from clients import KVStoreClient
+from clients.vllm_identity import rank_keys
+from kvstore.keys import block_keys, root_key
+from plumbing.launch import start_service
+
+from helpers import wait_until
+from vllm_driver import Engine
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+BT = 64  # kvcache block tokens: two vLLM blocks of 32
+LAYOUT_FLAG = f"model={MODEL},num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens={BT}"
+# fp8 KV with a draft model's 2 layers; MLA's latent cache (512 + 64 dims, one "head");
+# one rank of TP=2 (one KV head each)
+FP8_DRAFT = (
+    f"model={MODEL},num_layers=4,kv_heads=2,head_dim=32,dtype=float8_e4m3fn,block_tokens={BT}"
+)
+MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
+TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1, 500, n)]
+
+
+PROMPT = tokens(5, 299)  # 4 full pages + 43 tokens
+BASE = tokens(11, 3 * BT)
+STORED = BASE + tokens(12, 40)  # 3 full pages
+EXTENDED = BASE + tokens(13, 150)  # the same 3 pages, then 2 more + 22 tokens
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-cases")
+
+
+@pytest.fixture(scope="module")
+def model(work) -> str:
+    path = str(work / "a" / MODEL)
+    make_model(path, MODELS["tiny"], max_len=1024)
+    return path
+
+
+@pytest.fixture(scope="module")
+def node(work):
+    layouts = [a for layout in (LAYOUT_FLAG, FP8_DRAFT, MLA, TP2) for a in ("--layout", layout)]
+    sp = start_service(
+        ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
+    )
+    yield sp
+    sp.stop()
+
+
+def make_lora(path: str, seed: int) -> str:
+    """A LoRA adapter of random weights for the tiny model (q_proj, v_proj; rank 8), as peft
+    saves one: adapter_config.json and adapter_model.safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(2):
+        for m, (i, o) in {"q_proj": (128, 128), "v_proj": (128, 64)}.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            weights[f"{name}.lora_A.weight"] = (torch.randn(8, i, generator=g) / 2).bfloat16()
+            weights[f"{name}.lora_B.weight"] = (torch.randn(o, 8, generator=g) / 2).bfloat16()
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model, node, work):
+    """The module's engine with the connector (and two LoRA adapters)."""
+    loras = {"a": make_lora(str(work / "lora-a"), 1), "b": make_lora(str(work / "lora-b"), 2)}
+    with Engine(model, {"node": node.address}, loras=loras, log_path=str(work / "engine.log")) as e:
+        yield e
+
+
+def held(node, kvcache: dict, prompt: list[int]) -> int:
+    """Leading pages of ``prompt`` the node holds under the keys an engine reported."""
+    root = root_key(kvcache["namespace"], bytes.fromhex(kvcache["salt"]))
+    with KVStoreClient(node.address) as c:
+        return c.lookup(kvcache["namespace"], keys=block_keys(prompt, BT, root)).hit_blocks
+
+
+# ---- never wrong KV ---------------------------------------------------------------------------
+
+
+def pages(node, kvcache: dict, prompt: list[int]) -> list:
+    """The node's bytes of the pages of ``prompt`` under the keys an engine reported."""
+    root = root_key(kvcache["namespace"], bytes.fromhex(kvcache["salt"]))
+    with KVStoreClient(node.address) as c:
+        return c.get(kvcache["namespace"], keys=block_keys(prompt, BT, root))
+
+
+def test_a_page_gone_between_lookup_and_acquire_is_recomputed_and_never_stored_wrong(
+    model, node, engine, work
+):
+    """The scheduler finds 3 pages; page 1 is removed before the worker's Acquire (another
+    writer evicted it). vLLM recomputes from there; what the failed step computed attended to
+    unfilled blocks and must not be stored: every page stored is the page of a full computation
+    (the same engine's after reset_cache, under keys of a new epoch), and a run that loads all
+    5 pages gets the tokens of a full computation."""
+    (stored,) = engine.generate([STORED])
+    assert held(node, stored["kvcache"], STORED) == 3
+    with Engine(
+        model,
+        {"node": node.address},
+        connector_module="vllm_hooks",
+        connector_class="VanishingConnector",
+        env={"KVCACHE_VANISH_PAGE": "1"},
+        log_path=str(work / "vanish.log"),
+    ) as e:
+        (hit,) = e.generate([EXTENDED])
+        assert e.stats()["load_failed_blocks"] == 4  # pages 1 and 2 (the chain breaks at 1)
+        (loaded,) = e.generate([EXTENDED])
+        assert e.reset()
+        (full,) = e.generate([EXTENDED])
+    assert full["cached"] == 0 and full["kvcache"]["salt"] != hit["kvcache"]["salt"]
+    assert loaded["cached"] == 5 * BT
+    assert hit["tokens"] == loaded["tokens"] == full["tokens"]
+    got, want = pages(node, hit["kvcache"], EXTENDED), pages(node, full["kvcache"], EXTENDED)
+    assert all(p is not None for p in got + want)
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not np.array_equal(g, w)]
+    assert wrong == [], f"pages {wrong} were stored from blocks a failed load left unfilled"
+
+
+def test_cache_salts_and_lora_adapters_never_share_pages(node, engine):
+    """vLLM's cache_salt and LoRA adapters are part of its block hashes; they are of our keys:
+    a salted request loads only pages of its own salt, an unsalted one none of a salted one's,
+    and an adapter's pages are its own."""
+    (a,) = engine.generate([{"tokens": PROMPT, "cache_salt": "user-a"}])
+    assert a["cached"] == 0  # a full computation: the reference
+    assert held(node, a["kvcache"], PROMPT) == 4
+    b, plain = engine.generate([{"tokens": PROMPT, "cache_salt": "user-b"}, PROMPT])
+    assert b["cached"] == 0 and plain["cached"] == 0, "another salt's pages were loaded"
+    salted = engine.generate([{"tokens": PROMPT, "cache_salt": "user-c"}])[0]
+    assert salted["cached"] == 0, "an unsalted request's pages were loaded by a salted one"
+    (again,) = engine.generate([{"tokens": PROMPT, "cache_salt": "user-a"}])
+    assert again["cached"] == 4 * BT and again["tokens"] == a["tokens"] == plain["tokens"]
+
+    (la,) = engine.generate([{"tokens": PROMPT, "lora": "a"}])
+    assert la["cached"] == 0, "the base model's pages were loaded for an adapter"
+    assert la["tokens"] != a["tokens"]  # the adapter changes the output
+    (lb,) = engine.generate([{"tokens": PROMPT, "lora": "b"}])
+    assert lb["cached"] == 0, "another adapter's pages were loaded"
+    (la2,) = engine.generate([{"tokens": PROMPT, "lora": "a"}])
+    assert la2["cached"] == 4 * BT and la2["tokens"] == la["tokens"]
+
+
+# ---- the model's identity and preempted requests -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_b(work, node):
+    """Another model of the same name (the same architecture, other weights: a fine-tune), with
+    a KV cache of 24 vLLM blocks, so that four requests of 5 blocks that grow by 2 preempt."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(work / "b" / MODEL)
+    torch.manual_seed(1)
+    shape = MODELS["tiny"]
+    cfg = LlamaConfig(**shape, max_position_embeddings=1024, head_dim=shape["hidden_size"] // 4)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with Engine(
+        path,
+        {"node": node.address},
+        max_model_len=512,
+        kv_cache_bytes=24 * 2 * 2 * 32 * 2 * 32 * 2,  # 24 blocks: layers x K|V x 32 x 2 x 32 x 2B
+        log_path=str(work / "engine-b.log"),
+    ) as e:
+        yield e
+
+
+def test_a_model_of_the_same_name_shares_no_pages(engine, engine_b):
+    """Keys carry the model's identity (config and weights), not the basename of its path."""
+    engine.generate([PROMPT])  # model a's pages of PROMPT are on the node
+    (b,) = engine_b.generate([PROMPT])
+    assert b["cached"] == 0, "another model's pages were loaded"
+    (again,) = engine_b.generate([PROMPT])
+    assert again["cached"] == 4 * BT and again["tokens"] == b["tokens"]
+
+
+def test_preempted_requests_get_their_load_when_they_resume(engine_b):
+    """Four requests whose KV outgrows the cache: vLLM preempts some and resumes them later
+    (``scheduled_cached_reqs``, ``resumed_req_ids``), offering the node's pages of their prompt
+    again; a resumed request must get that load, or it attends to blocks nobody filled."""
+    prompts = [tokens(40 + i, 2 * BT + 30) for i in range(4)]  # 2 full pages + 30 tokens each
+    alone = [engine_b.generate([p], max_tokens=64)[0] for p in prompts]  # stored, no preemption
+    before = engine_b.stats()
+    together = engine_b.generate(prompts, max_tokens=64)
+    after = engine_b.stats()
+    assert [o["tokens"] for o in together] == [o["tokens"] for o in alone]
+    assert after["resumed_loads"] > before["resumed_loads"], "no request was preempted"
+
+
+# ---- never a stalled engine ---------------------------------------------------------------------
+
+
+def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, work):
+    """A node that hangs (SIGSTOP) from before the engine starts: the engine starts, serves
+    every request in full with the breaker open (node calls are not made: no 30 s deadlines in
+    the scheduler or the worker), and finds the node again once it answers. The time it costs is
+    bench.faults.vllm_stall's figure, not asserted here."""
+    sp = start_service(
+        ["node", "--listen", "127.0.0.1:0", "--dram", "16MiB", "--layout", LAYOUT_FLAG],
+        log_dir=str(work),
+    )
+    try:
+        os.kill(sp.pid, signal.SIGSTOP)
+        conn = {"node": sp.address, "block_tokens": BT, "timeout_ms": 500, "retry_s": 0.5}
+        with Engine(model, conn, log_path=str(work / "stalled.log")) as e:
+            outs = e.generate([PROMPT, STORED])  # full computations: the reference
+            assert [o["cached"] for o in outs] == [0, 0]
+            e.generate([EXTENDED])
+            stats = e.stats()
+            assert stats["breaker_open"] == 1 and stats["breaker_trips"] >= 1
+            assert stats["breaker_skipped"] >= 1, "the connector kept calling a node that hangs"
+            assert stats["saved_pages"] == 0
+            os.kill(sp.pid, signal.SIGCONT)
+            # Found again: PROMPT is stored, and then loaded.
+            wait_until(
+                lambda: e.generate([PROMPT])[0]["cached"] == 4 * BT,
+                timeout_s=120,
+                what="hits after the node answers again",
+            )
+            assert e.generate([PROMPT])[0]["tokens"] == outs[0]["tokens"]
+            assert e.stats()["breaker_open"] == 0
+    finally:
+        os.kill(sp.pid, signal.SIGCONT)
+        sp.stop()
+
+
+# ---- what users hit at start -----------------------------------------------------------------
+
+
+def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(model, node, work):
+    """kv_cache_dtype fp8_e4m3 (pages of float8 bytes) and speculative decoding with a draft
+    model, whose 2 KV layers are stored with the target's 2: the engine starts, stores, and a
+    later run loads the prompt and gets the tokens of its full computation."""
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    with Engine(
+        model,
+        {"node": node.address},
+        engine={"kv_cache_dtype": "fp8_e4m3", "speculative_config": spec},
+        log_path=str(work / "fp8-draft.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|float8_e4m3fn|")
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+def test_an_mla_model_stores_and_loads(node, work):
+    """An MLA model (DeepSeek-V2 shape, CPU_MLA backend): one latent vector per token, not K|V
+    per head; its pages hold the latent cache as it is."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = str(work / "tiny-mla")
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        kv_lora_rank=512,  # the CPU MLA kernels take 512 + 64
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=1024,
+    )
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with Engine(path, {"node": node.address}, log_path=str(work / "mla.log")) as e:
+        (full,) = e.generate([PROMPT])
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0 and full["kvcache"]["namespace"].startswith("tiny-mla|L2|H1|D288|")
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+def test_a_sliding_window_model_is_refused_at_start_naming_the_feature(node, work):
+    """vLLM turns its hybrid allocator off for the connector: a sliding-window model would run
+    with blocks the connector cannot keep (freed outside the window). The engine does not start,
+    and says why."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = str(work / "tiny-mistral")
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        **MODELS["tiny"],
+        head_dim=32,
+        sliding_window=128,
+        max_position_embeddings=1024,
+    )
+    MistralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with pytest.raises(AssertionError, match="the model has sliding-window attention"):
+        Engine(path, {"node": node.address}, log_path=str(work / "sliding.log"))
+
+
+# ---- ranks --------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_ranks_store_their_own_shares_under_keys_of_their_own(
+    model, node, engine, work
+):
+    """TP=2 (a multi-process engine, one core per rank): each rank stores its KV head under
+    keys of its own in the same namespace, the scheduler offers what both hold, and a later run
+    loads both shares and gets the tokens of a TP=1 full computation."""
+    with Engine(
+        model,
+        {"node": node.address},
+        engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        log_path=str(work / "tp2.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        (loaded,) = e.generate([PROMPT])
+    (tp1,) = engine.generate([{"tokens": PROMPT, "cache_salt": "tp1"}])  # nothing to load
+    assert full["cached"] == 0 and tp1["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"] == tp1["tokens"]
+    kv = full["kvcache"]
+    assert kv["namespace"].startswith(f"{MODEL}|L2|H1|D32|bfloat16|")
+    assert sorted(kv["ranks"]) == ["tp0/2|pp0/1", "tp1/2|pp0/1"]
+    root = root_key(kv["namespace"], bytes.fromhex(kv["salt"]))
+    chain = block_keys(PROMPT, BT, root)
+    with KVStoreClient(node.address) as c:
+        assert c.lookup(kv["namespace"], keys=chain).hit_blocks == 0  # no rank's own keys
+        for tag in kv["ranks"]:
+            got = c.lookup(kv["namespace"], keys=rank_keys(chain, tag)).hit_blocks
+            assert got == 4, f"rank {tag} holds {got} pages"
+
+
+# ---- reset_cache and stats -------------------------------------------------------------------
+
+
+def test_reset_cache_forgets_what_the_engine_could_load_and_stats_reach_vllm(engine):
+    """vLLM's reset_prefix_cache(reset_connector=True) resets what this engine can load (its
+    keys move to a new epoch); the connector's counters reach vLLM's stats and metrics."""
+    prompt = tokens(60, 2 * BT + 10)
+    engine.generate([prompt])
+    (hit,) = engine.generate([prompt])
+    assert hit["cached"] == 2 * BT
+    assert engine.reset()
+    (after,) = engine.generate([prompt])
+    assert after["cached"] == 0, "reset_cache left the engine loading what it stored before"
+    (again,) = engine.generate([prompt])
+    assert again["cached"] == 2 * BT and again["tokens"] == hit["tokens"]
+    metrics = engine.metrics()
+    stats = engine.stats()
+    assert metrics["vllm:kvcache_hit_tokens"] >= 4 * BT
+    assert metrics["vllm:kvcache_loaded_pages"] >= 4 and metrics["vllm:kvcache_saved_pages"] >= 4
+    assert metrics["vllm:kvcache_loaded_bytes"] == stats["loaded_bytes"]
+    assert metrics["vllm:kvcache_steps"] == stats["steps"] > 0
+    assert metrics["vllm:kvcache_breaker_open"] == 0
+
+
+# ---- GPU (run where a GPU is; not on this project's CPU machines) ----------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_with_cuda_graphs_a_load_batched_as_a_decode_is_loaded(model, node, work):
+    """vLLM's default on GPUs captures full CUDA graphs; a replay runs no per-layer hook. A
+    request whose load leaves one token to compute, batched with decodes, is a uniform decode
+    batch: its loaded blocks must be filled all the same (piecewise graphs, every layer loaded
+    in start_load_kv)."""
+    prompt = tokens(70, 4 * BT + 1)
+    other = tokens(71, 100)
+    with Engine(
+        model, {"node": node.address}, engine={"enforce_eager": False}, log_path=str(work / "g.log")
+    ) as e:
+        (full,) = e.generate([prompt])
+        assert full["cached"] == 0
+        outs = e.generate([other, prompt], max_tokens=16)
+    assert outs[1]["cached"] == 4 * BT
+    assert outs[1]["tokens"][:8] == full["tokens"]
