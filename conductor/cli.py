@@ -310,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
+            open_stream_timeout_s=args.open_stream_timeout,
             max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
             on_stopping=on_stopping,

@@ -379,5 +379,6 @@ def run(args: argparse.Namespace) -> int:
             on_serving=on_serving,
             on_stopping=on_stopping,
             close=close,
+            open_stream_timeout_s=args.open_stream_timeout,
         )
     )

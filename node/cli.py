@@ -298,5 +298,6 @@ def run(args: argparse.Namespace) -> int:
             on_stopping=on_stopping,
             close=node.close,
             workers=WORKERS,
+            open_stream_timeout_s=args.open_stream_timeout,
         )
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -16,15 +17,13 @@ from types import FrameType
 from typing import Any, Callable, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from .channel import CHANNEL_OPTIONS
 from .logs import CURRENT, RequestContext
+from .open_services import DEFAULT_TIMEOUT_S, OPEN_METHODS, OpenServices
 
 log = logging.getLogger(__name__)
-
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 @dataclass
@@ -92,7 +91,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
-        if not self._auth.enabled or details.method.startswith(_OPEN_METHODS):
+        if not self._auth.enabled or details.method.startswith(OPEN_METHODS):
             return continuation(details)
         if self._auth.check_metadata(details.invocation_metadata) is not None:
             return continuation(details)
@@ -112,8 +111,10 @@ class _LogContextInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         handler = continuation(details)
-        if handler is None:
-            return None
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            # NOTE: wrapped, their handlers would lose their own thread pool and Health.Watch
+            # its non-blocking form (rpc/open_services.py): each stream would hold an API worker.
+            return handler
         method, metadata = details.method, details.invocation_metadata
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -201,19 +202,13 @@ def bind(server: grpc.Server, address: str, tls: TlsConfig | None = None) -> int
 
 
 def add_health_and_reflection(
-    server: grpc.Server, service_names: Sequence[str]
-) -> health.HealthServicer:
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in [*service_names, ""]:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    names = [
-        *service_names,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    ]
-    reflection.enable_server_reflection(names, server)
-    return servicer
+    server: grpc.Server, service_names: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> OpenServices:
+    """Health checking and reflection (no token needed), on a pool of their own and with their
+    streams capped and timed out (rpc/open_services.py); ``.health`` is the health servicer."""
+    services = OpenServices(timeout_s)
+    services.add_to(server, service_names)
+    return services
 
 
 TOKEN_ENV = "KVCACHE_TOKEN"
@@ -275,6 +270,17 @@ def address_arg(text: str) -> str:
     return f"{host}:{port}"
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: finite seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected finite seconds > 0, got {text!r}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.0.0.1:0") -> None:
     """The options every kvcache server takes."""
     parser.add_argument(
@@ -304,6 +310,15 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         type=read_tenant_tokens,
         metavar="PATH",
         help="TOKEN=TENANT lines (blank lines and # comments ignored), as --tenant-token",
+    )
+    parser.add_argument(
+        "--open-stream-timeout",
+        type=positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a reflection stream (no token needed) whose client sends nothing for this long is "
+        "cut, and a Health.Watch lasts at most 4 x this; both run on threads of their own, a "
+        "few at a time per client address (default: %(default)s)",
     )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -407,6 +422,7 @@ class Service:
     registry: Any = None  # prometheus CollectorRegistry
     workers: int = 32
     max_concurrent_rpcs: int | None = None  # default: 8 per worker (see make_server)
+    open_stream_timeout_s: float = DEFAULT_TIMEOUT_S  # health / reflection streams
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
@@ -421,11 +437,15 @@ def serve(service: Service) -> int:
     """Bind, start, announce ready, wait for SIGTERM / SIGINT, then stop cleanly (health goes
     NOT_SERVING, ``on_stopping``, 2 s grace for calls in flight, ``close``). Returns 0."""
     server = make_server(service.auth, service.workers, service.max_concurrent_rpcs)
-    health_servicer = add_health_and_reflection(server, service.add(server))
+    open_services = add_health_and_reflection(
+        server, service.add(server), service.open_stream_timeout_s
+    )
+    health_servicer = open_services.health
     service.on_health(health_servicer)
     try:
         port = bind(server, service.listen, service.tls)
     except (OSError, RuntimeError) as e:
+        open_services.close()
         service.close()
         raise SystemExit(
             f"kvcache {service.role}: cannot listen on {service.listen}: {e}"
@@ -436,6 +456,7 @@ def serve(service: Service) -> int:
         metrics_port = start_metrics(service.metrics_port, service.metrics_host, service.registry)
     except OSError as e:
         server.stop(0)
+        open_services.close()
         service.close()
         raise SystemExit(
             f"kvcache {service.role}: cannot serve metrics on "
@@ -450,6 +471,7 @@ def serve(service: Service) -> int:
         health_servicer.enter_graceful_shutdown()
         service.on_stopping()
         server.stop(grace=2).wait()
+        open_services.close()
         service.close()
         log.info("%s stopped", service.role)
 
