@@ -85,13 +85,16 @@ class Cluster:
     ) -> dict:
         cfg = self.config
         auth: list[str] = []
+        data_auth: list[str] = []
         token_file = None
         if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
             token_file = os.path.join(cfg.state_dir, "token")
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(cfg.token + "\n")
+            write_secret(token_file, cfg.token)
             auth = ["--token-file", token_file]
+            # The messengers' data ports take a credential of their own, never the admin token.
+            data_token_file = os.path.join(cfg.state_dir, "data-token")
+            write_secret(data_token_file, secrets.token_urlsafe(32))
+            data_auth = ["--data-token-file", data_token_file]
         # TLS: every service presents one certificate from a local CA; every client of a
         # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
         # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
@@ -206,6 +209,7 @@ class Cluster:
                     cfg.transport,
                     *self._metrics(site, spec.settings.get("messenger_metrics_port", 0)),
                     *auth,
+                    *data_auth,
                     *serve_tls,
                     *(["--node-tls-ca", *ca] if ca else []),
                     *etcd_args,
@@ -323,6 +327,20 @@ class Cluster:
             self.place.teardown()
             self.place = None
         return codes
+
+
+def write_secret(path: str, secret: str) -> None:
+    """A 0600 file holding ``secret``; an existing file is replaced, not rewritten in place, so
+    that it never keeps looser permissions (or another owner) of an earlier one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_prometheus_targets(state: dict, path: str) -> None:

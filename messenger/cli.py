@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from rpc.logs import set_identity
 from rpc.server import (
     Auth,
     Service,
+    TlsConfig,
     add_server_args,
     add_token_file_arg,
     address_arg,
@@ -40,6 +42,7 @@ from rpc.server import (
     tls_from_args,
 )
 
+from .data_security import client_context, derive_data_token, server_context
 from .data_server import DataLimits, DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
@@ -67,7 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-tls-ca",
         default=None,
-        help="CA certificate (PEM) to verify the node and the peer messengers serving TLS",
+        help="CA certificate (PEM) to verify the node and the peer messengers serving TLS "
+        "(their gRPC and data ports)",
+    )
+    add_token_file_arg(
+        parser,
+        "--data-token-file",
+        "data_token",
+        "the cluster's data-plane credential, which every messenger's data port demands in the "
+        "HELLO of a connection (default: one derived from the admin token, which never "
+        "crosses the network itself)",
     )
     parser.add_argument(
         "--data-listen",
@@ -107,6 +119,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DataLimits.max_connections,
         help="data-port connections at once; more are refused at once (and counted) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-unauthenticated-per-peer",
+        type=int,
+        default=DataLimits.max_unauthenticated_per_peer,
+        help="data-port connections one address may hold before they said HELLO (with a "
+        "token); all such connections together at most half of --max-connections "
         "(default: %(default)s)",
     )
     parser.add_argument(
@@ -204,6 +224,7 @@ def _data_limits(args) -> DataLimits:
     try:
         return DataLimits(
             max_connections=args.max_connections,
+            max_unauthenticated_per_peer=args.max_unauthenticated_per_peer,
             idle_timeout_s=args.idle_timeout,
             frame_timeout_s=args.frame_timeout,
             fetch_deadline_s=fetch,
@@ -216,6 +237,7 @@ def _data_limits(args) -> DataLimits:
 
 
 _LIMIT_FLAGS = {
+    "max_unauthenticated_per_peer": "--max-unauthenticated-per-peer",
     "max_connections": "--max-connections",
     "idle_timeout_s": "--idle-timeout",
     "frame_timeout_s": "--frame-timeout",
@@ -231,6 +253,22 @@ def _pin_shares(args) -> PinShares:
         if not 0 < share <= 1:
             raise SystemExit(f"kvcache messenger: {flag} must be in (0, 1], got {share:g}")
     return PinShares(connection=args.pin_share_per_connection, peer=args.pin_share_per_peer)
+
+
+def _data_tls(args, tls: TlsConfig | None) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The data port's server and client TLS contexts: on with ``--tls-cert`` (the same
+    certificate as gRPC), peers verified against ``--node-tls-ca``."""
+    if tls is None:
+        return None, None
+    if not args.node_tls_ca:
+        raise SystemExit(
+            "kvcache messenger: --tls-cert needs --node-tls-ca: the data port serves TLS with "
+            "it, and the peers' data ports are verified against that CA"
+        )
+    try:
+        return server_context(tls.cert_file, tls.key_file), client_context(args.node_tls_ca)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvcache messenger: cannot set up TLS on the data port: {e}") from None
 
 
 def _limit_open_files(more: int) -> None:
@@ -254,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     limits = _data_limits(args)
     pin_shares = _pin_shares(args)
     tls = tls_from_args(args)
+    serve_tls, peer_tls = _data_tls(args, tls)
     auth = Auth.from_args(args.token, args.tenant_token)
     client = _connect_node(args)
     set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
@@ -263,15 +302,17 @@ def run(args: argparse.Namespace) -> int:
     if args.data_listen:
         data_host, _, port = args.data_listen.rpartition(":")
         data_port = int(port)
-    # NOTE: the data port carries page bytes, not gRPC; with a token it demands the same admin
-    # token (HELLO) that the messengers use with each other and with the nodes.
     cluster_token = args.node_token or args.token
+    # NOTE: the data port carries page bytes, not gRPC. Its credential is the data token, never
+    # the admin token (data_security.py); with TLS on gRPC it speaks TLS too.
+    data_token = args.data_token or (derive_data_token(cluster_token) if cluster_token else None)
     data = DataServer(
         source,
         host=data_host,
         port=data_port,
         io_timeout_s=args.io_timeout,
-        token=cluster_token,
+        token=data_token,
+        tls=serve_tls,
         limits=limits,
         pin_shares=pin_shares,
         faults=SenderFaults(
@@ -283,8 +324,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         choice = choose_transport(
             args.transport,
-            TcpConfig(lanes=args.lanes, io_timeout_s=args.io_timeout, token=cluster_token),
-            RdmaConfig(io_timeout_s=args.io_timeout, token=cluster_token),
+            TcpConfig(
+                lanes=args.lanes, io_timeout_s=args.io_timeout, token=data_token, tls=peer_tls
+            ),
+            RdmaConfig(io_timeout_s=args.io_timeout, token=data_token, tls=peer_tls),
         )
     except RuntimeError as e:
         raise SystemExit(f"kvcache messenger: {e}") from None

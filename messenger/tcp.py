@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvstore.errors import echo
 
+from .data_security import connect
 from .frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -42,7 +44,6 @@ from .frames import (
     recv_exact,
     recv_header,
     send_buffers,
-    set_io_timeout,
 )
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 
@@ -146,7 +147,8 @@ class TcpConfig:
     io_timeout_s: float = 30.0  # a stalled peer fails the lane after this long
     connect_timeout_s: float = 5.0
     max_idle_per_peer: int = 16
-    token: str | None = None  # sent in a HELLO on every new connection
+    token: str | None = None  # sent in a HELLO on every new connection (the data token)
+    tls: ssl.SSLContext | None = None  # a client context: the peers' data ports speak TLS
 
     def __post_init__(self) -> None:
         if min(self.lanes, self.window, self.request_bytes) < 1:
@@ -456,12 +458,15 @@ class TcpTransport(Transport):
         except ValueError as e:
             raise _BadAddress(str(e)) from None
         try:
-            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
-        except OSError as e:
+            sock = connect(
+                host,
+                port,
+                connect_timeout_s=self.config.connect_timeout_s,
+                io_timeout_s=self.config.io_timeout_s,
+                tls=self.config.tls,
+            )
+        except OSError as e:  # ssl.SSLError too: the peer is not who it should be, or no TLS
             raise _ConnectFailed(str(e)) from None
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self.config.io_timeout_s)
         lane = _Lane(sock)
         if self.config.token:
             try:
