@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_REQUEST_ID = 256
 MAX_BATCH = 1024
+DEFAULT_MAX_CONTEXT_TOKENS = 131072  # a request's prompt and output together (--max-context-tokens)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
 
 
@@ -65,8 +66,10 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         heartbeat_interval_s: float | None = None,
         leadership: Leadership | None = None,
         membership_source: str = "",
+        max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
     ) -> None:
         self.conductor = conductor
+        self.max_context_tokens = max_context_tokens
         # NOTE: read per Schedule call; a plain attribute (Leadership.leading) costs nothing.
         self.leadership = leadership or Leadership()
         self.membership_source = membership_source  # "etcd ...": the registry RPCs are off
@@ -231,6 +234,14 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             raise InvalidArgument(
                 "the request has no prompt: give token ids, keys or prompt_tokens"
             )
+        # NOTE: the ledger believes what it is told: a claimed prompt of 2^32 tokens would set
+        # every node's queue estimate to years (and every SLO out of reach) until it aged out.
+        limit = min(self.max_context_tokens, MAX_BLOCKS_PER_REQUEST * layout.block_tokens)
+        if prompt + request.output_tokens > limit:
+            raise InvalidArgument(
+                f"prompt_tokens {prompt} + output_tokens {request.output_tokens} exceed the "
+                f"context of {limit} tokens this conductor schedules (--max-context-tokens)"
+            )
         rid = request.request_id or uuid.uuid4().hex
         try:
             decision = self.conductor.schedule(
@@ -245,6 +256,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     tbt_slo_s=request.tbt_slo_s or None,
                     block_bytes=page_bytes,
                     exclude=frozenset(request.exclude_nodes),
+                    tenant=tenant,
                 )
             )
         except SLORejected as e:
