@@ -123,6 +123,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-event-streams", type=int, help="Events feeds open at once (default 4)"
     )
     parser.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        help="Get and Put streams one tenant may have open at once (default: half of "
+        "--max-streams); the admin is not limited",
+    )
+    parser.add_argument(
+        "--tenant-lease-share",
+        type=float,
+        help="share (0-1] of a namespace's DRAM pages one tenant's leases and streams may hold "
+        "(pages leased to write, blocks pinned to read); more is refused with "
+        "RESOURCE_EXHAUSTED (default 0.5)",
+    )
+    parser.add_argument(
+        "--tenant-max-leases", type=int, help="live leases one tenant may hold (default 1024)"
+    )
+    parser.add_argument(
+        "--tenant-lease-lifetime",
+        dest="tenant_lease_lifetime_s",
+        type=float,
+        help="seconds a tenant's lease lives at most from its grant, extensions included "
+        "(default 600)",
+    )
+    parser.add_argument(
         "--stream-idle-timeout",
         dest="stream_idle_timeout_s",
         type=float,
@@ -170,6 +193,10 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "max_streams": args.max_streams,
         "max_event_streams": args.max_event_streams,
         "stream_idle_timeout_s": args.stream_idle_timeout_s,
+        "max_streams_per_tenant": args.max_streams_per_tenant,
+        "tenant_lease_share": args.tenant_lease_share,
+        "tenant_max_leases": args.tenant_max_leases,
+        "tenant_lease_lifetime_s": args.tenant_lease_lifetime_s,
         "token": args.token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
@@ -218,6 +245,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
             f"--max-streams + --max-event-streams must leave {MIN_UNARY_WORKERS} of the "
             f"{WORKERS} gRPC workers to unary calls: at most {WORKERS - MIN_UNARY_WORKERS}"
         )
+    if cfg.max_streams_per_tenant is not None and cfg.max_streams_per_tenant < 1:
+        raise KVStoreError("--max-streams-per-tenant must be >= 1")
     if not 0 < cfg.stream_idle_timeout_s < float("inf"):
         raise KVStoreError("--stream-idle-timeout must be finite seconds > 0")
     if cfg.etcd and cfg.conductor:
@@ -251,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         max_streams=cfg.max_streams,
         max_event_streams=cfg.max_event_streams,
         stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+        max_streams_per_tenant=cfg.max_streams_per_tenant,
     )
     agent: NodeAgent | None = None
     registration: Registration | None = None

@@ -93,6 +93,11 @@ class NodeConfig:
     max_streams: int = 16  # Get and Put at once
     max_event_streams: int = 4  # Events feeds at once
     stream_idle_timeout_s: float = 30.0
+    # What one tenant may hold (node/quotas.py); the admin is not limited.
+    max_streams_per_tenant: int | None = None  # None: half of max_streams
+    tenant_lease_share: float = 0.5
+    tenant_max_leases: int = 1024
+    tenant_lease_lifetime_s: float = 600.0
     token: str | None = None
     tenant_tokens: list[str] = field(default_factory=list)
     tls_cert: str | None = None

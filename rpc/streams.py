@@ -106,6 +106,14 @@ class StreamGate:
         with self._lock:
             return len(self._open)
 
+    def open_by_owner(self) -> dict[str, int]:
+        """Open streams per owner (client address or what ``enter`` was given)."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for w in self._open:
+                out[w.peer] = out.get(w.peer, 0) + 1
+            return out
+
     def idle_error(self, method: str) -> StreamIdle:
         return StreamIdle(
             f"{method} stream cut: the client neither sent nor read for {self.idle_timeout_s:g} s"
@@ -119,22 +127,28 @@ class StreamGate:
         return None
 
     @contextmanager
-    def open(self, method: str, context: grpc.ServicerContext) -> Iterator[StreamWatch]:
-        watch = self.enter(method, context)
+    def open(
+        self, method: str, context: grpc.ServicerContext, owner: str | None | object = ...
+    ) -> Iterator[StreamWatch]:
+        watch = self.enter(method, context, owner)
         try:
             yield watch
         finally:
             self.leave(watch)
 
-    def enter(self, method: str, context: grpc.ServicerContext) -> StreamWatch:
-        """Admit one stream (``CapacityExhausted`` when at a cap); ``leave`` it when it ends."""
-        peer = _peer_host(context)
-        watch = StreamWatch(self, method, context, peer)
+    def enter(
+        self, method: str, context: grpc.ServicerContext, owner: str | None | object = ...
+    ) -> StreamWatch:
+        """Admit one stream (``CapacityExhausted`` when at a cap); ``leave`` it when it ends.
+        ``owner``: whose share of ``per_peer_limit`` it takes (default: the client's address;
+        None: nobody's, only the total cap applies)."""
+        peer = _peer_host(context) if owner is ... else owner
+        watch = StreamWatch(self, method, context, peer if isinstance(peer, str) else "")
         with self._lock:
-            from_peer = sum(1 for w in self._open if w.peer == peer)
+            from_peer = sum(1 for w in self._open if w.peer == peer) if peer is not None else 0
             if len(self._open) >= self.limit:
                 refused = f"this server already has {self.limit} open {self.kind} streams"
-            elif from_peer >= self.per_peer_limit:
+            elif peer is not None and from_peer >= self.per_peer_limit:
                 refused = (
                     f"{peer or 'this client'} already has {self.per_peer_limit} open "
                     f"{self.kind} streams here"
