@@ -98,7 +98,7 @@ env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
 
 [router]
 listen = "127.0.0.1:0"
-args = ["--retry-backoff", "1.0"]
+args = ["--retry-backoff", "1.0", "--debug-headers"]
 """
 
 
