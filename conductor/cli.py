@@ -35,6 +35,7 @@ from plumbing.registration import (
 from proto import conductor_pb2_grpc as pbg
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
     add_server_args,
     add_token_file_arg,
@@ -83,6 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-token",
         default=None,
+        action=InlineSecret,
         help="admin token for the nodes' Events streams (default: --token)",
     )
     add_token_file_arg(parser, "--node-token-file", "node_token", "--node-token, from a file")

@@ -253,9 +253,7 @@ class Cluster:
         ]
         self.state = state
         path = os.path.join(cfg.state_dir, "cluster.json")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=2)
+        write_secret(path, json.dumps(state, indent=2))  # it holds the token
         write_prometheus_targets(state, os.path.join(cfg.state_dir, "prometheus-targets.json"))
         return state
 
@@ -480,6 +478,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _any_alive(state_file: str) -> bool:
-    with open(state_file) as f:
-        pids = json.load(f).get("pids", [])
-    return any(pid_alive(p) for p in pids)
+    try:
+        with open(state_file) as f:
+            pids = json.load(f).get("pids", [])
+    except (OSError, ValueError, AttributeError):
+        return False  # not a state file 'kvcache up' wrote: nothing of it can be running
+    return any(pid_alive(p) for p in pids if isinstance(p, int))

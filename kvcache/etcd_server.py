@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from plumbing.launch import ServiceProcess, free_port
+from plumbing.launch import ServiceProcess, child_environ, free_port
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
 
@@ -119,7 +119,9 @@ def start_etcd(
         "stderr",
     ]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+        proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=log_file, text=True, env=child_environ()
+        )
     process = ServiceProcess("etcd", proc, {"address": client_url}, log_path)
     server = EtcdServer(process, client_url, peer_url, data_dir, name, tuple(wrap or ()))
     deadline = time.monotonic() + timeout_s

@@ -32,6 +32,7 @@ from rpc.channel import make_channel
 from rpc.logs import set_identity
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
     TlsConfig,
     add_server_args,
@@ -63,6 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-token",
         default=None,
+        action=InlineSecret,
         help="the cluster's admin token, for the node, peer messengers and the "
         "data port (default: --token)",
     )

@@ -19,6 +19,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
     add_server_args,
     add_token_file_arg,
@@ -156,7 +157,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--conductor", type=address_arg, help="conductor address to register with (optional)"
     )
-    parser.add_argument("--conductor-token", help="bearer token for the conductor")
+    parser.add_argument(
+        "--conductor-token",
+        action=InlineSecret,
+        help="bearer token for the conductor (prefer --conductor-token-file)",
+    )
     add_token_file_arg(
         parser, "--conductor-token-file", "conductor_token", "--conductor-token, from a file"
     )

@@ -17,7 +17,7 @@ import os
 import socket
 from typing import Any
 
-from rpc.server import TOKEN_ENV, add_token_file_arg, announce_ready
+from rpc.server import TOKEN_ENV, InlineSecret, add_token_file_arg, announce_ready
 
 from .disagg import RouterOptions
 from .engines import Engine, EngineTimeouts
@@ -52,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,
+        action=InlineSecret,
         help=f"the cluster's admin token (Schedule, messenger transfers); also ${TOKEN_ENV}",
     )
     add_token_file_arg(parser, "--token-file", "token", "the cluster's token, from a file")
@@ -59,6 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
+        action=InlineSecret,
         help="require 'Authorization: Bearer KEY' from HTTP clients (/v1/*)",
     )
     add_token_file_arg(parser, "--api-key-file", "api_key", "--api-key, from a file")

@@ -212,6 +212,45 @@ def add_health_and_reflection(
 
 
 TOKEN_ENV = "KVCACHE_TOKEN"
+INLINE_SECRETS = "inline_secrets"  # the args attribute naming the secrets given inline
+
+
+class InlineSecret(argparse.Action):
+    """A secret given on the command line, where every local user can read it in
+    /proc/PID/cmdline: stored (appended with ``nargs="append"``-style ``append=True``) and named
+    in ``args.inline_secrets`` for ``warn_inline_secrets``."""
+
+    def __init__(self, *args: Any, append: bool = False, **kwargs: Any) -> None:
+        self.append = append
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if self.append:
+            setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+        else:
+            setattr(namespace, self.dest, values)
+        given = list(getattr(namespace, INLINE_SECRETS, None) or [])
+        setattr(namespace, INLINE_SECRETS, [*given, option_string or self.dest])
+
+
+def warn_inline_secrets(args: argparse.Namespace) -> None:
+    """A warning per secret given on the command line (its file form keeps it out of /proc)."""
+    for flag in dict.fromkeys(getattr(args, INLINE_SECRETS, None) or []):
+        log.warning(
+            "%s was given on the command line, where every local user can read it "
+            "(/proc/PID/cmdline): give it in a file instead (%s)",
+            flag,
+            _FILE_FORM.get(flag, f"{flag}-file"),
+        )
+
+
+_FILE_FORM = {"--tenant-token": "--tenant-tokens-file"}
 
 
 def read_secret(path: str) -> str:
@@ -292,16 +331,19 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,
+        action=InlineSecret,
         help="require 'authorization: Bearer TOKEN' (admin, tenant ''); visible to local users "
-        f"in /proc: prefer --token-file or ${TOKEN_ENV}",
+        f"in /proc (a warning says so): prefer --token-file or ${TOKEN_ENV}",
     )
     add_token_file_arg(parser, "--token-file", "token", "the admin token (--token), from a file")
     parser.add_argument(
         "--tenant-token",
-        action="append",
+        action=InlineSecret,
+        append=True,
         default=[],
         metavar="TOKEN=TENANT",
-        help="another accepted token and the tenant it maps to (repeatable)",
+        help="another accepted token and the tenant it maps to (repeatable); visible to local "
+        "users in /proc: prefer --tenant-tokens-file",
     )
     parser.add_argument(
         "--tenant-tokens-file",
