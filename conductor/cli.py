@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.pending_timeout < float("inf"):
         raise SystemExit("kvcache conductor: --pending-timeout must be finite seconds > 0")
     try:
-        auth = Auth.from_args(args.token, args.tenant_token)
+        auth = Auth.from_args(args.token, args.tenant_token, args.service_token)
     except ValueError as e:
         raise SystemExit(f"kvcache conductor: {e}") from None
     tls = tls_from_args(args)

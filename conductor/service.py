@@ -222,7 +222,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
         layout, page_bytes = self._layout(sel.namespace)
-        keys, prompt = self._keys(sel, layout, tenant)
+        raw, prompt = self._raw_keys(sel, layout)
+        keys = scope_keys(raw, tenant) if tenant else raw
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
                 raise InvalidArgument(
@@ -266,7 +267,15 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             self.metrics.rejections.labels("no_node").inc()
             raise
         self.metrics.decided(decision)
-        return decision_to_pb(decision, rid)
+        reply = decision_to_pb(decision, rid)
+        if tenant and decision.transfer is not None:
+            # NOTE: a tenant names its keys as it computes them; its messenger scopes them (a
+            # tenant's SubmitTransfer moves only its own blocks), so the plan names them so too.
+            plan = decision.transfer
+            reply.transfers[0].key_bytes = b"".join(
+                raw[plan.first_block : plan.first_block + len(plan.keys)]
+            )
+        return reply
 
     @observed
     def Complete(self, request, context):
@@ -373,10 +382,16 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             )
         return served
 
-    @staticmethod
-    def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
+    @classmethod
+    def _keys(cls, sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
         """The request's keys as stored for ``tenant`` and the tokens they stand for."""
-        raw, prompt = select_keys(
+        raw, prompt = cls._raw_keys(sel, layout)
+        return (scope_keys(raw, tenant) if tenant else raw), prompt
+
+    @staticmethod
+    def _raw_keys(sel, layout: KVLayout) -> tuple[list[bytes], int]:
+        """The request's keys as the caller computes them, and the tokens they stand for."""
+        return select_keys(
             sel.namespace,
             sel.salt,
             layout.block_tokens,
@@ -386,7 +401,6 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.token_bytes,
             sel.key_bytes,
         )
-        return (scope_keys(raw, tenant) if tenant else raw), prompt
 
     def _maintain(self) -> None:
         """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""

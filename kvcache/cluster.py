@@ -54,6 +54,7 @@ from .engines import Serving, ServingConfig, serving_config
 from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
+SERVING_TENANT = "serving"  # the tenant of a cluster's engines and router
 
 log = logging.getLogger("kvcache.cluster")
 
@@ -86,15 +87,22 @@ class Cluster:
         cfg = self.config
         auth: list[str] = []
         data_auth: list[str] = []
-        token_file = None
-        if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
-            token_file = os.path.join(cfg.state_dir, "token")
-            write_secret(token_file, cfg.token)
+        service: list[str] = []
+        token_file = serving_token = None
+        if cfg.token:  # 0600 files, not argv: any local user can read /proc/PID/cmdline
+            token_file = self._secret("token", cfg.token)
             auth = ["--token-file", token_file]
-            # The messengers' data ports take a credential of their own, never the admin token.
-            data_token_file = os.path.join(cfg.state_dir, "data-token")
-            write_secret(data_token_file, secrets.token_urlsafe(32))
-            data_auth = ["--data-token-file", data_token_file]
+            # Least privilege: the messengers' data ports take a credential of their own; the
+            # conductor's event feeds and transfer hook a service token that may do only that;
+            # engines and the router a tenant's token (one compromised engine is one tenant,
+            # not the cluster's admin).
+            data_auth = ["--data-token-file", self._secret("data-token")]
+            service = ["--service-token-file", self._secret("service-token")]
+            if wanted is not None:
+                serving_token = self._secret("serving-token")
+                with open(serving_token) as f:
+                    line = f"{f.read().strip()}={SERVING_TENANT}"
+                auth += ["--tenant-tokens-file", self._secret("tenant-tokens", line)]
         # TLS: every service presents one certificate from a local CA; every client of a
         # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
         # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
@@ -125,6 +133,7 @@ class Cluster:
                         "--policy",
                         cfg.policy,
                         *auth,
+                        *(["--node-token-file", service[1]] if service else []),
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
                         *self._metrics(
@@ -180,6 +189,7 @@ class Cluster:
                 "--messenger",
                 site.messenger,
                 *auth,
+                *service,
                 *serve_tls,
                 *(["--conductor-tls-ca", *ca] if ca else []),
                 *self._metrics(site, spec.settings.get("metrics_port", 0)),
@@ -210,6 +220,7 @@ class Cluster:
                     *self._metrics(site, spec.settings.get("messenger_metrics_port", 0)),
                     *auth,
                     *data_auth,
+                    *service,
                     *serve_tls,
                     *(["--node-tls-ca", *ca] if ca else []),
                     *etcd_args,
@@ -239,7 +250,7 @@ class Cluster:
             # every conductor: the router's client follows a standby's redirect to the leader
             addresses = ",".join(c.address for c in conductors)
             state.update(
-                self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
+                self.serving.start(nodes, logs, addresses, serving_token, tls_ca, self.detach)
             )
         roles = [(p.pid, p.role) for p in self.procs]
         roles += [(e["pid"], "engine") for e in state.get("engines", [])]
@@ -292,6 +303,12 @@ class Cluster:
             self.procs.append(server.process)
             endpoints, pid = [server.endpoint], server.pid
         return {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+
+    def _secret(self, name: str, value: str | None = None) -> str:
+        """``<state_dir>/<name>``, 0600, holding ``value`` (default: a new random token)."""
+        path = os.path.join(self.config.state_dir, name)
+        write_secret(path, secrets.token_urlsafe(32) if value is None else value)
+        return path
 
     def _start(self, args: list[str], log_dir: str, site: Site) -> ServiceProcess:
         sp = start_service(

@@ -295,7 +295,10 @@ def run(args: argparse.Namespace) -> int:
     pin_shares = _pin_shares(args)
     tls = tls_from_args(args)
     serve_tls, peer_tls = _data_tls(args, tls)
-    auth = Auth.from_args(args.token, args.tenant_token)
+    try:
+        auth = Auth.from_args(args.token, args.tenant_token, args.service_token)
+    except ValueError as e:
+        raise SystemExit(f"kvcache messenger: {e}") from None
     client = _connect_node(args)
     set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
     node = NodeAccess(client)

@@ -203,6 +203,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "tenant_max_leases": args.tenant_max_leases,
         "tenant_lease_lifetime_s": args.tenant_lease_lifetime_s,
         "token": args.token,
+        "service_token": args.service_token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "metrics_port": args.metrics_port,
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             urls, cfg.etcd_prefix = etcd_settings("node", cfg.etcd, cfg.etcd_prefix, cfg.etcd_ttl_s)
             cfg.etcd = ",".join(urls)
         # NOTE: validated before the node exists, so a bad flag leaves no shared memory behind.
-        auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
+        auth = Auth.from_args(cfg.token, cfg.tenant_tokens, cfg.service_token)
         tls = tls_from_args(cfg)
         node = Node(cfg)
     except (KVStoreError, TypeError, ValueError, OSError) as e:

@@ -99,6 +99,7 @@ class NodeConfig:
     tenant_max_leases: int = 1024
     tenant_lease_lifetime_s: float = 600.0
     token: str | None = None
+    service_token: str | None = None  # the conductor's feeds: Events only (rpc.server.SERVICE)
     tenant_tokens: list[str] = field(default_factory=list)
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -474,7 +474,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
-        self.auth.require_admin(context, "the event feed (Events)")
+        self.auth.require_admin(context, "the event feed (Events)", service_ok=True)
         # An Events stream waiting for events is not idle: only a send its client does not take
         # counts, so the conductor's feed lives on, and a feed nobody reads is cut.
         with self.event_streams.open("Events", context) as watch:

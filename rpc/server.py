@@ -26,9 +26,15 @@ from .open_services import DEFAULT_TIMEOUT_S, OPEN_METHODS, OpenServices
 log = logging.getLogger(__name__)
 
 
+SERVICE = "\x00service"  # the identity of --service-token-file (no tenant name can be it)
+
+
 @dataclass
 class Auth:
-    """Bearer tokens -> tenant names. No tokens: auth off and every caller is tenant ``""``."""
+    """Bearer tokens -> identities: "" the admin, a tenant's name, or ``SERVICE``: the cluster's
+    own services (the conductor's event feeds and transfer hook), which may do only what each
+    server lets them (``require_admin(..., service_ok=True)``) and nothing a tenant or the admin
+    does. No tokens: auth off and every caller is the admin."""
 
     tokens: dict[str, str] = field(default_factory=dict)
 
@@ -37,8 +43,11 @@ class Auth:
         return bool(self.tokens)
 
     @classmethod
-    def from_args(cls, token: str | None, tenants: Iterable[str] = ()) -> "Auth":
-        """``--token T`` (admin, tenant "") plus ``--tenant-token TOKEN=TENANT`` entries."""
+    def from_args(
+        cls, token: str | None, tenants: Iterable[str] = (), service_token: str | None = None
+    ) -> "Auth":
+        """``--token T`` (admin, tenant "") plus ``--tenant-token TOKEN=TENANT`` entries and the
+        ``--service-token-file`` token."""
         tokens: dict[str, str] = {}
         if token:
             tokens[token] = ""
@@ -47,10 +56,14 @@ class Auth:
             if not sep or not tok or not tenant:
                 raise ValueError(f"--tenant-token expects TOKEN=TENANT, got {item!r}")
             tokens[tok] = tenant
+        if service_token:
+            if service_token in tokens:
+                raise ValueError("the service token must differ from the admin and tenant tokens")
+            tokens[service_token] = SERVICE
         return cls(tokens)
 
     def check_metadata(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
-        """The caller's tenant, or None when the token is missing or wrong."""
+        """The caller's identity, or None when the token is missing or wrong."""
         if not self.enabled:
             return ""
         for key, value in metadata or ():
@@ -58,22 +71,42 @@ class Auth:
                 return self.tokens.get(value[len("Bearer ") :])
         return None
 
-    def tenant(self, context: grpc.ServicerContext) -> str:
-        tenant = self.check_metadata(context.invocation_metadata())
-        if tenant is None:  # the interceptor already rejected it; belt and braces
+    def identity(self, context: grpc.ServicerContext) -> str:
+        """The caller: "" (admin), a tenant, or ``SERVICE``."""
+        who = self.check_metadata(context.invocation_metadata())
+        if who is None:  # the interceptor already rejected it; belt and braces
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
             raise AssertionError("context.abort returned")
-        return tenant
+        return who
 
-    def require_admin(self, context: grpc.ServicerContext, what: str) -> None:
-        """PERMISSION_DENIED unless the caller holds the admin token (tenant ""): cluster-wide
-        views and moves of stored, already tenant-scoped keys are the operator's."""
-        if self.tenant(context) != "":
+    def tenant(self, context: grpc.ServicerContext) -> str:
+        """The caller's tenant ("" the admin); PERMISSION_DENIED for the service identity."""
+        who = self.identity(context)
+        if who == SERVICE:
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{what} needs the admin token (--token), not a tenant token",
+                "the service token may only read event feeds and submit transfers; this call "
+                "needs the admin token or a tenant's",
             )
             raise AssertionError("context.abort returned")
+        return who
+
+    def require_admin(
+        self, context: grpc.ServicerContext, what: str, service_ok: bool = False
+    ) -> None:
+        """PERMISSION_DENIED unless the caller holds the admin token (tenant ""), or with
+        ``service_ok`` the service token: cluster-wide views and moves of stored, already
+        tenant-scoped keys are the operator's (and its services')."""
+        who = self.identity(context)
+        if who == "" or (service_ok and who == SERVICE):
+            return
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{what} needs the admin token (--token)"
+            + (" or the service token (--service-token-file)" if service_ok else "")
+            + ", not a tenant token",
+        )
+        raise AssertionError("context.abort returned")
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -344,6 +377,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         metavar="TOKEN=TENANT",
         help="another accepted token and the tenant it maps to (repeatable); visible to local "
         "users in /proc: prefer --tenant-tokens-file",
+    )
+    add_token_file_arg(
+        parser,
+        "--service-token-file",
+        "service_token",
+        "the token of the cluster's own services (the conductor's event feeds and transfer "
+        "hook): it may read a node's event feed and submit a messenger's transfers, nothing "
+        "else",
     )
     parser.add_argument(
         "--tenant-tokens-file",
