@@ -30,6 +30,7 @@ from plumbing.registration import (
     add_etcd_args,
     election_name,
     etcd_settings,
+    etcd_tls,
     nodes_prefix,
 )
 from proto import conductor_pb2_grpc as pbg
@@ -406,7 +407,14 @@ def _etcd(args: argparse.Namespace) -> _EtcdMode | None:
     if not args.etcd:
         return None
     urls, prefix = etcd_settings("conductor", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
-    client = EtcdClient(urls)
+    if (args.node_token or args.token) and not args.node_tls_ca:
+        # Whoever can write under the prefix names the addresses the feeds and the transfer
+        # hook call with their token: it must only ever go where TLS verifies who answers.
+        raise SystemExit(
+            "kvcache conductor: --etcd with a token needs --node-tls-ca: the token goes only "
+            "over TLS to addresses learned from etcd (a forged record would collect it)"
+        )
+    client = etcd_tls("conductor", args).client(urls)
     return _EtcdMode(client, prefix, EtcdLeadership(client, election_name(prefix), args.etcd_ttl_s))
 
 

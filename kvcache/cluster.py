@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from kvstore.shm import pid_alive
 from plumbing.launch import ServiceProcess, free_port, process_identity, start_service
 from rpc.server import wait_for_signal
-from rpc.tls import make_local_ca
+from rpc.tls import TlsFiles, make_local_ca
 
 from .cluster_config import (
     ClusterConfig,
@@ -108,7 +108,7 @@ class Cluster:
         # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
         serve_tls: list[str] = []
         ca: list[str] = []
-        tls_ca = None
+        tls_ca = files = None
         if cfg.tls:
             files = make_local_ca(os.path.join(cfg.state_dir, "tls"), place.tls_hosts)
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
@@ -118,7 +118,11 @@ class Cluster:
         if wanted is not None:  # engine ports first: the conductor scrapes their load
             self.serving = Serving(wanted, cfg.host)
             conductor_args = [*conductor_args, *self.serving.plan(free_port)]
-        etcd = self._start_etcd(place) if cfg.get("etcd", "enabled") else None
+        etcd = (
+            self._start_etcd(place, files if cfg.tls else None)
+            if cfg.get("etcd", "enabled")
+            else None
+        )
         etcd_args = etcd_role_args(etcd, cfg) if etcd else []
         conductors = []
         for i in range(cfg.get("conductor", "replicas")):
@@ -286,23 +290,31 @@ class Cluster:
             host = site.ip  # bound everywhere: reachable where the process serves
         return f"{host}:{port}" if port else None
 
-    def _start_etcd(self, place: Loopback | Namespaced) -> dict:
+    def _start_etcd(self, place: Loopback | Namespaced, tls: TlsFiles | None) -> dict:
         """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one (on hosts: in
-        the control namespace, on its address); what cluster.json keeps of it."""
+        the control namespace, on its address); what cluster.json keeps of it. With ``tls``
+        (``--tls``) our etcd serves TLS and takes only clients with a certificate of the
+        cluster's CA; every role gets the services' certificate as its client certificate."""
         cfg = self.config
         endpoints, pid = list(cfg.get("etcd", "endpoints")), None
         if not endpoints:
             client_url, peer_url = place.etcd_urls() or (None, None)
+            if tls is not None and client_url:
+                client_url = "https://" + client_url.split("://", 1)[1]
             server = start_etcd(
                 os.path.join(cfg.state_dir, "etcd"),
                 place.ctl.ip,
                 client_url=client_url,
                 peer_url=peer_url,
                 wrap=place.ctl.wrap,
+                tls=tls,
             )
             self.procs.append(server.process)
             endpoints, pid = [server.endpoint], server.pid
-        return {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+        out = {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+        if tls is not None:
+            out["tls"] = {"ca": tls.ca_cert, "cert": tls.cert, "key": tls.key}
+        return out
 
     def _secret(self, name: str, value: str | None = None) -> str:
         """``<state_dir>/<name>``, 0600, holding ``value`` (default: a new random token)."""
@@ -449,6 +461,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             "kvcache up: [[engines]] / [router] run on loopback only: leave out [hosts] count "
             "(--hosts) or the [[engines]] tables",
+            file=sys.stderr,
+        )
+        return 2
+    if cfg.token and cfg.get("etcd", "enabled") and not cfg.tls:
+        print(
+            "kvcache up: a token with [etcd] needs --tls: the conductors and clients send tokens "
+            "to addresses learned from etcd, and only TLS says who answers there",
             file=sys.stderr,
         )
         return 2

@@ -18,12 +18,12 @@ from typing import Any
 import grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from plumbing.etcd import EtcdClient
 from plumbing.registration import (
     MessengerRecord,
     Registration,
     add_etcd_args,
     etcd_settings,
+    etcd_tls,
     messengers_prefix,
 )
 from proto import messenger_pb2 as pb
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     etcd = None
     if args.etcd:
         urls, prefix = etcd_settings("messenger", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
-        etcd = EtcdClient(urls)
+        etcd = etcd_tls("messenger", args).client(urls)
     limits = _data_limits(args)
     pin_shares = _pin_shares(args)
     tls = tls_from_args(args)

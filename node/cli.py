@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.policy import POLICIES
-from plumbing.registration import Registration, add_etcd_args, etcd_settings
+from plumbing.registration import Registration, add_etcd_args, etcd_settings, etcd_tls
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
@@ -217,6 +217,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "etcd": args.etcd,
         "etcd_prefix": args.etcd_prefix,
         "etcd_ttl_s": args.etcd_ttl_s,
+        "etcd_ca": args.etcd_ca,
+        "etcd_cert": args.etcd_cert,
+        "etcd_key": args.etcd_key,
         "dram": args.dram,
         "gpu": args.gpu,
         "ssd": args.ssd,
@@ -270,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = build_config(args)
         if cfg.etcd:
             urls, cfg.etcd_prefix = etcd_settings("node", cfg.etcd, cfg.etcd_prefix, cfg.etcd_ttl_s)
+            etcd_tls("node", cfg)  # the files exist, cert and key go together
             cfg.etcd = ",".join(urls)
         # NOTE: validated before the node exists, so a bad flag leaves no shared memory behind.
         auth = Auth.from_args(cfg.token, cfg.tenant_tokens, cfg.service_token)

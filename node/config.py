@@ -117,6 +117,9 @@ class NodeConfig:
     etcd: str | None = None
     etcd_prefix: str = "/kvcache"
     etcd_ttl_s: int = 5
+    etcd_ca: str | None = None  # https:// etcd: its CA, and this node's client certificate
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
 
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
         """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""
