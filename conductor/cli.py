@@ -348,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
             registry=metrics.registry,
             workers=args.workers,
             open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
             max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
             on_stopping=on_stopping,

@@ -410,6 +410,18 @@ def print_state(state: dict, path: str) -> None:
         print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
     print(f"state      {path}")
     print(f"status     kvcache status --cluster {path}")
+    print(f"security   {security_note(state)}")
+
+
+def security_note(state: dict) -> str:
+    """What protects the cluster, in one line: a local demo may be open, and says so."""
+    if not state.get("token"):
+        return (
+            "OPEN: no token, no TLS, every caller is the admin (a demo on loopback; on a shared "
+            "host or network: kvcache up --tls)"
+        )
+    tls = "TLS on every link" if state.get("tls_ca") else "no TLS: every link in clear"
+    return f"tokens in {state.get('state_dir')} (0600), {tls}"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -90,6 +90,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="host:port of the data port peers pull from (default: --listen's host, any free port)",
     )
     parser.add_argument(
+        "--data-advertise",
+        default=None,
+        type=address_arg,
+        help="the data port's address as peers reach it, in GetInfo and etcd (default: the "
+        "address it listens on); with TLS, a name its certificate holds",
+    )
+    parser.add_argument(
         "--transport",
         choices=MODES,
         default="auto",
@@ -341,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
         rdma_source = RdmaSource(choice.backend, source)
         rdma_source.install(data)
     data.start()
+    data_address = args.data_advertise or data.address
 
     def lookup_data_address(messenger: str) -> str:
         with make_channel(messenger, cluster_token, args.node_tls_ca) as channel:
@@ -361,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     )
     info = pb.MessengerInfo(
         node=args.node,
-        data_address=data.address,
+        data_address=data_address,
         transport=choice.description,
         lanes=args.lanes,
         namespaces=node.namespaces(),
@@ -382,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
             record = MessengerRecord(
                 node_id=node_id,
                 address=args.advertise or address,
-                data_address=data.address,
+                data_address=data_address,
                 transport=choice.description,
             ).encode()
             registration = Registration(
@@ -392,12 +400,12 @@ def run(args: argparse.Namespace) -> int:
             "messenger for node %s on %s, data port %s, transport %s",
             args.node,
             address,
-            data.address,
+            data_address,
             choice.description,
         )
         if args.fault_open_files:
             _limit_open_files(args.fault_open_files)
-        return {"data_address": data.address, "transport": choice.description}
+        return {"data_address": data_address, "transport": choice.description}
 
     def on_stopping() -> None:
         if registration is not None:
@@ -428,5 +436,6 @@ def run(args: argparse.Namespace) -> int:
             on_stopping=on_stopping,
             close=close,
             open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
         )
     )

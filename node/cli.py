@@ -339,5 +339,6 @@ def run(args: argparse.Namespace) -> int:
             close=node.close,
             workers=WORKERS,
             open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
         )
     )

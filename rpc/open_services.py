@@ -72,7 +72,22 @@ class OpenServices:
         servicer = reflection.ReflectionServicer(names)
         _add_reflection(server, servicer, self.reflection_gate, self.pool)
 
+    def serve_health_alone(self, address: str) -> tuple[grpc.Server, int]:
+        """A second, plaintext server on ``address`` with this health service only (its own
+        threads, no token, nothing else to reach): what probes that cannot speak TLS ask."""
+        server = grpc.server(futures.ThreadPoolExecutor(2, thread_name_prefix="grpc-health"))
+        _add_health(server, self.health, self.pool)
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        server.start()
+        self._alone = server
+        return server, port
+
     def close(self) -> None:
+        alone = getattr(self, "_alone", None)
+        if alone is not None:
+            alone.stop(0)
         self.reflection_gate.close()
         self.watch_gate.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -403,6 +403,13 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         "cut, and a Health.Watch lasts at most 4 x this; both run on threads of their own, a "
         "few at a time per client address (default: %(default)s)",
     )
+    parser.add_argument(
+        "--health-listen",
+        default=None,
+        type=address_arg,
+        help="also serve gRPC health checking alone, in plaintext, on this host:port (for "
+        "probes that cannot speak TLS, e.g. Kubernetes' grpc probes; port 0: any free one)",
+    )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     parser.add_argument(
@@ -506,6 +513,7 @@ class Service:
     workers: int = 32
     max_concurrent_rpcs: int | None = None  # default: 8 per worker (see make_server)
     open_stream_timeout_s: float = DEFAULT_TIMEOUT_S  # health / reflection streams
+    health_listen: str | None = None  # health alone, plaintext (probes)
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
@@ -546,9 +554,22 @@ def serve(service: Service) -> int:
             f"{service.metrics_host}:{service.metrics_port}: {e.strerror or e} (--metrics-port: "
             "another port, or 0 for any free one)"
         ) from None
+    health_port = None
+    if service.health_listen:
+        try:
+            _, health_port = open_services.serve_health_alone(service.health_listen)
+        except (OSError, RuntimeError) as e:
+            server.stop(0)
+            open_services.close()
+            service.close()
+            raise SystemExit(
+                f"kvcache {service.role}: cannot serve health on {service.health_listen}: {e}"
+            ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
     fields = service.on_serving(address, metrics_port)
+    if service.health_listen and health_port is not None:
+        fields = {**fields, "health_address": f"{host_of(service.health_listen)}:{health_port}"}
 
     def stop() -> None:
         health_servicer.enter_graceful_shutdown()

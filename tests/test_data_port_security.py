@@ -58,6 +58,7 @@ def tls_cluster(tmp_path):
     config.write_text(f'[cluster]\nstate_dir = "{state_dir}"\n\n[defaults]\ndram = "32MiB"\n')
     up = kvcache_cli("up", "--config", str(config), "--detach", "--tls")
     assert up.returncode == 0, up.stdout + up.stderr
+    assert "TLS on every link" in up.stdout
     with open(state_dir / "cluster.json") as f:
         state = json.load(f)
     yield state

@@ -42,6 +42,7 @@ def test_a_cluster_keeps_its_token_out_of_environments_and_loose_files(tmp_path)
     config.write_text(f'[cluster]\nstate_dir = "{state_dir}"\n\n[defaults]\ndram = "16MiB"\n')
     up = kvcache_cli("up", "--config", str(config), "--detach", env={"KVCACHE_TOKEN": SECRET})
     assert up.returncode == 0, up.stdout + up.stderr
+    assert "no TLS: every link in clear" in up.stdout  # it says what protects it, and what not
     try:
         with open(state_dir / "cluster.json") as f:
             state = json.load(f)
