@@ -54,6 +54,8 @@ from .service import MessengerMetrics, MessengerServicer
 from .tcp import TcpConfig
 
 log = logging.getLogger("kvcache.messenger")
+# A messenger's data address, asked by its peers without a token (see lookup_data_address).
+OPEN_GETINFO = "/kvcache.v1.MessengerService/GetInfo"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -351,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
     data_address = args.data_advertise or data.address
 
     def lookup_data_address(messenger: str) -> str:
-        with make_channel(messenger, cluster_token, args.node_tls_ca) as channel:
+        # NOTE: no token: a tenant names the sources of its transfers, and a token would go to
+        # whatever address it named (GetInfo needs none; the data port proves itself in HELLO).
+        with make_channel(messenger, None, args.node_tls_ca) as channel:
             return (
                 pbg.MessengerServiceStub(channel)
                 .GetInfo(pb.MessengerInfoRequest(), timeout=10)
@@ -437,5 +441,6 @@ def run(args: argparse.Namespace) -> int:
             close=close,
             open_stream_timeout_s=args.open_stream_timeout,
             health_listen=args.health_listen,
+            open_methods=(OPEN_GETINFO,),
         )
     )

@@ -4,23 +4,43 @@
   certificate, and pulls from its peers' data ports over TLS verified against ``--node-tls-ca``
   (every tenant's pages, and the HELLO's credential, travel encrypted; a peer is who its
   certificate says). A cluster is all TLS or all plain (``kvcache up --tls``).
-- The credential in HELLO is the cluster's *data token* (``--data-token-file``; ``kvcache up``
-  writes one), never the admin token: whoever reads or guesses it may pull pages from the data
-  ports, but is not the node's or the conductor's admin. Without a data token file a messenger
-  with an admin token derives one from it (HMAC-SHA256, one-way), so the admin token itself
-  never crosses the network either way.
+- The credential is the cluster's *data token* (``--data-token-file``; ``kvcache up`` writes
+  one), never the admin token: whoever holds it may pull pages from the data ports, but is not
+  the node's or the conductor's admin. Without a data token file a messenger with an admin
+  token derives one from it (HMAC-SHA256, one-way).
+- The token itself never crosses the network, not even encrypted: HELLO is a challenge and
+  response. The puller sends a nonce; the port answers its own nonce and a proof over both
+  (HMAC-SHA256 keyed with the token); the puller checks that proof before it sends anything
+  else, then sends its own proof. A port that does not hold the token (a listener a tenant
+  named as a transfer's source, on a cluster without TLS) learns nothing it can use elsewhere,
+  and is sent no request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import socket
 import ssl
 
 from .frames import set_io_timeout
 
 _DERIVE_LABEL = b"kvcache data port v1"
+
+
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def proof(token: bytes, side: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """What one side (``b"server"`` / ``b"client"``) shows it holds ``token``, for this
+    connection's nonces only."""
+    return hmac.new(token, side + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
 def derive_data_token(admin_token: str) -> str:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .data_security import shutdown
+from .data_security import NONCE_BYTES, new_nonce, proof, shutdown
 from .frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -482,8 +482,26 @@ class DataServer:
             conn.sock.close()  # under the lock: see _watch_loop
 
     def _hello(self, conn: PeerConnection, header: Header) -> None:
-        token = conn.read_body(header, limit=MAX_TOKEN_BYTES)
-        if self._token is not None and not hmac.compare_digest(token, self._token):
+        """A challenge and response (data_security.py): the puller's nonce, answered with ours
+        and our proof; then the puller's proof, answered END, or ERROR and a hang-up."""
+        body = conn.read_body(header, limit=MAX_TOKEN_BYTES)
+        if self._token is None:  # an open port: nothing to prove
+            conn.state["authenticated"] = True
+            return conn.send([pack_header(Kind.END)])
+        nonces = conn.state.get("nonces")
+        if nonces is None:
+            if len(body) != NONCE_BYTES:
+                self._send_error(conn, Status.UNAUTHENTICATED, "HELLO carries a 32-byte nonce")
+                raise ProtocolError("HELLO without a nonce")
+            mine = new_nonce()
+            conn.state["nonces"] = (body, mine)
+            answer = mine + proof(self._token, b"server", body, mine)
+            conn.send(
+                [pack_header(Kind.HELLO, length=len(answer), checksum_=checksum(answer)), answer]
+            )
+            return
+        theirs, mine = nonces
+        if not hmac.compare_digest(body, proof(self._token, b"client", theirs, mine)):
             self._send_error(conn, Status.UNAUTHENTICATED, "wrong token for this data port")
             raise ProtocolError("HELLO with a wrong token")
         conn.state["authenticated"] = True

@@ -110,8 +110,9 @@ class Auth:
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, auth: Auth) -> None:
+    def __init__(self, auth: Auth, open_methods: tuple[str, ...] = ()) -> None:
         self._auth = auth
+        self._open = OPEN_METHODS + open_methods
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(
@@ -124,7 +125,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
-        if not self._auth.enabled or details.method.startswith(OPEN_METHODS):
+        if not self._auth.enabled or details.method.startswith(self._open):
             return continuation(details)
         if self._auth.check_metadata(details.invocation_metadata) is not None:
             return continuation(details)
@@ -203,14 +204,17 @@ class TlsConfig:
 
 
 def make_server(
-    auth: Auth, max_workers: int = 32, max_concurrent_rpcs: int | None = None
+    auth: Auth,
+    max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
+    open_methods: tuple[str, ...] = (),
 ) -> grpc.Server:
     """A thread-pool server; calls beyond ``max_concurrent_rpcs`` (default 8 per worker) in
     flight are refused with RESOURCE_EXHAUSTED. Without tokens there is no auth interceptor:
     it would only pass every call on."""
     interceptors: list[Any] = [_LogContextInterceptor()]
     if auth.enabled:
-        interceptors.append(_AuthInterceptor(auth))
+        interceptors.append(_AuthInterceptor(auth, open_methods))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -514,6 +518,7 @@ class Service:
     max_concurrent_rpcs: int | None = None  # default: 8 per worker (see make_server)
     open_stream_timeout_s: float = DEFAULT_TIMEOUT_S  # health / reflection streams
     health_listen: str | None = None  # health alone, plaintext (probes)
+    open_methods: tuple[str, ...] = ()  # methods (full names) answered without a token
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
@@ -527,7 +532,9 @@ class Service:
 def serve(service: Service) -> int:
     """Bind, start, announce ready, wait for SIGTERM / SIGINT, then stop cleanly (health goes
     NOT_SERVING, ``on_stopping``, 2 s grace for calls in flight, ``close``). Returns 0."""
-    server = make_server(service.auth, service.workers, service.max_concurrent_rpcs)
+    server = make_server(
+        service.auth, service.workers, service.max_concurrent_rpcs, service.open_methods
+    )
     open_services = add_health_and_reflection(
         server, service.add(server), service.open_stream_timeout_s
     )

@@ -421,8 +421,11 @@ def test_token_everywhere(cluster):
     got = b.client.get(NS, keys=keys)
     assert all(np.array_equal(g, p) for g, p in zip(got, pages))
     with pytest.raises(KVCacheRpcError) as e:
-        MessengerClient(b.address, timeout_s=5).info()
+        MessengerClient(b.address, timeout_s=5).stats()
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # Its data address is not a secret: peers ask for it without a token (their data ports
+    # prove themselves in HELLO; a token would go wherever a tenant named a source).
+    assert MessengerClient(b.address, timeout_s=5).info().data_address
     # A tenant's pull is scoped to it: naming the admin's stored keys, it finds none of them.
     with MessengerClient(b.address, token="tt", timeout_s=5) as tenant:
         batch = tenant.submit(NS, [(keys[0], a.address)]).batch_id

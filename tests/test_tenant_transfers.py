@@ -6,6 +6,9 @@ tenant: kvcache up gives them one)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import grpc
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from kvstore.keys import block_keys, root_key, scope_keys
 from plumbing.launch import free_port
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as mpb
+from proto import messenger_pb2_grpc as mpbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
@@ -159,3 +163,68 @@ def test_the_service_token_reads_feeds_and_moves_stored_keys_and_nothing_else(cl
 
 def _selector() -> cpb.BlockSelector:
     return cpb.BlockSelector(namespace=NS, token_ids=tokens(1).tolist())
+
+
+class _FakeMessenger(mpbg.MessengerServiceServicer):
+    """A tenant's own 'messenger': it answers GetInfo with a data port of its own, and keeps
+    the metadata it was sent."""
+
+    def __init__(self, data_address: str) -> None:
+        self.data_address = data_address
+        self.metadata: list[tuple[str, str]] = []
+
+    def GetInfo(self, request, context):
+        self.metadata += list(context.invocation_metadata())
+        return mpb.MessengerInfo(data_address=self.data_address, namespaces=[NS])
+
+
+def test_a_source_a_tenant_names_gets_no_credential(start_kvcache, start_node, tmp_path):
+    """A tenant may now name the sources of its pulls: the messenger must not hand what it
+    holds (the admin token, the data token) to whatever address that is (before: GetInfo with
+    the admin token, then HELLO with the data token, in clear on a cluster without TLS)."""
+    from concurrent import futures as cf
+
+    (tmp_path / "admin").write_text(ADMIN + "\n")
+    (tmp_path / "data").write_text("the-data-token\n")
+    (tmp_path / "tenants").write_text(f"{MALLORY}=mallory\n")
+    auth = [
+        "--token-file",
+        str(tmp_path / "admin"),
+        "--tenant-tokens-file",
+        str(tmp_path / "tenants"),
+    ]
+    node = start_node(*auth)
+    messenger = start_kvcache(
+        "messenger", "--node", node.address, "--listen", "127.0.0.1:0", *auth,
+        "--data-token-file", str(tmp_path / "data"), "--io-timeout", "3",
+    )  # fmt: skip
+    data = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def listen() -> None:
+        conn, _ = data.accept()
+        conn.settimeout(5)
+        try:
+            while chunk := conn.recv(4096):
+                received.extend(chunk)
+        except OSError:
+            pass
+        conn.close()
+
+    threading.Thread(target=listen, daemon=True).start()
+    fake = _FakeMessenger(f"127.0.0.1:{data.getsockname()[1]}")
+    server = grpc.server(cf.ThreadPoolExecutor(2))
+    mpbg.add_MessengerServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with MessengerClient(messenger.address, MALLORY) as m:
+            reply = m.submit(NS, [(k, f"127.0.0.1:{port}") for k in raw_keys(2)])
+            status = m.status(reply.batch_id, wait=True, timeout_s=30)
+        assert {e.state for e in status.entries} == {FAILED}
+        assert fake.metadata and not any(k == "authorization" for k, _ in fake.metadata)
+        assert received  # it did connect: a nonce, nothing it can use
+        assert b"the-data-token" not in received and ADMIN.encode() not in received
+    finally:
+        server.stop(0)
+        data.close()
