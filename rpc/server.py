@@ -346,6 +346,18 @@ def address_arg(text: str) -> str:
     return f"{host}:{port}"
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
 def positive_seconds(text: str) -> float:
     """argparse type: finite seconds > 0."""
     try:
@@ -574,6 +586,13 @@ def serve(service: Service) -> int:
             ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
+    if not service.auth.enabled and not _loopback(host_of(service.listen)):
+        log.warning(
+            "%s serves %s without a token: every caller who reaches it is the admin (give "
+            "--token-file and --tenant-tokens-file; --tls-cert for the network)",
+            service.role,
+            address,
+        )
     fields = service.on_serving(address, metrics_port)
     if service.health_listen and health_port is not None:
         fields = {**fields, "health_address": f"{host_of(service.health_listen)}:{health_port}"}

@@ -30,6 +30,14 @@ def test_tokens_given_on_the_command_line_are_warned_about(start_node, start_kvc
     assert "given on the command line" not in quiet.log()
 
 
+def test_a_server_open_to_the_network_says_so(start_node):
+    # With no token every caller is the admin: fine on loopback, worth a warning elsewhere.
+    exposed = start_node("--listen", "0.0.0.0:0")
+    assert "without a token: every caller who reaches it is the admin" in exposed.log()
+    local = start_node()
+    assert "without a token" not in local.log()
+
+
 def test_a_cluster_keeps_its_token_out_of_environments_and_loose_files(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
