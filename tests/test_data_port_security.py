@@ -66,6 +66,7 @@ def tls_cluster(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
 
 
+@pytest.mark.slow
 def test_data_ports_of_a_tls_cluster_speak_tls_and_refuse_the_admin_token(tls_cluster):
     state = tls_cluster
     ca, admin = state["tls_ca"], state["token"]

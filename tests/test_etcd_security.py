@@ -104,6 +104,7 @@ def test_a_conductor_fed_by_etcd_sends_its_token_only_over_tls(
     assert listener.received[:1] == b"\x16"  # a TLS handshake record: nothing else was sent
 
 
+@pytest.mark.slow
 def test_up_with_etcd_and_tls_serves_etcd_to_its_own_processes_only(tmp_path):
     state_dir = tmp_path / "state"
     config = tmp_path / "cluster.toml"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from helpers import kvcache_cli
 
 SECRET = "do-not-leak-this-admin-token"
@@ -38,6 +40,7 @@ def test_a_server_open_to_the_network_says_so(start_node):
     assert "without a token" not in local.log()
 
 
+@pytest.mark.slow
 def test_a_cluster_keeps_its_token_out_of_environments_and_loose_files(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
