@@ -54,7 +54,7 @@ class OpenServices:
         self.reflection_gate = StreamGate(
             "reflection", max_streams, timeout_s, per_peer_limit=per_peer
         )
-        # NOTE: watches hold no thread; the cap bounds the servicer's callbacks and the timers.
+        # NOTE: watches hold no thread; the cap bounds the servicer's callbacks and the gate.
         self.watch_gate = StreamGate(
             "Health.Watch",
             4 * max_streams,
@@ -63,6 +63,7 @@ class OpenServices:
             max_lifetime_s=_WATCH_LIFETIMES * timeout_s,
         )
         self.health = _GatedHealth(self.watch_gate, self.pool)
+        self._alone: grpc.Server | None = None  # serve_health_alone's server
 
     def add_to(self, server: grpc.Server, service_names: Sequence[str]) -> None:
         names = [*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME]
@@ -85,9 +86,8 @@ class OpenServices:
         return server, port
 
     def close(self) -> None:
-        alone = getattr(self, "_alone", None)
-        if alone is not None:
-            alone.stop(0)
+        if self._alone is not None:
+            self._alone.stop(0)
         self.reflection_gate.close()
         self.watch_gate.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
