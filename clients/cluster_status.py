@@ -3,7 +3,8 @@ with the RPCs every role serves, into typed snapshots.
 
 - the conductor: ``ListNodes`` (registered nodes and their load, policy, leader, decisions and
   rejections since start);
-- each node: gRPC health and ``Stats`` (tier fill per layout, pinned pages, hits and misses);
+- each node: gRPC health and ``Stats`` (tier fill per layout, pinned pages, hits and misses,
+  each tenant's leases, leased pages, blocks and streams);
 - each messenger: gRPC health, ``GetInfo`` (transport) and ``Stats`` (transfers in flight, byte
   totals).
 
@@ -94,6 +95,17 @@ class MessengerStatus:
 
 
 @dataclass
+class TenantStatus:
+    """One tenant's use of one node (its fair share; the admin is tenant "")."""
+
+    tenant: str
+    leases: int
+    leased_pages: int
+    stored_blocks: int
+    streams: int
+
+
+@dataclass
 class NodeStatus:
     id: str
     role: str
@@ -107,6 +119,7 @@ class NodeStatus:
     decode_tokens: int = 0
     queue_s: float = 0.0  # the scheduler's estimate of prefill work queued there
     layouts: list[LayoutStatus] = field(default_factory=list)
+    tenants: list[TenantStatus] = field(default_factory=list)
     messenger: MessengerStatus | None = None
     error: str = ""
 
@@ -277,6 +290,10 @@ class StatusReader:
             stats, n.error = _try(client.stats)
             if stats is not None:
                 n.layouts = [_layout(ns) for ns in stats.namespaces]
+                n.tenants = [
+                    TenantStatus(t.tenant, t.leases, t.leased_pages, t.stored_blocks, t.streams)
+                    for t in stats.tenants
+                ]
         messenger = target.messenger or (view.node.messenger_address if view is not None else "")
         if messenger:
             n.messenger = self._read_messenger(messenger)

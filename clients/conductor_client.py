@@ -49,12 +49,22 @@ class ConductorClient:
         etcd: str | Sequence[str] | None = None,
         etcd_prefix: str = DEFAULT_PREFIX,
         failover_timeout_s: float = 30.0,
+        etcd_ca: str | None = None,
+        etcd_cert: str | None = None,
+        etcd_key: str | None = None,
     ) -> None:
         """``address``: one conductor, or several (a list or comma-separated); ``etcd``:
-        endpoints to look the leader up in (election ``<etcd_prefix>/conductor/leader``)."""
+        endpoints to look the leader up in (election ``<etcd_prefix>/conductor/leader``), with
+        ``etcd_ca`` / ``etcd_cert`` / ``etcd_key`` for an etcd serving TLS. A ``token`` goes to a
+        leader learned from etcd or a standby's redirect only over TLS (``tls_ca_file``):
+        whoever writes etcd or answers as a standby would collect it."""
         items = address.split(",") if isinstance(address, str) else list(address)
         self.addresses = [a.strip() for a in items if a.strip()]
-        self._etcd = EtcdClient(etcd) if etcd else None
+        self._etcd = (
+            EtcdClient(etcd, ca_file=etcd_ca, cert_file=etcd_cert, key_file=etcd_key)
+            if etcd
+            else None
+        )
         if not self.addresses and self._etcd is None:
             raise ValueError("give a conductor address, several, or etcd endpoints")
         self._election = election_name(etcd_prefix.rstrip("/"))
@@ -156,6 +166,13 @@ class ConductorClient:
 
     def _use(self, address: str) -> None:
         """Send calls to ``address`` from now on (channels are kept for switching back)."""
+        if self._token and not self._tls_ca_file and address not in self.addresses:
+            raise KVCacheRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the leader {address} was learned from etcd or a redirect: the token goes "
+                "there only over TLS (give tls_ca_file, the cluster's CA), never in clear",
+                "connect",
+            )
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:

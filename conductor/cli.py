@@ -30,11 +30,13 @@ from plumbing.registration import (
     add_etcd_args,
     election_name,
     etcd_settings,
+    etcd_tls,
     nodes_prefix,
 )
 from proto import conductor_pb2_grpc as pbg
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
     add_server_args,
     add_token_file_arg,
@@ -53,7 +55,7 @@ from .messenger_hook import make_transfer_hook
 from .metrics import ConductorMetrics
 from .registry import DEFAULT_LEASE_S
 from .scheduler import POLICIES, SchedulerConfig
-from .service import SERVICE_NAME, ConductorServicer
+from .service import DEFAULT_MAX_CONTEXT_TOKENS, SERVICE_NAME, ConductorServicer
 from .transfer import RecordingTransferHook, TransferHook
 from .vllm_events import VllmEventFeed, parse_vllm_events
 
@@ -63,6 +65,7 @@ DEFAULT_WORKERS = 4
 # NOTE: every node's heartbeats and every front end's calls may arrive at once; a few handler
 # threads serve them in turn (kvcache bench conductor), so the limit is not tied to the threads.
 MAX_CONCURRENT_RPCS = 1024
+DEFAULT_MAX_PENDING_PER_TENANT = 1024
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-token",
         default=None,
+        action=InlineSecret,
         help="admin token for the nodes' Events streams (default: --token)",
     )
     add_token_file_arg(parser, "--node-token-file", "node_token", "--node-token, from a file")
@@ -122,6 +126,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=SchedulerConfig().min_transfer_gain,
         help="fetch a prefix from another node only when it cuts the estimated "
         "TTFT by at least this fraction (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT_TOKENS,
+        help="largest prompt_tokens + output_tokens a Schedule may claim (INVALID_ARGUMENT "
+        "beyond; also at most 65536 blocks of the layout) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-pending-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_PENDING_PER_TENANT,
+        help="requests one tenant may have scheduled and not completed; more are refused with "
+        "RESOURCE_EXHAUSTED (0: no limit; default %(default)s)",
+    )
+    parser.add_argument(
+        "--pending-timeout",
+        type=float,
+        default=SchedulerConfig().stale_after_s,
+        metavar="SECONDS",
+        help="a scheduled request never completed leaves the ledger (and the queue estimates) "
+        "this long after it was scheduled, plus its estimated TTFT, at most as long again "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--transfer-hook",
@@ -223,8 +250,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvcache conductor: --min-transfer-gain must be in [0, 1)")
     if args.refit_every < 0:
         raise SystemExit("kvcache conductor: --refit-every must be >= 0")
+    if args.max_context_tokens < 1 or args.max_pending_per_tenant < 0:
+        raise SystemExit(
+            "kvcache conductor: --max-context-tokens must be >= 1 and --max-pending-per-tenant >= 0"
+        )
+    if not 0 < args.pending_timeout < float("inf"):
+        raise SystemExit("kvcache conductor: --pending-timeout must be finite seconds > 0")
     try:
-        auth = Auth.from_args(args.token, args.tenant_token)
+        auth = Auth.from_args(args.token, args.tenant_token, args.service_token)
     except ValueError as e:
         raise SystemExit(f"kvcache conductor: {e}") from None
     tls = tls_from_args(args)
@@ -233,7 +266,10 @@ def run(args: argparse.Namespace) -> int:
         cost_model=build_cost_model(args),
         lease_s=args.lease,
         config=SchedulerConfig(
-            min_transfer_gain=args.min_transfer_gain, refit_every=args.refit_every
+            min_transfer_gain=args.min_transfer_gain,
+            refit_every=args.refit_every,
+            stale_after_s=args.pending_timeout,
+            max_pending_per_tenant=args.max_pending_per_tenant,
         ),
         seed=args.seed,
         hook=_transfer_hook(args.transfer_hook, args.node_token or args.token, args.node_tls_ca),
@@ -251,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         metrics,
         leadership=etcd.leadership if etcd else None,
         membership_source=etcd.source if etcd else "",
+        max_context_tokens=args.max_context_tokens,
     )
     health: list[Any] = []
 
@@ -310,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             registry=metrics.registry,
             workers=args.workers,
+            open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
             max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             on_serving=on_serving,
             on_stopping=on_stopping,
@@ -369,7 +408,14 @@ def _etcd(args: argparse.Namespace) -> _EtcdMode | None:
     if not args.etcd:
         return None
     urls, prefix = etcd_settings("conductor", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
-    client = EtcdClient(urls)
+    if (args.node_token or args.token) and not args.node_tls_ca:
+        # Whoever can write under the prefix names the addresses the feeds and the transfer
+        # hook call with their token: it must only ever go where TLS verifies who answers.
+        raise SystemExit(
+            "kvcache conductor: --etcd with a token needs --node-tls-ca: the token goes only "
+            "over TLS to addresses learned from etcd (a forged record would collect it)"
+        )
+    client = etcd_tls("conductor", args).client(urls)
     return _EtcdMode(client, prefix, EtcdLeadership(client, election_name(prefix), args.etcd_ttl_s))
 
 

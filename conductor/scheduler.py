@@ -75,6 +75,7 @@ class Request:
     tbt_slo_s: float | None = None
     block_bytes: int | None = None  # KV bytes per block; None: cost_model.kv_bytes(block)
     exclude: frozenset[str] = frozenset()  # node ids not to place it on (a retry's failed ones)
+    tenant: str = ""  # whose share of the ledger it takes (SchedulerConfig.max_pending_per_tenant)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,7 +366,11 @@ def make_policy(name: str, seed: int | None = None) -> SchedulingPolicy:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     min_transfer_gain: float = 0.05  # fetch only when it cuts TTFT by at least this fraction
-    stale_after_s: float = 900.0  # ledger entries never completed are dropped after this
+    # A request never completed is dropped from the ledger this long after it was scheduled,
+    # plus its estimated TTFT (at most as long again): a tenant that schedules and never
+    # completes cannot hold queue estimates up for longer, whatever it claimed.
+    stale_after_s: float = 900.0
+    max_pending_per_tenant: int = 0  # scheduled, not completed, per tenant (0: no limit)
     max_samples: int = 4096  # measured prefills kept for refitting the cost model
     refit_every: int = 0  # refit the prefill model after this many new samples (0: off)
 
@@ -374,9 +379,15 @@ class SchedulerConfig:
             raise InvalidArgument(
                 f"min_transfer_gain must be in [0, 1), got {self.min_transfer_gain}"
             )
-        if self.stale_after_s <= 0 or self.max_samples < 1 or self.refit_every < 0:
+        if (
+            not 0 < self.stale_after_s < math.inf
+            or self.max_samples < 1
+            or self.refit_every < 0
+            or self.max_pending_per_tenant < 0
+        ):
             raise InvalidArgument(
-                "stale_after_s must be > 0, max_samples >= 1 and refit_every >= 0"
+                "stale_after_s must be finite and > 0, max_samples >= 1, refit_every >= 0 and "
+                "max_pending_per_tenant >= 0"
             )
 
 
@@ -391,6 +402,7 @@ class _Pending:
     prefill_s: float
     context_tokens: int
     deadline: float
+    tenant: str = ""
     prefilled: bool = False
 
 
@@ -413,6 +425,7 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
+        self._per_tenant: dict[str, int] = {}  # pending requests of each tenant
         self._first_deadline = math.inf  # no pending entry expires before this (a lower bound)
         self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
         self._new_samples = 0
@@ -427,6 +440,12 @@ class Scheduler:
         O(longest held prefix + prefill and decode candidates)."""
         now = self.clock() if now is None else now
         self._validate(request)
+        cap = self.config.max_pending_per_tenant
+        if cap and self._per_tenant.get(request.tenant, 0) >= cap:
+            raise CapacityExhausted(
+                f"{'tenant ' + echo(request.tenant) if request.tenant else 'the admin'} has "
+                f"{cap} scheduled requests not completed; complete them (Complete) first"
+            )
         prefill_nodes, decode_nodes = self._candidates_for(request.namespace)
         if request.exclude:
             prefill_nodes, decode_nodes = _without(request, prefill_nodes, decode_nodes)
@@ -540,7 +559,9 @@ class Scheduler:
         context = request.prompt_tokens + request.output_tokens
         decode.node.decode_requests += 1
         decode.node.decode_tokens += context
-        deadline = node.prefill_busy_until + self.config.stale_after_s
+        # NOTE: from now, not from the expected prefill end, which the caller's claims set.
+        stale = self.config.stale_after_s
+        deadline = now + min(node.prefill_busy_until - now, stale) + stale
         if deadline < self._first_deadline:
             self._first_deadline = deadline
         self._pending[request.request_id] = _Pending(
@@ -553,7 +574,9 @@ class Scheduler:
             prefill_s=chosen.prefill_s,
             context_tokens=context,
             deadline=deadline,
+            tenant=request.tenant,
         )
+        self._per_tenant[request.tenant] = self._per_tenant.get(request.tenant, 0) + 1
 
         transfer = None
         if chosen.source is not None and chosen.reuse_blocks > chosen.local_blocks:
@@ -632,6 +655,11 @@ class Scheduler:
         if not pending.prefilled:
             self.prefill_done(request_id, now)
         del self._pending[request_id]
+        left = self._per_tenant.get(pending.tenant, 1) - 1
+        if left > 0:
+            self._per_tenant[pending.tenant] = left
+        else:
+            self._per_tenant.pop(pending.tenant, None)
         node = self.registry.find(pending.decode_node)
         if node is None or node.generation != pending.decode_generation:
             return
@@ -639,8 +667,8 @@ class Scheduler:
         node.decode_tokens = max(node.decode_tokens - pending.context_tokens, 0)
 
     def expire_stale(self, now: float | None = None) -> list[str]:
-        """Complete ledger entries nobody completed within ``stale_after_s`` of their expected
-        prefill end (a lost client must not inflate queue estimates forever)."""
+        """Complete ledger entries nobody completed in time (``stale_after_s``): a lost client,
+        or one that never meant to complete, must not inflate queue estimates forever."""
         now = self.clock() if now is None else now
         if not self._first_deadline < now:
             return []  # NOTE: the upkeep calls this 4x a second, under the conductor's lock

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_REQUEST_ID = 256
 MAX_BATCH = 1024
+DEFAULT_MAX_CONTEXT_TOKENS = 131072  # a request's prompt and output together (--max-context-tokens)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
 
 
@@ -65,8 +66,10 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         heartbeat_interval_s: float | None = None,
         leadership: Leadership | None = None,
         membership_source: str = "",
+        max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
     ) -> None:
         self.conductor = conductor
+        self.max_context_tokens = max_context_tokens
         # NOTE: read per Schedule call; a plain attribute (Leadership.leading) costs nothing.
         self.leadership = leadership or Leadership()
         self.membership_source = membership_source  # "etcd ...": the registry RPCs are off
@@ -219,7 +222,8 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         sel = request.blocks
         layout, page_bytes = self._layout(sel.namespace)
-        keys, prompt = self._keys(sel, layout, tenant)
+        raw, prompt = self._raw_keys(sel, layout)
+        keys = scope_keys(raw, tenant) if tenant else raw
         if request.prompt_tokens:
             if request.prompt_tokens < prompt:
                 raise InvalidArgument(
@@ -230,6 +234,14 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if prompt == 0:
             raise InvalidArgument(
                 "the request has no prompt: give token ids, keys or prompt_tokens"
+            )
+        # NOTE: the ledger believes what it is told: a claimed prompt of 2^32 tokens would set
+        # every node's queue estimate to years (and every SLO out of reach) until it aged out.
+        limit = min(self.max_context_tokens, MAX_BLOCKS_PER_REQUEST * layout.block_tokens)
+        if prompt + request.output_tokens > limit:
+            raise InvalidArgument(
+                f"prompt_tokens {prompt} + output_tokens {request.output_tokens} exceed the "
+                f"context of {limit} tokens this conductor schedules (--max-context-tokens)"
             )
         rid = request.request_id or uuid.uuid4().hex
         try:
@@ -245,6 +257,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     tbt_slo_s=request.tbt_slo_s or None,
                     block_bytes=page_bytes,
                     exclude=frozenset(request.exclude_nodes),
+                    tenant=tenant,
                 )
             )
         except SLORejected as e:
@@ -254,7 +267,15 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             self.metrics.rejections.labels("no_node").inc()
             raise
         self.metrics.decided(decision)
-        return decision_to_pb(decision, rid)
+        reply = decision_to_pb(decision, rid)
+        if tenant and decision.transfer is not None:
+            # NOTE: a tenant names its keys as it computes them; its messenger scopes them (a
+            # tenant's SubmitTransfer moves only its own blocks), so the plan names them so too.
+            plan = decision.transfer
+            reply.transfers[0].key_bytes = b"".join(
+                raw[plan.first_block : plan.first_block + len(plan.keys)]
+            )
+        return reply
 
     @observed
     def Complete(self, request, context):
@@ -361,10 +382,16 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             )
         return served
 
-    @staticmethod
-    def _keys(sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
+    @classmethod
+    def _keys(cls, sel, layout: KVLayout, tenant: str) -> tuple[list[bytes], int]:
         """The request's keys as stored for ``tenant`` and the tokens they stand for."""
-        raw, prompt = select_keys(
+        raw, prompt = cls._raw_keys(sel, layout)
+        return (scope_keys(raw, tenant) if tenant else raw), prompt
+
+    @staticmethod
+    def _raw_keys(sel, layout: KVLayout) -> tuple[list[bytes], int]:
+        """The request's keys as the caller computes them, and the tokens they stand for."""
+        return select_keys(
             sel.namespace,
             sel.salt,
             layout.block_tokens,
@@ -374,7 +401,6 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             sel.token_bytes,
             sel.key_bytes,
         )
-        return (scope_keys(raw, tenant) if tenant else raw), prompt
 
     def _maintain(self) -> None:
         """Drop lapsed nodes (and their feeds), expire stale requests, sweep the index."""

@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     args = command_parser(name, module).parse_args(rest)
     from rpc.logs import configure_logging, set_identity
+    from rpc.server import warn_inline_secrets
 
     configure_logging(args.log_level, args.log_format)
     set_identity(role=name)
+    warn_inline_secrets(args)
     return int(module.run(args) or 0)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from kvstore.shm import pid_alive
 from plumbing.launch import ServiceProcess, free_port, process_identity, start_service
 from rpc.server import wait_for_signal
-from rpc.tls import make_local_ca
+from rpc.tls import TlsFiles, make_local_ca
 
 from .cluster_config import (
     ClusterConfig,
@@ -54,6 +54,7 @@ from .engines import Serving, ServingConfig, serving_config
 from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
+SERVING_TENANT = "serving"  # the tenant of a cluster's engines and router
 
 log = logging.getLogger("kvcache.cluster")
 
@@ -85,19 +86,29 @@ class Cluster:
     ) -> dict:
         cfg = self.config
         auth: list[str] = []
-        token_file = None
-        if cfg.token:  # a 0600 file, not argv: any local user can read /proc/PID/cmdline
-            token_file = os.path.join(cfg.state_dir, "token")
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(cfg.token + "\n")
+        data_auth: list[str] = []
+        service: list[str] = []
+        token_file = serving_token = None
+        if cfg.token:  # 0600 files, not argv: any local user can read /proc/PID/cmdline
+            token_file = self._secret("token", cfg.token)
             auth = ["--token-file", token_file]
+            # Least privilege: the messengers' data ports take a credential of their own; the
+            # conductor's event feeds and transfer hook a service token that may do only that;
+            # engines and the router a tenant's token (one compromised engine is one tenant,
+            # not the cluster's admin).
+            data_auth = ["--data-token-file", self._secret("data-token")]
+            service = ["--service-token-file", self._secret("service-token")]
+            if wanted is not None:
+                serving_token = self._secret("serving-token")
+                with open(serving_token) as f:
+                    line = f"{f.read().strip()}={SERVING_TENANT}"
+                auth += ["--tenant-tokens-file", self._secret("tenant-tokens", line)]
         # TLS: every service presents one certificate from a local CA; every client of a
         # service (conductor -> nodes and messengers, node -> conductor, messenger -> node and
         # peers, and `kvcache bench live` through cluster.json) verifies it against that CA.
         serve_tls: list[str] = []
         ca: list[str] = []
-        tls_ca = None
+        tls_ca = files = None
         if cfg.tls:
             files = make_local_ca(os.path.join(cfg.state_dir, "tls"), place.tls_hosts)
             serve_tls = ["--tls-cert", files.cert, "--tls-key", files.key]
@@ -107,7 +118,11 @@ class Cluster:
         if wanted is not None:  # engine ports first: the conductor scrapes their load
             self.serving = Serving(wanted, cfg.host)
             conductor_args = [*conductor_args, *self.serving.plan(free_port)]
-        etcd = self._start_etcd(place) if cfg.get("etcd", "enabled") else None
+        etcd = (
+            self._start_etcd(place, files if cfg.tls else None)
+            if cfg.get("etcd", "enabled")
+            else None
+        )
         etcd_args = etcd_role_args(etcd, cfg) if etcd else []
         conductors = []
         for i in range(cfg.get("conductor", "replicas")):
@@ -122,6 +137,7 @@ class Cluster:
                         "--policy",
                         cfg.policy,
                         *auth,
+                        *(["--node-token-file", service[1]] if service else []),
                         *serve_tls,
                         *(["--node-tls-ca", *ca] if ca else []),
                         *self._metrics(
@@ -177,6 +193,7 @@ class Cluster:
                 "--messenger",
                 site.messenger,
                 *auth,
+                *service,
                 *serve_tls,
                 *(["--conductor-tls-ca", *ca] if ca else []),
                 *self._metrics(site, spec.settings.get("metrics_port", 0)),
@@ -206,6 +223,8 @@ class Cluster:
                     cfg.transport,
                     *self._metrics(site, spec.settings.get("messenger_metrics_port", 0)),
                     *auth,
+                    *data_auth,
+                    *service,
                     *serve_tls,
                     *(["--node-tls-ca", *ca] if ca else []),
                     *etcd_args,
@@ -235,7 +254,7 @@ class Cluster:
             # every conductor: the router's client follows a standby's redirect to the leader
             addresses = ",".join(c.address for c in conductors)
             state.update(
-                self.serving.start(nodes, logs, addresses, token_file, tls_ca, self.detach)
+                self.serving.start(nodes, logs, addresses, serving_token, tls_ca, self.detach)
             )
         roles = [(p.pid, p.role) for p in self.procs]
         roles += [(e["pid"], "engine") for e in state.get("engines", [])]
@@ -249,9 +268,7 @@ class Cluster:
         ]
         self.state = state
         path = os.path.join(cfg.state_dir, "cluster.json")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=2)
+        write_secret(path, json.dumps(state, indent=2))  # it holds the token
         write_prometheus_targets(state, os.path.join(cfg.state_dir, "prometheus-targets.json"))
         return state
 
@@ -273,23 +290,37 @@ class Cluster:
             host = site.ip  # bound everywhere: reachable where the process serves
         return f"{host}:{port}" if port else None
 
-    def _start_etcd(self, place: Loopback | Namespaced) -> dict:
+    def _start_etcd(self, place: Loopback | Namespaced, tls: TlsFiles | None) -> dict:
         """``[etcd] enabled``: our own etcd server unless ``endpoints`` names one (on hosts: in
-        the control namespace, on its address); what cluster.json keeps of it."""
+        the control namespace, on its address); what cluster.json keeps of it. With ``tls``
+        (``--tls``) our etcd serves TLS and takes only clients with a certificate of the
+        cluster's CA; every role gets the services' certificate as its client certificate."""
         cfg = self.config
         endpoints, pid = list(cfg.get("etcd", "endpoints")), None
         if not endpoints:
             client_url, peer_url = place.etcd_urls() or (None, None)
+            if tls is not None and client_url:
+                client_url = "https://" + client_url.split("://", 1)[1]
             server = start_etcd(
                 os.path.join(cfg.state_dir, "etcd"),
                 place.ctl.ip,
                 client_url=client_url,
                 peer_url=peer_url,
                 wrap=place.ctl.wrap,
+                tls=tls,
             )
             self.procs.append(server.process)
             endpoints, pid = [server.endpoint], server.pid
-        return {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+        out = {"endpoints": endpoints, "prefix": cfg.get("etcd", "prefix"), "pid": pid}
+        if tls is not None:
+            out["tls"] = {"ca": tls.ca_cert, "cert": tls.cert, "key": tls.key}
+        return out
+
+    def _secret(self, name: str, value: str | None = None) -> str:
+        """``<state_dir>/<name>``, 0600, holding ``value`` (default: a new random token)."""
+        path = os.path.join(self.config.state_dir, name)
+        write_secret(path, secrets.token_urlsafe(32) if value is None else value)
+        return path
 
     def _start(self, args: list[str], log_dir: str, site: Site) -> ServiceProcess:
         sp = start_service(
@@ -323,6 +354,20 @@ class Cluster:
             self.place.teardown()
             self.place = None
         return codes
+
+
+def write_secret(path: str, secret: str) -> None:
+    """A 0600 file holding ``secret``; an existing file is replaced, not rewritten in place, so
+    that it never keeps looser permissions (or another owner) of an earlier one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_prometheus_targets(state: dict, path: str) -> None:
@@ -365,6 +410,18 @@ def print_state(state: dict, path: str) -> None:
         print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
     print(f"state      {path}")
     print(f"status     kvcache status --cluster {path}")
+    print(f"security   {security_note(state)}")
+
+
+def security_note(state: dict) -> str:
+    """What protects the cluster, in one line: a local demo may be open, and says so."""
+    if not state.get("token"):
+        return (
+            "OPEN: no token, no TLS, every caller is the admin (a demo on loopback; on a shared "
+            "host or network: kvcache up --tls)"
+        )
+    tls = "TLS on every link" if state.get("tls_ca") else "no TLS: every link in clear"
+    return f"tokens in {state.get('state_dir')} (0600), {tls}"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -419,6 +476,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if cfg.token and cfg.get("etcd", "enabled") and not cfg.tls:
+        print(
+            "kvcache up: a token with [etcd] needs --tls: the conductors and clients send tokens "
+            "to addresses learned from etcd, and only TLS says who answers there",
+            file=sys.stderr,
+        )
+        return 2
     if cfg.tls and not cfg.token:
         # Encrypted links with open doors would be theatre: TLS comes with a cluster token (in
         # cluster.json, 0600 files; the messengers' data ports demand it in their HELLO).
@@ -462,6 +526,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _any_alive(state_file: str) -> bool:
-    with open(state_file) as f:
-        pids = json.load(f).get("pids", [])
-    return any(pid_alive(p) for p in pids)
+    try:
+        with open(state_file) as f:
+            pids = json.load(f).get("pids", [])
+    except (OSError, ValueError, AttributeError):
+        return False  # not a state file 'kvcache up' wrote: nothing of it can be running
+    return any(pid_alive(p) for p in pids if isinstance(p, int))

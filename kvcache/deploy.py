@@ -4,16 +4,25 @@ Both files describe the same cluster: an etcd, ``--conductors`` conductors elect
 etcd, and per role (``--prefill`` / ``--decode``) nodes, each node with its messenger beside it
 sharing a memory-backed ``/dev/shm`` sized from ``--dram``. Every process serves on its own
 pod's / container's address (``$(POD_IP)`` in Kubernetes, the service's host name in compose),
-gRPC and metrics alike, never on loopback; it publishes that address in etcd (``--advertise``)
-and finds the others there. The conductors elect their leader in etcd.
+gRPC and metrics alike, never on loopback; it publishes the name its certificate holds in etcd
+(``--advertise``: the pod's name under its headless Service, or the service's host name) and
+finds the others there. The conductors elect their leader in etcd.
+
+Closed by default (``deploy_security.py``): every process takes the admin, service and tenant
+tokens and, for messengers, the data token from files of a mounted secret (``kvcache deploy
+secrets`` makes them), serves TLS with the secret's certificate and verifies its peers against
+its CA; etcd serves TLS to clients with a certificate of that CA only; probes ask a plaintext
+health-only port (``--health-listen``); on Kubernetes, NetworkPolicies admit the cluster's own
+pods, labelled clients, probes and labelled scrapers only.
 
 - ``k8s``: plain manifests (``helm`` is not needed): a StatefulSet of nodes per role, each pod a
   node container and a messenger sidecar on one ``emptyDir`` (medium Memory) at ``/dev/shm``; a
-  Deployment of conductors; an etcd StatefulSet unless ``--etcd`` names one; Services; readiness
-  and liveness probes on gRPC health (Kubernetes' own ``grpc`` probe: liveness on the server's
-  ``""``, readiness on the node's and the messenger's service, and on ``""`` for conductors, so
-  a standby is ready too); Prometheus scrape annotations (pods: the node's and the conductor's
-  metrics port; a Service: the messengers').
+  StatefulSet of conductors; an etcd StatefulSet unless ``--etcd`` names one; Services;
+  NetworkPolicies; readiness and liveness probes on gRPC health (Kubernetes' own ``grpc`` probe
+  on the health port: liveness on the server's ``""``, readiness on the node's and the
+  messenger's service, and on ``""`` for conductors, so a standby is ready too); Prometheus
+  scrape annotations (pods: the node's and the conductor's metrics port; a Service: the
+  messengers').
 - ``compose``: the same for ``docker compose``: a messenger joins its node's network and IPC
   namespaces (``network_mode`` / ``ipc: service:...``), so it maps the node's shared memory.
 
@@ -28,10 +37,22 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from .deploy_security import (
+    SECRET_FILES,
+    SECRETS_DIR,
+    make_secrets,
+    network_policies,
+    secret_manifest,
+    secret_path,
+    write_secret_files,
+)
+
 IMAGE = "kvcache:0.1.0"
 ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
 UID = 10001  # the image's non-root user (Dockerfile)
 PORTS = {"node": 7000, "messenger": 7100, "data": 7200, "conductor": 7300}
+# Health alone, in plaintext, for probes (Kubernetes' grpc probe speaks no TLS): --health-listen.
+HEALTH = {"node": 7010, "messenger": 7110, "conductor": 7310}
 # The gRPC health service a pod's readiness probe asks (liveness asks "": the process serves).
 # A conductor's is "" too: kvcache.v1.ConductorService is SERVING on the leader only, so a
 # standby's pod would never be Ready (a rollout would stall); a standby redirects callers to
@@ -60,6 +81,7 @@ class Spec:
     etcd: str = ""  # external endpoints; "" deploys one etcd member
     etcd_prefix: str = "/kvcache"
     name: str = "kvcache"
+    namespace: str = "default"  # where the manifests go: in the names the certificate holds
 
     @property
     def roles(self) -> dict[str, int]:
@@ -67,7 +89,11 @@ class Spec:
 
     @property
     def etcd_urls(self) -> str:
-        return self.etcd or f"http://{self.name}-etcd:2379"
+        return self.etcd or f"https://{self.name}-etcd.{self.namespace}.svc:2379"
+
+    def pod_name(self, service: str) -> str:
+        """The name a StatefulSet's pod is reached at (its certificate holds it)."""
+        return f"$(POD_NAME).{service}.{self.namespace}.svc"
 
 
 def mib(size: str) -> int:
@@ -92,41 +118,76 @@ def shm_mib(spec: Spec) -> int:
 # ---- the command lines (shared by both files) -------------------------------------------------
 
 
-def etcd_flags(spec: Spec) -> list[str]:
-    return ["--etcd", spec.etcd_urls, "--etcd-prefix", spec.etcd_prefix]
+@dataclass(frozen=True)
+class Where:
+    """Where one process runs: the address it listens on, the name it is reached at (and
+    publishes), and which file's secrets it mounts (``k8s`` / ``compose``)."""
+
+    listen: str
+    name: str
+    files: str
+
+    def secret(self, name: str) -> str:
+        return secret_path(self.files, name)
 
 
-def serve_flags(role: str, host: str, metrics: str) -> list[str]:
-    """Listen and publish (in etcd, in the leader election) the pod's own address; metrics on
-    it too, where the scrape annotations point (the default metrics host is loopback)."""
-    address = f"{host}:{PORTS[role]}"
-    return ["--listen", address, "--advertise", address,
-            "--metrics-host", host, "--metrics-port", str(METRICS[metrics])]  # fmt: skip
+def etcd_flags(spec: Spec, at: Where) -> list[str]:
+    flags = ["--etcd", spec.etcd_urls, "--etcd-prefix", spec.etcd_prefix]
+    if spec.etcd_urls.startswith("https://"):  # the cluster's CA, its certificate as the client's
+        flags += ["--etcd-ca", at.secret("ca.pem"), "--etcd-cert", at.secret("server.pem"),
+                  "--etcd-key", at.secret("server.key")]  # fmt: skip
+    return flags
 
 
-def conductor_args(spec: Spec, host: str) -> list[str]:
-    return ["conductor", *serve_flags("conductor", host, "conductor"), "--policy", spec.policy,
-            *etcd_flags(spec)]  # fmt: skip
+def serve_flags(role: str, at: Where, metrics: str) -> list[str]:
+    """Listen on the pod's address and publish (in etcd, in the leader election) the name its
+    certificate holds; metrics on the pod's address too, where the scrape annotations point
+    (the default metrics host is loopback); health alone on a plaintext port for probes; the
+    tokens and the certificate from the mounted secret."""
+    return ["--listen", f"{at.listen}:{PORTS[role]}", "--advertise", f"{at.name}:{PORTS[role]}",
+            "--metrics-host", at.listen, "--metrics-port", str(METRICS[metrics]),
+            "--health-listen", f"{at.listen}:{HEALTH[role]}",
+            "--token-file", at.secret("admin-token"),
+            "--tenant-tokens-file", at.secret("tenant-tokens"),
+            "--service-token-file", at.secret("service-token"),
+            "--tls-cert", at.secret("server.pem"),
+            "--tls-key", at.secret("server.key")]  # fmt: skip
 
 
-def node_args(spec: Spec, host: str, node_id: str, role: str) -> list[str]:
-    return ["node", *serve_flags("node", host, "node"), "--node-id", node_id, "--role", role,
+def conductor_args(spec: Spec, at: Where) -> list[str]:
+    return ["conductor", *serve_flags("conductor", at, "conductor"), "--policy", spec.policy,
+            "--node-tls-ca", at.secret("ca.pem"), "--node-token-file", at.secret("service-token"),
+            *etcd_flags(spec, at)]  # fmt: skip
+
+
+def node_args(spec: Spec, at: Where, node_id: str, role: str) -> list[str]:
+    return ["node", *serve_flags("node", at, "node"), "--node-id", node_id, "--role", role,
             "--dram", spec.dram, "--layout", spec.layout,
-            "--messenger", f"{host}:{PORTS['messenger']}", *etcd_flags(spec)]  # fmt: skip
+            "--messenger", f"{at.name}:{PORTS['messenger']}", *etcd_flags(spec, at)]  # fmt: skip
 
 
-def messenger_args(spec: Spec, host: str) -> list[str]:
-    return ["messenger", "--node", f"{host}:{PORTS['node']}",
-            *serve_flags("messenger", host, "messenger"),
-            "--data-listen", f"{host}:{PORTS['data']}", "--transport", "tcp",
-            *etcd_flags(spec)]  # fmt: skip
+def messenger_args(spec: Spec, at: Where) -> list[str]:
+    return ["messenger", "--node", f"{at.name}:{PORTS['node']}",
+            *serve_flags("messenger", at, "messenger"),
+            "--data-listen", f"{at.listen}:{PORTS['data']}",
+            "--data-advertise", f"{at.name}:{PORTS['data']}", "--transport", "tcp",
+            "--node-tls-ca", at.secret("ca.pem"), "--data-token-file", at.secret("data-token"),
+            *etcd_flags(spec, at)]  # fmt: skip
 
 
-def etcd_command(name: str, advertise: str) -> list[str]:
+def etcd_command(name: str, advertise: str, files: str) -> list[str]:
+    """One member serving TLS to clients with a certificate of the cluster's CA only; its peer
+    port on loopback (one member: no peers); /health and /metrics in plaintext on 2381 (probes)."""
+    d = SECRETS_DIR[files]
     return ["etcd", "--name", name, "--data-dir", "/var/lib/etcd",
-            "--listen-client-urls", "http://0.0.0.0:2379",
+            "--listen-client-urls", "https://0.0.0.0:2379",
             "--advertise-client-urls", advertise,
-            "--listen-peer-urls", "http://0.0.0.0:2380"]  # fmt: skip
+            "--listen-peer-urls", "http://127.0.0.1:2380",
+            "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+            "--initial-cluster", f"{name}=http://127.0.0.1:2380",
+            "--listen-metrics-urls", "http://0.0.0.0:2381",
+            "--cert-file", f"{d}/server.pem", "--key-file", f"{d}/server.key",
+            "--client-cert-auth", "--trusted-ca-file", f"{d}/ca.pem"]  # fmt: skip
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------------
@@ -181,24 +242,36 @@ def _probes(port: int, ready_service: str) -> dict[str, Any]:
     }
 
 
+SECRET_MOUNT = {"name": "secrets", "mountPath": SECRETS_DIR["k8s"], "readOnly": True}
+
+
+def _secret_volume(spec: Spec) -> dict[str, Any]:
+    # 0440: the pods' group (fsGroup) reads them, nobody else
+    return {"name": "secrets", "secret": {"secretName": f"{spec.name}-secrets", "defaultMode": 288}}
+
+
 def _container(
     spec: Spec, name: str, args: list[str], ports: dict[str, int], memory: str, mounts: list
 ) -> dict[str, Any]:
     """``name`` is the role (``node``, ``messenger``, ``conductor``); its gRPC port comes first
-    in ``ports``."""
+    in ``ports``; its health port is added, and probed."""
+    health = {("msg-health" if name == "messenger" else "health"): HEALTH[name]}
     return {
         "name": name,
         "image": spec.image,
         "args": args,
         "env": POD_ENV,
-        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports.items()],
+        "ports": [
+            {"name": n, "containerPort": p, "protocol": "TCP"}
+            for n, p in {**ports, **health}.items()
+        ],
         "resources": {
             "requests": {"cpu": "500m", "memory": memory},
             "limits": {"memory": memory},
         },
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
-        **_probes(next(iter(ports.values())), READY_SERVICE[name]),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, SECRET_MOUNT, *mounts],
+        **_probes(HEALTH[name], READY_SERVICE[name]),
     }
 
 
@@ -240,14 +313,17 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
                         "containers": [{
                             "name": "etcd",
                             "image": ETCD_IMAGE,
-                            "command": etcd_command("etcd", f"http://{spec.name}-etcd:2379"),
-                            "ports": [{"name": "client", "containerPort": 2379}],
+                            "command": etcd_command("etcd", spec.etcd_urls, "k8s"),
+                            "ports": [{"name": "client", "containerPort": 2379},
+                                      {"name": "probes", "containerPort": 2381}],
                             "securityContext": CONTAINER_SECURITY,
-                            "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
-                            "readinessProbe": {"httpGet": {"path": "/health", "port": 2379}},
-                            "livenessProbe": {"httpGet": {"path": "/livez", "port": 2379},
+                            "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"},
+                                             SECRET_MOUNT],
+                            "readinessProbe": {"httpGet": {"path": "/health", "port": 2381}},
+                            "livenessProbe": {"httpGet": {"path": "/livez", "port": 2381},
                                               "initialDelaySeconds": 10},
                         }],
+                        "volumes": [_secret_volume(spec)],
                     },
                 },
                 "volumeClaimTemplates": [{
@@ -261,12 +337,18 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
     docs.append(
         _service(spec, f"{spec.name}-conductor", labels, {"grpc": PORTS["conductor"]}, False)
     )
+    # A StatefulSet: each conductor has a name under its headless Service that its
+    # certificate holds (a Deployment's pods have none).
+    peers = f"{spec.name}-conductors"
+    docs.append(_service(spec, peers, labels, {"grpc": PORTS["conductor"]}, True))
     docs.append({
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": "StatefulSet",
         "metadata": {"name": f"{spec.name}-conductor", "labels": labels},
         "spec": {
+            "serviceName": peers,
             "replicas": spec.conductors,
+            "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": _scrape(METRICS["conductor"])},
@@ -281,10 +363,11 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
                         }],
                     }},
                     "containers": [_container(
-                        spec, "conductor", conductor_args(spec, "$(POD_IP)"),
+                        spec, "conductor",
+                        conductor_args(spec, Where("$(POD_IP)", spec.pod_name(peers), "k8s")),
                         {"grpc": PORTS["conductor"], "metrics": METRICS["conductor"]}, "1Gi", [],
                     )],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, _secret_volume(spec)],
                 },
             },
         },
@@ -294,6 +377,7 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
     for role in spec.roles:
         name = f"{spec.name}-{role}"
         labels = _labels(spec, "node", role)
+        at = Where("$(POD_IP)", spec.pod_name(name), "k8s")
         docs.append(_service(spec, name, labels, {"grpc": PORTS["node"]}, True))
         docs.append({
             "apiVersion": "apps/v1",
@@ -311,12 +395,12 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
                         "terminationGracePeriodSeconds": 30,
                         "containers": [
                             _container(
-                                spec, "node", node_args(spec, "$(POD_IP)", "$(POD_NAME)", role),
+                                spec, "node", node_args(spec, at, "$(POD_NAME)", role),
                                 {"grpc": PORTS["node"], "metrics": METRICS["node"]},
                                 node_memory, shm,
                             ),
                             _container(
-                                spec, "messenger", messenger_args(spec, "$(POD_IP)"),
+                                spec, "messenger", messenger_args(spec, at),
                                 # NOTE: port names are unique in a pod, not per container
                                 {"msg-grpc": PORTS["messenger"], "msg-data": PORTS["data"],
                                  "msg-metrics": METRICS["messenger"]},
@@ -325,6 +409,7 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
                         ],
                         "volumes": [
                             {"name": "tmp", "emptyDir": {}},
+                            _secret_volume(spec),
                             # The node's DRAM tier: shared memory both containers map.
                             {"name": "dshm", "emptyDir": {"medium": "Memory",
                                                           "sizeLimit": f"{shm_mib(spec)}Mi"}},
@@ -344,6 +429,8 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
             _scrape(METRICS["messenger"]),
         )  # fmt: skip
     )
+    metrics = {**METRICS, "messenger": METRICS["messenger"]}
+    docs += network_policies(spec, PORTS, HEALTH, metrics)
     return docs
 
 
@@ -357,47 +444,56 @@ def render_compose(spec: Spec) -> dict[str, Any]:
         "read_only": True,
         "tmpfs": ["/tmp"],
         "restart": "unless-stopped",
+        "secrets": list(SECRET_FILES),  # at /run/secrets/<name>
     }
+    d = SECRETS_DIR["compose"]
     services: dict[str, Any] = {}
     if not spec.etcd:
         services["etcd"] = {
             "image": ETCD_IMAGE,
-            "command": etcd_command("etcd", "http://etcd:2379"),
+            "command": etcd_command("etcd", "https://etcd:2379", "compose"),
             "volumes": ["etcd-data:/var/lib/etcd"],
-            "healthcheck": {"test": ["CMD", "etcdctl", "endpoint", "health"],
+            "secrets": ["ca.pem", "server.pem", "server.key"],
+            "healthcheck": {"test": ["CMD", "etcdctl", "--endpoints", "https://etcd:2379",
+                                     "--cacert", f"{d}/ca.pem", "--cert", f"{d}/server.pem",
+                                     "--key", f"{d}/server.key", "endpoint", "health"],
                             "interval": "5s", "retries": 10},
         }  # fmt: skip
-    spec = Spec(**{**spec.__dict__, "etcd": spec.etcd or "http://etcd:2379"})
+    spec = Spec(**{**spec.__dict__, "etcd": spec.etcd or "https://etcd:2379"})
     after_etcd = {} if "etcd" not in services else {
         "depends_on": {"etcd": {"condition": "service_healthy"}}
     }  # fmt: skip
     for i in range(spec.conductors):
         host = f"conductor-{i}"
         services[host] = {
-            **base, "hostname": host, "command": conductor_args(spec, host),
-            "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['conductor']}"}, **after_etcd,
+            **base, "hostname": host,
+            "command": conductor_args(spec, Where(host, host, "compose")),
+            "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{HEALTH['conductor']}"}, **after_etcd,
         }  # fmt: skip
     n = 0
     for role, count in spec.roles.items():
         for _ in range(count):
             host = f"node-{n}"
+            at = Where(host, host, "compose")
             services[host] = {
-                **base, "hostname": host, "command": node_args(spec, host, host, role),
+                **base, "hostname": host, "command": node_args(spec, at, host, role),
                 "ipc": "shareable", "shm_size": f"{shm_mib(spec)}m",
-                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['node']}"}, **after_etcd,
+                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{HEALTH['node']}"}, **after_etcd,
             }  # fmt: skip
             # The messenger lives in its node's network and IPC namespaces: the same address
             # and the same /dev/shm, as a Kubernetes sidecar does.
             services[f"messenger-{n}"] = {
-                **base, "command": messenger_args(spec, host),
+                **base, "command": messenger_args(spec, at),
                 "network_mode": f"service:{host}", "ipc": f"service:{host}",
-                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{PORTS['messenger']}"},
+                "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{HEALTH['messenger']}"},
                 "depends_on": {host: {"condition": "service_healthy"}},
             }  # fmt: skip
             n += 1
     doc: dict[str, Any] = {"name": spec.name, "services": services}
     if "etcd" in services:
         doc["volumes"] = {"etcd-data": {}}
+    # `kvcache deploy secrets --dir deploy/secrets` writes these files.
+    doc["secrets"] = {name: {"file": f"./secrets/{name}"} for name in SECRET_FILES}
     return doc
 
 
@@ -423,17 +519,41 @@ def dump(what: str, spec: Spec) -> str:
     Dumper.add_representer(list, strings)
     if what == "k8s":
         body = yaml.dump_all(render_k8s(spec), Dumper=Dumper, sort_keys=False, width=100)
-        how = f"docker build -t {spec.image} . && kubectl apply -f deploy/kubernetes/kvcache.yaml"
+        how = (
+            f"docker build -t {spec.image} . && kvcache deploy secrets | kubectl apply -f - && "
+            "kubectl apply -f deploy/kubernetes/kvcache.yaml"
+        )
+    elif what == "secrets":
+        body = yaml.dump(
+            secret_manifest(spec, make_secrets(spec)), Dumper=Dumper, sort_keys=False, width=100
+        )
+        how = "fresh tokens and certificates: keep this output out of version control"
     else:
         body = yaml.dump(render_compose(spec), Dumper=Dumper, sort_keys=False, width=100)
-        how = "docker compose -f deploy/compose.yaml up --build"
+        how = (
+            "kvcache deploy secrets --dir deploy/secrets && "
+            "docker compose -f deploy/compose.yaml up --build"
+        )
     return HEADER.format(what=what, how=how) + body
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     d = Spec()
-    parser.add_argument("what", choices=["k8s", "compose"], help="which file to render")
+    parser.add_argument(
+        "what",
+        choices=["k8s", "compose", "secrets"],
+        help="which file to render (secrets: a Kubernetes Secret of fresh tokens and "
+        "certificates, or with --dir the files the compose file mounts)",
+    )
     parser.add_argument("--out", help="write here (default: stdout)")
+    parser.add_argument(
+        "--dir", help="secrets: write the compose file's secret files into this directory"
+    )
+    parser.add_argument(
+        "--namespace",
+        default=d.namespace,
+        help="the Kubernetes namespace: the certificate names the pods under it (%(default)s)",
+    )
     parser.add_argument("--image", default=d.image, help="the kvcache image (%(default)s)")
     parser.add_argument(
         "--prefill", type=int, default=d.prefill, help="prefill nodes (%(default)s)"
@@ -461,9 +581,13 @@ def run(args: argparse.Namespace) -> int:
     spec = Spec(
         image=args.image, prefill=args.prefill, decode=args.decode, conductors=args.conductors,
         dram=args.dram, layout=args.layout, policy=args.policy, etcd=args.etcd,
-        etcd_prefix=args.etcd_prefix,
+        etcd_prefix=args.etcd_prefix, namespace=args.namespace,
     )  # fmt: skip
     mib(spec.dram)
+    if args.what == "secrets" and args.dir:
+        write_secret_files(args.dir, make_secrets(spec))
+        print(f"wrote {', '.join(SECRET_FILES)} to {args.dir} (0600: chown them to uid 10001)")
+        return 0
     try:
         text = dump(args.what, spec)
     except ModuleNotFoundError as e:

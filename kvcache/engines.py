@@ -41,7 +41,13 @@ from typing import Any, Callable
 
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
-from plumbing.launch import ServiceProcess, group_shm, release_shm, start_service
+from plumbing.launch import (
+    ServiceProcess,
+    child_environ,
+    group_shm,
+    release_shm,
+    start_service,
+)
 
 from .cluster_config import ClusterConfig, ConfigError
 
@@ -320,7 +326,7 @@ class Serving:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **dict(spec.env)},
+                env={**child_environ(), **dict(spec.env)},
                 start_new_session=True,  # its own group: stopped (or killed) with its children
             )
         return EngineProcess(spec, f"http://{self.host}:{port}", proc, log_path)

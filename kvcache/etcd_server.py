@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -18,7 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from plumbing.launch import ServiceProcess, free_port
+from plumbing.launch import ServiceProcess, child_environ, free_port
+from rpc.tls import TlsFiles
 
 INSTALL_HINT = "install Debian's etcd-server package (apt-get install etcd-server; make does it)"
 
@@ -41,6 +43,7 @@ class EtcdServer:
     data_dir: str
     name: str
     wrap: tuple[str, ...] = ()
+    tls: TlsFiles | None = None
 
     @property
     def pid(self) -> int:
@@ -63,12 +66,17 @@ class EtcdServer:
             log_path=self.process.log_path,
             timeout_s=timeout_s,
             wrap=list(self.wrap),
+            tls=self.tls,
         )
 
 
-def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
+def healthy(endpoint: str, timeout_s: float = 1.0, tls: TlsFiles | None = None) -> bool:
+    context = None
+    if tls is not None:  # verified, and with a client certificate: etcd wants one
+        context = ssl.create_default_context(cafile=tls.ca_cert)
+        context.load_cert_chain(tls.cert, tls.key)
     try:
-        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s) as r:
+        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s, context=context) as r:
             return bool(json.loads(r.read()).get("health") == "true")
     except (OSError, ValueError, urllib.error.URLError):
         return False
@@ -84,12 +92,16 @@ def start_etcd(
     log_path: str | None = None,
     timeout_s: float = 30.0,
     wrap: list[str] | None = None,
+    tls: TlsFiles | None = None,
 ) -> EtcdServer:
     """Start one etcd member with its data in ``data_dir`` on free ports of ``host`` (or the
     given URLs) and wait until it is healthy. ``wrap`` runs it elsewhere (``ip netns exec NS``;
-    give its URLs then: free ports are looked up here)."""
+    give its URLs then: free ports are looked up here). ``tls``: clients speak TLS to it and
+    must present a certificate of its CA (``--client-cert-auth``): only the cluster's processes
+    may read or write its membership and election."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    client_url = client_url or f"http://{host}:{free_port(host)}"
+    scheme = "https" if tls is not None else "http"
+    client_url = client_url or f"{scheme}://{host}:{free_port(host)}"
     peer_url = peer_url or f"http://{host}:{free_port(host)}"
     log_path = log_path or os.path.join(os.path.dirname(os.path.abspath(data_dir)), "etcd.log")
     args = [
@@ -118,12 +130,17 @@ def start_etcd(
         "--log-outputs",
         "stderr",
     ]
+    if tls is not None:
+        args += ["--cert-file", tls.cert, "--key-file", tls.key]
+        args += ["--client-cert-auth", "--trusted-ca-file", tls.ca_cert]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+        proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=log_file, text=True, env=child_environ()
+        )
     process = ServiceProcess("etcd", proc, {"address": client_url}, log_path)
-    server = EtcdServer(process, client_url, peer_url, data_dir, name, tuple(wrap or ()))
+    server = EtcdServer(process, client_url, peer_url, data_dir, name, tuple(wrap or ()), tls)
     deadline = time.monotonic() + timeout_s
-    while not healthy(client_url, timeout_s=0.5):
+    while not healthy(client_url, timeout_s=0.5, tls=tls):
         if proc.poll() is not None or time.monotonic() > deadline:
             server.kill()
             tail = process.log()[-2000:]
@@ -137,8 +154,11 @@ def start_etcd(
 
 def etcd_role_args(etcd: dict[str, Any], cfg: Any) -> list[str]:
     """The flags every role of a ``kvcache up`` cluster takes to use ``etcd`` (cluster.json's
-    entry: endpoints, prefix) with the config's ``[etcd] ttl``."""
-    return [
+    entry: endpoints, prefix, TLS files) with the config's ``[etcd] ttl``."""
+    tls = etcd.get("tls") or {}
+    files = [("--etcd-ca", tls.get("ca")), ("--etcd-cert", tls.get("cert"))]
+    files.append(("--etcd-key", tls.get("key")))
+    return [flag for f, path in files if path for flag in (f, path)] + [
         "--etcd",
         ",".join(etcd["endpoints"]),
         "--etcd-prefix",

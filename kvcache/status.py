@@ -224,6 +224,23 @@ def render(status: Any) -> Any:
                 *(load if first else ("", "")),
             )
     parts.append(nodes)
+    if any(n.tenants for n in status.nodes):
+        ts = Table(title="tenants", title_justify="left")
+        ts.add_column("node", no_wrap=True)
+        ts.add_column("tenant", no_wrap=True)
+        for col in ("leases", "leased pages", "blocks", "streams"):
+            ts.add_column(col, justify="right", no_wrap=True)
+        for n in status.nodes:
+            for i, t in enumerate(n.tenants):
+                ts.add_row(
+                    n.id if i == 0 else "",
+                    t.tenant or "(admin)",
+                    f"{t.leases:,}",
+                    f"{t.leased_pages:,}",
+                    f"{t.stored_blocks:,}",
+                    f"{t.streams:,}",
+                )
+        parts.append(ts)
     if any(n.messenger is not None for n in status.nodes):
         ms = Table(title="messengers", title_justify="left")
         for col in ("node / messenger", "health", "transport", "in flight"):

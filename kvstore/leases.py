@@ -120,7 +120,16 @@ class LeaseBook(BlockStore):
         if state is None:
             raise NotFound(f"lease {lease_id} does not exist (expired or released)")
         state.deadline = self._clock() + ttl_s
-        heapq.heappush(self._deadlines, (state.deadline, lease_id))
+        heap = self._deadlines
+        heapq.heappush(heap, (state.deadline, lease_id))
+        live = len(self._read_leases) + len(self._write_leases)
+        if len(heap) > 2 * live + 64:
+            # NOTE: each extension leaves its old entry behind until that deadline passes (up to
+            # the longest lease time): a client extending in a loop would grow the heap without
+            # bound. Rebuilt from the live deadlines, it costs O(live) per O(live) extensions.
+            heap[:] = [(st.deadline, i) for i, st in self._read_leases.items()]
+            heap.extend((st.deadline, i) for i, st in self._write_leases.items())
+            heapq.heapify(heap)
         return state.deadline
 
     def _write_lease(self, lease_id: int) -> WriteLeaseState:

@@ -47,6 +47,12 @@ class PinnedReads(LeaseBook, TierMovement):
         with self._lock:
             return [h >= 0 for h in self._index.get_many(checked)]
 
+    def tiers_of(self, keys: Sequence[bytes]) -> list[Tier | None]:
+        """Per key: the tier that holds it (None: not stored), without touching recency."""
+        checked = check_keys(keys)
+        with self._lock:
+            return [TIER_OF[h & 3] if h >= 0 else None for h in self._index.get_many(checked)]
+
     def acquire(
         self, keys: Sequence[bytes], ttl_s: float | None = None, into: Tier | None | str = "default"
     ) -> ReadLease:

@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import socket
+import time
 import weakref
 
 import numpy as np
@@ -339,9 +340,17 @@ def socket_address(name: str) -> str | bytes:
     return b"\0" + name[1:].encode() if name.startswith("@") else name
 
 
-def _read_line(sock: socket.socket) -> bytes:
+def _read_line(sock: socket.socket, deadline: float | None = None) -> bytes:
+    """One line (at most ``_MAX_LINE`` bytes). ``deadline`` (monotonic): the whole line must
+    arrive by then (``TimeoutError``), not each read within the socket's timeout: a peer that
+    trickles a byte at a time would hold the reader for as long as it likes."""
     buf = b""
     while not buf.endswith(b"\n"):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the line did not arrive in time")
+            sock.settimeout(left)
         part = sock.recv(_MAX_LINE - len(buf))
         if not part:
             break
@@ -351,9 +360,11 @@ def _read_line(sock: socket.socket) -> bytes:
     return buf
 
 
-def read_hello(sock: socket.socket) -> bytes | None:
-    """The ticket a client's hello line carries, or None for anything else."""
-    words = _read_line(sock).split()
+def read_hello(sock: socket.socket, timeout_s: float | None = None) -> bytes | None:
+    """The ticket a client's hello line carries, or None for anything else. ``timeout_s``: for
+    the whole line (``TimeoutError`` past it)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    words = _read_line(sock, deadline).split()
     if len(words) != 2 or words[0] != SHM_HELLO:
         return None
     try:

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import time
 from typing import Any
 
 import grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
-from plumbing.etcd import EtcdClient
 from plumbing.registration import (
     MessengerRecord,
     Registration,
     add_etcd_args,
     etcd_settings,
+    etcd_tls,
     messengers_prefix,
 )
 from proto import messenger_pb2 as pb
@@ -31,7 +32,9 @@ from rpc.channel import make_channel
 from rpc.logs import set_identity
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
+    TlsConfig,
     add_server_args,
     add_token_file_arg,
     address_arg,
@@ -40,6 +43,7 @@ from rpc.server import (
     tls_from_args,
 )
 
+from .data_security import client_context, derive_data_token, server_context
 from .data_server import DataLimits, DataServer, SenderFaults
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
@@ -50,6 +54,8 @@ from .service import MessengerMetrics, MessengerServicer
 from .tcp import TcpConfig
 
 log = logging.getLogger("kvcache.messenger")
+# A messenger's data address, asked by its peers without a token (see lookup_data_address).
+OPEN_GETINFO = "/kvcache.v1.MessengerService/GetInfo"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-token",
         default=None,
+        action=InlineSecret,
         help="the cluster's admin token, for the node, peer messengers and the "
         "data port (default: --token)",
     )
@@ -67,13 +74,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-tls-ca",
         default=None,
-        help="CA certificate (PEM) to verify the node and the peer messengers serving TLS",
+        help="CA certificate (PEM) to verify the node and the peer messengers serving TLS "
+        "(their gRPC and data ports)",
+    )
+    add_token_file_arg(
+        parser,
+        "--data-token-file",
+        "data_token",
+        "the cluster's data-plane credential, which every messenger's data port demands in the "
+        "HELLO of a connection (default: one derived from the admin token, which never "
+        "crosses the network itself)",
     )
     parser.add_argument(
         "--data-listen",
         default=None,
         type=address_arg,
         help="host:port of the data port peers pull from (default: --listen's host, any free port)",
+    )
+    parser.add_argument(
+        "--data-advertise",
+        default=None,
+        type=address_arg,
+        help="the data port's address as peers reach it, in GetInfo and etcd (default: the "
+        "address it listens on); with TLS, a name its certificate holds",
     )
     parser.add_argument(
         "--transport",
@@ -107,6 +130,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DataLimits.max_connections,
         help="data-port connections at once; more are refused at once (and counted) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-unauthenticated-per-peer",
+        type=int,
+        default=DataLimits.max_unauthenticated_per_peer,
+        help="data-port connections one address may hold before they said HELLO (with a "
+        "token); all such connections together at most half of --max-connections "
         "(default: %(default)s)",
     )
     parser.add_argument(
@@ -204,6 +235,7 @@ def _data_limits(args) -> DataLimits:
     try:
         return DataLimits(
             max_connections=args.max_connections,
+            max_unauthenticated_per_peer=args.max_unauthenticated_per_peer,
             idle_timeout_s=args.idle_timeout,
             frame_timeout_s=args.frame_timeout,
             fetch_deadline_s=fetch,
@@ -216,6 +248,7 @@ def _data_limits(args) -> DataLimits:
 
 
 _LIMIT_FLAGS = {
+    "max_unauthenticated_per_peer": "--max-unauthenticated-per-peer",
     "max_connections": "--max-connections",
     "idle_timeout_s": "--idle-timeout",
     "frame_timeout_s": "--frame-timeout",
@@ -231,6 +264,22 @@ def _pin_shares(args) -> PinShares:
         if not 0 < share <= 1:
             raise SystemExit(f"kvcache messenger: {flag} must be in (0, 1], got {share:g}")
     return PinShares(connection=args.pin_share_per_connection, peer=args.pin_share_per_peer)
+
+
+def _data_tls(args, tls: TlsConfig | None) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The data port's server and client TLS contexts: on with ``--tls-cert`` (the same
+    certificate as gRPC), peers verified against ``--node-tls-ca``."""
+    if tls is None:
+        return None, None
+    if not args.node_tls_ca:
+        raise SystemExit(
+            "kvcache messenger: --tls-cert needs --node-tls-ca: the data port serves TLS with "
+            "it, and the peers' data ports are verified against that CA"
+        )
+    try:
+        return server_context(tls.cert_file, tls.key_file), client_context(args.node_tls_ca)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvcache messenger: cannot set up TLS on the data port: {e}") from None
 
 
 def _limit_open_files(more: int) -> None:
@@ -250,11 +299,15 @@ def run(args: argparse.Namespace) -> int:
     etcd = None
     if args.etcd:
         urls, prefix = etcd_settings("messenger", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
-        etcd = EtcdClient(urls)
+        etcd = etcd_tls("messenger", args).client(urls)
     limits = _data_limits(args)
     pin_shares = _pin_shares(args)
     tls = tls_from_args(args)
-    auth = Auth.from_args(args.token, args.tenant_token)
+    serve_tls, peer_tls = _data_tls(args, tls)
+    try:
+        auth = Auth.from_args(args.token, args.tenant_token, args.service_token)
+    except ValueError as e:
+        raise SystemExit(f"kvcache messenger: {e}") from None
     client = _connect_node(args)
     set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
     node = NodeAccess(client)
@@ -263,15 +316,17 @@ def run(args: argparse.Namespace) -> int:
     if args.data_listen:
         data_host, _, port = args.data_listen.rpartition(":")
         data_port = int(port)
-    # NOTE: the data port carries page bytes, not gRPC; with a token it demands the same admin
-    # token (HELLO) that the messengers use with each other and with the nodes.
     cluster_token = args.node_token or args.token
+    # NOTE: the data port carries page bytes, not gRPC. Its credential is the data token, never
+    # the admin token (data_security.py); with TLS on gRPC it speaks TLS too.
+    data_token = args.data_token or (derive_data_token(cluster_token) if cluster_token else None)
     data = DataServer(
         source,
         host=data_host,
         port=data_port,
         io_timeout_s=args.io_timeout,
-        token=cluster_token,
+        token=data_token,
+        tls=serve_tls,
         limits=limits,
         pin_shares=pin_shares,
         faults=SenderFaults(
@@ -283,8 +338,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         choice = choose_transport(
             args.transport,
-            TcpConfig(lanes=args.lanes, io_timeout_s=args.io_timeout, token=cluster_token),
-            RdmaConfig(io_timeout_s=args.io_timeout, token=cluster_token),
+            TcpConfig(
+                lanes=args.lanes, io_timeout_s=args.io_timeout, token=data_token, tls=peer_tls
+            ),
+            RdmaConfig(io_timeout_s=args.io_timeout, token=data_token, tls=peer_tls),
         )
     except RuntimeError as e:
         raise SystemExit(f"kvcache messenger: {e}") from None
@@ -293,9 +350,12 @@ def run(args: argparse.Namespace) -> int:
         rdma_source = RdmaSource(choice.backend, source)
         rdma_source.install(data)
     data.start()
+    data_address = args.data_advertise or data.address
 
     def lookup_data_address(messenger: str) -> str:
-        with make_channel(messenger, cluster_token, args.node_tls_ca) as channel:
+        # NOTE: no token: a tenant names the sources of its transfers, and a token would go to
+        # whatever address it named (GetInfo needs none; the data port proves itself in HELLO).
+        with make_channel(messenger, None, args.node_tls_ca) as channel:
             return (
                 pbg.MessengerServiceStub(channel)
                 .GetInfo(pb.MessengerInfoRequest(), timeout=10)
@@ -313,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     )
     info = pb.MessengerInfo(
         node=args.node,
-        data_address=data.address,
+        data_address=data_address,
         transport=choice.description,
         lanes=args.lanes,
         namespaces=node.namespaces(),
@@ -334,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             record = MessengerRecord(
                 node_id=node_id,
                 address=args.advertise or address,
-                data_address=data.address,
+                data_address=data_address,
                 transport=choice.description,
             ).encode()
             registration = Registration(
@@ -344,12 +404,12 @@ def run(args: argparse.Namespace) -> int:
             "messenger for node %s on %s, data port %s, transport %s",
             args.node,
             address,
-            data.address,
+            data_address,
             choice.description,
         )
         if args.fault_open_files:
             _limit_open_files(args.fault_open_files)
-        return {"data_address": data.address, "transport": choice.description}
+        return {"data_address": data_address, "transport": choice.description}
 
     def on_stopping() -> None:
         if registration is not None:
@@ -379,5 +439,8 @@ def run(args: argparse.Namespace) -> int:
             on_serving=on_serving,
             on_stopping=on_stopping,
             close=close,
+            open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
+            open_methods=(OPEN_GETINFO,),
         )
     )

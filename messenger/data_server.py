@@ -30,11 +30,13 @@ import itertools
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from .data_security import NONCE_BYTES, new_nonce, proof, shutdown
 from .frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -76,14 +78,18 @@ class DataLimits:
     """Bounds on what peers may hold on the data port (``kvcache messenger`` flags)."""
 
     max_connections: int = 512  # connections at once; more are refused at accept
+    # Connections that have not passed HELLO yet (on a port with a token), from one address;
+    # all of them together may hold at most half of max_connections.
+    max_unauthenticated_per_peer: int = 16
     idle_timeout_s: float = 300.0  # no request for this long: the connection is closed
     frame_timeout_s: float = 10.0  # a frame must arrive whole this long after its first byte
     fetch_deadline_s: float = 24.0  # a FETCH response must be sent (and its pins released)
     # within this long; keep it under the pin lease so no page is sent after its pin lapsed
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
+        for name in ("max_connections", "max_unauthenticated_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
         for name in ("idle_timeout_s", "frame_timeout_s", "fetch_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -108,7 +114,7 @@ class SenderFaults:
 class DataServerStats:
     connections: int = 0
     dropped_connections: int = 0
-    refused_connections: int = 0  # over max_connections
+    refused_connections: int = 0  # over max_connections, or before HELLO over its share
     timed_out_connections: int = 0  # cut by a deadline (idle, slow frame, unread FETCH)
     accept_errors: int = 0
     requests: int = 0
@@ -131,6 +137,7 @@ class PeerConnection:
     deadline: float = math.inf
     doing: str = ""  # what did not happen in time when the deadline passes, for the log
     cut: str = ""  # why the watchdog cut it ("" while it was not)
+    authenticated: bool = False  # passed HELLO (or the port needs none); under the server lock
 
     def read_body(self, header: Header, limit: int = MAX_CONTROL_BYTES) -> bytes:
         if header.length > limit:
@@ -166,12 +173,15 @@ class DataServer:
         token: str | None = None,
         limits: DataLimits | None = None,
         pin_shares: PinShares | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """``token``: when set, a connection must open with a HELLO carrying it.
-        ``pin_shares``: how much of the pool a connection and a peer may hold pinned."""
+        """``token``: when set, a connection must open with a HELLO carrying it (the cluster's
+        data token, see data_security.py). ``pin_shares``: how much of the pool a connection and
+        a peer may hold pinned. ``tls``: serve TLS (a server context)."""
         self.source = source
         self.budget = PinBudget(pin_shares or PinShares(), source.pool_pages)
         self._token = token.encode() if token else None
+        self._tls = tls
         self.io_timeout_s = io_timeout_s
         self.faults = faults or SenderFaults()
         self.limits = limits or DataLimits()
@@ -218,7 +228,7 @@ class DataServer:
         self._listener.close()
         with self._lock:
             for conn in self._conns.values():
-                _shutdown(conn.sock)
+                shutdown(conn.sock)
         self._accept_thread.join(timeout=5)
         self._watch_thread.join(timeout=5)
 
@@ -266,9 +276,11 @@ class DataServer:
                 )
                 delay = 0.0
             conn = PeerConnection(sock, f"{addr[0]}:{addr[1]}", next(self._ids), addr[0])
+            conn.authenticated = self._token is None
             with self._lock:
                 full = len(self._conns) >= self.limits.max_connections
-                if full:
+                crowded = "" if full else self._crowded(conn.host)
+                if full or crowded:
                     self.stats.refused_connections += 1
                 else:
                     self._conns[conn.conn_id] = conn
@@ -288,17 +300,37 @@ class DataServer:
                 refusing = True
                 self._refuse(sock)
                 continue
+            if crowded:
+                log.warning("data port: refused a connection from %s: %s", conn.peer, crowded)
+                self._refuse(sock, crowded)
+                continue
             refusing = False
             threading.Thread(
                 target=self._serve, args=(conn,), daemon=True, name=f"data-conn-{conn.conn_id}"
             ).start()
 
-    def _refuse(self, sock: socket.socket) -> None:
+    def _crowded(self, host: str) -> str:
+        """Why one more connection not yet past HELLO is refused from ``host`` ("": it is not).
+        Under the lock. Slots held before HELLO cost nothing to take, so an address may hold a
+        few, and all such connections together at most half the port's."""
+        if self._token is None:
+            return ""
+        waiting = [c for c in self._conns.values() if not c.authenticated]
+        mine = sum(1 for c in waiting if c.host == host)
+        per_peer = self.limits.max_unauthenticated_per_peer
+        if mine >= per_peer:
+            return f"{per_peer} connections from {host} have not said HELLO yet"
+        if len(waiting) >= max(1, self.limits.max_connections // 2):
+            return f"{len(waiting)} connections have not said HELLO yet"
+        return ""
+
+    def _refuse(self, sock: socket.socket, why: str = "") -> None:
         """Close a connection over the limit at once, saying why if the peer can take it."""
-        body = (
-            f"the data port is at its connection limit ({self.limits.max_connections}); retry later"
-        ).encode()
+        why = why or f"the data port is at its connection limit ({self.limits.max_connections})"
+        body = f"{why}; retry later".encode()
         try:
+            if self._tls is not None:
+                return  # the peer expects a TLS handshake, not a frame: just close
             sock.setblocking(False)  # a peer that does not read must not block the accept loop
             try:  # what the peer already sent: left unread, the close becomes a reset that
                 for _ in range(16):  # may discard our ERROR at the peer
@@ -333,7 +365,7 @@ class DataServer:
                         self.stats.timed_out_connections += 1
                         # NOTE: under the lock: _close closes the socket under it too, so this
                         # never shuts down a descriptor number that was reused meanwhile.
-                        _shutdown(conn.sock)
+                        shutdown(conn.sock)
 
     def _expect(self, conn: PeerConnection, seconds: float, doing: str) -> None:
         """Cut ``conn`` unless the next step ends within ``seconds``; ``doing`` says what failed
@@ -347,6 +379,8 @@ class DataServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(sock, self.io_timeout_s)
+            if self._tls is not None:
+                sock = self._handshake(conn)
             buf = bytearray(HEADER_BYTES)
             idle = self.limits.idle_timeout_s
             while not self._stopped.is_set():
@@ -363,7 +397,7 @@ class DataServer:
                     self._send_error(
                         conn,
                         Status.UNAUTHENTICATED,
-                        "this data port needs a token: open with HELLO (the cluster's admin token)",
+                        "this data port needs a token: open with HELLO (the cluster's data token)",
                     )
                     raise ProtocolError(
                         f"{header.kind.name} without HELLO on a token-protected data port"
@@ -396,6 +430,23 @@ class DataServer:
                     self.stats.dropped_connections += 1
         finally:
             self._close(conn)
+
+    def _handshake(self, conn: PeerConnection) -> ssl.SSLSocket:
+        """TLS on an accepted connection, under the deadline of its first request (the watchdog
+        cuts a peer that stalls the handshake)."""
+        assert self._tls is not None
+        with self._lock:  # NOTE: the watchdog shuts down conn.sock under it (see _watch_loop)
+            tsock = self._tls.wrap_socket(
+                conn.sock, server_side=True, do_handshake_on_connect=False
+            )
+            conn.sock = tsock
+        try:
+            tsock.do_handshake()
+        except ssl.SSLError as e:
+            if conn.cut:  # the deadline passed: logged as a cut
+                raise ConnectionError(str(e)) from None
+            raise ProtocolError(f"TLS handshake failed: {e.reason or e}") from None
+        return tsock
 
     def _wait_header(self, conn: PeerConnection, buf: bytearray) -> bool:
         """Wait (idle, under the idle deadline) for the next request header; False on EOF."""
@@ -431,11 +482,31 @@ class DataServer:
             conn.sock.close()  # under the lock: see _watch_loop
 
     def _hello(self, conn: PeerConnection, header: Header) -> None:
-        token = conn.read_body(header, limit=MAX_TOKEN_BYTES)
-        if self._token is not None and not hmac.compare_digest(token, self._token):
+        """A challenge and response (data_security.py): the puller's nonce, answered with ours
+        and our proof; then the puller's proof, answered END, or ERROR and a hang-up."""
+        body = conn.read_body(header, limit=MAX_TOKEN_BYTES)
+        if self._token is None:  # an open port: nothing to prove
+            conn.state["authenticated"] = True
+            return conn.send([pack_header(Kind.END)])
+        nonces = conn.state.get("nonces")
+        if nonces is None:
+            if len(body) != NONCE_BYTES:
+                self._send_error(conn, Status.UNAUTHENTICATED, "HELLO carries a 32-byte nonce")
+                raise ProtocolError("HELLO without a nonce")
+            mine = new_nonce()
+            conn.state["nonces"] = (body, mine)
+            answer = mine + proof(self._token, b"server", body, mine)
+            conn.send(
+                [pack_header(Kind.HELLO, length=len(answer), checksum_=checksum(answer)), answer]
+            )
+            return
+        theirs, mine = nonces
+        if not hmac.compare_digest(body, proof(self._token, b"client", theirs, mine)):
             self._send_error(conn, Status.UNAUTHENTICATED, "wrong token for this data port")
             raise ProtocolError("HELLO with a wrong token")
         conn.state["authenticated"] = True
+        with self._lock:
+            conn.authenticated = True
         conn.send([pack_header(Kind.END)])
 
     # ---- FETCH ---------------------------------------------------------------------------------
@@ -628,10 +699,3 @@ class DataServer:
         conn.send(
             [pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)), body]
         )
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # closed or never connected: nothing to wake

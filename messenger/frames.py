@@ -16,6 +16,7 @@ import enum
 import errno
 import json
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -246,11 +247,14 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from the socket. Raises ``PeerClosed`` on EOF, ``TimeoutError`` when the
-    kernel timeout fires past ``deadline`` (or at once with no deadline)."""
+    kernel timeout fires past ``deadline`` (or at once with no deadline), or when a TLS socket's
+    own timeout does."""
     pos, n = 0, len(view)
+    # NOTE: a TLS socket takes no flags; it returns a record (up to 16 KiB) per call.
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while pos < n:
         try:
-            got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL)
+            got = sock.recv_into(view[pos:], n - pos, flags)
         except (BlockingIOError, InterruptedError) as e:
             if isinstance(e, BlockingIOError) and (
                 deadline is None or time.monotonic() >= deadline
@@ -271,6 +275,8 @@ def recv_header(sock: socket.socket, buf: bytearray, deadline: float | None = No
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:
     """``sendmsg`` a gather list (headers and page views, no copies); finishes partial sends."""
+    if isinstance(sock, ssl.SSLSocket):
+        return _send_tls(sock, buffers)
     total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in buffers)
     try:
         sent = sock.sendmsg(buffers)
@@ -291,7 +297,39 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
         sent = 0
 
 
+# Buffers smaller than this are copied together before a TLS write (each write is at least one
+# record and one syscall: a 48-byte header would be one of its own); larger ones go as they are.
+_TLS_COALESCE_BYTES = 64 << 10
+
+
+def _send_tls(sock: ssl.SSLSocket, buffers: list) -> None:
+    """TLS has no gather write: small buffers are joined, page views are encrypted in place."""
+    pending = bytearray()
+    try:
+        for b in buffers:
+            mv = memoryview(b).cast("B")
+            if mv.nbytes < _TLS_COALESCE_BYTES:
+                pending += mv
+                if len(pending) < _TLS_COALESCE_BYTES:
+                    continue
+            elif pending:
+                sock.sendall(pending)
+                pending.clear()
+            if pending:
+                sock.sendall(pending)
+                pending.clear()
+            else:
+                sock.sendall(mv)
+        if pending:
+            sock.sendall(pending)
+    except (BlockingIOError, ssl.SSLWantWriteError):
+        raise TimeoutError("the peer did not read for too long") from None
+
+
 def is_disconnect(exc: BaseException) -> bool:
+    """A peer that went away or stalled (a broken TLS session included), not a bug here."""
+    if isinstance(exc, ssl.SSLError):
+        return True
     return isinstance(exc, (PeerClosed, ConnectionError, TimeoutError)) or (
         isinstance(exc, OSError)
         and exc.errno

@@ -89,6 +89,8 @@ class Batch:
     created: float
     overrides: dict[int, EntryResult] = field(default_factory=dict)  # cancelled positions
     finished_at: float | None = None
+    owner: str = ""  # who submitted it: only they (or anyone, for owner None) see or cancel it
+    names: list[bytes] | None = None  # the keys as the owner named them (a tenant's, unscoped)
 
     def result_of(self, i: int) -> EntryResult | None:
         return self.overrides.get(i, self.entries[i].result)
@@ -179,8 +181,16 @@ class Mover:
 
     # ---- API -------------------------------------------------------------------------------------
 
-    def submit(self, namespace: str, requests: Sequence[EntryRequest]) -> tuple[str, int]:
-        """Start a batch; returns (batch id, entries joined to fetches already in flight)."""
+    def submit(
+        self,
+        namespace: str,
+        requests: Sequence[EntryRequest],
+        owner: str = "",
+        names: Sequence[bytes] | None = None,
+    ) -> tuple[str, int]:
+        """Start a batch; returns (batch id, entries joined to fetches already in flight).
+        ``owner``: who may see and cancel it; ``names``: the keys as the owner named them,
+        shown in its status instead of the keys as stored."""
         if not requests:
             raise InvalidArgument("a transfer batch needs at least one entry")
         if len(requests) > MAX_BATCH_ENTRIES:
@@ -221,7 +231,14 @@ class Mover:
                     joined += 1
                 entry.refs += 1
                 entries.append(entry)
-            self._batches[batch_id] = Batch(batch_id, namespace, entries, time.monotonic())
+            self._batches[batch_id] = Batch(
+                batch_id,
+                namespace,
+                entries,
+                time.monotonic(),
+                owner=owner,
+                names=list(names) if names is not None else None,
+            )
             self._bytes[batch_id] = 0
             self._trim_locked()
         per_job = max(1, self.config.job_bytes // info.page_bytes)
@@ -237,10 +254,16 @@ class Mover:
                 )
         return batch_id, joined
 
-    def status(self, batch_id: str, wait: bool = False, timeout_s: float = 30.0) -> BatchSnapshot:
+    def status(
+        self,
+        batch_id: str,
+        wait: bool = False,
+        timeout_s: float = 30.0,
+        owner: str | None = None,
+    ) -> BatchSnapshot:
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            batch = self._batch_locked(batch_id)
+            batch = self._batch_locked(batch_id, owner)
             if wait:
                 while not self._finished_locked(batch):
                     left = deadline - time.monotonic()
@@ -248,9 +271,9 @@ class Mover:
                         break
             return self._snapshot_locked(batch)
 
-    def cancel(self, batch_id: str) -> BatchSnapshot:
+    def cancel(self, batch_id: str, owner: str | None = None) -> BatchSnapshot:
         with self._lock:
-            batch = self._batch_locked(batch_id)
+            batch = self._batch_locked(batch_id, owner)
             cancelled = EntryResult(Outcome.CANCELLED, "the batch was cancelled")
             for i, entry in enumerate(batch.entries):
                 if entry.result is None and i not in batch.overrides:
@@ -278,9 +301,10 @@ class Mover:
 
     # ---- bookkeeping (caller holds the lock) -----------------------------------------------------
 
-    def _batch_locked(self, batch_id: str) -> Batch:
+    def _batch_locked(self, batch_id: str, owner: str | None = None) -> Batch:
+        """The batch; another owner's answers exactly as one that does not exist."""
         batch = self._batches.get(batch_id)
-        if batch is None:
+        if batch is None or (owner is not None and batch.owner != owner):
             raise NotFound(
                 f"no transfer batch {echo(batch_id)} (never submitted, or finished long "
                 "ago and forgotten)"
@@ -297,7 +321,11 @@ class Mover:
 
     def _snapshot_locked(self, batch: Batch) -> BatchSnapshot:
         entries = [
-            EntrySnapshot(e.key, batch.result_of(i), e.already_present)
+            EntrySnapshot(
+                e.key if batch.names is None else batch.names[i],
+                batch.result_of(i),
+                e.already_present,
+            )
             for i, e in enumerate(batch.entries)
         ]
         end = batch.finished_at or time.monotonic()

@@ -26,6 +26,7 @@ import bisect
 import itertools
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .data_security import connect
 from .data_server import DataServer, PeerConnection
 from .frames import (
     DEFERRED,
@@ -55,7 +57,6 @@ from .frames import (
     recv_exact,
     recv_header,
     send_buffers,
-    set_io_timeout,
     unpack_json,
     unpack_keys_body,
     unpack_pinned,
@@ -289,6 +290,7 @@ class RdmaConfig:
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     token: str | None = None  # HELLO on the control connection (token-protected port)
+    tls: ssl.SSLContext | None = None  # the control connection speaks TLS (a client context)
 
     def __post_init__(self) -> None:
         if self.chain < 1 or self.chains_in_flight < 1 or self.max_wr_bytes < 1:
@@ -381,12 +383,15 @@ class RdmaTransport(Transport):
                 return s
         host, port = parse_address(peer)
         try:
-            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
+            sock = connect(
+                host,
+                port,
+                connect_timeout_s=self.config.connect_timeout_s,
+                io_timeout_s=self.config.io_timeout_s,
+                tls=self.config.tls,
+            )
         except OSError as e:
             raise RdmaUnavailable(f"cannot connect to peer {peer}: {e}") from None
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self.config.io_timeout_s)
         try:
             qp = self.backend.create_qp(sq_sig_all=False)  # only the WRs we flag complete
         except VerbsError as e:

@@ -11,10 +11,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import check_keys, scope_keys
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
-from rpc.server import Auth
+from rpc.server import SERVICE, Auth
 from rpc.status import observed
 
 from .data_server import DataServer
@@ -196,9 +197,17 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         self.data_server: DataServer | None = None  # for Stats: bytes sent, connections
         self.started = time.monotonic()
 
+    def _owner(self, context) -> tuple[str, str | None]:
+        """(the caller's identity, the owner whose batches it may see: None for all)."""
+        who = self.auth.identity(context)
+        return who, (None if who in ("", SERVICE) else who)
+
     @observed
     def SubmitTransfer(self, request: pb.SubmitTransferRequest, context) -> pb.SubmitTransferReply:
-        self.auth.require_admin(context, "SubmitTransfer")
+        # NOTE: the admin and the service (the conductor's hook) name keys as stored; a tenant
+        # names them as it wrote them, and they are scoped to it here, so its pull moves only
+        # its own blocks, whatever keys it names.
+        who, _ = self._owner(context)
         if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
             raise InvalidArgument(
                 f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
@@ -207,24 +216,29 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             )
         if not request.namespace:
             raise InvalidArgument("namespace is required")
-        entries = [EntryRequest(e.key, e.source, e.source_data) for e in request.entries]
-        batch_id, joined = self.mover.submit(request.namespace, entries)
+        names = [e.key for e in request.entries]
+        tenant = who not in ("", SERVICE)
+        keys = scope_keys(check_keys(names), who) if tenant else names
+        entries = [EntryRequest(k, e.source, e.source_data) for k, e in zip(keys, request.entries)]
+        batch_id, joined = self.mover.submit(
+            request.namespace, entries, owner=who, names=names if tenant else None
+        )
         return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
 
     @observed
     def TransferStatus(self, request: pb.TransferStatusRequest, context) -> pb.TransferStatusReply:
-        self.auth.require_admin(context, "TransferStatus")
+        _, owner = self._owner(context)
         timeout = request.timeout_s or DEFAULT_WAIT_S
         if not 0 < timeout <= MAX_WAIT_S:
             raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")
         if context.time_remaining() is not None:
             timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
-        return status_reply(self.mover.status(request.batch_id, request.wait, timeout))
+        return status_reply(self.mover.status(request.batch_id, request.wait, timeout, owner))
 
     @observed
     def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:
-        self.auth.require_admin(context, "Cancel")
-        return status_reply(self.mover.cancel(request.batch_id))
+        _, owner = self._owner(context)
+        return status_reply(self.mover.cancel(request.batch_id, owner))
 
     def GetInfo(self, request, context) -> pb.MessengerInfo:
         return self.info

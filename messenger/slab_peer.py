@@ -17,6 +17,7 @@ import xxhash
 
 from kvstore.shm import SharedSlab, unique_shm_name
 
+from .data_security import server_context
 from .data_server import DataServer, SenderFaults
 from .transport import SlabPageSource
 
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--missing", default="", help="comma list of page indices not to serve")
     ap.add_argument("--corrupt-every", type=int, default=0)
     ap.add_argument("--io-timeout", type=float, default=30.0)
+    ap.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    ap.add_argument("--tls-key", default=None, help="its private key (PEM)")
     args = ap.parse_args(argv)
+    tls = server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     if args.page_bytes % 4096:
         ap.error("--page-bytes must be a multiple of 4096")
     slab = SharedSlab.create(unique_shm_name("slabpeer"), args.pages * args.page_bytes)
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             io_timeout_s=args.io_timeout,
             faults=SenderFaults(corrupt_every=args.corrupt_every),
+            tls=tls,
         ).start()
         print("READY " + json.dumps({"address": server.address, "shm_name": slab.name}), flush=True)
         sys.stdin.read()

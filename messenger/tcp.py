@@ -17,8 +17,10 @@ marks the affected entries and never raises to the caller.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
+import ssl
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvstore.errors import echo
 
+from .data_security import NONCE_BYTES, PROOF_BYTES, connect, new_nonce, proof
 from .frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -42,7 +45,6 @@ from .frames import (
     recv_exact,
     recv_header,
     send_buffers,
-    set_io_timeout,
 )
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 
@@ -100,21 +102,43 @@ class _Groups:
 
 
 def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
-    """Open a connection to a token-protected data port."""
-    body = token.encode()
-    send_buffers(sock, [pack_header(Kind.HELLO, length=len(body), checksum_=checksum(body)), body])
+    """Open a connection to a token-protected data port: a challenge and response
+    (data_security.py); the token never goes on the wire, and nothing else is sent to a port
+    that cannot prove it holds the token too."""
+    key = token.encode()
+    mine = new_nonce()
+    _send_hello(sock, mine)
     h = recv_header(sock, hbuf)
     if h.kind is Kind.ERROR:
-        if h.length > MAX_CONTROL_BYTES:
-            raise ProtocolError("oversized ERROR frame")
-        msg = bytearray(h.length)
-        recv_exact(sock, memoryview(msg))
-        text = msg.decode(errors="replace")
-        if h.status is Status.UNAUTHENTICATED:
-            raise Unauthenticated(f"peer refused the token: {text}")
-        raise ConnectionError(f"peer refused the connection: {text}")  # e.g. at its limit
+        _raise_error(sock, h)
+    if h.kind is not Kind.HELLO or h.length != NONCE_BYTES + PROOF_BYTES:
+        raise ProtocolError(f"expected the port's HELLO (nonce and proof), got {h.kind.name}")
+    body = bytearray(h.length)
+    recv_exact(sock, memoryview(body))
+    theirs, shown = bytes(body[:NONCE_BYTES]), bytes(body[NONCE_BYTES:])
+    if not hmac.compare_digest(shown, proof(key, b"server", mine, theirs)):
+        raise Unauthenticated("the peer's data port does not hold the cluster's data token")
+    _send_hello(sock, proof(key, b"client", mine, theirs))
+    h = recv_header(sock, hbuf)
+    if h.kind is Kind.ERROR:
+        _raise_error(sock, h)
     if h.kind is not Kind.END:
         raise ProtocolError(f"expected END after HELLO, got {h.kind.name}")
+
+
+def _send_hello(sock: socket.socket, body: bytes) -> None:
+    send_buffers(sock, [pack_header(Kind.HELLO, length=len(body), checksum_=checksum(body)), body])
+
+
+def _raise_error(sock: socket.socket, h) -> None:
+    if h.length > MAX_CONTROL_BYTES:
+        raise ProtocolError("oversized ERROR frame")
+    msg = bytearray(h.length)
+    recv_exact(sock, memoryview(msg))
+    text = msg.decode(errors="replace")
+    if h.status is Status.UNAUTHENTICATED:
+        raise Unauthenticated(f"peer refused the token: {text}")
+    raise ConnectionError(f"peer refused the connection: {text}")  # e.g. at its limit
 
 
 def page_view(view) -> memoryview:
@@ -146,7 +170,8 @@ class TcpConfig:
     io_timeout_s: float = 30.0  # a stalled peer fails the lane after this long
     connect_timeout_s: float = 5.0
     max_idle_per_peer: int = 16
-    token: str | None = None  # sent in a HELLO on every new connection
+    token: str | None = None  # sent in a HELLO on every new connection (the data token)
+    tls: ssl.SSLContext | None = None  # a client context: the peers' data ports speak TLS
 
     def __post_init__(self) -> None:
         if min(self.lanes, self.window, self.request_bytes) < 1:
@@ -456,12 +481,15 @@ class TcpTransport(Transport):
         except ValueError as e:
             raise _BadAddress(str(e)) from None
         try:
-            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
-        except OSError as e:
+            sock = connect(
+                host,
+                port,
+                connect_timeout_s=self.config.connect_timeout_s,
+                io_timeout_s=self.config.io_timeout_s,
+                tls=self.config.tls,
+            )
+        except OSError as e:  # ssl.SSLError too: the peer is not who it should be, or no TLS
             raise _ConnectFailed(str(e)) from None
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self.config.io_timeout_s)
         lane = _Lane(sock)
         if self.config.token:
             try:

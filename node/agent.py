@@ -206,7 +206,7 @@ def start_etcd_registration(cfg: NodeConfig, node: Node, address: str) -> Regist
         ).encode()
 
     return Registration(
-        EtcdClient(cfg.etcd),
+        EtcdClient(cfg.etcd, ca_file=cfg.etcd_ca, cert_file=cfg.etcd_cert, key_file=cfg.etcd_key),
         nodes_prefix(cfg.etcd_prefix) + node.node_id,
         record,
         ttl_s=cfg.etcd_ttl_s,

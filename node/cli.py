@@ -13,12 +13,13 @@ import grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.policy import POLICIES
-from plumbing.registration import Registration, add_etcd_args, etcd_settings
+from plumbing.registration import Registration, add_etcd_args, etcd_settings, etcd_tls
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.logs import set_identity
 from rpc.server import (
     Auth,
+    InlineSecret,
     Service,
     add_server_args,
     add_token_file_arg,
@@ -123,6 +124,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-event-streams", type=int, help="Events feeds open at once (default 4)"
     )
     parser.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        help="Get and Put streams one tenant may have open at once (default: half of "
+        "--max-streams); the admin is not limited",
+    )
+    parser.add_argument(
+        "--tenant-lease-share",
+        type=float,
+        help="share (0-1] of a namespace's DRAM pages one tenant's leases and streams may hold "
+        "(pages leased to write, blocks pinned to read); more is refused with "
+        "RESOURCE_EXHAUSTED (default 0.5)",
+    )
+    parser.add_argument(
+        "--tenant-max-leases", type=int, help="live leases one tenant may hold (default 1024)"
+    )
+    parser.add_argument(
+        "--tenant-lease-lifetime",
+        dest="tenant_lease_lifetime_s",
+        type=float,
+        help="seconds a tenant's lease lives at most from its grant, extensions included "
+        "(default 600)",
+    )
+    parser.add_argument(
         "--stream-idle-timeout",
         dest="stream_idle_timeout_s",
         type=float,
@@ -133,7 +157,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--conductor", type=address_arg, help="conductor address to register with (optional)"
     )
-    parser.add_argument("--conductor-token", help="bearer token for the conductor")
+    parser.add_argument(
+        "--conductor-token",
+        action=InlineSecret,
+        help="bearer token for the conductor (prefer --conductor-token-file)",
+    )
     add_token_file_arg(
         parser, "--conductor-token-file", "conductor_token", "--conductor-token, from a file"
     )
@@ -170,7 +198,12 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "max_streams": args.max_streams,
         "max_event_streams": args.max_event_streams,
         "stream_idle_timeout_s": args.stream_idle_timeout_s,
+        "max_streams_per_tenant": args.max_streams_per_tenant,
+        "tenant_lease_share": args.tenant_lease_share,
+        "tenant_max_leases": args.tenant_max_leases,
+        "tenant_lease_lifetime_s": args.tenant_lease_lifetime_s,
         "token": args.token,
+        "service_token": args.service_token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "metrics_port": args.metrics_port,
@@ -184,6 +217,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "etcd": args.etcd,
         "etcd_prefix": args.etcd_prefix,
         "etcd_ttl_s": args.etcd_ttl_s,
+        "etcd_ca": args.etcd_ca,
+        "etcd_cert": args.etcd_cert,
+        "etcd_key": args.etcd_key,
         "dram": args.dram,
         "gpu": args.gpu,
         "ssd": args.ssd,
@@ -218,6 +254,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
             f"--max-streams + --max-event-streams must leave {MIN_UNARY_WORKERS} of the "
             f"{WORKERS} gRPC workers to unary calls: at most {WORKERS - MIN_UNARY_WORKERS}"
         )
+    if cfg.max_streams_per_tenant is not None and cfg.max_streams_per_tenant < 1:
+        raise KVStoreError("--max-streams-per-tenant must be >= 1")
     if not 0 < cfg.stream_idle_timeout_s < float("inf"):
         raise KVStoreError("--stream-idle-timeout must be finite seconds > 0")
     if cfg.etcd and cfg.conductor:
@@ -235,9 +273,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = build_config(args)
         if cfg.etcd:
             urls, cfg.etcd_prefix = etcd_settings("node", cfg.etcd, cfg.etcd_prefix, cfg.etcd_ttl_s)
+            etcd_tls("node", cfg)  # the files exist, cert and key go together
             cfg.etcd = ",".join(urls)
         # NOTE: validated before the node exists, so a bad flag leaves no shared memory behind.
-        auth = Auth.from_args(cfg.token, cfg.tenant_tokens)
+        auth = Auth.from_args(cfg.token, cfg.tenant_tokens, cfg.service_token)
         tls = tls_from_args(cfg)
         node = Node(cfg)
     except (KVStoreError, TypeError, ValueError, OSError) as e:
@@ -251,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         max_streams=cfg.max_streams,
         max_event_streams=cfg.max_event_streams,
         stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+        max_streams_per_tenant=cfg.max_streams_per_tenant,
     )
     agent: NodeAgent | None = None
     registration: Registration | None = None
@@ -298,5 +338,7 @@ def run(args: argparse.Namespace) -> int:
             on_stopping=on_stopping,
             close=node.close,
             workers=WORKERS,
+            open_stream_timeout_s=args.open_stream_timeout,
+            health_listen=args.health_listen,
         )
     )

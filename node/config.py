@@ -93,7 +93,13 @@ class NodeConfig:
     max_streams: int = 16  # Get and Put at once
     max_event_streams: int = 4  # Events feeds at once
     stream_idle_timeout_s: float = 30.0
+    # What one tenant may hold (node/quotas.py); the admin is not limited.
+    max_streams_per_tenant: int | None = None  # None: half of max_streams
+    tenant_lease_share: float = 0.5
+    tenant_max_leases: int = 1024
+    tenant_lease_lifetime_s: float = 600.0
     token: str | None = None
+    service_token: str | None = None  # the conductor's feeds: Events only (rpc.server.SERVICE)
     tenant_tokens: list[str] = field(default_factory=list)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -111,6 +117,9 @@ class NodeConfig:
     etcd: str | None = None
     etcd_prefix: str = "/kvcache"
     etcd_ttl_s: int = 5
+    etcd_ca: str | None = None  # https:// etcd: its CA, and this node's client certificate
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
 
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
         """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""

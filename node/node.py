@@ -20,6 +20,7 @@ from kvstore.store import StoreConfig, TieredStore
 
 from .config import NodeConfig
 from .events import EventHub
+from .quotas import TenantLimits, TenantQuotas
 from .segments import TenantSegments
 from .sessions import Sessions
 
@@ -49,6 +50,11 @@ class Node:
         self._stop = threading.Event()
         self.segments: TenantSegments | None = None
         self.sessions: Sessions | None = None
+        limits = TenantLimits(
+            lease_share=config.tenant_lease_share,
+            max_leases=config.tenant_max_leases,
+            max_lease_lifetime_s=config.tenant_lease_lifetime_s,
+        )  # NOTE: checked before any shared memory exists
         # With tenants, shared memory is per tenant (node/segments.py): the DRAM pool lives in a
         # private memfd, and no /dev/shm name is ever created.
         private = bool(config.tenant_tokens)
@@ -97,6 +103,7 @@ class Node:
                         on_event=self.hub.notify,
                     ),
                 )
+            self.quotas = TenantQuotas(self.stores, limits)
             if private:
                 self.segments = TenantSegments(self.stores)
                 _not_dumpable()
@@ -180,6 +187,7 @@ class Node:
         return store
 
     def disown(self, namespace: str, lease_id: int) -> None:
+        self.quotas.ended(namespace, lease_id)
         with self._owners_lock:
             owner = self._owners.pop((namespace, lease_id), None)
         if owner is not None and owner[2] and self.sessions is not None:

@@ -127,9 +127,8 @@ class TenantSegments:
 
     def _answer(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             try:
-                presented = read_hello(conn)
+                presented = read_hello(conn, HANDSHAKE_TIMEOUT_S)  # the whole line, not a read
             except OSError:
                 return
             with self._lock:

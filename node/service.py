@@ -9,7 +9,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
+from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.events import EventKind
 from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
@@ -42,6 +42,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         max_streams: int = 16,
         max_event_streams: int = 4,
         stream_idle_timeout_s: float = 30.0,
+        max_streams_per_tenant: int | None = None,
     ) -> None:
         self.node = node
         self.auth = auth
@@ -52,7 +53,11 @@ class NodeServicer(pbg.NodeServiceServicer):
         # always find a worker, and cut streams whose client stopped sending or reading.
         refused = lambda m: metrics.streams_refused.labels(m).inc()  # noqa: E731
         cut = lambda m: metrics.streams_cut.labels(m).inc()  # noqa: E731
-        self.streams = StreamGate("Get/Put", max_streams, stream_idle_timeout_s, refused, cut)
+        # One tenant holds at most its share of them (the admin's are not bucketed).
+        per_tenant = max_streams_per_tenant or max(1, max_streams // 2)
+        self.streams = StreamGate(
+            "Get/Put", max_streams, stream_idle_timeout_s, refused, cut, per_peer_limit=per_tenant
+        )
         self.event_streams = StreamGate(
             "Events", max_event_streams, stream_idle_timeout_s, refused, cut
         )
@@ -151,11 +156,23 @@ class NodeServicer(pbg.NodeServiceServicer):
             hit_blocks=res.hits, total_blocks=len(sel.keys), tier_codes=res.tier_codes
         )
 
+    def _lease_ttl(
+        self, store: TieredStore, tenant: str, ttl_s: float, lease_id: int | None = None
+    ) -> float:
+        """The lease time asked for (0: the node's default), within a tenant's lease lifetime."""
+        ttl = self._ttl(ttl_s) or store.config.lease_ttl_s
+        return self.node.quotas.ttl(store.namespace, lease_id, tenant, ttl)
+
     @observed
     def Allocate(self, request, context):
         sel, tenant = self._select(request.blocks, context)
         store, session = sel.store, self._session(request.session)
-        lease = store.allocate(sel.keys, self._ttl(request.ttl_s))
+        ttl = self._lease_ttl(store, tenant, request.ttl_s)
+        quotas = self.node.quotas
+        with quotas.reserve(tenant, store.namespace, len(sel.keys)) as held:
+            quotas.make_room(store, tenant, len(sel.keys))
+            lease = store.allocate(sel.keys, ttl)
+            held.bind(lease.lease_id, len(lease.to_write), [lease.keys[i] for i in lease.to_write])
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
         if self.node.segments is not None:  # written in the tenant's segment, copied at Commit
             self.node.segments.hold(store.namespace, lease.lease_id, tenant, lease.slots)
@@ -206,7 +223,9 @@ class NodeServicer(pbg.NodeServiceServicer):
                         pass  # expired already
                     raise
             # Written by the client or by fill; a length mismatch leaves the lease as it was.
-            return store.commit(lease_id, written_in_place=True, checksums=sums)
+            result = store.commit(lease_id, written_in_place=True, checksums=sums)
+            self.node.quotas.committed(store.namespace, lease_id)
+            return result
 
         res = self._end_lease(request, context, commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
@@ -223,7 +242,10 @@ class NodeServicer(pbg.NodeServiceServicer):
         if request.prefix_only:
             keys = self._prefix(store, keys)
         n = len(keys)
-        lease = store.acquire(keys, self._ttl(request.ttl_s), into=Tier.DRAM)
+        ttl = self._lease_ttl(store, tenant, request.ttl_s)
+        with self.node.quotas.reserve(tenant, store.namespace, 0) as held:
+            lease = store.acquire(keys, ttl, into=Tier.DRAM)
+            self._bind_read(store, held, lease)
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
         offsets = self._offsets(store, lease)
         tiers = [tier_to_pb(t) for t in lease.tiers]
@@ -255,6 +277,15 @@ class NodeServicer(pbg.NodeServiceServicer):
                 log.warning("dropped a corrupt DRAM page of %s on Acquire", store.namespace)
                 offsets[i], tiers[i] = -1, cpb.TIER_UNSPECIFIED
 
+    @staticmethod
+    def _bind_read(store: TieredStore, held, lease: ReadLease) -> None:
+        """Count a read lease's pins against its tenant's share; over it, the lease ends."""
+        try:
+            held.bind(lease.lease_id, lease.found)
+        except CapacityExhausted:
+            store.release(lease.lease_id)
+            raise
+
     @observed
     def OpenShm(self, request, context):
         segs = self.node.segments
@@ -281,7 +312,8 @@ class NodeServicer(pbg.NodeServiceServicer):
     def ExtendLease(self, request, context):
         tenant = self.auth.tenant(context)
         store = self.node.check_owner(request.namespace, request.lease_id, tenant)
-        deadline = store.extend(request.lease_id, self._ttl(request.ttl_s))
+        ttl = self._lease_ttl(store, tenant, request.ttl_s, request.lease_id)
+        deadline = store.extend(request.lease_id, ttl)
         self.node.own(request.namespace, request.lease_id, tenant, deadline)
         return pb.ExtendLeaseReply(ttl_s=deadline - time.monotonic())
 
@@ -316,22 +348,50 @@ class NodeServicer(pbg.NodeServiceServicer):
                     expired_leases=s.expired_leases,
                 )
             )
-        return pb.StatsReply(namespaces=out)
+        streams = {k: v for k, v in self.streams.open_by_owner().items() if k}
+        tenants = [
+            pb.TenantUsage(
+                tenant=u.tenant,
+                leases=u.leases,
+                leased_pages=u.leased_pages,
+                stored_blocks=u.stored_blocks,
+                streams=u.streams,
+            )
+            for u in self.node.quotas.usage(streams)
+        ]
+        return pb.StatsReply(namespaces=out, tenants=tenants)
 
     # ---- streamed page bytes ----------------------------------------------------------------
 
+    def _stream_owner(self, context) -> str | None:
+        """Whose share of the streams a stream takes: its tenant's (None: the admin's, which
+        are not bucketed)."""
+        return self.auth.tenant(context) or None
+
     @observed
     def Put(self, request_iterator, context):
-        with self.streams.open("Put", context) as watch:
+        with self.streams.open("Put", context, owner=self._stream_owner(context)) as watch:
             return self._put(watch.receive(request_iterator), context)
 
     def _put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("a Put stream must start with a header naming the blocks")
-        sel, _ = self._select(first.header.blocks, context)
+        sel, tenant = self._select(first.header.blocks, context)
+        store, quotas = sel.store, self.node.quotas
+        with quotas.reserve(tenant, store.namespace, len(sel.keys)) as held:
+            quotas.make_room(store, tenant, len(sel.keys))
+            lease = store.allocate(sel.keys)
+            held.bind(lease.lease_id, len(lease.to_write), [lease.keys[i] for i in lease.to_write])
+        try:
+            reply = self._put_pages(request_iterator, sel, lease)
+            quotas.committed(store.namespace, lease.lease_id)
+            return reply
+        finally:
+            quotas.ended(store.namespace, lease.lease_id)
+
+    def _put_pages(self, request_iterator, sel: Selection, lease):
         store, page = sel.store, sel.store.layout.page_bytes
-        lease = store.allocate(sel.keys)
         ttl = store.config.lease_ttl_s
         views = [store.page_view(lease, i) if s >= 0 else None for i, s in enumerate(lease.slots)]
         total, pos = len(sel.keys) * page, 0
@@ -375,17 +435,19 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed_stream
     def Get(self, request, context) -> Iterator[pb.GetChunk]:
-        with self.streams.open("Get", context) as watch:
+        with self.streams.open("Get", context, owner=self._stream_owner(context)) as watch:
             yield from watch.send(self._get(request, context))
 
     def _get(self, request, context) -> Iterator[pb.GetChunk]:
-        sel, _ = self._select(request.blocks, context)
+        sel, tenant = self._select(request.blocks, context)
         store, page = sel.store, sel.store.layout.page_bytes
         keys = self._prefix(store, sel.keys) if request.prefix_only else sel.keys
         chunk = request.chunk_bytes or STREAM_CHUNK_BYTES
         if chunk > 16 << 20:
             raise InvalidArgument("chunk_bytes must be <= 16 MiB")
-        lease = store.acquire(keys)
+        with self.node.quotas.reserve(tenant, store.namespace, 0) as held:
+            lease = store.acquire(keys)
+            self._bind_read(store, held, lease)
         try:
             found = [s >= 0 for s in lease.slots] + [False] * (len(sel.keys) - len(keys))
             yield pb.GetChunk(header=pb.GetHeader(found=found, page_bytes=page))
@@ -402,6 +464,7 @@ class NodeServicer(pbg.NodeServiceServicer):
                     yield pb.GetChunk(data=buf[off : off + chunk].tobytes())
                 self.metrics.stream_bytes.labels("get").inc(page)
         finally:
+            self.node.quotas.ended(store.namespace, lease.lease_id)
             try:
                 store.release(lease.lease_id)
             except KVStoreError:
@@ -411,7 +474,7 @@ class NodeServicer(pbg.NodeServiceServicer):
 
     @observed_stream
     def Events(self, request, context) -> Iterator[pb.EventBatch]:
-        self.auth.require_admin(context, "the event feed (Events)")
+        self.auth.require_admin(context, "the event feed (Events)", service_ok=True)
         # An Events stream waiting for events is not idle: only a send its client does not take
         # counts, so the conductor's feed lives on, and a feed nobody reads is cut.
         with self.event_streams.open("Events", context) as watch:

@@ -38,6 +38,9 @@ from kvstore.shm import SESSION_HELLO, socket_address
 
 log = logging.getLogger(__name__)
 MAX_SESSIONS = 256  # each holds two descriptors (connection, pidfd); more are refused
+# Anyone on the host can connect: one user (uid) may hold this many, so another user's flood
+# cannot take every session of the node.
+MAX_SESSIONS_PER_UID = 64
 MAX_TOMBSTONES = 4096  # ids of dead sessions kept: an Allocate still in flight ends at once
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -49,6 +52,7 @@ class _Session:
     conn: socket.socket | None
     pidfd: int | None
     leases: set[Hashable] = field(default_factory=set)
+    uid: int = -1
 
     @property
     def gone(self) -> bool:
@@ -130,18 +134,26 @@ class Sessions:
             return
         sid, pidfd = b"", None
         try:
-            pid = _UCRED.unpack(
+            pid, uid, _ = _UCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )[0]
+            )
             with self._lock:
                 full = len(self._live) >= MAX_SESSIONS
-            if full:
-                log.warning("session socket: %d sessions open; refused one", MAX_SESSIONS)
+                mine = sum(1 for s in self._live.values() if s.uid == uid)
+            if full or mine >= MAX_SESSIONS_PER_UID:
+                log.warning(
+                    "session socket: %s; refused one (pid %d, uid %d)",
+                    f"{MAX_SESSIONS} sessions open"
+                    if full
+                    else f"uid {uid} holds {MAX_SESSIONS_PER_UID} sessions",
+                    pid,
+                    uid,
+                )
                 conn.close()
                 return
             pidfd = _pidfd(pid)
             sid = secrets.token_bytes(16)
-            session = _Session(sid, pid, conn, pidfd)
+            session = _Session(sid, pid, conn, pidfd, uid=uid)
             # NOTE: live before the client learns its id: its first Allocate may arrive on
             # another thread the moment the hello is out, and an unknown id ties nothing.
             with self._lock:

@@ -195,12 +195,21 @@ class EtcdClient:
         timeout_s: float = 2.0,
         ca_file: str | None = None,
         campaign_timeout_s: float = 30.0,
+        cert_file: str | None = None,
+        key_file: str | None = None,
     ) -> None:
+        """``ca_file``: verify ``https://`` endpoints against it; ``cert_file`` / ``key_file``:
+        this client's certificate, for an etcd that authenticates clients by theirs
+        (``--client-cert-auth``: its common name is the etcd user)."""
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
         self._session = requests.Session()
         if ca_file:
             self._session.verify = ca_file
+            # NOTE: else $REQUESTS_CA_BUNDLE, when set, replaces the cluster's CA per request.
+            self._session.trust_env = False
+        if cert_file:
+            self._session.cert = (cert_file, key_file) if key_file else cert_file
         # One etcd3gw client per endpoint for ordinary calls, and one with a long read timeout
         # for Campaign, which blocks until its candidate leads; both share the session's pool.
         self._clients = [self._gateway(url, timeout_s) for url in self.endpoints]

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpc.server import TOKEN_ENV
+
 
 def free_port(host: str) -> int:
     """A port free on ``host`` now (the caller tells a process to listen there)."""
@@ -106,6 +108,13 @@ def still_same_process(pid: int, identity: dict[str, Any]) -> str | None:
     return None
 
 
+def child_environ() -> dict[str, str]:
+    """This process's environment less the admin token (``$KVCACHE_TOKEN``): a child gets its
+    secrets in files, never in an environment every process of its user can read
+    (/proc/PID/environ) and that it hands on to its own children."""
+    return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+
+
 def start_service(
     args: list[str],
     timeout_s: float = 60.0,
@@ -126,7 +135,7 @@ def start_service(
         stderr=log_file,
         text=True,
         bufsize=1,
-        env={**os.environ, **(env or {})},
+        env={**child_environ(), **(env or {})},
         start_new_session=new_session,
     )
     log_file.close()

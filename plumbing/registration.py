@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -256,6 +257,42 @@ def add_etcd_args(parser: Any, defaults: bool = True) -> None:
         help=f"lease of this process's etcd record, whole seconds (default {DEFAULT_TTL_S}): "
         "a process that dies disappears from the cluster this long after",
     )
+    parser.add_argument(
+        "--etcd-ca", default=None, metavar="PEM", help="CA to verify https:// etcd endpoints"
+    )
+    parser.add_argument(
+        "--etcd-cert",
+        default=None,
+        metavar="PEM",
+        help="this process's client certificate for an etcd that authenticates its clients "
+        "(--client-cert-auth): only the cluster's processes may write its membership",
+    )
+    parser.add_argument("--etcd-key", default=None, metavar="PEM", help="--etcd-cert's key")
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """``--etcd-ca`` / ``--etcd-cert`` / ``--etcd-key``."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def client(self, endpoints: Any) -> EtcdClient:
+        return EtcdClient(
+            endpoints, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file
+        )
+
+
+def etcd_tls(role: str, args: Any) -> EtcdTls:
+    """The checked etcd TLS flags (a SystemExit naming the flag to fix)."""
+    ca, cert, key = args.etcd_ca, args.etcd_cert, args.etcd_key
+    if bool(cert) != bool(key):
+        raise SystemExit(f"kvcache {role}: --etcd-cert and --etcd-key go together")
+    for flag, path in (("--etcd-ca", ca), ("--etcd-cert", cert), ("--etcd-key", key)):
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"kvcache {role}: {flag}: no such file {path}")
+    return EtcdTls(ca, cert, key)
 
 
 def etcd_settings(role: str, endpoints: str, prefix: str, ttl_s: int) -> tuple[list[str], str]:

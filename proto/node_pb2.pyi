@@ -262,11 +262,27 @@ class NamespaceStats(_message.Message):
     expired_leases: int
     def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., blocks: _Optional[int] = ..., hits: _Optional[_Mapping[str, int]] = ..., misses: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., write_leases: _Optional[int] = ..., read_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ...) -> None: ...
 
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "leases", "leased_pages", "stored_blocks", "streams")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    leases: int
+    leased_pages: int
+    stored_blocks: int
+    streams: int
+    def __init__(self, tenant: _Optional[str] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces",)
+    __slots__ = ("namespaces", "tenants")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq", "resync")

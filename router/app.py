@@ -3,6 +3,13 @@ with server-sent events or not) and ``/v1/models``, plus ``/health`` and Prometh
 ``/metrics``. Each completion is served disaggregated by ``disagg.Disaggregator``; the response
 carries ``x-kvcache-*`` headers saying where it ran and what moved (``Served.headers``).
 
+What the cache did for a request is the operator's to see, not the caller's: whether a prompt
+was cached tells a caller whether someone sent it before (prompts recovered block by block, the
+class of vLLM's CVE-2025-46570). So the ``x-kvcache-*`` headers and the usage's
+``prompt_tokens_details`` (the engines' cached tokens) go only to the operator (``admin_key``;
+with no key at all, every caller), and only with ``debug_headers`` on; everyone else gets
+``x-request-id`` and the token counts alone.
+
 Every completion has a request id: the client's ``X-Request-Id``, or one the router makes. It
 is sent to the engines as their ``X-Request-Id`` (vLLM names the request after it in its logs
 and its response ``id``), and comes back in the ``x-request-id`` header and in every error body
@@ -39,7 +46,12 @@ _OUTCOME = {429: "rejected", 503: "unavailable"}
 MAX_REQUEST_ID = 256
 
 
-def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
+def create_app(
+    options: RouterOptions,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    debug_headers: bool = False,
+) -> FastAPI:
     metrics = RouterMetrics()
     metrics.max_inflight.set(options.max_inflight)
     disagg = Disaggregator(options, metrics)
@@ -53,13 +65,30 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="kvcache router", lifespan=lifespan)
     app.state.disagg = disagg
     expected = f"Bearer {api_key}".encode() if api_key else None
+    operator = f"Bearer {admin_key}".encode() if admin_key else None
+
+    def is_operator(request: Request) -> bool:
+        given = request.headers.get("authorization", "").encode()
+        return operator is not None and secrets.compare_digest(given, operator)
+
+    def reveal(request: Request) -> bool:
+        """Whether this caller sees what the cache did (``debug_headers``, operator only)."""
+        if not debug_headers:
+            return False
+        if operator is None and expected is None:
+            return True  # no keys at all: every caller is the operator (a local demo)
+        return is_operator(request)
 
     # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
     # receive channel): a completion watches that channel, as uvicorn gives it, for its client
     # leaving.
     def authorize(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
-        if expected is not None and not secrets.compare_digest(given, expected):
+        if (
+            expected is not None
+            and not secrets.compare_digest(given, expected)
+            and not is_operator(request)
+        ):
             raise RouterError(
                 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
             )
@@ -170,17 +199,19 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             metrics.requests.labels("cut").inc()
             return Response(status_code=499, headers={"x-request-id": rid})
         served, result = work.result()
+        shown = reveal(request)
+        headers = served.headers() if shown else {"x-request-id": rid}
         if isinstance(result, EngineStream):
-            relay = _Relay(result, served, t0)
+            relay = _Relay(result, served, t0, shown)
             return StreamingResponse(
                 relay.events(),
                 media_type="text/event-stream",
-                headers=served.headers(),
+                headers=headers,
                 background=BackgroundTask(relay.close),
             )
         metrics.requests.labels("ok").inc()
         metrics.stage.labels("total").observe(time.perf_counter() - t0)
-        return JSONResponse(result, headers=served.headers())
+        return JSONResponse(result if shown else _private(result), headers=headers)
 
     async def _serve(
         call: Completion, model: ModelInfo, rid: str, own: bool
@@ -194,8 +225,8 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
         ends as if whole. ``close`` runs once: when the stream ends, or after the response if
         it never began (the client left first)."""
 
-        def __init__(self, stream: EngineStream, served: Served, t0: float) -> None:
-            self.stream, self.served, self.t0 = stream, served, t0
+        def __init__(self, stream: EngineStream, served: Served, t0: float, shown: bool) -> None:
+            self.stream, self.served, self.t0, self.shown = stream, served, t0, shown
             self.closed = False
 
         async def events(self) -> AsyncIterator[bytes]:
@@ -207,6 +238,8 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
                     if first:
                         metrics.stage.labels("first_token").observe(time.perf_counter() - t)
                         first = False
+                    if not self.shown and b"prompt_tokens_details" in data:
+                        data = _private_event(data)
                     yield b"data: " + data + b"\n\n"
                 outcome = "ok"
             except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
@@ -238,6 +271,26 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _private(reply: dict[str, Any]) -> dict[str, Any]:
+    """An engine's reply without what its cache did (``usage.prompt_tokens_details``)."""
+    usage = reply.get("usage")
+    if isinstance(usage, dict) and "prompt_tokens_details" in usage:
+        reply = {**reply, "usage": {k: v for k, v in usage.items() if k != "prompt_tokens_details"}}
+    return reply
+
+
+def _private_event(data: bytes) -> bytes:
+    try:
+        event = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return data  # not an event with usage ([DONE]); nothing to take out
+    return (
+        json.dumps(_private(event), separators=(",", ":")).encode()
+        if isinstance(event, dict)
+        else data
+    )
 
 
 def _outcome(status: int) -> str:

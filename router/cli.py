@@ -17,7 +17,7 @@ import os
 import socket
 from typing import Any
 
-from rpc.server import TOKEN_ENV, add_token_file_arg, announce_ready
+from rpc.server import TOKEN_ENV, InlineSecret, add_token_file_arg, announce_ready
 
 from .disagg import RouterOptions
 from .engines import Engine, EngineTimeouts
@@ -52,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,
+        action=InlineSecret,
         help=f"the cluster's admin token (Schedule, messenger transfers); also ${TOKEN_ENV}",
     )
     add_token_file_arg(parser, "--token-file", "token", "the cluster's token, from a file")
@@ -59,9 +60,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
+        action=InlineSecret,
         help="require 'Authorization: Bearer KEY' from HTTP clients (/v1/*)",
     )
     add_token_file_arg(parser, "--api-key-file", "api_key", "--api-key, from a file")
+    add_token_file_arg(
+        parser,
+        "--admin-key-file",
+        "admin_key",
+        "the operator's key (a file): 'Authorization: Bearer KEY' with it is served as with "
+        "the API key, and sees what --debug-headers shows",
+    )
+    parser.add_argument(
+        "--debug-headers",
+        action="store_true",
+        help="show the operator (--admin-key-file; with no key at all, every caller) where a "
+        "request ran and how much of its prompt was cached: the x-kvcache-* headers and the "
+        "usage's cached tokens. Off by default: they tell any caller whether a guessed prompt "
+        "is cached, so other users' prompts could be recovered block by block",
+    )
     parser.add_argument(
         "--namespace", default=None, help="the layout namespace (default: the one nodes serve)"
     )
@@ -206,7 +223,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvcache router: cannot listen on {args.listen}: {e.strerror}") from None
     sock.listen(1024)
     address = f"{host}:{sock.getsockname()[1]}"
-    app = create_app(options, api_key=args.api_key)
+    if args.debug_headers and args.api_key and not args.admin_key:
+        raise SystemExit(
+            "kvcache router: --debug-headers needs --admin-key-file when --api-key is set: the "
+            "headers are the operator's, not every API client's"
+        )
+    app = create_app(
+        options, api_key=args.api_key, admin_key=args.admin_key, debug_headers=args.debug_headers
+    )
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -507,7 +507,13 @@ class Disaggregator:
 
     def _conductor_error(self, e: KVCacheRpcError) -> RouterError:
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return RouterError(429, e.details, "rate_limit_exceeded")
+            # NOTE: the conductor's estimate depends on how much of the prompt is cached, which
+            # is not the caller's to learn (app.py): the reason goes out, the figures to the log.
+            public, sep, _ = e.details.partition(": best estimate")
+            if sep:
+                log.info("conductor refused a request: %s", e.details)
+                public += "; retry later or relax the SLO"
+            return RouterError(429, public, "rate_limit_exceeded")
         if e.code == grpc.StatusCode.INVALID_ARGUMENT:
             return RouterError(400, e.details)
         if e.code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -16,20 +17,24 @@ from types import FrameType
 from typing import Any, Callable, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from .channel import CHANNEL_OPTIONS
 from .logs import CURRENT, RequestContext
+from .open_services import DEFAULT_TIMEOUT_S, OPEN_METHODS, OpenServices
 
 log = logging.getLogger(__name__)
 
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+SERVICE = "\x00service"  # the identity of --service-token-file (no tenant name can be it)
 
 
 @dataclass
 class Auth:
-    """Bearer tokens -> tenant names. No tokens: auth off and every caller is tenant ``""``."""
+    """Bearer tokens -> identities: "" the admin, a tenant's name, or ``SERVICE``: the cluster's
+    own services (the conductor's event feeds and transfer hook), which may do only what each
+    server lets them (``require_admin(..., service_ok=True)``) and nothing a tenant or the admin
+    does. No tokens: auth off and every caller is the admin."""
 
     tokens: dict[str, str] = field(default_factory=dict)
 
@@ -38,8 +43,11 @@ class Auth:
         return bool(self.tokens)
 
     @classmethod
-    def from_args(cls, token: str | None, tenants: Iterable[str] = ()) -> "Auth":
-        """``--token T`` (admin, tenant "") plus ``--tenant-token TOKEN=TENANT`` entries."""
+    def from_args(
+        cls, token: str | None, tenants: Iterable[str] = (), service_token: str | None = None
+    ) -> "Auth":
+        """``--token T`` (admin, tenant "") plus ``--tenant-token TOKEN=TENANT`` entries and the
+        ``--service-token-file`` token."""
         tokens: dict[str, str] = {}
         if token:
             tokens[token] = ""
@@ -48,10 +56,14 @@ class Auth:
             if not sep or not tok or not tenant:
                 raise ValueError(f"--tenant-token expects TOKEN=TENANT, got {item!r}")
             tokens[tok] = tenant
+        if service_token:
+            if service_token in tokens:
+                raise ValueError("the service token must differ from the admin and tenant tokens")
+            tokens[service_token] = SERVICE
         return cls(tokens)
 
     def check_metadata(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
-        """The caller's tenant, or None when the token is missing or wrong."""
+        """The caller's identity, or None when the token is missing or wrong."""
         if not self.enabled:
             return ""
         for key, value in metadata or ():
@@ -59,27 +71,48 @@ class Auth:
                 return self.tokens.get(value[len("Bearer ") :])
         return None
 
-    def tenant(self, context: grpc.ServicerContext) -> str:
-        tenant = self.check_metadata(context.invocation_metadata())
-        if tenant is None:  # the interceptor already rejected it; belt and braces
+    def identity(self, context: grpc.ServicerContext) -> str:
+        """The caller: "" (admin), a tenant, or ``SERVICE``."""
+        who = self.check_metadata(context.invocation_metadata())
+        if who is None:  # the interceptor already rejected it; belt and braces
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
             raise AssertionError("context.abort returned")
-        return tenant
+        return who
 
-    def require_admin(self, context: grpc.ServicerContext, what: str) -> None:
-        """PERMISSION_DENIED unless the caller holds the admin token (tenant ""): cluster-wide
-        views and moves of stored, already tenant-scoped keys are the operator's."""
-        if self.tenant(context) != "":
+    def tenant(self, context: grpc.ServicerContext) -> str:
+        """The caller's tenant ("" the admin); PERMISSION_DENIED for the service identity."""
+        who = self.identity(context)
+        if who == SERVICE:
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{what} needs the admin token (--token), not a tenant token",
+                "the service token may only read event feeds and submit transfers; this call "
+                "needs the admin token or a tenant's",
             )
             raise AssertionError("context.abort returned")
+        return who
+
+    def require_admin(
+        self, context: grpc.ServicerContext, what: str, service_ok: bool = False
+    ) -> None:
+        """PERMISSION_DENIED unless the caller holds the admin token (tenant ""), or with
+        ``service_ok`` the service token: cluster-wide views and moves of stored, already
+        tenant-scoped keys are the operator's (and its services')."""
+        who = self.identity(context)
+        if who == "" or (service_ok and who == SERVICE):
+            return
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{what} needs the admin token (--token)"
+            + (" or the service token (--service-token-file)" if service_ok else "")
+            + ", not a tenant token",
+        )
+        raise AssertionError("context.abort returned")
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, auth: Auth) -> None:
+    def __init__(self, auth: Auth, open_methods: tuple[str, ...] = ()) -> None:
         self._auth = auth
+        self._open = OPEN_METHODS + open_methods
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(
@@ -92,7 +125,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
-        if not self._auth.enabled or details.method.startswith(_OPEN_METHODS):
+        if not self._auth.enabled or details.method.startswith(self._open):
             return continuation(details)
         if self._auth.check_metadata(details.invocation_metadata) is not None:
             return continuation(details)
@@ -112,8 +145,10 @@ class _LogContextInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         handler = continuation(details)
-        if handler is None:
-            return None
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            # NOTE: wrapped, their handlers would lose their own thread pool and Health.Watch
+            # its non-blocking form (rpc/open_services.py): each stream would hold an API worker.
+            return handler
         method, metadata = details.method, details.invocation_metadata
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -169,14 +204,17 @@ class TlsConfig:
 
 
 def make_server(
-    auth: Auth, max_workers: int = 32, max_concurrent_rpcs: int | None = None
+    auth: Auth,
+    max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
+    open_methods: tuple[str, ...] = (),
 ) -> grpc.Server:
     """A thread-pool server; calls beyond ``max_concurrent_rpcs`` (default 8 per worker) in
     flight are refused with RESOURCE_EXHAUSTED. Without tokens there is no auth interceptor:
     it would only pass every call on."""
     interceptors: list[Any] = [_LogContextInterceptor()]
     if auth.enabled:
-        interceptors.append(_AuthInterceptor(auth))
+        interceptors.append(_AuthInterceptor(auth, open_methods))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -201,22 +239,55 @@ def bind(server: grpc.Server, address: str, tls: TlsConfig | None = None) -> int
 
 
 def add_health_and_reflection(
-    server: grpc.Server, service_names: Sequence[str]
-) -> health.HealthServicer:
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in [*service_names, ""]:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    names = [
-        *service_names,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    ]
-    reflection.enable_server_reflection(names, server)
-    return servicer
+    server: grpc.Server, service_names: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> OpenServices:
+    """Health checking and reflection (no token needed), on a pool of their own and with their
+    streams capped and timed out (rpc/open_services.py); ``.health`` is the health servicer."""
+    services = OpenServices(timeout_s)
+    services.add_to(server, service_names)
+    return services
 
 
 TOKEN_ENV = "KVCACHE_TOKEN"
+INLINE_SECRETS = "inline_secrets"  # the args attribute naming the secrets given inline
+
+
+class InlineSecret(argparse.Action):
+    """A secret given on the command line, where every local user can read it in
+    /proc/PID/cmdline: stored (appended with ``nargs="append"``-style ``append=True``) and named
+    in ``args.inline_secrets`` for ``warn_inline_secrets``."""
+
+    def __init__(self, *args: Any, append: bool = False, **kwargs: Any) -> None:
+        self.append = append
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if self.append:
+            setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+        else:
+            setattr(namespace, self.dest, values)
+        given = list(getattr(namespace, INLINE_SECRETS, None) or [])
+        setattr(namespace, INLINE_SECRETS, [*given, option_string or self.dest])
+
+
+def warn_inline_secrets(args: argparse.Namespace) -> None:
+    """A warning per secret given on the command line (its file form keeps it out of /proc)."""
+    for flag in dict.fromkeys(getattr(args, INLINE_SECRETS, None) or []):
+        log.warning(
+            "%s was given on the command line, where every local user can read it "
+            "(/proc/PID/cmdline): give it in a file instead (%s)",
+            flag,
+            _FILE_FORM.get(flag, f"{flag}-file"),
+        )
+
+
+_FILE_FORM = {"--tenant-token": "--tenant-tokens-file"}
 
 
 def read_secret(path: str) -> str:
@@ -275,6 +346,29 @@ def address_arg(text: str) -> str:
     return f"{host}:{port}"
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: finite seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected finite seconds > 0, got {text!r}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.0.0.1:0") -> None:
     """The options every kvcache server takes."""
     parser.add_argument(
@@ -286,16 +380,27 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,
+        action=InlineSecret,
         help="require 'authorization: Bearer TOKEN' (admin, tenant ''); visible to local users "
-        f"in /proc: prefer --token-file or ${TOKEN_ENV}",
+        f"in /proc (a warning says so): prefer --token-file or ${TOKEN_ENV}",
     )
     add_token_file_arg(parser, "--token-file", "token", "the admin token (--token), from a file")
     parser.add_argument(
         "--tenant-token",
-        action="append",
+        action=InlineSecret,
+        append=True,
         default=[],
         metavar="TOKEN=TENANT",
-        help="another accepted token and the tenant it maps to (repeatable)",
+        help="another accepted token and the tenant it maps to (repeatable); visible to local "
+        "users in /proc: prefer --tenant-tokens-file",
+    )
+    add_token_file_arg(
+        parser,
+        "--service-token-file",
+        "service_token",
+        "the token of the cluster's own services (the conductor's event feeds and transfer "
+        "hook): it may read a node's event feed and submit a messenger's transfers, nothing "
+        "else",
     )
     parser.add_argument(
         "--tenant-tokens-file",
@@ -304,6 +409,22 @@ def add_server_args(parser: argparse.ArgumentParser, default_listen: str = "127.
         type=read_tenant_tokens,
         metavar="PATH",
         help="TOKEN=TENANT lines (blank lines and # comments ignored), as --tenant-token",
+    )
+    parser.add_argument(
+        "--open-stream-timeout",
+        type=positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a reflection stream (no token needed) whose client sends nothing for this long is "
+        "cut, and a Health.Watch lasts at most 4 x this; both run on threads of their own, a "
+        "few at a time per client address (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--health-listen",
+        default=None,
+        type=address_arg,
+        help="also serve gRPC health checking alone, in plaintext, on this host:port (for "
+        "probes that cannot speak TLS, e.g. Kubernetes' grpc probes; port 0: any free one)",
     )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -407,6 +528,9 @@ class Service:
     registry: Any = None  # prometheus CollectorRegistry
     workers: int = 32
     max_concurrent_rpcs: int | None = None  # default: 8 per worker (see make_server)
+    open_stream_timeout_s: float = DEFAULT_TIMEOUT_S  # health / reflection streams
+    health_listen: str | None = None  # health alone, plaintext (probes)
+    open_methods: tuple[str, ...] = ()  # methods (full names) answered without a token
     # Called once serving at ``address`` (e.g. to register with a conductor); returns the
     # extra fields of the ready line.
     on_serving: Callable[[str, int | None], dict[str, Any]] = lambda address, mport: {}
@@ -420,12 +544,18 @@ class Service:
 def serve(service: Service) -> int:
     """Bind, start, announce ready, wait for SIGTERM / SIGINT, then stop cleanly (health goes
     NOT_SERVING, ``on_stopping``, 2 s grace for calls in flight, ``close``). Returns 0."""
-    server = make_server(service.auth, service.workers, service.max_concurrent_rpcs)
-    health_servicer = add_health_and_reflection(server, service.add(server))
+    server = make_server(
+        service.auth, service.workers, service.max_concurrent_rpcs, service.open_methods
+    )
+    open_services = add_health_and_reflection(
+        server, service.add(server), service.open_stream_timeout_s
+    )
+    health_servicer = open_services.health
     service.on_health(health_servicer)
     try:
         port = bind(server, service.listen, service.tls)
     except (OSError, RuntimeError) as e:
+        open_services.close()
         service.close()
         raise SystemExit(
             f"kvcache {service.role}: cannot listen on {service.listen}: {e}"
@@ -436,20 +566,42 @@ def serve(service: Service) -> int:
         metrics_port = start_metrics(service.metrics_port, service.metrics_host, service.registry)
     except OSError as e:
         server.stop(0)
+        open_services.close()
         service.close()
         raise SystemExit(
             f"kvcache {service.role}: cannot serve metrics on "
             f"{service.metrics_host}:{service.metrics_port}: {e.strerror or e} (--metrics-port: "
             "another port, or 0 for any free one)"
         ) from None
+    health_port = None
+    if service.health_listen:
+        try:
+            _, health_port = open_services.serve_health_alone(service.health_listen)
+        except (OSError, RuntimeError) as e:
+            server.stop(0)
+            open_services.close()
+            service.close()
+            raise SystemExit(
+                f"kvcache {service.role}: cannot serve health on {service.health_listen}: {e}"
+            ) from None
     server.start()
     address = f"{host_of(service.listen)}:{port}"
+    if not service.auth.enabled and not _loopback(host_of(service.listen)):
+        log.warning(
+            "%s serves %s without a token: every caller who reaches it is the admin (give "
+            "--token-file and --tenant-tokens-file; --tls-cert for the network)",
+            service.role,
+            address,
+        )
     fields = service.on_serving(address, metrics_port)
+    if service.health_listen and health_port is not None:
+        fields = {**fields, "health_address": f"{host_of(service.health_listen)}:{health_port}"}
 
     def stop() -> None:
         health_servicer.enter_graceful_shutdown()
         service.on_stopping()
         server.stop(grace=2).wait()
+        open_services.close()
         service.close()
         log.info("%s stopped", service.role)
 

@@ -5,17 +5,19 @@ a client that opens a Get and never reads it, or a Put and never sends, holds a 
 dozen such clients hold them all, so that no Lookup is answered. A ``StreamGate`` bounds one kind
 of stream twice:
 
-- a cap on how many are open at once: one more is refused at once with RESOURCE_EXHAUSTED, so the
-  pool always keeps workers for unary calls;
+- a cap on how many are open at once (and, optionally, from one client address): one more is
+  refused at once with RESOURCE_EXHAUSTED, so the pool always keeps workers for unary calls;
 - an idle deadline on the peer: a stream blocked for ``idle_timeout_s`` waiting for the client to
   send its next message, or to take the last one sent (flow control: it stopped reading), is cut
   with DEADLINE_EXCEEDED. Time the server spends on its own work never counts: an Events stream
-  that waits for new events, and is read whenever there are some, lives as long as its client.
+  that waits for new events, and is read whenever there are some, lives as long as its client,
+  unless the gate has a ``max_lifetime_s`` (the streams anyone may open without a token).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -36,8 +38,11 @@ class StreamIdle(KVStoreError):
 class StreamWatch:
     """One open stream: when it started waiting on its peer, if it is waiting."""
 
-    def __init__(self, gate: StreamGate, method: str, context: grpc.ServicerContext) -> None:
-        self.gate, self.method, self.context = gate, method, context
+    def __init__(
+        self, gate: StreamGate, method: str, context: grpc.ServicerContext, peer: str = ""
+    ) -> None:
+        self.gate, self.method, self.context, self.peer = gate, method, context, peer
+        self.opened = time.monotonic()
         self.waiting_since: float | None = None
         self.cut = False
 
@@ -71,8 +76,9 @@ class StreamWatch:
 
 
 class StreamGate:
-    """At most ``limit`` open streams of one kind; each is cut after ``idle_timeout_s`` waiting
-    on its peer. ``on_refused`` / ``on_cut`` get the method name (for metrics)."""
+    """At most ``limit`` open streams of one kind (and at most ``per_peer_limit`` from one
+    client address); each is cut after ``idle_timeout_s`` waiting on its peer, or once open for
+    ``max_lifetime_s``. ``on_refused`` / ``on_cut`` get the method name (for metrics)."""
 
     def __init__(
         self,
@@ -81,10 +87,14 @@ class StreamGate:
         idle_timeout_s: float,
         on_refused: Callable[[str], None] = lambda method: None,
         on_cut: Callable[[str], None] = lambda method: None,
+        per_peer_limit: int | None = None,
+        max_lifetime_s: float | None = None,
     ) -> None:
         if limit < 1 or not idle_timeout_s > 0:
             raise ValueError(f"{kind} streams: need limit >= 1 and idle_timeout_s > 0")
         self.kind, self.limit, self.idle_timeout_s = kind, limit, idle_timeout_s
+        self.per_peer_limit = per_peer_limit or limit
+        self.max_lifetime_s = max_lifetime_s
         self._on_refused, self._on_cut = on_refused, on_cut
         self._lock = threading.Lock()
         self._open: set[StreamWatch] = set()
@@ -96,19 +106,55 @@ class StreamGate:
         with self._lock:
             return len(self._open)
 
+    def open_by_owner(self) -> dict[str, int]:
+        """Open streams per owner (client address or what ``enter`` was given)."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for w in self._open:
+                out[w.peer] = out.get(w.peer, 0) + 1
+            return out
+
     def idle_error(self, method: str) -> StreamIdle:
         return StreamIdle(
             f"{method} stream cut: the client neither sent nor read for {self.idle_timeout_s:g} s"
         )
 
+    def _why_cut(self, watch: StreamWatch, now: float) -> str | None:
+        if watch.waiting_since is not None and now - watch.waiting_since > self.idle_timeout_s:
+            return str(self.idle_error(watch.method))
+        if self.max_lifetime_s is not None and now - watch.opened > self.max_lifetime_s:
+            return f"{watch.method} stream ended after {self.max_lifetime_s:g} s; open it again"
+        return None
+
     @contextmanager
-    def open(self, method: str, context: grpc.ServicerContext) -> Iterator[StreamWatch]:
-        watch = StreamWatch(self, method, context)
+    def open(
+        self, method: str, context: grpc.ServicerContext, owner: str | None | object = ...
+    ) -> Iterator[StreamWatch]:
+        watch = self.enter(method, context, owner)
+        try:
+            yield watch
+        finally:
+            self.leave(watch)
+
+    def enter(
+        self, method: str, context: grpc.ServicerContext, owner: str | None | object = ...
+    ) -> StreamWatch:
+        """Admit one stream (``CapacityExhausted`` when at a cap); ``leave`` it when it ends.
+        ``owner``: whose share of ``per_peer_limit`` it takes (default: the client's address;
+        None: nobody's, only the total cap applies)."""
+        peer = _peer_host(context) if owner is ... else owner
+        watch = StreamWatch(self, method, context, peer if isinstance(peer, str) else "")
         with self._lock:
+            from_peer = sum(1 for w in self._open if w.peer == peer) if peer is not None else 0
             if len(self._open) >= self.limit:
-                refused = True
+                refused = f"this server already has {self.limit} open {self.kind} streams"
+            elif peer is not None and from_peer >= self.per_peer_limit:
+                refused = (
+                    f"{peer or 'this client'} already has {self.per_peer_limit} open "
+                    f"{self.kind} streams here"
+                )
             else:
-                refused = False
+                refused = ""
                 self._open.add(watch)
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(
@@ -118,36 +164,42 @@ class StreamGate:
         if refused:
             self._on_refused(method)
             raise CapacityExhausted(
-                f"{method}: this server already has {self.limit} open {self.kind} streams; "
-                "retry later (or read and close the ones you hold)"
+                f"{method}: {refused}; retry later (or read and close the ones you hold)"
             )
-        try:
-            yield watch
-        finally:
-            with self._lock:
-                self._open.discard(watch)
+        return watch
+
+    def leave(self, watch: StreamWatch) -> None:
+        with self._lock:
+            self._open.discard(watch)
 
     def _watch(self) -> None:
-        period = min(0.5, self.idle_timeout_s / 4)
+        shortest = min(self.idle_timeout_s, self.max_lifetime_s or math.inf)
+        period = min(0.5, shortest / 4)
         while not self._stop.wait(period):
             now = time.monotonic()
             with self._lock:
-                stuck = [
-                    w
-                    for w in self._open
-                    if not w.cut
-                    and w.waiting_since is not None
-                    and now - w.waiting_since > self.idle_timeout_s
-                ]
-                for w in stuck:
-                    w.cut = True
-            for w in stuck:
-                log.info("%s", self.idle_error(w.method))
+                stuck = []
+                for w in self._open:
+                    why = None if w.cut else self._why_cut(w, now)
+                    if why is not None:
+                        w.cut = True
+                        stuck.append((w, why))
+            for w, why in stuck:
+                log.info("%s", why)
                 self._on_cut(w.method)
-                _cancel(w.context, str(self.idle_error(w.method)))
+                _cancel(w.context, why)
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _peer_host(context: grpc.ServicerContext) -> str:
+    """The client's address without its port (``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``)."""
+    try:
+        peer = str(context.peer())
+    except Exception:  # noqa: BLE001 - a context without a peer: one shared bucket
+        return ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 def _cancel(context: grpc.ServicerContext, details: str) -> None:

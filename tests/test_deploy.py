@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from kvcache.cli import command_parser
-from kvcache.deploy import PORTS, READY_SERVICE, Spec, dump, mib, shm_mib
+from kvcache.deploy import HEALTH, PORTS, READY_SERVICE, Spec, dump, mib, shm_mib
+from kvcache.deploy_security import SECRET_FILES, SECRETS_DIR, make_secrets, write_secret_files
 
 from helpers import wait_until
 
@@ -41,9 +42,32 @@ def compose_doc() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def check_command_line(argv: list[str]) -> argparse.Namespace:
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory) -> str:
+    """What ``kvcache deploy secrets --dir`` writes: the files the command lines name."""
+    path = str(tmp_path_factory.mktemp("secrets"))
+    write_secret_files(path, make_secrets(Spec()))
+    return path
+
+
+def mounted(argv: list[str], secrets: str | None) -> list[str]:
+    """The command line with its mounted secrets' paths pointing at ``secrets`` (a parser reads
+    a token file as it parses)."""
+    if secrets is None:
+        return argv
+    out = []
+    for a in argv:
+        for where in SECRETS_DIR.values():
+            a = a.replace(where + "/", secrets + "/")
+        out.append(a)
+    return out
+
+
+def check_command_line(argv: list[str], secrets: str | None = None) -> argparse.Namespace:
     """Parse ``kvcache <argv>`` with the real parser (argparse exits on an unknown flag or a bad
-    value), the etcd flags included, and check what the roles check after parsing."""
+    value, a token file it cannot read), the etcd flags included, and check what the roles
+    check after parsing. ``secrets``: the directory holding what the mounted secret holds."""
+    argv = mounted(argv, secrets)
     name, rest = argv[0], list(argv[1:])
     args = command_parser(name).parse_args(rest)
     if name == "node":
@@ -76,13 +100,14 @@ def test_manifests_pass_the_kubernetes_schemas(version):
     for doc in k8s_docs():
         kubernetes_validate.validate(doc, version, strict=True)  # raises on any violation
         kinds.append(doc["kind"])
-    assert kinds.count("StatefulSet") == 3 and kinds.count("Deployment") == 1
+    assert kinds.count("StatefulSet") == 4 and kinds.count("Deployment") == 0
+    assert kinds.count("NetworkPolicy") == 4 and "Secret" not in kinds  # secrets apart
 
 
 def test_a_bad_manifest_fails_the_schema():
     import kubernetes_validate
 
-    doc = next(d for d in k8s_docs() if d["kind"] == "Deployment")
+    doc = next(d for d in k8s_docs() if d["kind"] == "StatefulSet")
     doc["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
@@ -108,6 +133,10 @@ def test_pods_follow_the_rules_a_schema_cannot_check():
             for probe in ("readinessProbe", "livenessProbe"):
                 check = c[probe].get("grpc") or c[probe].get("httpGet")
                 assert check["port"] in numbers, (c["name"], probe)
+            # Every container mounts the secret, read-only.
+            assert {"name": "secrets", "mountPath": SECRETS_DIR["k8s"], "readOnly": True} in (
+                c["volumeMounts"]
+            )
         notes = pod["metadata"].get("annotations", {})
         if notes:
             assert notes["prometheus.io/scrape"] == "true"
@@ -124,7 +153,7 @@ def test_pods_follow_the_rules_a_schema_cannot_check():
         for c in containers:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
-            assert c["readinessProbe"]["grpc"]["port"] in PORTS.values()
+            assert c["readinessProbe"]["grpc"]["port"] in HEALTH.values()  # TLS elsewhere
     for svc in services.values():
         sel = svc["spec"]["selector"]
         assert any(sel.items() <= pod["metadata"]["labels"].items() for _, pod in pods()), svc
@@ -146,16 +175,19 @@ def test_nodes_share_memory_backed_dev_shm_with_their_messenger_sidecar():
             assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         # The node's memory limit holds its shared memory (tmpfs pages count against the pod).
         assert int(node["resources"]["limits"]["memory"].removesuffix("Mi")) > size
-        # Every address is the pod's own: nothing on loopback, the sidecar reaches its node there.
-        assert "$(POD_IP):7000" in node["args"] and "$(POD_IP):7000" in messenger["args"]
+        # Every address is the pod's own: nothing on loopback; the sidecar reaches its node by
+        # the name its certificate holds.
+        name = f"$(POD_NAME).{w['metadata']['name']}.default.svc"
+        assert "$(POD_IP):7000" in node["args"] and f"{name}:7000" in node["args"]
+        assert messenger["args"][messenger["args"].index("--node") + 1] == f"{name}:7000"
         assert not any(
             "127.0.0.1" in a or "localhost" in a for a in node["args"] + messenger["args"]
         )
-    conductors = next(w for w, _ in pods() if w["kind"] == "Deployment")
-    assert conductors["spec"]["replicas"] == 2
+    conductors = next(w for w, _ in pods() if w["metadata"]["name"] == "kvcache-conductor")
+    assert conductors["kind"] == "StatefulSet" and conductors["spec"]["replicas"] == 2
 
 
-def test_every_kvcache_command_line_is_accepted_by_the_cli():
+def test_every_kvcache_command_line_is_accepted_by_the_cli(secrets_dir):
     lines = []
     for _, pod in pods():
         for c in pod["spec"]["containers"]:
@@ -167,12 +199,15 @@ def test_every_kvcache_command_line_is_accepted_by_the_cli():
     assert sorted({line[0] for line in lines}) == ["conductor", "messenger", "node"]
     assert len(lines) == 1 + 2 * 2 + 2 + 3 * 2  # k8s: pod templates; compose: services
     for line in lines:
-        args = check_command_line(line)
+        args = check_command_line(line, secrets_dir)
         assert all(flag in line for flag in ETCD_FLAGS)  # every process finds the cluster in etcd
-        # It publishes (in etcd, in the election) the address it listens on, and serves its
-        # metrics there too: the pod's or the service's own, never loopback.
-        assert args.advertise == args.listen
-        host = args.listen.rsplit(":", 1)[0]
+        # It publishes (in etcd, in the election) the name its certificate holds, on the port
+        # it listens on, and serves its metrics where it listens: the pod's or the service's
+        # own address, never loopback.
+        host, port = args.listen.rsplit(":", 1)
+        name = args.advertise.rsplit(":", 1)[0]
+        assert args.advertise.endswith(f":{port}")
+        assert name == host or (host == "$(POD_IP)" and name.startswith("$(POD_NAME)."))
         assert args.metrics_host == host and host not in ("127.0.0.1", "localhost", "0.0.0.0")
     # The health check of the image (HEALTHCHECK) and of every compose service.
     health = shlex.split(dockerfile_instructions("HEALTHCHECK")[0].value[-1])
@@ -184,7 +219,7 @@ def test_every_kvcache_command_line_is_accepted_by_the_cli():
 
 def test_etcd_flags_are_checked_like_the_roles_check_them():
     """The checker above sees a bad --etcd or --etcd-prefix, as the roles would."""
-    good = ["conductor", "--listen", "10.0.0.1:7300", "--etcd", "http://etcd:2379"]
+    good = ["conductor", "--listen", "10.0.0.1:7300", "--etcd", "https://etcd:2379"]
     assert check_command_line(good).etcd_prefix == "/kvcache"
     with pytest.raises(SystemExit, match="--etcd: .*http"):
         check_command_line([*good[:-1], "ftp://etcd:2379"])
@@ -209,6 +244,111 @@ def test_probes_follow_the_conductors_election():
         "node": "kvcache.v1.NodeService",
         "messenger": "kvcache.v1.MessengerService",
     }
+
+
+def _flag(line: list[str], flag: str) -> str:
+    return line[line.index(flag) + 1]
+
+
+def test_the_deployment_is_closed_by_default(secrets_dir):
+    """Every process takes tokens and a certificate from the mounted secret (none inline),
+    verifies its peers; etcd serves TLS to the cluster's certificates only; the NetworkPolicies
+    admit the cluster's own pods, labelled clients, probes and labelled scrapers; compose
+    publishes no port. (Before: no token, no TLS, etcd on http://0.0.0.0 for anyone.)"""
+    lines = [
+        (c["args"], "k8s")
+        for _, pod in pods()
+        for c in pod["spec"]["containers"]
+        if c["image"].startswith("kvcache")
+    ]
+    lines += [
+        (svc["command"], "compose")
+        for svc in compose_doc()["services"].values()
+        if svc["image"].startswith("kvcache")
+    ]
+    for line, where in lines:
+        d = SECRETS_DIR[where]
+        assert "--token" not in line and "--tenant-token" not in line  # never inline
+        for flag, name in (
+            ("--token-file", "admin-token"), ("--tenant-tokens-file", "tenant-tokens"),
+            ("--service-token-file", "service-token"), ("--tls-cert", "server.pem"),
+            ("--tls-key", "server.key"), ("--etcd-ca", "ca.pem"),
+        ):  # fmt: skip
+            assert _flag(line, flag) == f"{d}/{name}", (line[0], flag)
+        assert _flag(line, "--etcd").startswith("https://")
+        args = check_command_line(line, secrets_dir)
+        with open(os.path.join(secrets_dir, "admin-token")) as f:
+            assert args.token == f.read().strip()
+        if line[0] in ("messenger", "conductor"):
+            assert _flag(line, "--node-tls-ca") == f"{d}/ca.pem"
+        if line[0] == "messenger":
+            assert _flag(line, "--data-token-file") == f"{d}/data-token"
+        if line[0] == "conductor":  # its feeds and hook run on the service token
+            assert _flag(line, "--node-token-file") == f"{d}/service-token"
+    etcds = [c["command"] for _, pod in pods() for c in pod["spec"]["containers"]
+             if c["name"] == "etcd"] + [compose_doc()["services"]["etcd"]["command"]]  # fmt: skip
+    for cmd in etcds:
+        assert "--client-cert-auth" in cmd and "--trusted-ca-file" in cmd
+        assert _flag(cmd, "--listen-client-urls").startswith("https://")
+        assert _flag(cmd, "--listen-peer-urls") == "http://127.0.0.1:2380"
+    # Compose: nothing published; every secret a file `kvcache deploy secrets --dir` writes.
+    doc = compose_doc()
+    assert not any("ports" in svc for svc in doc["services"].values())
+    assert sorted(doc["secrets"]) == sorted(SECRET_FILES)
+    # Kubernetes: deny by default, then only what the cluster needs.
+    policies = {
+        d["metadata"]["name"]: d["spec"] for d in k8s_docs() if d["kind"] == "NetworkPolicy"
+    }
+    assert policies["kvcache-default-deny"]["ingress"] == []
+    app = {"app.kubernetes.io/name": "kvcache"}
+    etcd_pod = {**app, "app.kubernetes.io/component": "etcd"}
+
+    def selects(selector: dict, labels: dict) -> bool:
+        if not selector.get("matchLabels", {}).items() <= labels.items():
+            return False
+        return all(
+            labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+        )
+
+    for name, policy in policies.items():
+        if selects(policy["podSelector"], etcd_pod):  # etcd: from the cluster's pods only
+            for rule in policy["ingress"]:
+                assert rule["from"] == [{"podSelector": {"matchLabels": app}}], name
+    scrape = policies["kvcache-probes-and-scrapes"]["ingress"]
+    readers = next(r for r in scrape if "from" in r)
+    assert readers["from"][0]["podSelector"]["matchLabels"] == {"kvcache.io/metrics-reader": "true"}
+    assert {p["port"] for p in readers["ports"]} == {9100, 9101}
+    probes = next(r for r in scrape if "from" not in r)
+    assert {p["port"] for p in probes["ports"]} == set(HEALTH.values())  # health alone
+
+
+def test_deploy_secrets_are_fresh_and_name_every_host(tmp_path):
+    from cryptography import x509
+
+    def render() -> dict:
+        return yaml.safe_load(dump("secrets", Spec()).split("\n", 2)[2])
+
+    first, second = render(), render()
+    assert first["kind"] == "Secret" and first["metadata"]["name"] == "kvcache-secrets"
+    assert sorted(first["data"]) == sorted(SECRET_FILES)
+    assert first["data"]["admin-token"] != second["data"]["admin-token"]  # fresh each time
+    import base64
+
+    data = {k: base64.b64decode(v) for k, v in first["data"].items()}
+    tokens = [data[k].strip() for k in ("admin-token", "service-token", "data-token")]
+    assert len(set(tokens)) == 3 and all(len(t) >= 32 for t in tokens)
+    cert = x509.load_pem_x509_certificate(data["server.pem"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = names.get_values_for_type(x509.DNSName)
+    for want in ("*.kvcache-prefill.default.svc", "*.kvcache-conductors.default.svc",
+                 "kvcache-etcd.default.svc", "kvcache-conductor", "etcd", "node-0"):  # fmt: skip
+        assert want in dns, want
+    # For compose: files, 0600.
+    from kvcache.cli import main
+
+    assert main(["deploy", "secrets", "--dir", str(tmp_path / "s")]) == 0
+    for name in SECRET_FILES:
+        assert os.stat(tmp_path / "s" / name).st_mode & 0o777 == 0o600
 
 
 def compose_binary() -> str:
@@ -238,8 +378,8 @@ def test_compose_file_passes_docker_compose_and_wires_each_messenger_to_its_node
         assert messenger["ipc"] == f"service:{node}"
         assert services[node]["ipc"] == "shareable"
         assert int(services[node]["shm_size"]) >= mib("4GiB") << 20
-        assert services[node]["environment"]["KVCACHE_HEALTH_ADDR"] == f"{node}:{PORTS['node']}"
-        assert messenger["environment"]["KVCACHE_HEALTH_ADDR"] == f"{node}:{PORTS['messenger']}"
+        assert services[node]["environment"]["KVCACHE_HEALTH_ADDR"] == f"{node}:{HEALTH['node']}"
+        assert messenger["environment"]["KVCACHE_HEALTH_ADDR"] == f"{node}:{HEALTH['messenger']}"
         assert f"{node}:{PORTS['data']}" in messenger["command"]
     # The same loader rejects a broken file (so the check above can fail).
     bad = compose_doc()
@@ -344,6 +484,11 @@ def _pod_instances(docs: list[dict]) -> list[tuple[str, str, dict]]:
     return out
 
 
+def _governing_service(docs: list[dict], pod: dict) -> str:
+    """The headless Service of the StatefulSet whose template ``pod`` is."""
+    return next(d["spec"]["serviceName"] for d in docs if d.get("spec", {}).get("template") is pod)
+
+
 def _expand(arg: str, env: dict[str, str]) -> str:
     """$(VAR) in a container's args, as the kubelet expands it from the container's env."""
     import re
@@ -361,6 +506,7 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
     metrics where the annotations say, both nodes in the membership by their pod addresses."""
     import urllib.request
 
+    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from test_hosts_netns import REASON, free_subnet, unique_prefix
 
@@ -371,6 +517,7 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
     from plumbing.launch import start_service
     from plumbing.netns import HostNetwork, NetSpec
     from rpc.channel import make_channel
+    from rpc.tls import TlsFiles
 
     if REASON:
         pytest.skip(f"no network namespaces: {REASON}")
@@ -387,19 +534,37 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
     procs = []
     try:
         ip = {h.name: h.address for h in net.record.hosts}
+        # The secret, as `kvcache deploy secrets` makes it; no DNS here: the certificate names
+        # the hosts' addresses, which stand in for the pods' names below.
+        secrets = str(tmp_path / "secrets")
+        write_secret_files(secrets, make_secrets(spec, hosts=list(ip.values())))
+        tls = TlsFiles(*(os.path.join(secrets, f) for f in ("ca.pem", "server.pem", "server.key")))
         etcd = start_etcd(
             str(tmp_path / "etcd"),
-            client_url=f"http://{ip['etcd']}:2379",
+            client_url=f"https://{ip['etcd']}:2379",
             peer_url=f"http://{ip['etcd']}:2380",
             wrap=net.exec_prefix("etcd"),
+            tls=tls,
         )
         procs.append(etcd.process)
+        names = {
+            f"{pod_name}.{svc}.default.svc": ip[host]
+            for host, pod_name, pod in pods
+            for svc in [_governing_service(docs, pod)]
+        }
         for host, pod_name, pod in pods:
             env = {"POD_IP": ip[host], "POD_NAME": pod_name}
             for c in pod["spec"]["containers"]:
                 args = [_expand(a, env) for a in c["args"]]
                 args = [a.replace(spec.etcd_urls, etcd.endpoint) for a in args]  # the Service
+                for name, address in names.items():  # DNS
+                    args = [a.replace(name, address) for a in args]
+                args = mounted(args, secrets)
                 procs.append(start_service(args, log_dir=str(tmp_path), wrap=net.exec_prefix(host)))
+        # The gRPC ports speak TLS only: a plaintext call gets nowhere.
+        with make_channel(f"{ip['p0']}:{PORTS['node']}") as plain:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3)
 
         # The kubelet's probes: gRPC health on the pod's address, the probe's service.
         def serving(address: str, service: str) -> bool:
@@ -423,7 +588,8 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
                 with urllib.request.urlopen(f"http://{ip[host]}:{port}/metrics", timeout=10) as r:
                     assert f'role="{c["name"]}"' in r.read().decode()
         # One leader by etcd election (its ConductorService SERVING), one warm standby.
-        conductors = [f"{ip[h]}:{PORTS['conductor']}" for h, _, _ in pods if h.startswith("c")]
+        # (asked on the health port: the gRPC port speaks TLS)
+        conductors = [f"{ip[h]}:{HEALTH['conductor']}" for h, _, _ in pods if h.startswith("c")]
         wait_until(
             lambda: (
                 sorted(serving(a, "kvcache.v1.ConductorService") for a in conductors)
@@ -436,7 +602,12 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
             "kvcache-prefill-0": f"{ip['p0']}:{PORTS['node']}",
             "kvcache-decode-0": f"{ip['d0']}:{PORTS['node']}",
         }
-        with ConductorClient(etcd=etcd.endpoint) as client:
+        with open(os.path.join(secrets, "admin-token")) as f:
+            admin = f.read().strip()
+        with ConductorClient(
+            etcd=etcd.endpoint, token=admin, tls_ca_file=tls.ca_cert,
+            etcd_ca=tls.ca_cert, etcd_cert=tls.cert, etcd_key=tls.key,
+        ) as client:  # fmt: skip
             wait_until(
                 lambda: {n.node.node_id: n.node.address for n in client.list_nodes().nodes} == want,
                 30,

@@ -311,6 +311,22 @@ def test_extend_keeps_a_write_lease_alive():
         assert store.commit(lease.lease_id).stored == 1
 
 
+def test_extending_a_lease_in_a_loop_keeps_the_deadline_heap_small():
+    # Each extension used to leave its old deadline in the heap until that deadline passed
+    # (ExtendLease in a loop with a long ttl: node memory growing without bound).
+    clock = FakeClock()
+    with make_store(dram_pages=4, clock=clock, lease_ttl_s=10) as store:
+        write = store.allocate([key(1)])
+        store.write(write.lease_id, 0, page(1))
+        read = store.acquire([key(2)])
+        for i in range(10_000):
+            store.extend((write, read)[i % 2].lease_id, 3600)
+        assert len(store._deadlines) <= 2 * 2 + 64
+        clock.advance(3601)  # the current deadlines still rule
+        assert store.expire_leases() == 2
+        store.check_invariants()
+
+
 def test_a_late_writer_cannot_corrupt_a_page_given_to_another():
     clock = FakeClock()
     with make_store(dram_pages=2, clock=clock, lease_ttl_s=10) as store:  # quarantine: 30 s

@@ -40,7 +40,8 @@ def test_quick_transfer_benchmark_reports_ratios(tmp_path, capsys):
     assert "the 0.9x goal) raw socket" in printed
     data = json.loads(out.read_text())
     methods = [r["method"] for r in data["results"]]
-    assert methods == ["raw socket", "messenger tcp x2", "node+messenger x2"]
+    # The data port with and without TLS, in the same run.
+    assert methods == ["raw socket", "messenger tcp x2", "messenger tls x2", "node+messenger x2"]
     for row in data["results"]:
         assert row["gbps"] > 0 and row["vs_raw"] > 0
         assert row["vs_mooncake"] is None

@@ -20,6 +20,7 @@ import pytest
 
 from clients.node_client import KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
+from messenger.data_security import derive_data_token
 from messenger.frames import (
     FLAG_HOLD,
     HEADER_BYTES,
@@ -77,7 +78,8 @@ class Source:
     def fetch_ok(self, keys: list[bytes]) -> bool:
         """A well-behaved peer's fetch: True when every page arrived."""
         dest = np.zeros((len(keys), PB), dtype=np.uint8)
-        t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5, token=self.token))
+        token = derive_data_token(self.token) if self.token else None
+        t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5, token=token))
         try:
             res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest])
         finally:
@@ -441,7 +443,7 @@ def test_a_peer_that_never_reads_pins_at_most_its_share_and_writers_keep_writing
         s.sendall(fetch_frame(keys[:512]))
         assert read_error(s) == (
             Status.UNAUTHENTICATED,
-            "this data port needs a token: open with HELLO (the cluster's admin token)",
+            "this data port needs a token: open with HELLO (the cluster's data token)",
         )
         closed_by_peer(s, 5.0)
     assert src.pinned() == 0
@@ -449,7 +451,7 @@ def test_a_peer_that_never_reads_pins_at_most_its_share_and_writers_keep_writing
     stalled = [src.connect(SO_RCVBUF=4096) for _ in range(4)]
     try:
         for i, s in enumerate(stalled):
-            hello(s, bytearray(HEADER_BYTES), "t0k")
+            hello(s, bytearray(HEADER_BYTES), derive_data_token("t0k"))
             s.sendall(fetch_frame(keys[512 * i : 512 * (i + 1)]))
         wait_until(lambda: src.pinned() == 1024, 10, "the peer's pins to reach its budget")
         wait_until(

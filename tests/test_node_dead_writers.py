@@ -22,7 +22,8 @@ from conftest import TEST_PAGE_BYTES as PB
 from helpers import wait_until
 from kvstore_helpers import REPO_ROOT
 
-TENANT = ("--token", "admin", "--tenant-token", "tok-a=alice")
+# NOTE: one tenant leases 96 of the 128 pages here: more than a tenant's default share.
+TENANT = ("--token", "admin", "--tenant-token", "tok-a=alice", "--tenant-lease-share", "1")
 
 # A same-host writer: leases pages for 10 minutes, writes into the first, reads some pinned pages
 # (a read lease), says so and blocks; with "close", closes its client first (the process lives).

@@ -185,7 +185,12 @@ def test_shared_memory_filled_by_another_process_after_start_kills_nobody(start_
     node's writes and a same-host client's writes into the pool still have their pages (with a
     sparse pool, the first write into a page not backed yet was a SIGBUS: node or client died).
     With tenants, no memory is in /dev/shm at all (memfds)."""
-    auth = ("--token", "admin", "--tenant-token", "tok-a=alice") if tenants else ()
+    # NOTE: the client reads 96 of the 128 pages at once: more than a tenant's default share.
+    auth = (
+        ("--token", "admin", "--tenant-token", "tok-a=alice", "--tenant-lease-share", "1")
+        if tenants
+        else ()
+    )
     with private_dev_shm("4m") as in_ns:
         node = start_node(*auth, dram="1MiB", wrap=in_ns)  # 128 pages of the 4 MiB
         fill = subprocess.run(

@@ -275,7 +275,7 @@ def cluster(tmp_path_factory):
         for node, url in engines.urls.items():
             args += ["--engine", f"{node}={url}"]
         args += ["--engine-timeout", str(ENGINE_TIMEOUT_S), "--max-inflight", str(MAX_INFLIGHT)]
-        args += ["--retry-backoff", "0.1"]
+        args += ["--retry-backoff", "0.1", "--debug-headers"]  # no keys: every caller sees
         router = start_service(args, log_dir=logs)
         started.append(router)
         yield Cluster(conductor, router, engines)

@@ -43,11 +43,13 @@ SHARED = [int(x) for x in rng.integers(3, 500, 4 * BLOCK)]
 FIRST = SHARED + [int(x) for x in rng.integers(3, 500, 40)]
 SECOND = SHARED + [int(x) for x in rng.integers(3, 500, 45)]
 MAX_TOKENS = 16
+ADMIN_TOKEN = "serving-test-admin-token"
 
 CONFIG = """
 [cluster]
 host = "127.0.0.1"
 state_dir = "{state}"
+token = "{token}"
 
 [conductor]
 policy = "global-cache"
@@ -98,7 +100,7 @@ env = ["VLLM_CPU_OMP_THREADS_BIND=1", "KVCACHE_CONNECTOR_TIMEOUT_MS=10000"]
 
 [router]
 listen = "127.0.0.1:0"
-args = ["--retry-backoff", "1.0"]
+args = ["--retry-backoff", "1.0", "--debug-headers"]
 """
 
 
@@ -177,7 +179,7 @@ def serving(tmp_path_factory):
     make_model(model, MODELS["tiny"], max_len=2048, tokenizer=True)
     ref = _reference(model, str(work))
     config = work / "serve.toml"
-    config.write_text(CONFIG.format(state=work / "state", model=model))
+    config.write_text(CONFIG.format(state=work / "state", model=model, token=ADMIN_TOKEN))
     cluster = Cluster(load_config(str(config)))
     try:
         state = cluster.start()
@@ -192,6 +194,23 @@ def serving(tmp_path_factory):
     finally:
         ref.kill()
         cluster.stop()
+
+
+def test_engines_and_the_router_hold_a_tenants_token_not_the_admins(serving):
+    # One compromised engine (or router) is one tenant, not the cluster's admin: they were given
+    # the admin token file, because pulls were admin-only.
+    state_dir = serving.cluster.config.state_dir
+    with open(os.path.join(state_dir, "serving-token")) as f:
+        tenant_token = f.read().strip()
+    assert tenant_token and tenant_token != ADMIN_TOKEN
+    pids = [e["pid"] for e in serving.state["engines"]] + [serving.state["router"]["pid"]]
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+        assert os.path.join(state_dir, "serving-token") in cmdline, cmdline
+        admin_file = os.path.join(state_dir, "token")
+        assert admin_file + "\x00" not in cmdline and admin_file + '"' not in cmdline
+        assert ADMIN_TOKEN not in cmdline
 
 
 def _token_ids(choice) -> list[int]:

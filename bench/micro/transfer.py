@@ -9,6 +9,9 @@ For each page size, ``--total`` bytes move from a source process to a destinatio
   (a ``DataServer`` over a shared-memory slab of pages); this process calls
   ``TcpTransport.fetch`` for every page's key into page views of its own shared-memory slab:
   request framing, N lanes, pipelining and xxh3 checksums on both sides included.
+- **messenger tls xN** (``--no-tls`` skips it): the same over TLS, as the data ports of a
+  ``--tls`` cluster speak it (a second slab peer with a local CA's certificate; this process
+  verifies it): the cost of encrypting the data port, measured in the same run.
 - **node+messenger** (the figure that counts; ``--no-e2e`` skips it): two real node and
   messenger process pairs; one ``SubmitTransfer`` of every page to the destination's messenger,
   timed from the submit to the finished status, so the destination node's Allocate and Commit,
@@ -41,6 +44,7 @@ import numpy as np
 
 from bench.report import Column, human, parse_bytes, plot_bars, print_table, write_json
 from kvstore.shm import SharedSlab, unique_shm_name
+from rpc.tls import TlsFiles, make_local_ca
 
 from .transfer_rig import (
     MIB,
@@ -66,13 +70,29 @@ GOAL_VS_MOONCAKE = 1.3  # ... and against Mooncake's Transfer Engine over TCP
 class MessengerSide:
     """A slab peer (source process) and this process's destination slab for one page size."""
 
-    def __init__(self, total: int, page_bytes: int, request_bytes: int) -> None:
+    def __init__(
+        self, total: int, page_bytes: int, request_bytes: int, tls: TlsFiles | None = None
+    ) -> None:
         from messenger.slab_peer import NAMESPACE, pattern_keys
 
         self.n = total // page_bytes
         self.page_bytes, self.request_bytes = page_bytes, request_bytes
         self.namespace = NAMESPACE
-        self.child = subprocess.Popen(
+        self.tls = tls
+        self.children: list[subprocess.Popen] = []
+        self.slab = SharedSlab.create(unique_shm_name("bench-dst"), self.n * page_bytes)
+        self.transports: dict = {}
+        self.address = self._start_peer([])
+        self.tls_address = (
+            self._start_peer(["--tls-cert", tls.cert, "--tls-key", tls.key]) if tls else None
+        )
+        self.pages = self.slab.array.reshape(self.n, page_bytes)
+        self.pages[:] = 0  # prefault, as the raw reference's buffer is
+        self.keys = pattern_keys(self.n)
+        self.views = [memoryview(self.pages[i]) for i in range(self.n)]
+
+    def _start_peer(self, extra: list[str]) -> str:
+        child = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -80,34 +100,35 @@ class MessengerSide:
                 "--pages",
                 str(self.n),
                 "--page-bytes",
-                str(page_bytes),
+                str(self.page_bytes),
+                *extra,
             ],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.slab = SharedSlab.create(unique_shm_name("bench-dst"), self.n * page_bytes)
-        self.transports: dict = {}
-        line = self.child.stdout.readline()
+        self.children.append(child)
+        line = child.stdout.readline()
         if not line.startswith("READY "):
             self.close()
             raise RuntimeError(f"slab peer did not start: {line!r}")
-        self.address = json.loads(line[6:])["address"]
-        self.pages = self.slab.array.reshape(self.n, page_bytes)
-        self.pages[:] = 0  # prefault, as the raw reference's buffer is
-        self.keys = pattern_keys(self.n)
-        self.views = [memoryview(self.pages[i]) for i in range(self.n)]
+        return str(json.loads(line[6:])["address"])
 
-    def round(self, lanes: int) -> float:
+    def round(self, lanes: int, tls: bool = False) -> float:
+        from messenger.data_security import client_context
         from messenger.tcp import TcpConfig, TcpTransport
 
-        transport = self.transports.get(lanes)
+        transport = self.transports.get((lanes, tls))
         if transport is None:
-            transport = TcpTransport(TcpConfig(lanes=lanes, request_bytes=self.request_bytes))
-            self.transports[lanes] = transport
+            context = client_context(self.tls.ca_cert) if tls and self.tls else None
+            transport = TcpTransport(
+                TcpConfig(lanes=lanes, request_bytes=self.request_bytes, tls=context)
+            )
+            self.transports[(lanes, tls)] = transport
+        address = self.tls_address if tls else self.address
         t0 = time.perf_counter()
-        results = transport.fetch(self.address, self.namespace, self.keys, self.views)
+        results = transport.fetch(address, self.namespace, self.keys, self.views)
         dt = time.perf_counter() - t0
         failed = [res for res in results if not res.ok]
         if failed:
@@ -124,8 +145,9 @@ class MessengerSide:
     def close(self) -> None:
         for t in self.transports.values():
             t.close()
-        self.child.stdin.close()
-        self.child.wait(timeout=60)
+        for child in self.children:
+            child.stdin.close()
+            child.wait(timeout=60)
         self.views = self.pages = None
         self.slab.close()
         self.slab.unlink()
@@ -226,13 +248,15 @@ def bench_size(
     request_bytes: int,
     e2e_lanes: int | None,
     mooncake: MooncakeSide | None,
+    tls: TlsFiles | None = None,
 ) -> list[Measurement]:
-    """Every method's rounds interleaved (raw, x1, x2, e2e, Mooncake, raw, ...) so that load from
-    elsewhere on the machine hits every method alike; the first round of each is a warm-up."""
+    """Every method's rounds interleaved (raw, x1, x2, tls x1, tls x2, e2e, Mooncake, raw, ...)
+    so that load from elsewhere on the machine hits every method alike; the first round of
+    each is a warm-up."""
     raw = RawReference(total, page_bytes, runs + 1)
     sides: list = []
     try:
-        side = MessengerSide(total, page_bytes, request_bytes)
+        side = MessengerSide(total, page_bytes, request_bytes, tls)
         sides.append(side)
         e2e = NodePair(total, page_bytes, e2e_lanes) if e2e_lanes else None
         if e2e is not None:
@@ -242,6 +266,9 @@ def bench_size(
         for lanes in lanes_list:
             out.append(Measurement(f"messenger tcp x{lanes}", page_bytes, total, note="verified"))
             rounds.append(lambda lanes=lanes: side.round(lanes))
+        for lanes in lanes_list if tls else []:
+            out.append(Measurement(f"messenger tls x{lanes}", page_bytes, total, note="verified"))
+            rounds.append(lambda lanes=lanes: side.round(lanes, tls=True))
         if e2e is not None:
             out.append(Measurement(E2E_METHOD.format(lanes=e2e_lanes), page_bytes, total))
             rounds.append(e2e.round)
@@ -258,7 +285,7 @@ def bench_size(
         if e2e is not None:
             if not e2e.pull.verify():
                 raise RuntimeError("messenger pull between nodes delivered wrong bytes")
-            out[1 + len(lanes_list)].note = "verified"
+            next(m for m in out if m.method.startswith("node+")).note = "verified"
     finally:
         raw.close()
         for s in reversed(sides):
@@ -297,6 +324,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="directory holding mooncake_te_bench.py (default: ../shared/peers)",
     )
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake TE rounds")
+    parser.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="skip the messenger rounds over TLS (the data port of a --tls cluster)",
+    )
     parser.add_argument(
         "--no-e2e",
         action="store_true",
@@ -393,10 +425,18 @@ def run(args: argparse.Namespace) -> int:
                 args.mooncake_python, args.mooncake_peers, args.total, f"{tmp}/te_child.log"
             )
         print(mc_note, flush=True)
+        tls = None if args.no_tls else make_local_ca(f"{tmp}/tls", [])
         try:
             for size in sizes:
                 for m in bench_size(
-                    args.total, size, args.runs, lanes_list, args.request_bytes, e2e_lanes, mooncake
+                    args.total,
+                    size,
+                    args.runs,
+                    lanes_list,
+                    args.request_bytes,
+                    e2e_lanes,
+                    mooncake,
+                    tls,
                 ):
                     results.append(m)
                     print(f"  {human(size):>7} {m.method:<24} {m.gbps:6.3f} GB/s", flush=True)

@@ -69,6 +69,7 @@ class ClusterInfo:
     conductors: tuple[str, ...] = ()  # every conductor (with etcd: a leader and standbys)
     etcd: tuple[str, ...] = ()  # etcd endpoints, where the leader is found
     etcd_prefix: str = "/kvcache"
+    etcd_tls: tuple[str | None, str | None, str | None] = (None, None, None)  # ca, cert, key
 
     def by_messenger(self) -> dict[str, ClusterNode]:
         return {n.messenger: n for n in self.nodes}
@@ -82,6 +83,9 @@ class ClusterInfo:
             timeout_s=timeout_s,
             etcd=list(self.etcd) or None,
             etcd_prefix=self.etcd_prefix,
+            etcd_ca=self.etcd_tls[0],
+            etcd_cert=self.etcd_tls[1],
+            etcd_key=self.etcd_tls[2],
         )
 
 
@@ -121,6 +125,9 @@ def load_cluster(path: str) -> ClusterInfo:
             conductors=tuple(c["address"] for c in state.get("conductors") or ()),
             etcd=tuple((state.get("etcd") or {}).get("endpoints") or ()),
             etcd_prefix=(state.get("etcd") or {}).get("prefix") or "/kvcache",
+            etcd_tls=tuple(  # type: ignore[arg-type]
+                ((state.get("etcd") or {}).get("tls") or {}).get(k) for k in ("ca", "cert", "key")
+            ),
         )
     except (KeyError, TypeError) as e:
         raise LiveError(f"{path} is not a 'kvcache up' state file (missing {e})") from None
