@@ -4,6 +4,7 @@ what each worker tells the scheduler at start (``KVCacheHandshake``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from kvstore.layout import KVLayout
 
 from .vllm_identity import model_fingerprint
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +64,11 @@ class ConnectorConfig:
         if "timeout_ms" not in values and os.environ.get(TIMEOUT_ENV):
             # an engine launcher's default (a test machine under load, say)
             values["timeout_ms"] = float(os.environ[TIMEOUT_ENV])
+        if values.get("token"):
+            log.warning(
+                "kvcache connector: 'token' in kv_connector_extra_config is printed in vLLM's "
+                "start-up log; put the token in a file and name it with 'token_file'"
+            )
         token_file = values.pop("token_file", None)
         if token_file:
             with open(token_file) as f:

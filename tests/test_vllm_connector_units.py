@@ -83,6 +83,21 @@ def test_the_deadline_comes_from_the_extra_config_else_the_launchers_environment
         ConnectorConfig.from_extra({"node": "n", "timeout_ms": 0})
 
 
+def test_a_token_inline_in_the_config_is_warned_about_and_a_token_file_is_not(tmp_path, caplog):
+    """vLLM prints kv_connector_extra_config in its start-up log: an inline token leaks there."""
+    from clients.vllm_setup import ConnectorConfig
+
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    with caplog.at_level("WARNING", logger="clients.vllm_setup"):
+        assert ConnectorConfig.from_extra({"node": "n", "token_file": str(secret)}).token == (
+            "s3cret"
+        )
+        assert not caplog.records
+        assert ConnectorConfig.from_extra({"node": "n", "token": "inline"}).token == "inline"
+    assert "token_file" in caplog.text
+
+
 # ---- vLLM's objects -----------------------------------------------------------------------------
 
 vllm = pytest.importorskip("vllm")
