@@ -267,6 +267,9 @@ class Scheduler:
             # a long prefill would stall the node's decodes: placed disaggregated instead
         ctx = self._context(request, prefill_nodes, prefix, best_blocks, best_source, now, False)
         chosen = policy.pick_prefill(ctx)
+        if request.aggregated and len(decode_nodes) > 1:
+            # disaggregated so that its decode runs elsewhere than its long prefill
+            decode_nodes = [s for s in decode_nodes if s is not chosen.node]
         step = self.cost_model.decode_step_seconds
         tbts = [step(r + 1, t + context) for r, t in map(_decode_load, decode_nodes)]
         decode = self._decode_option(decode_nodes[policy.pick_decode(tbts)], context)

@@ -65,10 +65,17 @@ def test_a_long_uncached_suffix_goes_disaggregated_above_the_threshold():
     far = c.schedule(
         "far", chain(8, start=100), extra_tokens=0, aggregated=True, disaggregate_above=2 * BT
     )
-    assert not far.aggregated and far.decode_node in ("d0", "b0", "b1")
+    assert not far.aggregated and far.decode_node != far.prefill_node
     # 0: never disaggregated
     never = c.schedule("never", chain(8, start=200), aggregated=True)
     assert never.aggregated
+    # a fleet of both-role nodes only: the decode runs on another node than the prefill
+    c = Cluster(prefill=0, decode=0)
+    c.add("b0", Role.BOTH)
+    c.add("b1", Role.BOTH)
+    for i in range(3):
+        d = c.schedule(f"f{i}", chain(8, 1000 * i), aggregated=True, disaggregate_above=BT)
+        assert not d.aggregated and d.prefill_node != d.decode_node
 
 
 def test_aggregated_serving_needs_a_both_node():
