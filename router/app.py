@@ -61,7 +61,7 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
     # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
     # receive channel): a completion watches that channel, as uvicorn gives it, for its client
     # leaving.
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: no thread hop per request
         given = request.headers.get("authorization", "").encode()
         if expected is not None and not secrets.compare_digest(given, expected):
             raise RouterError(
