@@ -267,8 +267,9 @@ class Scheduler:
             # a long prefill would stall the node's decodes: placed disaggregated instead
         ctx = self._context(request, prefill_nodes, prefix, best_blocks, best_source, now, False)
         chosen = policy.pick_prefill(ctx)
-        if request.aggregated and len(decode_nodes) > 1:
-            # disaggregated so that its decode runs elsewhere than its long prefill
+        if len(decode_nodes) > 1:
+            # disaggregated: the decode runs elsewhere than the prefill (a node of role both
+            # may be either, not both, unless it is the only decode candidate)
             decode_nodes = [s for s in decode_nodes if s is not chosen.node]
         step = self.cost_model.decode_step_seconds
         tbts = [step(r + 1, t + context) for r, t in map(_decode_load, decode_nodes)]
