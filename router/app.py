@@ -198,13 +198,13 @@ def create_app(options: RouterOptions, api_key: str | None = None) -> FastAPI:
             first = True
             try:
                 cached = self.served.cached_tokens
-                async for data in self.stream.events():
+                async for batch in self.stream.batches():
                     if first:
                         metrics.stage.labels("first_token").observe(time.perf_counter() - t)
                         first = False
-                    if cached is not None and b'"usage"' in data:
-                        data = _with_cached(data, cached)
-                    yield b"data: " + data + b"\n\n"
+                    if cached is not None:
+                        batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
+                    yield b"".join(b"data: " + data + b"\n\n" for data in batch)
                 outcome = "ok"
             except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
                 outcome = "failed"

@@ -208,7 +208,7 @@ class EngineClient:
         path: str = COMPLETIONS,
     ) -> "EngineStream":
         """POST a streamed completion (or chat, ``path``); returns once the engine answered 200
-        (its events then come from ``EngineStream.events``)."""
+        (its events then come from ``EngineStream.batches``)."""
         headers = {"X-Request-Id": request_id} if request_id else None
         try:
             # the headers within read_s; the events are timed by EngineStream itself
@@ -246,16 +246,17 @@ class EngineStream:
         self.max_event_bytes = max_event_bytes
         self.whole = False  # [DONE] came
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """Each event's ``data`` (a JSON object), ``[DONE]`` last. ``EngineError`` for any
-        failure to read the stream: the connection cut or closed before ``[DONE]``, no whole
-        event within ``read_s``, an event over ``max_event_bytes`` or not JSON."""
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """The events' ``data`` (JSON objects, ``[DONE]`` last) as they come: each list holds
+        the events one read of the connection completed (several when the router fell behind:
+        relayed in one write). ``EngineError`` for any failure to read the stream: the
+        connection cut or closed before ``[DONE]``, no whole event within ``read_s``, an event
+        over ``max_event_bytes`` or not JSON (the events before it are yielded first)."""
         try:
-            async for data in self._events():
-                if data == b"[DONE]":
-                    self.whole = True
-                yield data
-                if data == b"[DONE]":
+            async for batch in self._batches():
+                self.whole = batch[-1] == b"[DONE]"
+                yield batch
+                if self.whole:
                     return
         except EngineError:
             raise
@@ -267,43 +268,44 @@ class EngineStream:
             raise EngineError(self.engine, f"stream cut: {_describe(e)}") from None
         raise EngineError(self.engine, "stream ended without [DONE]")
 
-    async def _events(self) -> AsyncIterator[bytes]:
+    async def _batches(self) -> AsyncIterator[list[bytes]]:
         content = self._response.content
         loop = asyncio.get_running_loop()
         buf = bytearray()
         scanned = 0  # bytes of buf searched for an event's end already
         deadline = loop.time() + self.read_s
         while True:
-            end = _EVENT_END.search(buf, max(scanned - 3, 0))
-            if end is None:
-                scanned = len(buf)
-                if len(buf) > self.max_event_bytes:
-                    raise EngineError(
-                        self.engine, f"an event longer than {self.max_event_bytes} bytes"
-                    )
-                async with asyncio.timeout_at(deadline):
-                    chunk = await content.readany()
-                if not chunk:
-                    return  # the end of the response (events() says whether it was whole)
-                buf += chunk
-                continue
-            raw = bytes(buf[: end.start()])
-            del buf[: end.end()]
-            scanned = 0
-            data = _data(raw)
-            if data is None:
-                continue  # a comment (keep-alive) or an event without data
-            if data != b"[DONE]":
-                try:
-                    parsed = json.loads(data)
-                except ValueError:
-                    parsed = None
-                if not isinstance(parsed, dict):
+            async with asyncio.timeout_at(deadline):
+                chunk = await content.readany()
+            if not chunk:
+                return  # the end of the response (batches() says whether it was whole)
+            buf += chunk
+            batch: list[bytes] = []
+            while True:
+                end = _EVENT_END.search(buf, max(scanned - 3, 0))
+                if end is None:
+                    scanned = len(buf)
+                    break
+                raw = bytes(buf[: end.start()])
+                del buf[: end.end()]
+                scanned = 0
+                data = _data(raw)
+                if data is None:
+                    continue  # a comment (keep-alive) or an event without data
+                if data != b"[DONE]" and not _is_json_object(data):
+                    if batch:
+                        yield batch
                     raise EngineError(
                         self.engine, f"an event that is not a JSON object: {data[:200]!r}"
                     )
-            yield data
-            deadline = loop.time() + self.read_s  # the client's own pace does not count
+                batch.append(data)
+                if data == b"[DONE]":
+                    break
+            if batch:
+                yield batch
+                deadline = loop.time() + self.read_s  # the client's own pace does not count
+            if len(buf) > self.max_event_bytes:
+                raise EngineError(self.engine, f"an event longer than {self.max_event_bytes} bytes")
 
     def close(self) -> None:
         """A whole stream's connection goes back to the pool; any other is dropped (an engine
@@ -312,6 +314,13 @@ class EngineStream:
             self._response.release()
         else:
             self._response.close()
+
+
+def _is_json_object(data: bytes) -> bool:
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
 
 
 def _data(raw: bytes) -> bytes | None:
