@@ -417,7 +417,10 @@ def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("'prompt' is an empty list of token ids", "prompt")
-        if not all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        # NOTE: type() is int leaves out bools; min and max loop in C (a prompt is thousands)
+        if not (
+            all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) <= MAX_TOKEN_ID
+        ):
             raise invalid("'prompt' token ids must be integers in [0, 2**32)", "prompt")
-        return list(prompt), None
+        return prompt, None
     raise invalid("'prompt' is required: a string or a list of token ids", "prompt")
