@@ -143,7 +143,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
             "global-cache",
             "scheduling policy",
             flag="--policy",
-            choices=("random", "load", "local-cache", "global-cache"),
+            choices=("random", "round-robin", "load", "local-cache", "global-cache"),
         ),
         "args": Key(list, [], "more 'kvcache conductor' flags"),
         "metrics_port": Key(int, 0, "its Prometheus port (0: any free port)", check=_port),
