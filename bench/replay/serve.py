@@ -154,8 +154,9 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str], list[float]]
 
 
 def _cluster_up(config: str, state_dir: str) -> str:
-    """``kvcache up --config C --state-dir D --detach``; returns its cluster.json. Builds the
-    random tiny Llama where the config's engines expect a model and find none."""
+    """``kvcache up --config C --state-dir D --detach`` (without the config's router); returns
+    its cluster.json. Builds the random tiny Llama where the config's engines expect a model and
+    find none."""
     with open(config, "rb") as f:
         data = tomllib.load(f)
     base = os.path.dirname(os.path.abspath(config))  # relative paths in it are relative to it
@@ -172,6 +173,7 @@ def _cluster_up(config: str, state_dir: str) -> str:
         [
             *(sys.executable, "-m", "kvcache.cli", "up", "--config", config),
             *("--state-dir", state_dir, "--detach"),
+            *("--set", "router.listen="),  # no router of the config's: a router per run here
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
