@@ -2,11 +2,12 @@
 canned tokens (``bench.micro.fake_engines``), so that only the router is measured.
 
 The command starts a conductor, ``--nodes`` nodes of role both, the fake engines (one process)
-and a router per configuration (``aggregated``: the router's default connections kept alive;
+and a router per configuration (``aggregated``: the router's default, connections kept alive;
 ``aggregated-connect``: ``--connection-per-request``), then, for each ``--concurrency``, keeps
 that many streamed completions in flight for ``--duration`` seconds (closed loop, a new request
-as soon as one ends), first straight at the engines (round robin: the reference), then through
-each router. Per request it measures the time to the first token event (TTFT) and to
+as soon as one ends) straight at the engines (round robin: the reference) and through each
+router, one after another, ``--reps`` times over (so that a machine whose load changes meanwhile
+weighs on all alike). Per request it measures the time to the first token event (TTFT) and to
 ``[DONE]`` (end to end). Prints requests per second and TTFT / end-to-end p50 and p99, and what
 the router adds over the direct calls measured in the same run (the goal: under 2 ms at p50 with
 128 streams), writes ``router.json`` and ``router.png`` under ``--out``.
@@ -47,7 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="streams kept in flight, comma-separated (default %(default)s)",
     )
     parser.add_argument(
-        "--duration", type=float, default=8.0, help="seconds per measurement (default 8)"
+        "--duration", type=float, default=4.0, help="seconds per measurement (default 4)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=2, help="measurements per target and level (default 2)"
     )
     parser.add_argument(
         "--configs",
@@ -122,16 +126,17 @@ async def _load(urls: list[str], point: Point, prompt: int, tokens: int, duratio
                             point.errors += 1
                             await r.read()
                             continue
-                        async for line in r.content:
+                        done = None
+                        async for line in r.content:  # to its end: the connection is reused
                             if first is None and line.startswith(b"data: {"):
                                 first = time.perf_counter()
                             if line.startswith(b"data: [DONE]"):
-                                break
+                                done = time.perf_counter()
                 except aiohttp.ClientError:
                     point.errors += 1
                     continue
-                end = time.perf_counter()
-                if first is None:
+                end = done
+                if first is None or end is None:
                     point.errors += 1
                     continue
                 point.ttft_ms.append((first - t0) * 1e3)
@@ -142,14 +147,21 @@ async def _load(urls: list[str], point: Point, prompt: int, tokens: int, duratio
         point.seconds = time.perf_counter() - t
 
 
-def measure(urls: list[str], target: str, concurrency: int, args: argparse.Namespace) -> Point:
-    asyncio.run(_load(urls, Point(target, 1), args.prompt, args.tokens, 1.0))  # warm up
-    point = Point(target, concurrency)
-    asyncio.run(_load(urls, point, args.prompt, args.tokens, args.duration))
-    s = point.summary()
+def measure(
+    urls: list[str], target: str, concurrency: int, args: argparse.Namespace, point: Point
+) -> Point:
+    """One more measurement into ``point`` (its samples and seconds add up)."""
+    asyncio.run(_load(urls, Point(target, 1), args.prompt, args.tokens, 0.5))  # warm up
+    run = Point(target, concurrency)
+    asyncio.run(_load(urls, run, args.prompt, args.tokens, args.duration))
+    point.ttft_ms += run.ttft_ms
+    point.e2e_ms += run.e2e_ms
+    point.errors += run.errors
+    point.seconds += run.seconds
+    s = run.summary()
     print(
         f"router: {target:>20} x{concurrency:<4} {s['req_s']:7.0f} req/s, TTFT p50 "
-        f"{s['ttft_p50_ms']:.1f} ms, e2e p50 {s['e2e_p50_ms']:.1f} ms, {point.errors} errors",
+        f"{s['ttft_p50_ms']:.1f} ms, e2e p50 {s['e2e_p50_ms']:.1f} ms, {run.errors} errors",
         flush=True,
     )
     return point
@@ -221,9 +233,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvcache bench router: --concurrency takes integers, e.g. 1,16,128", file=sys.stderr)
         return 2
     unknown = [c for c in configs if c not in CONFIGS]
-    if not levels or min(levels) < 1 or unknown or args.nodes < 1 or not args.duration > 0:
+    bad = args.nodes < 1 or args.reps < 1 or not args.duration > 0
+    if not levels or min(levels) < 1 or unknown or bad:
         print(
-            f"kvcache bench router: --concurrency >= 1, --nodes >= 1, --duration > 0 and "
+            f"kvcache bench router: --concurrency, --nodes, --reps >= 1, --duration > 0 and "
             f"--configs from {', '.join(CONFIGS)} (unknown: {unknown})",
             file=sys.stderr,
         )
@@ -233,18 +246,20 @@ def run(args: argparse.Namespace) -> int:
     points: list[Point] = []
     try:
         _wait_nodes(cluster["conductor"], args.nodes)
-        for level in levels:
-            points.append(measure(urls, "direct", level, args))
+        targets = {"direct": urls}
         for config in configs:
             router = start_service(
                 ["router", "--listen", "127.0.0.1:0", *cluster["args"], *CONFIGS[config]],
                 log_dir=logs,
             )
-            try:
-                for level in levels:
-                    points.append(measure([f"http://{router.address}"], config, level, args))
-            finally:
-                router.stop()
+            started.append(router)
+            targets[config] = [f"http://{router.address}"]
+        for level in levels:
+            mine = {target: Point(target, level) for target in targets}
+            for _ in range(args.reps):
+                for target, where in targets.items():
+                    measure(where, target, level, args, mine[target])
+            points += mine.values()
     finally:
         for sp in reversed(started):
             sp.stop()
@@ -260,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nrouter: {args.nodes} fake engines ({args.tokens} tokens, first after "
         f"{args.ttft_ms:g} ms, then every {args.itl_ms:g} ms), prompts of {args.prompt} tokens, "
-        f"{args.duration:g} s per row; 'added': through the router minus direct, same run"
+        f"{args.reps} x {args.duration:g} s per row, targets taking turns; 'added': through the "
+        "router minus direct, same run"
     )
     print_table(rows, COLUMNS)
     os.makedirs(args.out, exist_ok=True)
