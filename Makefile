@@ -70,8 +70,8 @@ demo: $(STAMP) $(if $(filter-out 1,$(DEMO_CONDUCTORS)),etcd)
 	echo "demo: report in $(DEMO_OUT)/live.json, plot in $(DEMO_OUT)/live.png (exit $$status)"; \
 	exit $$status
 
-# The serving demo: configs/serve.toml's cluster (2 prefill + 1 decode node, each with a real
-# vLLM server running a random tiny Llama made here, and `kvcache router` on port 8000), then the
+# The serving demo: configs/serve.toml's cluster (3 nodes of role both, each with a real vLLM
+# server running a random tiny Llama made here, and `kvcache router` on port 8000), then the
 # OpenAI client example and SERVE_REQUESTS requests of the conversation trace through the router;
 # the cluster is stopped whatever happens. `kvcache up --config configs/serve.toml` keeps it up.
 SERVE_STATE := out/serve

@@ -38,7 +38,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bench.micro.vllm_ttft",
         "vLLM TTFT with the prefix loaded from kvcache vs recomputed",
     ),
-    "serve": ("bench.replay.serve", "the trace through the router and vLLM engines, per policy"),
+    "serve": (
+        "bench.replay.serve",
+        "the trace through the router and vLLM engines: modes x policies x rates, goodput",
+    ),
+    "router": (
+        "bench.micro.router_overhead",
+        "the router's own cost against fake engines: req/s and latency added vs direct",
+    ),
 }
 
 

@@ -92,6 +92,9 @@ class ConductorClient:
         ttft_slo_s: float = 0.0,
         tbt_slo_s: float = 0.0,
         exclude_nodes: Sequence[str] = (),
+        aggregated: bool = False,
+        disaggregate_above: int = 0,
+        policy: str = "",
     ) -> pb.ScheduleReply:
         reply: pb.ScheduleReply = self._call(
             "Schedule",
@@ -103,6 +106,9 @@ class ConductorClient:
                 ttft_slo_s=ttft_slo_s,
                 tbt_slo_s=tbt_slo_s,
                 exclude_nodes=list(exclude_nodes),
+                aggregated=aggregated,
+                disaggregate_above=disaggregate_above,
+                policy=policy,
             ),
         )
         return reply
@@ -113,20 +119,27 @@ class ConductorClient:
             self._call("ScheduleBatch", pb.ScheduleBatchRequest(requests=requests)).outcomes
         )
 
-    def prefilled(self, request_id: str, prefill_seconds: float = 0.0) -> None:
+    def prefilled(
+        self, request_id: str, prefill_seconds: float = 0.0, transfer_seconds: float = 0.0
+    ) -> None:
         self._call(
             "Complete",
             pb.CompleteRequest(
                 request_id=request_id,
                 phase=pb.COMPLETE_PHASE_PREFILLED,
                 prefill_seconds=prefill_seconds,
+                transfer_seconds=transfer_seconds,
             ),
         )
 
-    def complete(self, request_id: str) -> None:
+    def complete(self, request_id: str, transfer_seconds: float = 0.0) -> None:
         self._call(
             "Complete",
-            pb.CompleteRequest(request_id=request_id, phase=pb.COMPLETE_PHASE_FINISHED),
+            pb.CompleteRequest(
+                request_id=request_id,
+                phase=pb.COMPLETE_PHASE_FINISHED,
+                transfer_seconds=transfer_seconds,
+            ),
         )
 
     def list_nodes(self) -> pb.ListNodesReply:

@@ -115,10 +115,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--refit-every",
         type=int,
-        default=0,
+        default=16,
         metavar="N",
-        help="refit the prefill cost model to the prefill times reported with "
-        "Complete after every N new samples (default 0: never)",
+        help="refit the cost model to what is measured: its prefill part after every N new "
+        "prefill times (reported with Complete, or read from --engine-metrics), its transfer "
+        "and decode-step lines after every N/4 transfer waits (Complete) and inter-token "
+        "latencies (--engine-metrics); a transfer is planned only when its measured cost pays "
+        "(default %(default)s; 0: never, the model stays as given)",
     )
     parser.add_argument(
         "--min-transfer-gain",

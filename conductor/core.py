@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 from kvstore.errors import FailedPrecondition, echo
 from kvstore.tiers import Tier
 
-from .costmodel import DEFAULT_COST_MODEL, CostModel
+from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample
 from .index import GlobalIndex
 from .registry import DEFAULT_LEASE_S, NodeDescriptor, NodeLoad, NodeState, Registry
 from .scheduler import Decision, Request, Scheduler, SchedulerConfig
@@ -176,9 +176,20 @@ class Conductor:
             self.dispatcher.dispatch(decision.transfer)
         return decision
 
-    def prefill_done(self, request_id: str, measured_s: float | None = None) -> None:
+    def prefill_done(
+        self, request_id: str, measured_s: float | None = None, transfer_s: float | None = None
+    ) -> None:
         with self.lock:
-            self.scheduler.prefill_done(request_id, measured_s=measured_s)
+            self.scheduler.prefill_done(request_id, measured_s=measured_s, transfer_s=transfer_s)
+
+    def engine_samples(
+        self,
+        prefills: Sequence[PrefillSample] = (),
+        decode_steps: Sequence[tuple[int, float]] = (),
+    ) -> None:
+        """Cost-model measurements read from an engine (``conductor.engine_load``)."""
+        with self.lock:
+            self.scheduler.engine_samples(prefills, decode_steps)
 
     def complete(self, request_id: str) -> None:
         with self.lock:

@@ -16,7 +16,12 @@ only run on the suffix). Defaults are Table 1's LLaMA3-70B on 8xA800.
 
 ``FittedCostModel`` replaces the prefill part by ``quad * (n^2 - p^2) + lin * (n - p) + const``
 fitted by least squares from measured ``(n, prefix, seconds)`` samples (``fit_prefill``); the
-analytic model is the special case ``const = 0``.
+analytic model is the special case ``const = 0``. It may also replace the transfer estimate by
+``const + bytes * per_byte`` and the decode step by ``const + tokens * per_token``, each fitted
+to measurements (``fit_line``: transfers the router waited for, the engines' inter-token
+latencies): an analytic model of 8 A800s says nothing of a tiny model on a CPU, or of what a
+messenger round trip really costs, and a transfer planned on a wrong estimate delays the request
+it was meant to speed up.
 """
 
 from __future__ import annotations
@@ -162,12 +167,16 @@ class FlopsCostModel(CostModel):
 @dataclass(frozen=True, kw_only=True)
 class FittedCostModel(CostModel):
     """Prefill time ``quad*(n^2-p^2) + lin*(n-p) + const`` (``const`` only when something is
-    computed); KV size, transfer and decode estimates come from ``base``."""
+    computed); KV size comes from ``base``, and so do transfer and decode estimates unless
+    ``transfer`` (seconds per transfer, per byte) or ``decode`` (seconds per step, per context
+    token) are given."""
 
     quad: float
     lin: float
     const: float = 0.0
     base: CostModel = FlopsCostModel()
+    transfer: tuple[float, float] | None = None
+    decode: tuple[float, float] | None = None
 
     def prefill_seconds(self, tokens: int, prefix_tokens: int = 0) -> float:
         _check_tokens(tokens, prefix_tokens)
@@ -180,13 +189,46 @@ class FittedCostModel(CostModel):
         return self.base.kv_bytes(tokens)
 
     def transfer_seconds(self, nbytes: int) -> float:
-        return self.base.transfer_seconds(nbytes)
+        if self.transfer is None:
+            return self.base.transfer_seconds(nbytes)
+        return self.transfer[0] + nbytes * self.transfer[1] if nbytes > 0 else 0.0
 
     def decode_step_seconds(self, requests: int, tokens: int) -> float:
-        return self.base.decode_step_seconds(requests, tokens)
+        if self.decode is None:
+            return self.base.decode_step_seconds(requests, tokens)
+        return self.decode[0] + tokens * self.decode[1] if requests > 0 else 0.0
 
     def queued_prefill_seconds(self, tokens: int) -> float:
         return self.lin * tokens if tokens > 0 else 0.0
+
+    def coefficients(self) -> tuple[float, float, float]:
+        return self.quad, self.lin, self.const
+
+
+def prefill_coefficients(model: CostModel) -> tuple[float, float, float] | None:
+    """``(quad, lin, const)`` of a model whose prefill has that form, else None."""
+    if isinstance(model, (FlopsCostModel, FittedCostModel)):
+        return model.coefficients()
+    return None
+
+
+def calibrated(
+    base: CostModel,
+    prefill: CostModel | None = None,
+    transfer: tuple[float, float] | None = None,
+    decode: tuple[float, float] | None = None,
+) -> CostModel:
+    """``base`` with the fitted parts given (a prefill fit, transfer or decode lines) in place
+    of its own; ``base`` itself when none is given, or when it is a custom model whose prefill
+    has no ``(quad, lin, const)`` form to carry the fits."""
+    if prefill is None and transfer is None and decode is None:
+        return base
+    coef = prefill_coefficients(prefill if prefill is not None else base)
+    if coef is None:
+        return base
+    return FittedCostModel(
+        quad=coef[0], lin=coef[1], const=coef[2], base=base, transfer=transfer, decode=decode
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +274,23 @@ def fit_prefill(
         coef[keep] = np.maximum(sub / scale[keep], 0.0)
     quad, lin, const = (float(c) for c in coef)
     return FittedCostModel(quad=quad, lin=lin, const=const, base=base or FlopsCostModel())
+
+
+def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``y = a + b * x`` with ``a, b >= 0`` (a negative term is noise), or None
+    without at least three finite points. All ``x`` equal: ``b = 0``, ``a`` their mean."""
+    arr = np.asarray([p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])])
+    if arr.shape[0] < 3:
+        return None
+    x, y = arr[:, 0], np.maximum(arr[:, 1], 0.0)
+    if np.ptp(x) == 0:
+        return float(y.mean()), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return float(y.mean()), 0.0
+    if a < 0:
+        return 0.0, float(max((x * y).sum() / (x * x).sum(), 0.0))  # through the origin
+    return float(a), float(b)
 
 
 def with_mfu(model: FlopsCostModel, mfu: float) -> FlopsCostModel:

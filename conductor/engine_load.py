@@ -16,6 +16,11 @@ KV capacity in ``vllm:cache_config_info`` and the mean prompt tokens a prefill c
 ``Registry.engine_report`` merges it into the node's load (the larger report wins per field). An
 engine that answered once and then fails a scrape takes its node out of scheduling until it
 answers again; one that never answered yet (starting) is not held against its node.
+
+Between two scrapes, the requests that finished give the cost model its measurements
+(``Conductor.engine_samples``): their mean prefill time (``vllm:request_prefill_time_seconds``)
+for their mean computed prompt tokens, and the mean inter-token latency
+(``vllm:inter_token_latency_seconds``) of a batch holding the KV-cache usage's tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kvstore.errors import InvalidArgument
 from rpc.cluster import NodeLoad
 
 from .core import Conductor
+from .costmodel import PrefillSample
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,29 @@ class EngineSample:
     kv_usage: float  # fraction of the KV cache in use, 0..1
     kv_capacity_tokens: int  # tokens its KV cache holds (0: not reported)
     prefill_tokens_mean: float  # tokens a prefill computed, mean over finished requests
+    # cumulative counters, for measurements between two scrapes
+    prefill_count: float = 0.0
+    prefill_seconds: float = 0.0
+    computed_tokens: float = 0.0
+    itl_count: float = 0.0
+    itl_seconds: float = 0.0
+
+    def measured_since(
+        self, before: "EngineSample"
+    ) -> tuple[list[PrefillSample], list[tuple[int, float]]]:
+        """The mean prefill and decode step of what finished since ``before`` (none when the
+        counters went back: the engine restarted)."""
+        prefills, steps = [], []
+        done = self.prefill_count - before.prefill_count
+        seconds = self.prefill_seconds - before.prefill_seconds
+        tokens = self.computed_tokens - before.computed_tokens
+        if done > 0 and seconds >= 0 and tokens > 0:
+            prefills.append(PrefillSample(round(tokens / done), 0, seconds / done))
+        gaps = self.itl_count - before.itl_count
+        seconds = self.itl_seconds - before.itl_seconds
+        if gaps > 0 and seconds >= 0:
+            steps.append((int(self.kv_usage * self.kv_capacity_tokens), seconds / gaps))
+        return prefills, steps
 
     def load(self) -> NodeLoad:
         requests = self.running + self.waiting
@@ -88,6 +117,11 @@ def parse_vllm_metrics(text: str) -> EngineSample:
         raise InvalidArgument("no vllm:num_requests_running metric: is this a vLLM engine?")
     computed = values.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
     return EngineSample(
+        prefill_count=values.get("vllm:request_prefill_time_seconds_count", 0.0),
+        prefill_seconds=values.get("vllm:request_prefill_time_seconds_sum", 0.0),
+        computed_tokens=values.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0),
+        itl_count=values.get("vllm:inter_token_latency_seconds_count", 0.0),
+        itl_seconds=values.get("vllm:inter_token_latency_seconds_sum", 0.0),
         running=int(values["vllm:num_requests_running"]),
         waiting=int(values.get("vllm:num_requests_waiting", 0.0)),
         kv_usage=max(usage) if usage else 0.0,
@@ -117,6 +151,7 @@ class EngineLoadFeed:
         self.scrapes = 0
         self.failures = 0
         self._answering: bool | None = None
+        self._last: EngineSample | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"engine-load-{node_id}", daemon=True
@@ -144,7 +179,13 @@ class EngineLoadFeed:
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:
                 text = r.read().decode("utf-8", "replace")
-            load = parse_vllm_metrics(text).load()
+            sample = parse_vllm_metrics(text)
+            load = sample.load()
+            if self._last is not None:
+                prefills, steps = sample.measured_since(self._last)
+                if prefills or steps:
+                    self.conductor.engine_samples(prefills, steps)
+            self._last = sample
             self.scrapes += 1
             if self._answering is not True:
                 log.info("engine of %s answers at %s", self.node_id, self.url)

@@ -13,11 +13,18 @@
    ``min_transfer_gain`` fraction: moving blocks is not free for the network or the cache.
 3. The policy picks the prefill option (see ``POLICIES``) and a decode node (lowest predicted
    time between tokens, TBT, after adding this request).
+   An ``aggregated`` request is placed on one node of role ``both`` that prefills and decodes
+   it: the candidates are priced as in 2, their queue counting also one decode step of the
+   batch they are decoding (a prefill shares the engine's steps with it), and the decode node is
+   the chosen one. With ``disaggregate_above``, a request whose uncached suffix on that node is
+   longer is placed disaggregated instead (a long prefill would stall the node's decodes).
 4. ``SLORejected`` (gRPC ``RESOURCE_EXHAUSTED``) when the chosen TTFT or TBT misses the
    request's SLO; otherwise the choice is entered in the ledger and returned as a ``Decision``.
 
 The ledger keeps queue estimates honest: ``prefill_done(request_id, now)`` re-anchors the node's
-queue at ``now``, ``complete(request_id, now)`` frees the decode slot.
+queue at ``now``, ``complete(request_id, now)`` frees the decode slot. Measured prefills, the
+waits for transfer plans and the engines' decode steps calibrate the cost model
+(``conductor.calibration``): a transfer is planned only when its measured cost pays.
 
 Time is explicit: every method takes ``now`` (default: ``clock()``), so a trace simulation drives
 the scheduler in simulated time. Single-threaded: ``conductor.core.Conductor`` adds the lock the
@@ -36,10 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -51,8 +55,31 @@ from kvstore.errors import (
     echo,
 )
 
-from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample, fit_prefill
-from .registry import NodeDescriptor, NodeState, Registry
+from .calibration import Calibration
+from .costmodel import DEFAULT_COST_MODEL, CostModel, PrefillSample
+from .policies import (
+    POLICIES,
+    DecodeOption,
+    PrefillContext,
+    PrefillOption,
+    SchedulingPolicy,
+    make_policy,
+)
+from .registry import NodeDescriptor, NodeState, Registry, Role
+
+__all__ = [
+    "POLICIES",
+    "Decision",
+    "NoNodeAvailable",
+    "PrefillContext",
+    "Request",
+    "SLORejected",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulingPolicy",
+    "TransferPlan",
+    "make_policy",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +103,9 @@ class Request:
     block_bytes: int | None = None  # KV bytes per block; None: cost_model.kv_bytes(block)
     exclude: frozenset[str] = frozenset()  # node ids not to place it on (a retry's failed ones)
     tenant: str = ""  # whose share of the ledger it takes (SchedulerConfig.max_pending_per_tenant)
+    aggregated: bool = False  # one node of role both prefills and decodes it
+    disaggregate_above: int = 0  # aggregated, unless its uncached suffix is longer (0: never)
+    policy: str = ""  # a policy of POLICIES for this request ("": the scheduler's)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +139,7 @@ class Decision:
     est_ttft_s: float
     est_tbt_s: float
     decided_at: float
+    aggregated: bool = False  # placed on one node that prefills and decodes
 
     @property
     def prefill_node(self) -> str:
@@ -134,232 +165,6 @@ class NoNodeAvailable(FailedPrecondition):
     """No live node can take the request (none registered for its namespace / role)."""
 
 
-# ---- options the policies choose from -------------------------------------------------------
-
-
-@dataclass(slots=True)
-class PrefillOption:
-    node: NodeState
-    local_blocks: int
-    queue_s: float
-    reuse_blocks: int
-    transfer_s: float
-    prefill_s: float
-    ttft_s: float
-    source: NodeState | None = None  # fetch [local_blocks, reuse_blocks) from here
-
-
-@dataclass(slots=True)
-class DecodeOption:
-    node: NodeState
-    requests: int  # after adding this request
-    tokens: int
-    tbt_s: float
-
-
-def _min_index(values: list[float]) -> int:
-    """Index of the first smallest value (as ``min`` picks among equals)."""
-    return values.index(min(values))
-
-
-class PrefillContext:
-    """What a policy sees: every prefill candidate priced with the prefix it holds, as parallel
-    lists (one entry per candidate, in candidate order), and the fetch of the best prefix priced
-    on demand.
-
-    NOTE: a policy picks an index and materialises only that option (``option(i)``,
-    ``fetched_option(i)``): building an option object per candidate per request was a measurable
-    share of a decision. ``options`` and ``fetch`` give the objects for policies that want them.
-    """
-
-    __slots__ = (
-        "request",
-        "nodes",
-        "local_blocks",
-        "queue_s",
-        "prefill_s",
-        "ttft_s",
-        "best_blocks",
-        "best_source",
-        "_cost",
-        "_block_bytes",
-        "_keep",
-        "_prefill_best",
-        "_transfer",
-        "_fetched",
-    )
-
-    def __init__(
-        self,
-        request: Request,
-        nodes: list[NodeState],
-        local_blocks: list[int],
-        queue_s: list[float],
-        prefill_s: list[float],
-        ttft_s: list[float],
-        best_blocks: int,
-        best_source: NodeState | None,
-        cost: CostModel,
-        block_bytes: int,
-        keep: float,
-        prefill_best: float | None,
-    ) -> None:
-        self.request = request
-        self.nodes = nodes
-        self.local_blocks = local_blocks
-        self.queue_s = queue_s
-        self.prefill_s = prefill_s
-        self.ttft_s = ttft_s
-        self.best_blocks = best_blocks
-        self.best_source = best_source
-        self._cost = cost
-        self._block_bytes = block_bytes
-        self._keep = keep  # a fetch must bring TTFT below ttft * keep
-        self._prefill_best = prefill_best  # prefill after fetching best_blocks (None: not yet)
-        self._transfer: dict[int, float] = {}  # by local prefix length
-        self._fetched: list[float | None] | None = None
-
-    def option(self, i: int) -> PrefillOption:
-        """Candidate ``i`` computing all but its own prefix."""
-        local = self.local_blocks[i]
-        return PrefillOption(
-            self.nodes[i], local, self.queue_s[i], local, 0.0, self.prefill_s[i], self.ttft_s[i]
-        )
-
-    @property
-    def options(self) -> list[PrefillOption]:
-        return [self.option(i) for i in range(len(self.nodes))]
-
-    def fetched_ttft(self) -> list[float | None]:
-        """Per candidate: the TTFT if it first fetches blocks ``[local, best)`` from
-        ``best_source`` (``max(queue, transfer) + prefill(prompt, best)``: the fetch runs while
-        the request queues), or None where there is nothing to fetch or the fetch does not cut
-        TTFT by the ``min_transfer_gain`` fraction."""
-        if self._fetched is not None:
-            return self._fetched
-        best = self.best_blocks
-        if self.best_source is None:
-            self._fetched = [None] * len(self.nodes)
-            return self._fetched
-        prefill = self._prefill_at_best()
-        transfer_of = self._transfer
-        keep = self._keep
-        out: list[float | None] = []
-        for local, queue, ttft in zip(self.local_blocks, self.queue_s, self.ttft_s):
-            if local >= best:
-                out.append(None)
-                continue
-            transfer = transfer_of.get(local)
-            if transfer is None:
-                transfer = transfer_of[local] = self._cost.transfer_seconds(
-                    (best - local) * self._block_bytes
-                )
-            fetched = (queue if queue >= transfer else transfer) + prefill
-            out.append(None if fetched >= ttft * keep else fetched)
-        self._fetched = out
-        return out
-
-    def fetched_option(self, i: int) -> PrefillOption:
-        """Candidate ``i`` fetching the best prefix first (``fetched_ttft()[i]`` is not None)."""
-        ttft = self.fetched_ttft()[i]
-        assert ttft is not None, "fetched_option of a candidate with nothing worth fetching"
-        local = self.local_blocks[i]
-        return PrefillOption(
-            self.nodes[i],
-            local,
-            self.queue_s[i],
-            self.best_blocks,
-            self._transfer[local],
-            self._prefill_at_best(),
-            ttft,
-            self.best_source,
-        )
-
-    def fetch(self, option: PrefillOption) -> PrefillOption | None:
-        """``option`` (one of ``options``) fetching the best prefix first, or None (see
-        ``fetched_ttft``)."""
-        i = self.nodes.index(option.node)
-        return self.fetched_option(i) if self.fetched_ttft()[i] is not None else None
-
-    def _prefill_at_best(self) -> float:
-        if self._prefill_best is None:
-            r = self.request
-            self._prefill_best = self._cost.prefill_seconds(
-                r.prompt_tokens, self.best_blocks * r.block_tokens
-            )
-        return self._prefill_best
-
-
-class SchedulingPolicy(ABC):
-    """Chooses among the options the scheduler prices. Registered by name in ``POLICIES``."""
-
-    name: str = ""
-
-    @abstractmethod
-    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption: ...
-
-    def pick_decode(self, tbt_s: list[float]) -> int:
-        """Index of the decode node to use, given each candidate's predicted TBT."""
-        return _min_index(tbt_s)
-
-
-class RandomPolicy(SchedulingPolicy):
-    """Uniformly random prefill and decode nodes (a node still reuses its own prefix)."""
-
-    name = "random"
-
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
-
-    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return ctx.option(self._rng.randrange(len(ctx.nodes)))
-
-    def pick_decode(self, tbt_s: list[float]) -> int:
-        return self._rng.randrange(len(tbt_s))
-
-
-class LoadPolicy(SchedulingPolicy):
-    """Shortest prefill queue, ignoring the cache; least-loaded decode node."""
-
-    name = "load"
-
-    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return ctx.option(_min_index(ctx.queue_s))
-
-
-class LocalCachePolicy(SchedulingPolicy):
-    """Minimum TTFT counting only the prefix each node already holds: no transfers."""
-
-    name = "local-cache"
-
-    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        return ctx.option(_min_index(ctx.ttft_s))
-
-
-class GlobalCachePolicy(SchedulingPolicy):
-    """Mooncake Algorithm 1: minimum TTFT where a node may fetch the best prefix first."""
-
-    name = "global-cache"
-
-    def pick_prefill(self, ctx: PrefillContext) -> PrefillOption:
-        fetched = ctx.fetched_ttft()
-        ttfts = [t if f is None else f for t, f in zip(ctx.ttft_s, fetched)]
-        i = _min_index(ttfts)
-        return ctx.option(i) if fetched[i] is None else ctx.fetched_option(i)
-
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    p.name: p for p in (RandomPolicy, LoadPolicy, LocalCachePolicy, GlobalCachePolicy)
-}
-
-
-def make_policy(name: str, seed: int | None = None) -> SchedulingPolicy:
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise InvalidArgument(f"unknown scheduling policy {name!r}; use one of {sorted(POLICIES)}")
-    return cls(seed) if cls is RandomPolicy else cls()
-
-
 # ---- the scheduler --------------------------------------------------------------------------
 
 
@@ -372,7 +177,9 @@ class SchedulerConfig:
     stale_after_s: float = 900.0
     max_pending_per_tenant: int = 0  # scheduled, not completed, per tenant (0: no limit)
     max_samples: int = 4096  # measured prefills kept for refitting the cost model
-    refit_every: int = 0  # refit the prefill model after this many new samples (0: off)
+    # refit the prefill model after this many new samples, the transfer and decode lines after
+    # a quarter as many (0: off, the cost model stays as given)
+    refit_every: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_transfer_gain < 1.0:
@@ -403,6 +210,7 @@ class _Pending:
     context_tokens: int
     deadline: float
     tenant: str = ""
+    transfer_bytes: int = 0  # of the plan made for it (0: none)
     prefilled: bool = False
 
 
@@ -422,15 +230,18 @@ class Scheduler:
         self.index = registry.index
         self.cost_model = cost_model
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
+        self._policies = {self.policy.name: self.policy}  # a request may name another
+        self._seed = seed
         self.config = config
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
         self._per_tenant: dict[str, int] = {}  # pending requests of each tenant
         self._first_deadline = math.inf  # no pending entry expires before this (a lower bound)
-        self._samples: deque[PrefillSample] = deque(maxlen=config.max_samples)
-        self._new_samples = 0
-        self._base_cost_model = cost_model  # what refits keep transfer / decode estimates from
-        self._candidates: dict[str, tuple[int, list[NodeState], list[NodeState]]] = {}
+        self.calibration = Calibration(cost_model, config.refit_every, config.max_samples)
+        # namespace -> (registry version, prefill, decode, both-role candidates)
+        self._candidates: dict[
+            str, tuple[int, list[NodeState], list[NodeState], list[NodeState]]
+        ] = {}
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -446,28 +257,70 @@ class Scheduler:
                 f"{'tenant ' + echo(request.tenant) if request.tenant else 'the admin'} has "
                 f"{cap} scheduled requests not completed; complete them (Complete) first"
             )
-        prefill_nodes, decode_nodes = self._candidates_for(request.namespace)
+        policy = self._policy(request.policy)
+        prefill_nodes, decode_nodes, both = self._candidates_for(
+            request.namespace, request.aggregated
+        )
         if request.exclude:
-            prefill_nodes, decode_nodes = _without(request, prefill_nodes, decode_nodes)
-        cost = self.cost_model
+            prefill_nodes, decode_nodes, both = _without(request, prefill_nodes, decode_nodes, both)
         n = request.prompt_tokens
-        bt = request.block_tokens
-
         prefix = self.index.prefix_lengths(request.keys) if request.keys else {}
         best_blocks, best_source = 0, None
         for node_id, blocks in prefix.items():
             if blocks > best_blocks:
                 best_blocks, best_source = blocks, self.registry.find(node_id)
+        block_bytes = request.block_bytes or self.cost_model.kv_bytes(request.block_tokens)
+        context = n + request.output_tokens
 
+        if request.aggregated:
+            ctx = self._context(request, both, prefix, best_blocks, best_source, now, True)
+            chosen = policy.pick_prefill(ctx)
+            suffix = n - chosen.reuse_blocks * request.block_tokens
+            limit = request.disaggregate_above
+            if not (limit and suffix > limit):
+                decode = self._decode_option(chosen.node, context)
+                self._check_slos(request, chosen, decode)
+                return self._admit(
+                    request, policy, chosen, decode, best_blocks, block_bytes, now, True
+                )
+            # a long prefill would stall the node's decodes: placed disaggregated instead
+        ctx = self._context(request, prefill_nodes, prefix, best_blocks, best_source, now, False)
+        chosen = policy.pick_prefill(ctx)
+        if len(decode_nodes) > 1:
+            # disaggregated: the decode runs elsewhere than the prefill (a node of role both
+            # may be either, not both, unless it is the only decode candidate)
+            decode_nodes = [s for s in decode_nodes if s is not chosen.node]
+        step = self.cost_model.decode_step_seconds
+        tbts = [step(r + 1, t + context) for r, t in map(_decode_load, decode_nodes)]
+        decode = self._decode_option(decode_nodes[policy.pick_decode(tbts)], context)
+        self._check_slos(request, chosen, decode)
+        return self._admit(request, policy, chosen, decode, best_blocks, block_bytes, now, False)
+
+    def _context(
+        self,
+        request: Request,
+        nodes: list[NodeState],
+        prefix: dict[str, int],
+        best_blocks: int,
+        best_source: NodeState | None,
+        now: float,
+        aggregated: bool,
+    ) -> PrefillContext:
+        """Every candidate priced with the prefix it holds (``aggregated``: its queue also
+        counts one decode step of what it decodes)."""
+        cost = self.cost_model
+        n = request.prompt_tokens
+        bt = request.block_tokens
         # NOTE: most nodes hold nothing of a request: price each distinct prefix length once.
         prefill_of: dict[int, float] = {}
         queued = cost.queued_prefill_seconds
+        step = cost.decode_step_seconds
         held = prefix.get
         locals_: list[int] = []
         queues: list[float] = []
         prefills: list[float] = []
         ttfts: list[float] = []
-        for node in prefill_nodes:
+        for node in nodes:
             local = held(node.node_id, 0)
             prefill = prefill_of.get(local)
             if prefill is None:
@@ -480,48 +333,41 @@ class Scheduler:
                     queue = q
             if queue < 0.0:
                 queue = 0.0
+            if aggregated:
+                requests, tokens = _decode_load(node)
+                if requests:
+                    queue += step(requests, tokens)
             locals_.append(local)
             queues.append(queue)
             prefills.append(prefill)
             ttfts.append(queue + prefill)
-        block_bytes = request.block_bytes or cost.kv_bytes(bt)
-        chosen = self.policy.pick_prefill(
-            PrefillContext(
-                request,
-                prefill_nodes,
-                locals_,
-                queues,
-                prefills,
-                ttfts,
-                best_blocks,
-                best_source,
-                cost,
-                block_bytes,
-                1.0 - self.config.min_transfer_gain,
-                prefill_of.get(best_blocks),
-            )
+        return PrefillContext(
+            request,
+            nodes,
+            locals_,
+            queues,
+            prefills,
+            ttfts,
+            best_blocks,
+            best_source,
+            cost,
+            request.block_bytes or cost.kv_bytes(bt),
+            1.0 - self.config.min_transfer_gain,
+            prefill_of.get(best_blocks),
         )
 
-        context = n + request.output_tokens
-        step = cost.decode_step_seconds
-        tbts = []
-        for node in decode_nodes:
-            load = node.load
-            requests, tokens = node.decode_requests, node.decode_tokens
-            if load.running_decode_requests > requests:
-                requests = load.running_decode_requests
-            if load.running_decode_tokens > tokens:
-                tokens = load.running_decode_tokens
-            tbts.append(step(requests + 1, tokens + context))
-        i = self.policy.pick_decode(tbts)
-        node = decode_nodes[i]
-        decode = DecodeOption(
+    def _decode_option(self, node: NodeState, context: int) -> DecodeOption:
+        """``node`` decoding one more request of ``context`` tokens."""
+        requests, tokens = _decode_load(node)
+        return DecodeOption(
             node=node,
-            tbt_s=tbts[i],
-            tokens=max(node.decode_tokens, node.load.running_decode_tokens) + context,
-            requests=max(node.decode_requests, node.load.running_decode_requests) + 1,
+            requests=requests + 1,
+            tokens=tokens + context,
+            tbt_s=self.cost_model.decode_step_seconds(requests + 1, tokens + context),
         )
 
+    def _check_slos(self, request: Request, chosen: PrefillOption, decode: DecodeOption) -> None:
+        bt = request.block_tokens
         if request.ttft_slo_s and chosen.ttft_s > request.ttft_slo_s:
             raise SLORejected(
                 "TTFT",
@@ -529,8 +375,8 @@ class Scheduler:
                 chosen.ttft_s,
                 f"node {chosen.node.node_id}: queue {chosen.queue_s * 1e3:.1f} ms, "
                 f"transfer {chosen.transfer_s * 1e3:.1f} ms, prefill "
-                f"{chosen.prefill_s * 1e3:.1f} ms of {n - chosen.reuse_blocks * bt}"
-                f" uncached tokens",
+                f"{chosen.prefill_s * 1e3:.1f} ms of "
+                f"{request.prompt_tokens - chosen.reuse_blocks * bt} uncached tokens",
             )
         if request.tbt_slo_s and decode.tbt_s > request.tbt_slo_s:
             raise SLORejected(
@@ -540,16 +386,26 @@ class Scheduler:
                 f"node {decode.node.node_id}: {decode.requests} requests, "
                 f"{decode.tokens} tokens of context",
             )
-        return self._admit(request, chosen, decode, best_blocks, block_bytes, now)
+
+    def _policy(self, name: str) -> SchedulingPolicy:
+        """The scheduler's policy, or the one a request names (made once, then kept)."""
+        if not name:
+            return self.policy
+        policy = self._policies.get(name)
+        if policy is None:
+            policy = self._policies[name] = make_policy(name, self._seed)
+        return policy
 
     def _admit(
         self,
         request: Request,
+        policy: SchedulingPolicy,
         chosen: PrefillOption,
         decode: DecodeOption,
         best_blocks: int,
         block_bytes: int,
         now: float,
+        aggregated: bool,
     ) -> Decision:
         node = chosen.node
         start = max(now + chosen.transfer_s, node.prefill_busy_until, now)
@@ -591,9 +447,10 @@ class Scheduler:
                 nbytes=len(keys) * block_bytes,
                 est_seconds=chosen.transfer_s,
             )
+            self._pending[request.request_id].transfer_bytes = transfer.nbytes
         return Decision(
             request_id=request.request_id,
-            policy=self.policy.name,
+            policy=policy.name,
             prefill=node.descriptor,
             decode=decode.node.descriptor,
             total_blocks=len(request.keys),
@@ -607,6 +464,7 @@ class Scheduler:
             est_ttft_s=chosen.ttft_s,
             est_tbt_s=decode.tbt_s,
             decided_at=now,
+            aggregated=aggregated,
         )
 
     def queue_seconds(self, node: NodeState, now: float) -> float:
@@ -619,23 +477,29 @@ class Scheduler:
     # ---- the ledger -----------------------------------------------------------------------
 
     def prefill_done(
-        self, request_id: str, now: float | None = None, measured_s: float | None = None
+        self,
+        request_id: str,
+        now: float | None = None,
+        measured_s: float | None = None,
+        transfer_s: float | None = None,
     ) -> None:
         """The prefill of ``request_id`` finished: its node's queue is re-anchored at ``now``.
-        ``measured_s`` (the prefill's real duration) is kept as a cost-model sample.
-        Idempotent; NotFound for an unknown request."""
+        ``measured_s`` (the prefill's real duration) and ``transfer_s`` (the wait for its
+        transfer plan) are kept as cost-model samples. Idempotent; NotFound for an unknown
+        request."""
         now = self.clock() if now is None else now
         pending = self._get(request_id)
+        for name, value in (("prefill", measured_s), ("transfer", transfer_s)):
+            if value is not None and not value >= 0:
+                raise InvalidArgument(f"measured {name} seconds must be >= 0, got {value}")
         if measured_s is not None:
-            if not measured_s >= 0:
-                raise InvalidArgument(f"measured prefill seconds must be >= 0, got {measured_s}")
-            self._samples.append(
-                PrefillSample(pending.prompt_tokens, pending.reuse_tokens, measured_s)
-            )
-            self._new_samples += 1
-            every = self.config.refit_every
-            if every and self._new_samples >= every:
-                self._refit_quietly()
+            sample = PrefillSample(pending.prompt_tokens, pending.reuse_tokens, measured_s)
+            if self.calibration.add_prefill(sample):
+                self.cost_model = self.calibration.model()
+        if transfer_s and pending.transfer_bytes:
+            if self.calibration.add_transfer(pending.transfer_bytes, transfer_s):
+                self.cost_model = self.calibration.model()
+            pending.transfer_bytes = 0  # one sample per plan
         if pending.prefilled:
             return
         pending.prefilled = True
@@ -687,33 +551,30 @@ class Scheduler:
     # ---- cost model samples ---------------------------------------------------------------
 
     def samples(self) -> list[PrefillSample]:
-        return list(self._samples)
+        return list(self.calibration.prefills)
+
+    def engine_samples(
+        self,
+        prefills: Sequence[PrefillSample] = (),
+        decode_steps: Sequence[tuple[int, float]] = (),
+    ) -> None:
+        """Measurements read from an engine: prefills, and decode steps as ``(context tokens
+        of the batch, seconds per step)``."""
+        changed = False
+        for sample in prefills:
+            changed |= self.calibration.add_prefill(sample)
+        for tokens, seconds in decode_steps:
+            changed |= self.calibration.add_decode(tokens, seconds)
+        if changed:
+            self.cost_model = self.calibration.model()
 
     def refit_cost_model(self, min_samples: int = 16) -> bool:
         """Replace the prefill part of the cost model by a fit to the measured samples
         (``prefill_done(measured_s=...)``). False when there are too few samples."""
-        if len(self._samples) < min_samples:
+        if not self.calibration.refit_prefill(min_samples):
             return False
-        self.cost_model = fit_prefill(self._samples, base=self._base_cost_model)
-        self._new_samples = 0
+        self.cost_model = self.calibration.model()
         return True
-
-    def _refit_quietly(self) -> None:
-        """Automatic refit: samples that do not determine a model yet (all one size) keep the
-        current model; that is logged, not raised at the caller reporting a prefill."""
-        try:
-            if self.refit_cost_model(min_samples=max(self.config.refit_every, 3)):
-                m = self.cost_model
-                log.info(
-                    "prefill cost model refitted to %d samples: quad=%.3g lin=%.3g const=%.3g",
-                    len(self._samples),
-                    m.quad,
-                    m.lin,
-                    m.const,
-                )  # type: ignore
-        except InvalidArgument as e:
-            self._new_samples = 0
-            log.warning("prefill cost model not refitted: %s", e)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -750,38 +611,68 @@ class Scheduler:
             if value is not None and not value >= 0:
                 raise InvalidArgument(f"{name} must be >= 0 (0: no SLO), got {value}")
 
-    def _candidates_for(self, namespace: str) -> tuple[list[NodeState], list[NodeState]]:
-        """Prefill and decode candidates serving ``namespace``, cached per registry version."""
+    def _candidates_for(
+        self, namespace: str, aggregated: bool = False
+    ) -> tuple[list[NodeState], list[NodeState], list[NodeState]]:
+        """Prefill, decode and both-role candidates serving ``namespace``, cached per registry
+        version; ``NoNodeAvailable`` when the request cannot be placed (``aggregated``: no
+        both-role node)."""
         cached = self._candidates.get(namespace)
-        if cached is not None and cached[0] == self.registry.version:
-            return cached[1], cached[2]
-        serving = [s for s in self.registry.nodes() if s.descriptor.serves(namespace)]
-        nodes = [s for s in serving if not s.engine_down]
-        prefill = [s for s in nodes if s.descriptor.role.prefills]
-        decode = [s for s in nodes if s.descriptor.role.decodes]
-        if not prefill or not decode:
-            what = "prefill" if not prefill else "decode"
-            scope = f" serving namespace {echo(namespace)}" if namespace else ""
-            down = sorted(s.node_id for s in serving if s.engine_down)
-            raise NoNodeAvailable(
-                f"no live {what} node{scope} is registered; start one or wait for nodes to register"
-                + (f" (the engines of {', '.join(down)} do not answer)" if down else "")
+        if cached is None or cached[0] != self.registry.version:
+            serving = [s for s in self.registry.nodes() if s.descriptor.serves(namespace)]
+            nodes = [s for s in serving if not s.engine_down]
+            if len(self._candidates) > 64:
+                self._candidates.clear()
+            cached = self._candidates[namespace] = (
+                self.registry.version,
+                [s for s in nodes if s.descriptor.role.prefills],
+                [s for s in nodes if s.descriptor.role.decodes],
+                [s for s in nodes if s.descriptor.role is Role.BOTH],
             )
-        if len(self._candidates) > 64:
-            self._candidates.clear()
-        self._candidates[namespace] = (self.registry.version, prefill, decode)
-        return prefill, decode
+        _, prefill, decode, both = cached
+        if aggregated and not both:
+            what = "node of role both (aggregated serving)"
+        elif not prefill or not decode:
+            what = "prefill node" if not prefill else "decode node"
+        else:
+            return prefill, decode, both
+        scope = f" serving namespace {echo(namespace)}" if namespace else ""
+        down = sorted(
+            s.node_id
+            for s in self.registry.nodes()
+            if s.engine_down and s.descriptor.serves(namespace)
+        )
+        raise NoNodeAvailable(
+            f"no live {what}{scope} is registered; start one or wait for nodes to register"
+            + (f" (the engines of {', '.join(down)} do not answer)" if down else "")
+        )
+
+
+def _decode_load(node: NodeState) -> tuple[int, int]:
+    """Requests and context tokens ``node`` decodes: the ledger's view or its engine's report,
+    whichever is larger."""
+    load = node.load
+    requests, tokens = node.decode_requests, node.decode_tokens
+    if load.running_decode_requests > requests:
+        requests = load.running_decode_requests
+    if load.running_decode_tokens > tokens:
+        tokens = load.running_decode_tokens
+    return requests, tokens
 
 
 def _without(
-    request: Request, prefill: list[NodeState], decode: list[NodeState]
-) -> tuple[list[NodeState], list[NodeState]]:
+    request: Request, prefill: list[NodeState], decode: list[NodeState], both: list[NodeState]
+) -> tuple[list[NodeState], list[NodeState], list[NodeState]]:
     """The candidates less the nodes ``request`` excludes; ``NoNodeAvailable`` if none is left."""
     prefill = [s for s in prefill if s.node_id not in request.exclude]
     decode = [s for s in decode if s.node_id not in request.exclude]
-    if not prefill or not decode:
-        what = "prefill" if not prefill else "decode"
-        raise NoNodeAvailable(
-            f"no live {what} node is left besides the excluded {', '.join(sorted(request.exclude))}"
-        )
-    return prefill, decode
+    both = [s for s in both if s.node_id not in request.exclude]
+    if request.aggregated and not both:
+        what = "node of role both"
+    elif not prefill or not decode:
+        what = "prefill node" if not prefill else "decode node"
+    else:
+        return prefill, decode, both
+    raise NoNodeAvailable(
+        f"no live {what} is left besides the excluded {', '.join(sorted(request.exclude))}"
+    )

@@ -258,6 +258,9 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     block_bytes=page_bytes,
                     exclude=frozenset(request.exclude_nodes),
                     tenant=tenant,
+                    aggregated=request.aggregated,
+                    disaggregate_above=request.disaggregate_above,
+                    policy=request.policy,
                 )
             )
         except SLORejected as e:
@@ -287,14 +290,16 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if len(request.request_id) > MAX_REQUEST_ID:  # longer than Schedule takes: never scheduled
             raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID} characters")
         rid = _scoped_id(tenant, request.request_id)
-        if request.prefill_seconds < 0:
-            raise InvalidArgument("prefill_seconds must be >= 0")
+        if not request.prefill_seconds >= 0 or not request.transfer_seconds >= 0:
+            raise InvalidArgument("prefill_seconds and transfer_seconds must be >= 0")
+        measured = request.prefill_seconds or None
+        transfer = request.transfer_seconds or None
         try:
             if request.phase == pb.COMPLETE_PHASE_PREFILLED:
-                self.conductor.prefill_done(rid, request.prefill_seconds or None)
+                self.conductor.prefill_done(rid, measured, transfer)
             else:
-                if request.prefill_seconds:
-                    self.conductor.prefill_done(rid, request.prefill_seconds)
+                if measured or transfer:
+                    self.conductor.prefill_done(rid, measured, transfer)
                 self.conductor.complete(rid)
         except NotFound:
             # A request the previous leader scheduled: its ledger went with it. Within the

@@ -407,7 +407,8 @@ def print_state(state: dict, path: str) -> None:
     for e in state.get("engines", []):
         print(f"engine     {e['node']:<10} {e['kv_role']:<8} {e['url']}  ({e['model']})")
     if "router" in state:
-        print(f"router     {state['router']['url']}  (OpenAI API: /v1/completions, /v1/models)")
+        api = "/v1/completions, /v1/chat/completions, /v1/models"
+        print(f"router     {state['router']['url']}  (OpenAI API: {api})")
     print(f"state      {path}")
     print(f"status     kvcache status --cluster {path}")
     print(f"security   {security_note(state)}")

@@ -143,7 +143,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
             "global-cache",
             "scheduling policy",
             flag="--policy",
-            choices=("random", "load", "local-cache", "global-cache"),
+            choices=("random", "round-robin", "load", "local-cache", "global-cache"),
         ),
         "args": Key(list, [], "more 'kvcache conductor' flags"),
         "metrics_port": Key(int, 0, "its Prometheus port (0: any free port)", check=_port),
@@ -226,6 +226,18 @@ SECTIONS: dict[str, dict[str, Key]] = {
     },
     "router": {
         "listen": Key(str, "", "host:port of 'kvcache router' (empty: no router)"),
+        "mode": Key(
+            str,
+            "disaggregated",
+            "disaggregated (prefill and decode engines) or aggregated (one engine of a node of "
+            "role both per request, chosen by cache hit and load)",
+            choices=("disaggregated", "aggregated"),
+        ),
+        "disaggregate_above": Key(
+            int,
+            0,
+            "aggregated: requests whose uncached suffix is longer go disaggregated (0: never)",
+        ),
         "args": Key(list, [], "more 'kvcache router' flags"),
     },
 }

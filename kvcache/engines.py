@@ -12,6 +12,10 @@
 
     [router]                              # `kvcache router` in front of the engines
     listen = "127.0.0.1:8000"             # (empty, the default: no router)
+    mode = "aggregated"                   # one engine per request (nodes of role both); the
+                                          # default, disaggregated: prefill then decode engines
+    disaggregate_above = 512              # aggregated, but longer uncached suffixes go
+                                          # disaggregated (0, the default: never)
 
 The keys and their types are in ``cluster_config``'s schema.
 
@@ -70,7 +74,7 @@ class EngineSpec:
 class ServingConfig:
     engines: tuple[EngineSpec, ...]
     router_listen: str | None = None  # None: no router
-    router_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()  # the [router] settings as flags, then its args
     start_timeout_s: float = 300.0
 
 
@@ -124,12 +128,27 @@ def serving_config(cfg: ClusterConfig) -> ServingConfig | None:
         raise ConfigError(f"{where}: one [[engines]] entry per node ({', '.join(nodes)})")
     if len({s.served_model_name for s in specs}) != 1:
         raise ConfigError(f"{where}: every engine must serve the same served_model_name")
+    flags = []
+    if router["mode"] == "aggregated":
+        if not any(roles[s.node] == "both" for s in specs):
+            raise ConfigError(
+                f'{where}: [router] mode = "aggregated" needs an engine on a [[node]] of role '
+                '"both" (one node prefills and decodes each request)'
+            )
+        flags += ["--mode", "aggregated"]
+    if router["disaggregate_above"]:
+        if router["mode"] != "aggregated" or router["disaggregate_above"] < 0:
+            raise ConfigError(
+                f'{where}: [router] disaggregate_above needs mode = "aggregated" and a '
+                "number of tokens >= 0"
+            )
+        flags += ["--disaggregate-above", str(router["disaggregate_above"])]
     if not defaults["start_timeout_s"] > 0:
         raise ConfigError(f"{where}: [engine_defaults] start_timeout_s must be positive")
     return ServingConfig(
         engines=tuple(specs),
         router_listen=router["listen"] or None,
-        router_args=tuple(router["args"]),
+        router_args=(*flags, *router["args"]),
         start_timeout_s=float(defaults["start_timeout_s"]),
     )
 

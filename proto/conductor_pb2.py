@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/conductor.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"\xbf\x01\n\x0eNodeDescriptor\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.kvcache.v1.NodeRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11messenger_address\x18\x04 \x01(\t\x12#\n\x07layouts\x18\x05 \x03(\x0b\x32\x12.kvcache.v1.Layout\x12\'\n\x08\x63\x61pacity\x18\x06 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\"c\n\x13RegisterNodeRequest\x12(\n\x04node\x18\x01 \x01(\x0b\x32\x1a.kvcache.v1.NodeDescriptor\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\"V\n\x11RegisterNodeReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"[\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\"!\n\x0eHeartbeatReply\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"<\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"&\n\x13UnregisterNodeReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xbc\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x12\n\nttft_slo_s\x18\x05 \x01(\x01\x12\x11\n\ttbt_slo_s\x18\x06 \x01(\x01\x12\x15\n\rexclude_nodes\x18\x07 \x03(\t\"\xf7\x01\n\x0cTransferPlan\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x13\n\x0bsrc_address\x18\x02 \x01(\t\x12\x15\n\rsrc_messenger\x18\x03 \x01(\t\x12\x10\n\x08\x64st_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64st_address\x18\x05 \x01(\t\x12\x15\n\rdst_messenger\x18\x06 \x01(\t\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\r\n\x05\x62ytes\x18\n \x01(\x04\x12\x13\n\x0b\x65st_seconds\x18\x0b \x01(\x01\x12\x11\n\tkey_bytes\x18\x0c \x01(\x0c\"\xb3\x03\n\rScheduleReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cprefill_node\x18\x03 \x01(\t\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_messenger\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_messenger\x18\x08 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\t \x01(\r\x12\x14\n\x0clocal_blocks\x18\n \x01(\r\x12\x13\n\x0b\x62\x65st_blocks\x18\x0b \x01(\r\x12\x14\n\x0creuse_blocks\x18\x0c \x01(\r\x12+\n\ttransfers\x18\r \x03(\x0b\x32\x18.kvcache.v1.TransferPlan\x12\x13\n\x0b\x65st_queue_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x65st_transfer_s\x18\x0f \x01(\x01\x12\x15\n\rest_prefill_s\x18\x10 \x01(\x01\x12\x12\n\nest_ttft_s\x18\x11 \x01(\x01\x12\x11\n\test_tbt_s\x18\x12 \x01(\x01\"E\n\x14ScheduleBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvcache.v1.ScheduleRequest\"Z\n\x0fScheduleOutcome\x12(\n\x05reply\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.ScheduleReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"C\n\x12ScheduleBatchReply\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.kvcache.v1.ScheduleOutcome\"h\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05phase\x18\x02 \x01(\x0e\x32\x19.kvcache.v1.CompletePhase\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"\x0f\n\rCompleteReply\"\x12\n\x10ListNodesRequest\"\xa0\x02\n\nNodeStatus\x12(\n\x04node\x18\x01 \x01(\x0b\x32\x1a.kvcache.v1.NodeDescriptor\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\x12\x19\n\x11lease_remaining_s\x18\x04 \x01(\x01\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\x12\x10\n\x08last_seq\x18\x06 \x01(\x04\x12\x11\n\tresyncing\x18\x07 \x01(\x08\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_pending\x18\t \x01(\r\x12\x17\n\x0f\x64\x65\x63ode_requests\x18\n \x01(\r\x12\x15\n\rdecode_tokens\x18\x0b \x01(\x04\"\xc0\x01\n\x0eListNodesReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.NodeStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cindexed_keys\x18\x03 \x01(\x04\x12\x18\n\x10pending_requests\x18\x04 \x01(\x04\x12\x11\n\tdecisions\x18\x05 \x01(\x04\x12\x12\n\nrejections\x18\x06 \x01(\x04\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12\x0e\n\x06leader\x18\x08 \x01(\t\"N\n\nNodePrefix\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x1f\n\x05tiers\x18\x03 \x03(\x0e\x32\x10.kvcache.v1.Tier\"J\n\x0bLocateReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.NodePrefix\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r*f\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x12\n\x0eNODE_ROLE_BOTH\x10\x03*j\n\rCompletePhase\x12\x1e\n\x1a\x43OMPLETE_PHASE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43OMPLETE_PHASE_PREFILLED\x10\x01\x12\x1b\n\x17\x43OMPLETE_PHASE_FINISHED\x10\x02\x32\xdf\x04\n\x10\x43onductorService\x12N\n\x0cRegisterNode\x12\x1f.kvcache.v1.RegisterNodeRequest\x1a\x1d.kvcache.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.kvcache.v1.HeartbeatRequest\x1a\x1a.kvcache.v1.HeartbeatReply\x12T\n\x0eUnregisterNode\x12!.kvcache.v1.UnregisterNodeRequest\x1a\x1f.kvcache.v1.UnregisterNodeReply\x12\x42\n\x08Schedule\x12\x1b.kvcache.v1.ScheduleRequest\x1a\x19.kvcache.v1.ScheduleReply\x12Q\n\rScheduleBatch\x12 .kvcache.v1.ScheduleBatchRequest\x1a\x1e.kvcache.v1.ScheduleBatchReply\x12\x42\n\x08\x43omplete\x12\x1b.kvcache.v1.CompleteRequest\x1a\x19.kvcache.v1.CompleteReply\x12\x45\n\tListNodes\x12\x1c.kvcache.v1.ListNodesRequest\x1a\x1a.kvcache.v1.ListNodesReply\x12<\n\x06Locate\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.LocateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/conductor.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"\xbf\x01\n\x0eNodeDescriptor\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.kvcache.v1.NodeRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11messenger_address\x18\x04 \x01(\t\x12#\n\x07layouts\x18\x05 \x03(\x0b\x32\x12.kvcache.v1.Layout\x12\'\n\x08\x63\x61pacity\x18\x06 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\"c\n\x13RegisterNodeRequest\x12(\n\x04node\x18\x01 \x01(\x0b\x32\x1a.kvcache.v1.NodeDescriptor\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\"V\n\x11RegisterNodeReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"[\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\"!\n\x0eHeartbeatReply\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"<\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"&\n\x13UnregisterNodeReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xfc\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x12\n\nttft_slo_s\x18\x05 \x01(\x01\x12\x11\n\ttbt_slo_s\x18\x06 \x01(\x01\x12\x15\n\rexclude_nodes\x18\x07 \x03(\t\x12\x12\n\naggregated\x18\x08 \x01(\x08\x12\x1a\n\x12\x64isaggregate_above\x18\t \x01(\r\x12\x0e\n\x06policy\x18\n \x01(\t\"\xf7\x01\n\x0cTransferPlan\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x13\n\x0bsrc_address\x18\x02 \x01(\t\x12\x15\n\rsrc_messenger\x18\x03 \x01(\t\x12\x10\n\x08\x64st_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64st_address\x18\x05 \x01(\t\x12\x15\n\rdst_messenger\x18\x06 \x01(\t\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\r\n\x05\x62ytes\x18\n \x01(\x04\x12\x13\n\x0b\x65st_seconds\x18\x0b \x01(\x01\x12\x11\n\tkey_bytes\x18\x0c \x01(\x0c\"\xb3\x03\n\rScheduleReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cprefill_node\x18\x03 \x01(\t\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_messenger\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_messenger\x18\x08 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\t \x01(\r\x12\x14\n\x0clocal_blocks\x18\n \x01(\r\x12\x13\n\x0b\x62\x65st_blocks\x18\x0b \x01(\r\x12\x14\n\x0creuse_blocks\x18\x0c \x01(\r\x12+\n\ttransfers\x18\r \x03(\x0b\x32\x18.kvcache.v1.TransferPlan\x12\x13\n\x0b\x65st_queue_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x65st_transfer_s\x18\x0f \x01(\x01\x12\x15\n\rest_prefill_s\x18\x10 \x01(\x01\x12\x12\n\nest_ttft_s\x18\x11 \x01(\x01\x12\x11\n\test_tbt_s\x18\x12 \x01(\x01\"E\n\x14ScheduleBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvcache.v1.ScheduleRequest\"Z\n\x0fScheduleOutcome\x12(\n\x05reply\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.ScheduleReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"C\n\x12ScheduleBatchReply\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.kvcache.v1.ScheduleOutcome\"\x82\x01\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05phase\x18\x02 \x01(\x0e\x32\x19.kvcache.v1.CompletePhase\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\"\x0f\n\rCompleteReply\"\x12\n\x10ListNodesRequest\"\xa0\x02\n\nNodeStatus\x12(\n\x04node\x18\x01 \x01(\x0b\x32\x1a.kvcache.v1.NodeDescriptor\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.NodeLoad\x12\x19\n\x11lease_remaining_s\x18\x04 \x01(\x01\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\x12\x10\n\x08last_seq\x18\x06 \x01(\x04\x12\x11\n\tresyncing\x18\x07 \x01(\x08\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_pending\x18\t \x01(\r\x12\x17\n\x0f\x64\x65\x63ode_requests\x18\n \x01(\r\x12\x15\n\rdecode_tokens\x18\x0b \x01(\x04\"\xc0\x01\n\x0eListNodesReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.NodeStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cindexed_keys\x18\x03 \x01(\x04\x12\x18\n\x10pending_requests\x18\x04 \x01(\x04\x12\x11\n\tdecisions\x18\x05 \x01(\x04\x12\x12\n\nrejections\x18\x06 \x01(\x04\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12\x0e\n\x06leader\x18\x08 \x01(\t\"N\n\nNodePrefix\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x1f\n\x05tiers\x18\x03 \x03(\x0e\x32\x10.kvcache.v1.Tier\"J\n\x0bLocateReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.NodePrefix\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r*f\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x12\n\x0eNODE_ROLE_BOTH\x10\x03*j\n\rCompletePhase\x12\x1e\n\x1a\x43OMPLETE_PHASE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43OMPLETE_PHASE_PREFILLED\x10\x01\x12\x1b\n\x17\x43OMPLETE_PHASE_FINISHED\x10\x02\x32\xdf\x04\n\x10\x43onductorService\x12N\n\x0cRegisterNode\x12\x1f.kvcache.v1.RegisterNodeRequest\x1a\x1d.kvcache.v1.RegisterNodeReply\x12\x45\n\tHeartbeat\x12\x1c.kvcache.v1.HeartbeatRequest\x1a\x1a.kvcache.v1.HeartbeatReply\x12T\n\x0eUnregisterNode\x12!.kvcache.v1.UnregisterNodeRequest\x1a\x1f.kvcache.v1.UnregisterNodeReply\x12\x42\n\x08Schedule\x12\x1b.kvcache.v1.ScheduleRequest\x1a\x19.kvcache.v1.ScheduleReply\x12Q\n\rScheduleBatch\x12 .kvcache.v1.ScheduleBatchRequest\x1a\x1e.kvcache.v1.ScheduleBatchReply\x12\x42\n\x08\x43omplete\x12\x1b.kvcache.v1.CompleteRequest\x1a\x19.kvcache.v1.CompleteReply\x12\x45\n\tListNodes\x12\x1c.kvcache.v1.ListNodesRequest\x1a\x1a.kvcache.v1.ListNodesReply\x12<\n\x06Locate\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.LocateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.conductor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=2566
-  _globals['_NODEROLE']._serialized_end=2668
-  _globals['_COMPLETEPHASE']._serialized_start=2670
-  _globals['_COMPLETEPHASE']._serialized_end=2776
+  _globals['_NODEROLE']._serialized_start=2657
+  _globals['_NODEROLE']._serialized_end=2759
+  _globals['_COMPLETEPHASE']._serialized_start=2761
+  _globals['_COMPLETEPHASE']._serialized_end=2867
   _globals['_NODEDESCRIPTOR']._serialized_start=58
   _globals['_NODEDESCRIPTOR']._serialized_end=249
   _globals['_REGISTERNODEREQUEST']._serialized_start=251
@@ -51,31 +51,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERNODEREPLY']._serialized_start=630
   _globals['_UNREGISTERNODEREPLY']._serialized_end=668
   _globals['_SCHEDULEREQUEST']._serialized_start=671
-  _globals['_SCHEDULEREQUEST']._serialized_end=859
-  _globals['_TRANSFERPLAN']._serialized_start=862
-  _globals['_TRANSFERPLAN']._serialized_end=1109
-  _globals['_SCHEDULEREPLY']._serialized_start=1112
-  _globals['_SCHEDULEREPLY']._serialized_end=1547
-  _globals['_SCHEDULEBATCHREQUEST']._serialized_start=1549
-  _globals['_SCHEDULEBATCHREQUEST']._serialized_end=1618
-  _globals['_SCHEDULEOUTCOME']._serialized_start=1620
-  _globals['_SCHEDULEOUTCOME']._serialized_end=1710
-  _globals['_SCHEDULEBATCHREPLY']._serialized_start=1712
-  _globals['_SCHEDULEBATCHREPLY']._serialized_end=1779
-  _globals['_COMPLETEREQUEST']._serialized_start=1781
-  _globals['_COMPLETEREQUEST']._serialized_end=1885
-  _globals['_COMPLETEREPLY']._serialized_start=1887
-  _globals['_COMPLETEREPLY']._serialized_end=1902
-  _globals['_LISTNODESREQUEST']._serialized_start=1904
-  _globals['_LISTNODESREQUEST']._serialized_end=1922
-  _globals['_NODESTATUS']._serialized_start=1925
-  _globals['_NODESTATUS']._serialized_end=2213
-  _globals['_LISTNODESREPLY']._serialized_start=2216
-  _globals['_LISTNODESREPLY']._serialized_end=2408
-  _globals['_NODEPREFIX']._serialized_start=2410
-  _globals['_NODEPREFIX']._serialized_end=2488
-  _globals['_LOCATEREPLY']._serialized_start=2490
-  _globals['_LOCATEREPLY']._serialized_end=2564
-  _globals['_CONDUCTORSERVICE']._serialized_start=2779
-  _globals['_CONDUCTORSERVICE']._serialized_end=3386
+  _globals['_SCHEDULEREQUEST']._serialized_end=923
+  _globals['_TRANSFERPLAN']._serialized_start=926
+  _globals['_TRANSFERPLAN']._serialized_end=1173
+  _globals['_SCHEDULEREPLY']._serialized_start=1176
+  _globals['_SCHEDULEREPLY']._serialized_end=1611
+  _globals['_SCHEDULEBATCHREQUEST']._serialized_start=1613
+  _globals['_SCHEDULEBATCHREQUEST']._serialized_end=1682
+  _globals['_SCHEDULEOUTCOME']._serialized_start=1684
+  _globals['_SCHEDULEOUTCOME']._serialized_end=1774
+  _globals['_SCHEDULEBATCHREPLY']._serialized_start=1776
+  _globals['_SCHEDULEBATCHREPLY']._serialized_end=1843
+  _globals['_COMPLETEREQUEST']._serialized_start=1846
+  _globals['_COMPLETEREQUEST']._serialized_end=1976
+  _globals['_COMPLETEREPLY']._serialized_start=1978
+  _globals['_COMPLETEREPLY']._serialized_end=1993
+  _globals['_LISTNODESREQUEST']._serialized_start=1995
+  _globals['_LISTNODESREQUEST']._serialized_end=2013
+  _globals['_NODESTATUS']._serialized_start=2016
+  _globals['_NODESTATUS']._serialized_end=2304
+  _globals['_LISTNODESREPLY']._serialized_start=2307
+  _globals['_LISTNODESREPLY']._serialized_end=2499
+  _globals['_NODEPREFIX']._serialized_start=2501
+  _globals['_NODEPREFIX']._serialized_end=2579
+  _globals['_LOCATEREPLY']._serialized_start=2581
+  _globals['_LOCATEREPLY']._serialized_end=2655
+  _globals['_CONDUCTORSERVICE']._serialized_start=2870
+  _globals['_CONDUCTORSERVICE']._serialized_end=3477
 # @@protoc_insertion_point(module_scope)

@@ -92,7 +92,7 @@ class UnregisterNodeReply(_message.Message):
     def __init__(self, removed: bool = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "blocks", "prompt_tokens", "output_tokens", "ttft_slo_s", "tbt_slo_s", "exclude_nodes")
+    __slots__ = ("request_id", "blocks", "prompt_tokens", "output_tokens", "ttft_slo_s", "tbt_slo_s", "exclude_nodes", "aggregated", "disaggregate_above", "policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class ScheduleRequest(_message.Message):
     TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODES_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATE_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     blocks: _common_pb2.BlockSelector
     prompt_tokens: int
@@ -107,7 +110,10 @@ class ScheduleRequest(_message.Message):
     ttft_slo_s: float
     tbt_slo_s: float
     exclude_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ..., exclude_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    aggregated: bool
+    disaggregate_above: int
+    policy: str
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ..., exclude_nodes: _Optional[_Iterable[str]] = ..., aggregated: bool = ..., disaggregate_above: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
     __slots__ = ("src_node", "src_address", "src_messenger", "dst_node", "dst_address", "dst_messenger", "namespace", "keys", "first_block", "bytes", "est_seconds", "key_bytes")
@@ -200,14 +206,16 @@ class ScheduleBatchReply(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[ScheduleOutcome, _Mapping]]] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "phase", "prefill_seconds")
+    __slots__ = ("request_id", "phase", "prefill_seconds", "transfer_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: CompletePhase
     prefill_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[CompletePhase, str]] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    transfer_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[CompletePhase, str]] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class CompleteReply(_message.Message):
     __slots__ = ()

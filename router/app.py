@@ -1,7 +1,11 @@
-"""The router's HTTP API (FastAPI): OpenAI's ``/v1/completions`` (token ids or text, streamed
-with server-sent events or not) and ``/v1/models``, plus ``/health`` and Prometheus
-``/metrics``. Each completion is served disaggregated by ``disagg.Disaggregator``; the response
-carries ``x-kvcache-*`` headers saying where it ran and what moved (``Served.headers``).
+"""The router's HTTP API (FastAPI): OpenAI's ``/v1/completions`` (token ids or text) and
+``/v1/chat/completions`` (messages, rendered with the model's chat template by the engines),
+streamed with server-sent events or not, and ``/v1/models`` (every model the engines serve),
+plus ``/health`` and Prometheus ``/metrics``. Each request is served, aggregated or
+disaggregated, by ``disagg.Disaggregator``; the response carries ``x-kvcache-*`` headers saying
+where it ran and what moved (``Served.headers``). Its ``usage`` (streamed: when the client asks
+with ``stream_options.include_usage``, as OpenAI's) counts the prompt tokens served from a cache
+in ``prompt_tokens_details.cached_tokens`` (for the operator: see below).
 
 What the cache did for a request is the operator's to see, not the caller's: whether a prompt
 was cached tells a caller whether someone sent it before (prompts recovered block by block, the
@@ -26,19 +30,19 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager, suppress
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
-from kvstore.errors import echo
-
-from .disagg import Disaggregator, ModelInfo, RouterOptions, Served
+from .catalog import ModelInfo
+from .chat import parse_chat
+from .disagg import Disaggregator, RouterOptions, Served, with_cached_tokens
 from .engines import EngineStream
 from .metrics import RouterMetrics
-from .protocol import Completion, RouterError, parse_completion
+from .protocol import CHAT, COMPLETIONS, Completion, RouterError, parse_completion
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ def create_app(
     # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
     # receive channel): a completion watches that channel, as uvicorn gives it, for its client
     # leaving.
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: no thread hop per request
         given = request.headers.get("authorization", "").encode()
         if (
             expected is not None
@@ -118,26 +122,21 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
-        model = await disagg.model()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model.name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "kvcache",
-                    "max_model_len": model.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": await disagg.catalog.listing()}
 
     def done() -> None:
         inflight[0] -= 1
         metrics.inflight.dec()
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post(COMPLETIONS, dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
+        return await _served(request, parse_completion)
+
+    @app.post(CHAT, dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        return await _served(request, parse_chat)
+
+    async def _served(request: Request, parse: Callable[..., Completion]) -> Response:
         given = request.headers.get("x-request-id", "")
         own = not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable())
         rid = request.state.request_id = disagg.new_request_id() if own else given
@@ -153,7 +152,7 @@ def create_app(
         metrics.inflight.inc()
         streaming = False
         try:
-            response = await _complete(request, rid, own)
+            response = await _complete(request, rid, own, parse)
             streaming = isinstance(response, StreamingResponse)
             return response
         except RouterError as e:
@@ -166,21 +165,16 @@ def create_app(
             if not streaming:  # a stream counts itself out when it ends
                 done()
 
-    async def _complete(request: Request, rid: str, own: bool) -> Response:
+    async def _complete(
+        request: Request, rid: str, own: bool, parse: Callable[..., Completion]
+    ) -> Response:
         t0 = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RouterError(400, "the request body is not JSON") from None
-        call = parse_completion(body, options.ttft_slo_s, options.tbt_slo_s)
-        model = await disagg.model()
-        if call.model != model.name:
-            raise RouterError(
-                404,
-                f"model {echo(call.model)} is not served here; /v1/models lists {model.name!r}",
-                "invalid_request_error",
-                "model",
-            )
+        call = parse(body, options.ttft_slo_s, options.tbt_slo_s)
+        model = await disagg.catalog.model(call.model)
         # Until the answer (or a stream's headers) is ready, a client that leaves cancels it,
         # as vLLM's own endpoint does; a stream then watches for that itself.
         work = asyncio.ensure_future(_serve(call, model, rid, own))
@@ -216,7 +210,7 @@ def create_app(
     async def _serve(
         call: Completion, model: ModelInfo, rid: str, own: bool
     ) -> tuple[Served, dict[str, Any] | EngineStream]:
-        tokens = await disagg.tokens(call, model)
+        tokens = await disagg.catalog.tokens(call, model)
         return await disagg.serve(call, tokens, model, rid, own)
 
     class _Relay:
@@ -234,13 +228,18 @@ def create_app(
             t = time.perf_counter()
             first = True
             try:
-                async for data in self.stream.events():
+                cached = self.served.cached_tokens
+                async for batch in self.stream.batches():
                     if first:
                         metrics.stage.labels("first_token").observe(time.perf_counter() - t)
                         first = False
-                    if not self.shown and b"prompt_tokens_details" in data:
-                        data = _private_event(data)
-                    yield b"data: " + data + b"\n\n"
+                    if not self.shown:  # what the cache did is the operator's to see
+                        batch = [
+                            _private_event(d) if b"prompt_tokens_details" in d else d for d in batch
+                        ]
+                    elif cached is not None:
+                        batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
+                    yield b"".join(b"data: " + data + b"\n\n" for data in batch)
                 outcome = "ok"
             except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
                 outcome = "failed"
@@ -263,6 +262,13 @@ def create_app(
             done()
 
     return app
+
+
+def _with_cached(data: bytes, cached: int) -> bytes:
+    """A stream event whose usage reports ``cached`` prompt tokens from a cache."""
+    event = json.loads(data)
+    with_cached_tokens(event, cached)
+    return json.dumps(event, separators=(",", ":")).encode()
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,4 +1,5 @@
-"""``kvcache router``: the OpenAI-compatible front end of a disaggregated cluster (uvicorn).
+"""``kvcache router``: the OpenAI-compatible front end of a cluster (uvicorn), serving each request
+disaggregated (prefill and decode engines) or aggregated (one engine, chosen by cache and load).
 
     kvcache router --cluster out/serve/cluster.json --listen 127.0.0.1:8000
     kvcache router --conductor 127.0.0.1:7200 --engine prefill-0=http://127.0.0.1:8101 \\
@@ -17,9 +18,10 @@ import os
 import socket
 from typing import Any
 
+from conductor.policies import POLICIES
 from rpc.server import TOKEN_ENV, InlineSecret, add_token_file_arg, announce_ready
 
-from .disagg import RouterOptions
+from .disagg import MODES, RouterOptions
 from .engines import Engine, EngineTimeouts
 
 log = logging.getLogger("kvcache.router")
@@ -81,6 +83,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--namespace", default=None, help="the layout namespace (default: the one nodes serve)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="disaggregated",
+        help="disaggregated: a prefill node's engine computes the prompt, a decode node's "
+        "generates; aggregated: one node of role both does both, chosen by the conductor by "
+        "cache hit and load (default %(default)s)",
+    )
+    parser.add_argument(
+        "--disaggregate-above",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --mode aggregated: a request whose uncached prompt suffix on the chosen node "
+        "is longer than this is served disaggregated instead (default 0: never)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="",
+        choices=["", *sorted(POLICIES)],
+        help="the conductor's scheduling policy for this router's requests (e.g. load, "
+        "round-robin; default: the conductor's --policy)",
+    )
+    parser.add_argument(
+        "--connection-per-request",
+        action="store_true",
+        help="connect to an engine anew for every request instead of keeping connections "
+        "alive (for comparison: slower)",
     )
     parser.add_argument(
         "--ttft-slo",
@@ -192,6 +223,10 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         raise SystemExit("kvcache router: --decode-timeout must be >= 0 (0: no limit)")
     if args.max_inflight < 1:
         raise SystemExit("kvcache router: --max-inflight must be at least 1")
+    if args.disaggregate_above < 0:
+        raise SystemExit("kvcache router: --disaggregate-above must be >= 0 (0: never)")
+    if args.disaggregate_above and args.mode != "aggregated":
+        raise SystemExit("kvcache router: --disaggregate-above needs --mode aggregated")
     return RouterOptions(
         conductor=conductor,
         engines=tuple(engines),
@@ -205,6 +240,10 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         retry_backoff_s=args.retry_backoff,
         timeouts=EngineTimeouts(read_s=args.engine_timeout, decode_s=args.decode_timeout),
         max_inflight=args.max_inflight,
+        mode=args.mode,
+        disaggregate_above=args.disaggregate_above,
+        policy=args.policy,
+        pooled=not args.connection_per_request,
     )
 
 

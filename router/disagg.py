@@ -1,23 +1,35 @@
-"""One completion served disaggregated: the conductor places it, a prefill engine computes its
-prompt's KV into its node, the messengers move the pages to the decode node, and the decode
-engine loads them and generates.
+"""One request served by the cluster: the conductor places it, then either one engine prefills and
+decodes it (aggregated) or a prefill engine computes its prompt's KV into its node, the
+messengers move the pages to the decode node, and the decode engine loads them and generates
+(disaggregated).
 
 Per attempt (``Disaggregator.serve``):
 
 1. ``Schedule`` (token ids) at the conductor: a prefill node, a decode node, and maybe a transfer
-   plan (the global-cache policy fetching a prefix to the prefill node). A rejection
-   (``RESOURCE_EXHAUSTED``, the SLO it misses) is HTTP 429; no live node is 503.
+   plan (the global-cache policy fetching a prefix to the prefill node, when its measured cost
+   pays). ``--mode aggregated`` asks for one node of role ``both`` (by cache hit and load) and
+   ``--disaggregate-above N`` lets the conductor place a request whose uncached suffix there is
+   longer than N tokens disaggregated instead. A rejection (``RESOURCE_EXHAUSTED``, the SLO it
+   misses) is HTTP 429; no live node is 503. ``--policy`` names the conductor's policy per
+   request.
 2. The plan's transfer is awaited (the destination messenger joins the conductor's batch), so the
-   prefill engine finds the prefix on its node.
-3. Prefill: the prefill node's engine completes the prompt with ``max_tokens=1``; its kvcache
+   engine finds the prefix on its node; the wait is reported to the conductor's cost model.
+3. One node for both: the client's request goes to its engine alone (streamed or not), the
+   prompt as token ids, and ``Complete`` frees the ledger entry when it is done. Otherwise:
+4. Prefill: the prefill node's engine completes the prompt with ``max_tokens=1``; its kvcache
    connector loads the cached prefix and stores the prompt's full blocks on its node before it
    answers. ``Complete(PREFILLED)`` re-anchors the conductor's queue estimate.
-4. The decode node's messenger pulls every full block from the prefill node's messenger (pages it
+5. The decode node's messenger pulls every full block from the prefill node's messenger (pages it
    holds already are not moved); a page that fails to arrive is computed by the decode engine.
-5. Decode: the decode node's engine gets the client's request with the prompt as token ids; its
+6. Decode: the decode node's engine gets the client's request with the prompt as token ids; its
    connector (``kv_consumer``) loads the prefix from its node, so only the last partial block is
    computed, then it generates (streamed or not). ``Complete`` frees the conductor's ledger entry
-   whatever happened.
+   whatever happened. The answer's ``usage.prompt_tokens_details.cached_tokens`` is the prefill's
+   (the prompt tokens no engine computed), not the decode's load of what the prefill just made.
+
+A completion's prompt is token ids (or text the engines tokenize); a chat's is its messages
+rendered by an engine's ``/tokenize`` and sent to the serving engine as those very ids
+(``router.chat``).
 
 Retries: an engine that provably never took the work (refused the connection, not connected in
 time, answered 503) is retried up to ``retries`` times from step 1 after ``retry_backoff_s``, and
@@ -59,9 +71,10 @@ from proto import messenger_pb2 as mpb
 from rpc.status import KVCacheRpcError
 from rpc.wire import layout_from_pb, transfer_keys
 
+from .catalog import Catalog, ModelInfo
 from .engines import Engine, EngineClient, EngineError, EngineStream, EngineTimeouts
 from .metrics import RouterMetrics
-from .protocol import Completion, RouterError, check_context
+from .protocol import CHAT, COMPLETIONS, Completion, RouterError, check_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,12 +96,13 @@ class RouterOptions:
     max_inflight: int = 256  # completions served at once; more are answered 429
     call_workers: int = 8  # threads for short gRPC calls (Schedule, Prefilled, Complete, Cancel)
     pull_workers: int = 32  # threads waiting on page transfers
+    mode: str = "disaggregated"  # or "aggregated": one node of role both per request
+    disaggregate_above: int = 0  # aggregated, unless the uncached suffix is longer (0: never)
+    policy: str = ""  # the conductor's policy for these requests ("": its own)
+    pooled: bool = True  # engine connections kept alive (False: one per request)
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
+MODES = ("aggregated", "disaggregated")
 
 
 @dataclass(kw_only=True)
@@ -99,6 +113,9 @@ class Served:
     ledger_id: str = ""  # the conductor's id of this attempt
     attempts: int = 1
     stage: str = "schedule"  # the step under way
+    mode: str = ""  # aggregated (one engine) or disaggregated
+    cached_tokens: int | None = None  # what the answer's usage says was cached (None: its own)
+    transfer_s: float = 0.0  # the wait for the plan's transfer (reported at Complete)
     prefill_node: str = ""
     decode_node: str = ""
     prompt_tokens: int = 0
@@ -116,6 +133,7 @@ class Served:
             "x-request-id": self.request_id,
             "x-kvcache-request-id": self.ledger_id,
             "x-kvcache-attempts": str(self.attempts),
+            "x-kvcache-mode": self.mode,
             "x-kvcache-prefill-node": self.prefill_node,
             "x-kvcache-decode-node": self.decode_node,
             "x-kvcache-reuse-blocks": str(self.reuse_blocks),
@@ -135,7 +153,10 @@ class Disaggregator:
         self.options = options
         self.metrics = metrics
         self.engines = {e.node: e for e in options.engines}
-        self.http = EngineClient(options.timeouts)
+        if options.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {options.mode!r}")
+        self.http = EngineClient(options.timeouts, options.pooled)
+        self.catalog = Catalog(self.engines, self.http)
         self.conductor = ConductorClient(options.conductor, options.token, options.tls_ca)
         self._calls = ThreadPoolExecutor(options.call_workers, thread_name_prefix="router-rpc")
         self._pulls = ThreadPoolExecutor(options.pull_workers, thread_name_prefix="router-pull")
@@ -180,25 +201,6 @@ class Disaggregator:
 
     # ---- what the cluster serves ------------------------------------------------------------
 
-    async def model(self) -> ModelInfo:
-        """The served model, from the engines' ``/v1/models`` (asked until one answers)."""
-        if self._model is not None:
-            return self._model
-        errors = []
-        for engine in self.engines.values():
-            try:
-                reply = await self.http.get_json(engine, "/v1/models")
-                first = reply["data"][0]
-                self._model = ModelInfo(str(first["id"]), int(first.get("max_model_len") or 0))
-                return self._model
-            except EngineError as e:
-                errors.append(str(e))
-            except (KeyError, IndexError, TypeError, ValueError):
-                errors.append(f"{engine.node}: /v1/models answered {reply!r:.200}")
-        raise RouterError(
-            503, "no engine answers /v1/models: " + "; ".join(errors), "service_unavailable"
-        )
-
     async def layout(self) -> KVLayout:
         """The layout whose block keys the engines' connectors store under: the namespace the
         nodes registered with the conductor (``--namespace`` when they serve several)."""
@@ -227,23 +229,6 @@ class Disaggregator:
             )
         self._layout = layouts[wanted] if wanted else next(iter(layouts.values()))
         return self._layout
-
-    async def tokens(self, call: Completion, model: ModelInfo) -> list[int]:
-        """The prompt's token ids: as given, or by the engines' own tokenizer (``/tokenize``)."""
-        if call.tokens is not None:
-            return call.tokens
-        assert call.text is not None
-        errors = []
-        for engine in self.engines.values():
-            try:
-                return await self.http.tokenize(engine, model.name, call.text)
-            except EngineError as e:  # tokenizing twice costs nothing: ask the next one
-                if 400 <= e.status < 500:
-                    raise _from_engine(e, "tokenize") from None
-                errors.append(str(e))
-        raise RouterError(
-            503, "no engine could tokenize: " + "; ".join(errors), "service_unavailable"
-        )
 
     # ---- a request --------------------------------------------------------------------------
 
@@ -301,12 +286,18 @@ class Disaggregator:
                 keys = transfer_keys(plan)
                 await self._pull("plan", plan.dst_messenger, plan.src_messenger, keys, served)
             if reply.transfers:
-                self.metrics.stage.labels("plan_wait").observe(time.perf_counter() - t)
+                served.transfer_s = time.perf_counter() - t
+                self.metrics.stage.labels("plan_wait").observe(served.transfer_s)
+            if reply.prefill_node == reply.decode_node:  # one engine prefills and decodes
+                served.mode = "aggregated"
+                served.stage = "decode"
+                return await self._generate(decode, call, tokens, model, served)
+            served.mode = "disaggregated"
             served.stage = "prefill"
             t = time.perf_counter()
             out = await self.http.post_json(
                 prefill,
-                "/v1/completions",
+                COMPLETIONS,
                 {
                     **call.prefill_checked,
                     "model": model.name,
@@ -320,33 +311,62 @@ class Disaggregator:
             )
             took = time.perf_counter() - t
             self.metrics.stage.labels("prefill").observe(took)
-            served.prefill_cached_tokens = _cached_tokens(out)
+            served.cached_tokens = _cached_tokens(out)
+            served.prefill_cached_tokens = served.cached_tokens or 0
             self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
-            await self._quietly(self.conductor.prefilled, served.ledger_id, took)
-            root = self._root(out, layout)
-            if reply.decode_node != reply.prefill_node:
-                served.stage = "decode_pull"
-                blocks = block_keys(tokens, layout.block_tokens, root)
-                t = time.perf_counter()
-                await self._pull(
-                    "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
-                )
-                self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
-            served.stage = "decode"
-            body = {**call.forward, "model": model.name, "prompt": tokens}
-            if call.stream:
-                return await self.http.open_stream(decode, body, served.request_id)
-            result: dict[str, Any] = await self.http.post_json(
-                decode,
-                "/v1/completions",
-                body,
-                request_id=served.request_id,
-                whole_s=self.options.timeouts.decode_s,
+            await self._quietly(self.conductor.prefilled, served.ledger_id, took, served.transfer_s)
+            served.transfer_s = 0.0  # reported
+            served.stage = "decode_pull"
+            blocks = block_keys(tokens, layout.block_tokens, self._root(out, layout))
+            t = time.perf_counter()
+            await self._pull(
+                "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
             )
+            self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
+            served.stage = "decode"
+            return await self._generate(decode, call, tokens, model, served)
         except BaseException:
             self.finish(served)
             raise
+
+    async def _generate(
+        self, engine: Engine, call: Completion, tokens: list[int], model: ModelInfo, served: Served
+    ) -> dict[str, Any] | EngineStream:
+        """The client's request at ``engine``, on the prompt's token ids: its open stream
+        (``finish`` once it is done), or its answer (finished)."""
+        body = {**call.forward, "model": model.name}
+        params: dict[str, Any] = {}
+        if call.path == CHAT:  # vLLM's chat endpoint takes the rendered ids in place of its own
+            params["prompt_token_ids"] = tokens
+        else:
+            body["prompt"] = tokens
+        # Served by one engine before any prefill told the engines' key salt: this answer tells
+        # it (the conductor finds no prompt's pages without it), and is not the client's to see.
+        learn = (
+            served.mode == "aggregated"
+            and not self._salt
+            and not call.stream
+            and self._layout is not None
+        )
+        if learn:
+            params["kvcache_keys"] = True
+        if params:
+            body["kv_transfer_params"] = params
+        if call.stream:
+            return await self.http.open_stream(engine, body, served.request_id, call.path)
+        result: dict[str, Any] = await self.http.post_json(
+            engine,
+            call.path,
+            body,
+            request_id=served.request_id,
+            whole_s=self.options.timeouts.decode_s,
+        )
         self.finish(served)
+        if learn and self._layout is not None:
+            self._root(result, self._layout)
+            result.pop("kv_transfer_params", None)
+        if served.cached_tokens is not None:
+            with_cached_tokens(result, served.cached_tokens)
         return result
 
     def _root(self, prefill: dict[str, Any], layout: KVLayout) -> bytes:
@@ -385,6 +405,9 @@ class Disaggregator:
                 ttft_slo_s=call.ttft_slo_s,
                 tbt_slo_s=call.tbt_slo_s,
                 exclude_nodes=exclude,
+                aggregated=self.options.mode == "aggregated",
+                disaggregate_above=self.options.disaggregate_above,
+                policy=self.options.policy,
             )
         )
         try:
@@ -487,15 +510,16 @@ class Disaggregator:
             log.info("Cancel(%s) at %s failed: %s", batch_id, messenger.address, e)
 
     def finish(self, served: Served) -> None:
-        """Free the conductor's ledger entry (on the pool: also from a cancelled request)."""
+        """Free the conductor's ledger entry (on the pool: also from a cancelled request), with
+        the wait for its transfer plan if not reported yet."""
         try:
-            self._calls.submit(self._complete_quietly, served.ledger_id)
+            self._calls.submit(self._complete_quietly, served.ledger_id, served.transfer_s)
         except RuntimeError:  # shutting down: the conductor expires the entry by itself
             log.info("Complete(%s) not sent: the router is stopping", served.ledger_id)
 
-    def _complete_quietly(self, ledger_id: str) -> None:
+    def _complete_quietly(self, ledger_id: str, transfer_s: float = 0.0) -> None:
         try:
-            self.conductor.complete(ledger_id)
+            self.conductor.complete(ledger_id, transfer_s)
         except KVCacheRpcError as e:  # it expires on its own (stale ledger entries)
             log.info("Complete(%s) failed: %s", ledger_id, e)
 
@@ -525,11 +549,22 @@ class Disaggregator:
         )
 
 
-def _cached_tokens(reply: Any) -> int:
+def _cached_tokens(reply: Any) -> int | None:
     try:
         return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
     except (KeyError, TypeError, ValueError):
-        return 0  # the engine runs without --enable-prompt-tokens-details
+        return None  # the engine runs without --enable-prompt-tokens-details
+
+
+def with_cached_tokens(reply: Any, cached: int) -> None:
+    """Set ``usage.prompt_tokens_details.cached_tokens`` of an answer (or a stream's usage
+    event) that has a usage."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if not isinstance(details, dict):
+            details = usage["prompt_tokens_details"] = {}
+        details["cached_tokens"] = cached
 
 
 def _from_engine(e: EngineError, stage: str) -> RouterError:

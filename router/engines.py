@@ -1,10 +1,18 @@
-"""The router's HTTP client of vLLM's OpenAI-compatible servers (aiohttp, one pooled session).
+"""The router's HTTP client of vLLM's OpenAI-compatible servers (aiohttp, pooled connections).
 
 Every failure is an ``EngineError`` that says which engine and whether the engine took the work:
 only an engine that provably did not (it refused the connection, did not accept it in time, or
 answered 503) may be asked again elsewhere; anything after that (a cut, a stall, a 500) would
 run the same work twice. A 4xx is the request's own fault (e.g. a token id outside the
 vocabulary) and goes back to the client as the engine worded it.
+
+Connections are kept alive and reused (a connect per request cost the router a measurable share
+of its added latency, ``kvcache bench router``). A request whose kept-alive connection ends
+before any answer (reset or closed) may or may not have reached the engine; the router then
+tries to connect to the engine anew: refused, the engine is gone and the work with it (retried
+elsewhere, as a refused connection always is); accepted, the engine lives and may have taken the
+request (a 502, not run twice). The router lets idle connections go before vLLM's server does
+(``KEEPALIVE_S``), so an engine closing an idle one as a request is written is rare.
 
 Streams are read event by event (server-sent events, as vLLM writes them) with a deadline per
 event, and every way a stream can go wrong (a cut connection, a stall, an event too long or not
@@ -17,15 +25,22 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
 
+from .protocol import COMPLETIONS
+
 # One event of a stream, buffered whole before it is relayed: far above what vLLM writes (a
 # chunk of merged tokens with their logprobs, or a prompt's ids in the first one), small
 # enough that a runaway engine cannot grow the router's memory without bound.
 MAX_EVENT_BYTES = 16 << 20
+# Below the keep-alive timeout of vLLM's server (uvicorn's, VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5 s):
+# the router lets an idle connection go before the engine does, so it rarely writes to one the
+# engine is closing.
+KEEPALIVE_S = 4.0
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
@@ -75,20 +90,58 @@ class EngineTimeouts:
 
 
 class EngineClient:
-    def __init__(self, timeouts: EngineTimeouts = EngineTimeouts()) -> None:
+    def __init__(self, timeouts: EngineTimeouts = EngineTimeouts(), pooled: bool = True) -> None:
         self.timeouts = timeouts
+        self.pooled = pooled  # False: a new connection per request (the fallback's behaviour)
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
-            # A connection per request: a request written to a kept-alive connection whose
-            # engine died is reset without a word, and the router could not tell whether the
-            # engine took it; a new connection to a dead engine is refused, which says it did
-            # not (retried elsewhere). A loopback or LAN connect costs far less than a prefill.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=True),  # engines queue
+            connector = (
+                aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)  # engines queue
+                if self.pooled
+                else aiohttp.TCPConnector(limit=0, force_close=True)
             )
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
+
+    async def _send(
+        self,
+        method: str,
+        engine: Engine,
+        path: str,
+        timeout: aiohttp.ClientTimeout,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """The engine's response (its headers read). A connection that ends before any answer
+        is an ``EngineError`` that says whether the engine is gone (see the module's doc)."""
+        try:
+            return await self._open().request(
+                method, engine.url + path, json=body, headers=headers, timeout=timeout
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            raise  # not connected: nothing was sent
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if not await self._refused(engine):
+                raise
+            raise EngineError(
+                engine,
+                f"{method} {path}: {_describe(e)}, and the engine no longer accepts connections",
+                accepted=False,
+            ) from None
+
+    async def _refused(self, engine: Engine) -> bool:
+        """Whether a new connection to ``engine`` fails (it is gone)."""
+        url = urllib.parse.urlsplit(engine.url)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            async with asyncio.timeout(self.timeouts.connect_s):
+                _, writer = await asyncio.open_connection(url.hostname, port)
+        except (OSError, TimeoutError):
+            return True
+        writer.close()
+        return False
 
     def _timeout(self, total_s: float | None = None) -> aiohttp.ClientTimeout:
         t = self.timeouts
@@ -103,7 +156,7 @@ class EngineClient:
 
     async def get_json(self, engine: Engine, path: str) -> Any:
         try:
-            async with self._open().get(engine.url + path, timeout=self._timeout()) as r:
+            async with await self._send("GET", engine, path, self._timeout()) as r:
                 return await _json_or_raise(engine, path, r)
         except EngineError:
             raise
@@ -122,8 +175,8 @@ class EngineClient:
         of the per-read timeout (a non-streamed decode)."""
         headers = {"X-Request-Id": request_id} if request_id else None
         try:
-            async with self._open().post(
-                engine.url + path, json=body, headers=headers, timeout=self._timeout(whole_s)
+            async with await self._send(
+                "POST", engine, path, self._timeout(whole_s), body, headers
             ) as r:
                 return await _json_or_raise(engine, path, r)
         except EngineError:
@@ -131,38 +184,47 @@ class EngineClient:
         except Exception as e:  # noqa: BLE001
             raise _failure(engine, f"POST {path}", e) from None
 
-    async def tokenize(self, engine: Engine, model: str, text: str) -> list[int]:
-        reply = await self.post_json(engine, "/tokenize", {"model": model, "prompt": text})
+    async def tokenize(
+        self,
+        engine: Engine,
+        model: str,
+        text: str | None = None,
+        chat: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The engine's token ids of a completion's ``text``, or of a ``chat`` (its messages
+        and template fields: ``chat.chat_body``), as its own endpoints compute them."""
+        body = {"model": model, **chat} if chat is not None else {"model": model, "prompt": text}
+        reply = await self.post_json(engine, "/tokenize", body)
         tokens = reply.get("tokens") if isinstance(reply, dict) else None
         if not isinstance(tokens, list):
             raise EngineError(engine, f"/tokenize answered without tokens: {reply!r:.200}")
         return [int(t) for t in tokens]
 
     async def open_stream(
-        self, engine: Engine, body: dict[str, Any], request_id: str | None = None
+        self,
+        engine: Engine,
+        body: dict[str, Any],
+        request_id: str | None = None,
+        path: str = COMPLETIONS,
     ) -> "EngineStream":
-        """POST a streamed completion; returns once the engine answered 200 (its events then
-        come from ``EngineStream.events``)."""
+        """POST a streamed completion (or chat, ``path``); returns once the engine answered 200
+        (its events then come from ``EngineStream.batches``)."""
         headers = {"X-Request-Id": request_id} if request_id else None
-        session = self._open()
         try:
             # the headers within read_s; the events are timed by EngineStream itself
             async with asyncio.timeout(self.timeouts.read_s):
-                r = await session.post(
-                    engine.url + "/v1/completions",
-                    json=body,
-                    headers=headers,
-                    timeout=self._timeout(0),
-                )
+                r = await self._send("POST", engine, path, self._timeout(0), body, headers)
+        except EngineError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise _failure(engine, "POST /v1/completions", e) from None
+            raise _failure(engine, f"POST {path}", e) from None
         if r.status != 200:
             try:
-                await _json_or_raise(engine, "/v1/completions", r)
+                await _json_or_raise(engine, path, r)
             except EngineError:
                 raise
             except Exception as e:  # noqa: BLE001
-                raise _failure(engine, "POST /v1/completions", e) from None
+                raise _failure(engine, f"POST {path}", e) from None
             finally:
                 r.release()
         return EngineStream(engine, r, self.timeouts.read_s)
@@ -182,15 +244,19 @@ class EngineStream:
         self._response = response
         self.read_s = read_s
         self.max_event_bytes = max_event_bytes
+        self.whole = False  # [DONE] came
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """Each event's ``data`` (a JSON object), ``[DONE]`` last. ``EngineError`` for any
-        failure to read the stream: the connection cut or closed before ``[DONE]``, no whole
-        event within ``read_s``, an event over ``max_event_bytes`` or not JSON."""
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """The events' ``data`` (JSON objects, ``[DONE]`` last) as they come: each list holds
+        the events one read of the connection completed (several when the router fell behind:
+        relayed in one write). ``EngineError`` for any failure to read the stream: the
+        connection cut or closed before ``[DONE]``, no whole event within ``read_s``, an event
+        over ``max_event_bytes`` or not JSON (the events before it are yielded first)."""
         try:
-            async for data in self._events():
-                yield data
-                if data == b"[DONE]":
+            async for batch in self._batches():
+                self.whole = batch[-1] == b"[DONE]"
+                yield batch
+                if self.whole:
                     return
         except EngineError:
             raise
@@ -202,47 +268,59 @@ class EngineStream:
             raise EngineError(self.engine, f"stream cut: {_describe(e)}") from None
         raise EngineError(self.engine, "stream ended without [DONE]")
 
-    async def _events(self) -> AsyncIterator[bytes]:
+    async def _batches(self) -> AsyncIterator[list[bytes]]:
         content = self._response.content
         loop = asyncio.get_running_loop()
         buf = bytearray()
         scanned = 0  # bytes of buf searched for an event's end already
         deadline = loop.time() + self.read_s
         while True:
-            end = _EVENT_END.search(buf, max(scanned - 3, 0))
-            if end is None:
-                scanned = len(buf)
-                if len(buf) > self.max_event_bytes:
-                    raise EngineError(
-                        self.engine, f"an event longer than {self.max_event_bytes} bytes"
-                    )
-                async with asyncio.timeout_at(deadline):
-                    chunk = await content.readany()
-                if not chunk:
-                    return  # the end of the response (events() says whether it was whole)
-                buf += chunk
-                continue
-            raw = bytes(buf[: end.start()])
-            del buf[: end.end()]
-            scanned = 0
-            data = _data(raw)
-            if data is None:
-                continue  # a comment (keep-alive) or an event without data
-            if data != b"[DONE]":
-                try:
-                    parsed = json.loads(data)
-                except ValueError:
-                    parsed = None
-                if not isinstance(parsed, dict):
+            async with asyncio.timeout_at(deadline):
+                chunk = await content.readany()
+            if not chunk:
+                return  # the end of the response (batches() says whether it was whole)
+            buf += chunk
+            batch: list[bytes] = []
+            while True:
+                end = _EVENT_END.search(buf, max(scanned - 3, 0))
+                if end is None:
+                    scanned = len(buf)
+                    break
+                raw = bytes(buf[: end.start()])
+                del buf[: end.end()]
+                scanned = 0
+                data = _data(raw)
+                if data is None:
+                    continue  # a comment (keep-alive) or an event without data
+                if data != b"[DONE]" and not _is_json_object(data):
+                    if batch:
+                        yield batch
                     raise EngineError(
                         self.engine, f"an event that is not a JSON object: {data[:200]!r}"
                     )
-            yield data
-            deadline = loop.time() + self.read_s  # the client's own pace does not count
+                batch.append(data)
+                if data == b"[DONE]":
+                    break
+            if batch:
+                yield batch
+                deadline = loop.time() + self.read_s  # the client's own pace does not count
+            if len(buf) > self.max_event_bytes:
+                raise EngineError(self.engine, f"an event longer than {self.max_event_bytes} bytes")
 
     def close(self) -> None:
-        """Drop the connection (an engine aborts a request whose client went away)."""
-        self._response.close()
+        """A whole stream's connection goes back to the pool; any other is dropped (an engine
+        aborts a request whose client went away)."""
+        if self.whole and self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+def _is_json_object(data: bytes) -> bool:
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
 
 
 def _data(raw: bytes) -> bytes | None:

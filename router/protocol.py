@@ -87,22 +87,31 @@ def invalid(message: str, param: str | None = None) -> RouterError:
     return RouterError(400, message, "invalid_request_error", param)
 
 
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
 @dataclass(kw_only=True)
 class Completion:
-    """A parsed ``/v1/completions`` body: ``tokens`` or ``text`` (one of them), the fields the
-    router acts on, ``forward``: the body the decode engine gets (prompt set later), and
-    ``prefill_checked``: what the prefill request carries besides its own fields."""
+    """A parsed ``/v1/completions`` or ``/v1/chat/completions`` body: ``tokens`` or ``text``
+    (a completion's prompt) or ``chat`` (a chat's ``/tokenize`` body: its messages and template
+    fields), the fields the router acts on, ``forward``: the body the serving engine gets (the
+    prompt's token ids set later), and ``prefill_checked``: what a separate prefill request
+    carries besides its own fields. ``max_tokens`` None: what the context leaves (a chat's
+    default)."""
 
     model: str
     tokens: list[int] | None
     text: str | None
-    max_tokens: int
+    max_tokens: int | None
     stream: bool
     ttft_slo_s: float
     tbt_slo_s: float
     truncate_prompt_tokens: int | None = None
     forward: dict[str, Any] = field(default_factory=dict)
     prefill_checked: dict[str, Any] = field(default_factory=dict)
+    path: str = COMPLETIONS  # the engine endpoint that serves it
+    chat: dict[str, Any] | None = None
 
 
 def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> Completion:
@@ -118,18 +127,11 @@ def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> 
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise invalid(
-            f"'max_tokens' must be an integer >= 1, got {_show(max_tokens)}", "max_tokens"
-        )
-    stream = _boolean(body, "stream", optional=True) or False
-    slos = {}
-    for name, default in (("ttft_slo_s", default_ttft_s), ("tbt_slo_s", default_tbt_s)):
-        value = body.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise invalid(f"'{name}' must be a number of seconds >= 0 (0: none)", name)
-        slos[name] = float(value)
-    _sampling(body, max_tokens, stream)
+    elif not is_int(max_tokens) or max_tokens < 1:
+        raise invalid(f"'max_tokens' must be an integer >= 1, got {show(max_tokens)}", "max_tokens")
+    stream = boolean(body, "stream", optional=True) or False
+    ttft_slo_s, tbt_slo_s = slo_fields(body, default_ttft_s, default_tbt_s)
+    sampling_rules(body, max_tokens, stream)
     _outputs(body, stream)
     forward = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
     forward["max_tokens"] = max_tokens
@@ -142,14 +144,37 @@ def parse_completion(body: Any, default_ttft_s: float, default_tbt_s: float) -> 
         truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         forward=forward,
         prefill_checked={k: body[k] for k in PREFILL_CHECKED if body.get(k) is not None},
-        **slos,
+        ttft_slo_s=ttft_slo_s,
+        tbt_slo_s=tbt_slo_s,
     )
+
+
+def slo_fields(
+    body: dict[str, Any], default_ttft_s: float, default_tbt_s: float
+) -> tuple[float, float]:
+    """The router's own SLO fields, TTFT and TBT (seconds; 0: none), the defaults where not
+    given."""
+    slos = []
+    for name, default in (("ttft_slo_s", default_ttft_s), ("tbt_slo_s", default_tbt_s)):
+        value = body.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise invalid(f"'{name}' must be a number of seconds >= 0 (0: none)", name)
+        slos.append(float(value))
+    return slos[0], slos[1]
 
 
 def check_context(call: Completion, prompt_tokens: int, max_model_len: int) -> int:
     """vLLM's length rules: ``max_tokens`` above the context, or a prompt that leaves no room
     for one output token, is a 400; otherwise the output is clamped to what the context holds
     (vLLM's ``get_max_tokens``). Returns the output tokens the decode may generate."""
+    if call.max_tokens is None:  # a chat's default: the rest of the context
+        if max_model_len and prompt_tokens + 1 > max_model_len:
+            raise invalid(
+                f"the prompt ({prompt_tokens} tokens) leaves no room for an output token in "
+                f"the model's context of {max_model_len} tokens",
+                "messages",
+            )
+        return max(max_model_len - prompt_tokens, 1) if max_model_len else DEFAULT_MAX_TOKENS
     if not max_model_len:
         return call.max_tokens
     if call.max_tokens > max_model_len:
@@ -171,13 +196,14 @@ def check_context(call: Completion, prompt_tokens: int, max_model_len: int) -> i
         raise invalid(
             f"the prompt ({prompt_tokens} tokens) leaves no room for an output token in the "
             f"model's context of {max_model_len} tokens",
-            "prompt",
+            "prompt" if call.chat is None else "messages",
         )
     return min(call.max_tokens, max_model_len - prompt_tokens)
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
-    """vLLM's sampling parameter rules (``SamplingParams._verify_args``)."""
+def sampling_rules(body: dict[str, Any], max_tokens: int | None, stream: bool) -> None:
+    """vLLM's sampling parameter rules (``SamplingParams._verify_args``), for completions and
+    chats."""
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, -2.0, 2.0, "in [-2, 2]")
     rep = _number(body, "repetition_penalty")
@@ -192,13 +218,13 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
     _integer(body, "top_k", -1, None, "0 (disabled) or at least 1")
     _number(body, "min_p", 0.0, 1.0, "in [0, 1]")
     n = body.get("n", 1)
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {_show(n)}", "n")
+    if not is_int(n) or not 1 <= n <= MAX_N:
+        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {show(n)}", "n")
     if n > 1 and temperature is not None and temperature < SAMPLING_EPS:
         raise invalid(f"'n' must be 1 when sampling greedily (temperature 0), got {n}", "n")
     _integer(body, "seed", *INT64, "a 64-bit integer")
     min_tokens = _integer(body, "min_tokens", 0, None, ">= 0")
-    if min_tokens is not None and min_tokens > max_tokens:
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise invalid(
             f"'min_tokens' must be at most max_tokens={max_tokens}, got {min_tokens}", "min_tokens"
         )
@@ -207,16 +233,16 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
     if stops is not None and (
         not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
     ):
-        raise invalid(f"'stop' must be a string or a list of strings, got {_show(stop)}", "stop")
+        raise invalid(f"'stop' must be a string or a list of strings, got {show(stop)}", "stop")
     if stops is not None and not all(stops):
         raise invalid("'stop' cannot contain an empty string", "stop")
-    _int_list(body, "stop_token_ids")
+    int_list(body, "stop_token_ids")
     bad_words = body.get("bad_words")
     if bad_words is not None and (
         not isinstance(bad_words, list) or not all(isinstance(w, str) and w for w in bad_words)
     ):
         raise invalid("'bad_words' must be a list of non-empty strings", "bad_words")
-    allowed = _int_list(body, "allowed_token_ids")
+    allowed = int_list(body, "allowed_token_ids")
     if allowed is not None and not allowed:
         raise invalid(
             "'allowed_token_ids' is empty: leave it out to allow every token", "allowed_token_ids"
@@ -228,9 +254,9 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
     ):
         raise invalid("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
     for name in _BOOLS:
-        _boolean(body, name)
+        boolean(body, name)
     for name in _OPTIONAL_BOOLS:
-        _boolean(body, name, optional=True)
+        boolean(body, name, optional=True)
     if body.get("use_beam_search") and stream:
         raise invalid("streaming is not supported with beam search", "use_beam_search")
     _integer(body, "priority", *INT64, "a 64-bit integer")
@@ -239,19 +265,27 @@ def _sampling(body: dict[str, Any], max_tokens: int, stream: bool) -> None:
 
 
 def _outputs(body: dict[str, Any], stream: bool) -> None:
-    """vLLM's rules for logprobs, stream options and structured outputs."""
+    """vLLM's rules for a completion's logprobs, then ``output_rules``."""
     logprobs = body.get("logprobs")
     for name in ("logprobs", "prompt_logprobs"):
         value = body.get(name)
-        if value is not None and (not _is_int(value) or (value < 0 and value != -1)):
-            raise invalid(
-                f"'{name}' must be an integer >= 0, or -1 (all), got {_show(value)}", name
-            )
+        if value is not None and (not is_int(value) or (value < 0 and value != -1)):
+            raise invalid(f"'{name}' must be an integer >= 0, or -1 (all), got {show(value)}", name)
     prompt_logprobs = body.get("prompt_logprobs")
     if stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
         raise invalid("'prompt_logprobs' are not available when stream is true", "prompt_logprobs")
-    if _int_list(body, "logprob_token_ids") and logprobs is None:
+    if int_list(body, "logprob_token_ids") and logprobs is None:
         raise invalid("'logprob_token_ids' needs 'logprobs' set", "logprob_token_ids")
+    output_rules(body, stream)
+
+
+def output_rules(body: dict[str, Any], stream: bool) -> None:
+    """vLLM's rules for stream options and structured outputs (completions and chats)."""
+    if body.get("kv_transfer_params") is not None:
+        raise invalid(
+            "'kv_transfer_params' is set by the router for its engines: leave it out",
+            "kv_transfer_params",
+        )
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -297,13 +331,13 @@ def _outputs(body: dict[str, Any], stream: bool) -> None:
             )
 
 
-def _show(value: Any, limit: int = 64) -> str:
+def show(value: Any, limit: int = 64) -> str:
     """A client's value in an error message, cut short (a megabyte value, a short message)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -330,7 +364,7 @@ def _number(
     if value is None:
         return None
     if not _is_number(value) or not math.isfinite(value):
-        raise invalid(f"'{name}' must be a finite number, got {_show(value)}", name)
+        raise invalid(f"'{name}' must be a finite number, got {show(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(f"'{name}' must be {what}, got {value}", name)
     return float(value)
@@ -342,28 +376,28 @@ def _integer(
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
-        raise invalid(f"'{name}' must be an integer, got {_show(value)}", name)
+    if not is_int(value):
+        raise invalid(f"'{name}' must be an integer, got {show(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(f"'{name}' must be {what}, got {value}", name)
     return int(value)
 
 
-def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
+def int_list(body: dict[str, Any], name: str) -> list[int] | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise invalid(f"'{name}' must be a list of integers", name)
     return value
 
 
-def _boolean(body: dict[str, Any], name: str, optional: bool = False) -> bool | None:
+def boolean(body: dict[str, Any], name: str, optional: bool = False) -> bool | None:
     value = body.get(name)
     if value is None and (optional or name not in body):
         return None
     if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false, got {_show(value)}", name)
+        raise invalid(f"'{name}' must be true or false, got {show(value)}", name)
     return value
 
 
@@ -383,7 +417,10 @@ def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("'prompt' is an empty list of token ids", "prompt")
-        if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        # NOTE: type() is int leaves out bools; min and max loop in C (a prompt is thousands)
+        if not (
+            all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) <= MAX_TOKEN_ID
+        ):
             raise invalid("'prompt' token ids must be integers in [0, 2**32)", "prompt")
-        return list(prompt), None
+        return prompt, None
     raise invalid("'prompt' is required: a string or a list of token ids", "prompt")

@@ -1,6 +1,7 @@
 """``kvcache bench serve``'s workload: the trace mapped onto token ids a tiny model accepts keeps
-its prefix structure; its reference hit rate; its option mistakes. (The replay itself runs
-against real engines in ``make serve-demo``; the serving paths are tested in test_serving.py.)"""
+its prefix structure (and a salt gives each run its own tokens); its reference hit rate; its
+goodput and the global-cache check; its option mistakes. (The replay itself runs against real
+engines in ``make serve-demo``; the serving paths are tested in test_serving*.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import sys
 
 import pytest
 
-from bench.replay.serve import arrival_times, ideal_hit_tokens, output_tokens, prompt_tokens
+from bench.replay.serve import (
+    arrival_times,
+    global_cache_checks,
+    ideal_hit_tokens,
+    output_tokens,
+    prompt_tokens,
+)
+from bench.replay.serve_load import Outcome, summarize
 from bench.replay.trace import TraceRequest
 
 
@@ -26,6 +34,10 @@ def test_equal_hash_ids_give_equal_tokens_and_different_ids_different_ones():
     assert a[:32] != c[:32]  # no aliasing of ids that differ by the vocabulary size
     assert min(a + b) >= 3 and max(a + b) < 512  # never the tokenizer's special ids
     assert len(prompt_tokens(_request(list(range(40)), 40 * 512), 32, 1024, 512)) == 1024
+    # another salt: the same structure, other tokens (a run is not served by another's cache)
+    a2 = prompt_tokens(_request([1, 2, 3], 1500), 32, 1024, 512, salt=1)
+    b2 = prompt_tokens(_request([1, 2, 4], 1400), 32, 1024, 512, salt=1)
+    assert a2[:64] == b2[:64] and a2[:32] != a[:32] and len(a2) == len(a)
 
 
 def test_outputs_scale_like_prompts_within_bounds():
@@ -49,11 +61,46 @@ def test_the_infinite_cache_holds_every_earlier_full_block():
     assert ideal_hit_tokens([first, second, first], 32) == [0, 64, 96]
 
 
+def _outcome(i: int, ttft: float | None, tpot: float | None, status: str = "ok") -> Outcome:
+    o = Outcome(index=i, arrival_s=0.0, prompt_tokens=100, max_tokens=8, status=status)
+    o.ttft_s, o.tpot_s, o.cached_tokens = ttft, tpot, 50
+    return o
+
+
+def test_goodput_counts_the_requests_within_both_slos():
+    outcomes = [
+        _outcome(0, 0.5, 0.05),  # within both
+        _outcome(1, 0.5, None),  # one token: no TPOT to miss
+        _outcome(2, 1.5, 0.05),  # TTFT missed
+        _outcome(3, 0.5, 0.2),  # TPOT missed
+        _outcome(4, None, None, "rejected"),
+    ]
+    s = summarize(outcomes, 2.0, [0, 64, 64, 64, 64], ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert s["goodput_req_s"] == 1.0 and s["slo_attainment"] == 0.4 and s["req_s"] == 2.0
+    assert s["hit_rate"] == 0.5 and s["hit_vs_ideal"] == 200 / 192
+
+
+def test_global_cache_is_held_against_the_best_other_policy_per_mode_and_rate():
+    rows = [
+        {"mode": "aggregated", "rate": 1.0, "policy": p, "ttft_p50_ms": t}
+        for p, t in (("global-cache", 90.0), ("load", 100.0), ("round-robin", 120.0))
+    ] + [
+        {"mode": "disaggregated", "rate": 1.0, "policy": p, "ttft_p50_ms": t}
+        for p, t in (("global-cache", 110.0), ("load", 100.0))
+    ]
+    assert global_cache_checks(rows) == [
+        "aggregated at 1/s: global-cache TTFT p50 = 0.90x the best other (load): no worse",
+        "disaggregated at 1/s: global-cache TTFT p50 = 1.10x the best other (load): WORSE",
+    ]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
         (["--requests", "0"], "--requests must be >= 1"),
-        (["--rate", "0"], "--rate positive"),
+        (["--rates", "0"], "--rates positive"),
+        (["--rates", "x"], "--rates takes numbers"),
+        (["--modes", "both"], "--modes takes aggregated, disaggregated"),
         (["--policies", ","], "--policies is empty"),
         (["--config", "/nonexistent.toml"], "no config /nonexistent.toml"),
     ],

@@ -143,7 +143,10 @@ def test_malformed_toml_is_a_message_with_the_line(tmp_path):
             "{path}:8: [[node]] #2 (id 'b'): unknown key 'dramm' (did you mean 'dram'?",
         ),
         ('[cluster]\ntls = "yes"\n', "{path}:2: [cluster] tls must be true or false, got 'yes'"),
-        ('[conductor]\npolicy = "fastest"\n', "[conductor] policy must be one of random, load"),
+        (
+            '[conductor]\npolicy = "fastest"\n',
+            "[conductor] policy must be one of random, round-robin, load",
+        ),
         ('[[node]]\nid = "a"\n', "[[node]] #1 (id 'a'): every [[node]] needs 'role'"),
         (
             '[[node]]\nid = "a"\nrole = "prefill"\n[[node]]\nid = "a"\nrole = "decode"\n',

@@ -53,6 +53,7 @@ def test_conductor_benchmark_writes_every_figure(tmp_path):
     assert doc["workload"]["blocks"] == 4096 and doc["workload"]["nodes"] == 5
     assert [r["policy"] for r in doc["in_process"]] == [
         "random",
+        "round-robin",
         "load",
         "local-cache",
         "global-cache",

@@ -1,16 +1,18 @@
 """``kvcache router`` as a real process in front of a real conductor and four real nodes, with
 engines that misbehave on purpose: aiohttp servers on loopback ports that speak vLLM's OpenAI
-API (``/v1/models``, ``/v1/completions`` streamed or not, vLLM's SSE framing and error bodies)
-and, for the decode, do what the request's ``user`` field names: answer whole, cut the
-connection at a chosen event, stall, send an over-long or unparseable event, answer 503 or 500,
-answer slowly, or hold the request until its client leaves. The client is the ``openai``
-package, as a user's would be.
+API (``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` streamed or not,
+``/tokenize``, vLLM's SSE framing and error bodies) and, for the decode, do what the request's
+``user`` field names: answer whole, cut the connection at a chosen event, stall, send an
+over-long or unparseable event, answer 503 or 500, answer slowly, or hold the request until its
+client leaves. The client is the ``openai`` package, as a user's would be (test_router_modes.py
+serves chats and aggregated fleets from the same fake engines).
 
 What it pins down: every stream ends with a last chunk carrying ``finish_reason`` or with an
 error event, never cut short as if whole; a non-streamed completion slower than the engine
 timeout is not timed out; only work an engine never took is retried, on other nodes; a client
 that leaves stops its engine requests and frees its ledger entry; the in-flight bound answers
-429; request ids go to the engines and come back in every answer. Real vLLM engines are
+429; request ids go to the engines and come back in every answer; connections to the engines
+are reused. Real vLLM engines are
 test_serving.py; the request rules themselves are checked directly at the end.
 """
 
@@ -42,6 +44,8 @@ MAX_INFLIGHT = 3
 MODEL = "fake"
 PROMPT = list(range(1, 41))  # two full 16-token blocks and 8 more
 STALL_PREFILL = 499  # a stop token id that makes the fake prefill hang
+PREFILL_CACHED = 16  # prompt tokens a fake prefill reports it found cached
+DECODE_CACHED = 32  # ... and a fake decode (what it loaded of the prefill's pages)
 
 
 class FakeEngines:
@@ -57,6 +61,10 @@ class FakeEngines:
         self.dying: set[str] = set()  # nodes whose engine dies after its next answer
         self.dead: set[str] = set()  # ... and died: no longer listening, old connections reset
         self.urls: dict[str, str] = {}
+        self.models: dict[str, list[str]] = {node: [MODEL] for node in nodes}
+        self.tokenized: list[tuple[str, dict[str, Any]]] = []  # (node, /tokenize body)
+        # per node: the router's ports of the connections its requests came on
+        self.connections: dict[str, set[int]] = {node: set() for node in nodes}
         self._sites: dict[str, web.TCPSite] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -72,6 +80,8 @@ class FakeEngines:
         app[NODE] = node
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
         runner = web.AppRunner(app, handler_cancellation=True)  # a left client cancels, as vLLM
         await runner.setup()
         site = self._sites[node] = web.TCPSite(runner, "127.0.0.1", 0)
@@ -113,11 +123,48 @@ class FakeEngines:
             return [node for node, kind, r, _ in self.calls if kind == "prefill" and r == rid]
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": MODEL, "max_model_len": 256}]})
+        models = self.models[request.app[NODE]]
+        return web.json_response({"data": [{"id": m, "max_model_len": 256} for m in models]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """A chat's ids: a made-up rendering of its messages and template fields, so that
+        any field the router leaves out changes them."""
+        body = await request.json()
+        with self._lock:
+            self.tokenized.append((request.app[NODE], body))
+        if "messages" not in body:
+            return web.json_response({"tokens": list(body["prompt"].encode())})
+        text = json.dumps({k: v for k, v in body.items() if k != "model"}, sort_keys=True)
+        return web.json_response({"tokens": [3 + b % 400 for b in text.encode()][:200]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        node, rid = request.app[NODE], request.headers.get("X-Request-Id", "")
+        with self._lock:
+            self.calls.append((node, "decode", rid, body))
+            self.connections[node].add(_peer_port(request))
+        n = body.get("max_completion_tokens") or body.get("max_tokens") or 4
+        prompt = len(body["kv_transfer_params"]["prompt_token_ids"])
+        if body.get("stream"):
+            usage = (body.get("stream_options") or {}).get("include_usage")
+            return await self._stream(request, rid, "whole", n, chat=prompt if usage else 0)
+        message = {"role": "assistant", "content": "a" * n}
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+                "usage": _usage(prompt, n, DECODE_CACHED),
+            }
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         node, rid = request.app[NODE], request.headers.get("X-Request-Id", "")
+        with self._lock:
+            self.connections[node].add(_peer_port(request))
         if node in self.dead:
             assert request.transport is not None
             request.transport.abort()
@@ -136,7 +183,7 @@ class FakeEngines:
                     "Requested sample logprobs of 50, which is greater than max allowed: 20",
                     "logprobs",
                 )
-            return web.json_response(_completion(rid, [7], "length"))
+            return web.json_response(_completion(rid, [7], "length", PREFILL_CACHED))
         behaviour = body["user"]
         if behaviour.startswith("503-first:"):
             with self._lock:
@@ -172,8 +219,9 @@ class FakeEngines:
         raise AssertionError("held for an hour")
 
     async def _stream(
-        self, request: web.Request, rid: str, behaviour: str, n: int
+        self, request: web.Request, rid: str, behaviour: str, n: int, chat: int = -1
     ) -> web.StreamResponse:
+        """``chat``: a chat's chunks, then (> 0) a usage event for that many prompt tokens."""
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         cut = int(behaviour[4:]) if behaviour.startswith("cut:") else None
@@ -191,8 +239,13 @@ class FakeEngines:
                 if behaviour == "long-line" and i == 2:
                     for _ in range(17):  # one event over the router's 16 MiB
                         await response.write(b"data: " + b"x" * (1 << 20))
-                chunk = _chunk(rid, i, "length" if i == n - 1 else None)
+                finish = "length" if i == n - 1 else None
+                chunk = _chunk(rid, i, finish) if chat < 0 else _chat_chunk(rid, finish)
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if chat > 0:
+                usage = {"id": f"chatcmpl-{rid}", "choices": []}
+                usage["usage"] = _usage(chat, n, DECODE_CACHED)
+                await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             if behaviour == "cut-before-done":
                 transport.abort()
                 return response
@@ -204,7 +257,9 @@ class FakeEngines:
         return response
 
 
-def _completion(rid: str, tokens: list[int], finish: str) -> dict[str, Any]:
+def _completion(
+    rid: str, tokens: list[int], finish: str, cached: int = DECODE_CACHED
+) -> dict[str, Any]:
     return {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
@@ -213,13 +268,28 @@ def _completion(rid: str, tokens: list[int], finish: str) -> dict[str, Any]:
         "choices": [
             {"index": 0, "text": "a" * len(tokens), "token_ids": tokens, "finish_reason": finish}
         ],
-        "usage": {
-            "prompt_tokens": len(PROMPT),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(PROMPT) + len(tokens),
-            "prompt_tokens_details": {"cached_tokens": 0},
-        },
+        "usage": _usage(len(PROMPT), len(tokens), cached),
     }
+
+
+def _peer_port(request: web.Request) -> int:
+    """The router's end of the connection a request came on (a new one, a new port)."""
+    assert request.transport is not None
+    return int(request.transport.get_extra_info("peername")[1])
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _chat_chunk(rid: str, finish: str | None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": "a"}, "finish_reason": finish}
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "choices": [choice]}
 
 
 def _chunk(rid: str, i: int, finish: str | None) -> dict[str, Any]:
@@ -380,10 +450,20 @@ def test_an_engine_that_did_not_take_the_request_is_retried_on_another_node(clus
     wait_until(lambda: cluster.pending() == 0, 30, "both attempts' ledger entries to be freed")
 
 
+def test_connections_to_the_engines_are_kept_alive_and_reused(cluster):
+    """A connect per engine request was a measurable share of the router's own latency."""
+    before = {node: set(ports) for node, ports in cluster.engines.connections.items()}
+    for _ in range(4):
+        cluster.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, user="whole")
+        _stream(cluster, "whole", _rid(), max_tokens=3)
+    new = sum(len(ports - before[n]) for n, ports in cluster.engines.connections.items())
+    assert new <= len(NODES), f"{new} new connections for 8 requests (16 engine requests)"
+
+
 def test_an_engine_that_died_since_its_last_answer_is_retried_not_a_502(cluster):
-    """A kept-alive connection to an engine killed since would be reset without a word (did it
-    take the request?); the router connects anew per request, so a dead engine is a refused
-    connection: retried on another node."""
+    """A kept-alive connection to an engine killed since is reset without an answer (did it take
+    the request?); the router then finds the engine refusing new connections: gone, its work
+    with it, so the request is retried on another node."""
     before = cluster.client.completions.with_raw_response.create(
         model=MODEL, prompt=PROMPT, max_tokens=2, user="whole"
     )

@@ -6,7 +6,8 @@
 shared/notes/vllm-cpu.md) and ``100m`` (12 layers, hidden 768). With ``tokenizer`` the directory
 also holds a byte-level tokenizer (``<unk>``, ``<s>``, ``</s>`` = ids 0-2, the 256 bytes, then
 made-up words up to the vocabulary size), so an engine serves text prompts and detokenizes its
-output.
+output, and a chat template in its config (``CHAT_TEMPLATES``: a Llama-3-style one by default,
+``--chat-template`` another), so an engine serves ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,41 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: Llama's default bos / eos ids
 
+# Chat templates in the styles of well-known model families (their markers are plain bytes to the
+# byte-level tokenizer; ``bos_token`` is its ``<s>``).
+CHAT_TEMPLATES = {
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}"
+        "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}"
+        "<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"
+    ),
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # Llama 2 / Mistral: the system prompt folded into the first user turn
+    "llama2": (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{% set system = '<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' %}"
+        "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{{ bos_token }}[INST] {{ (system if loop.first else '') + m['content'] }} [/INST]"
+        "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+    ),
+}
 
-def make_model(path: str, shape: dict[str, Any], max_len: int, tokenizer: bool = False) -> None:
+
+def make_model(
+    path: str,
+    shape: dict[str, Any],
+    max_len: int,
+    tokenizer: bool = False,
+    chat_template: str = "llama3",
+) -> None:
     """A random bfloat16 Llama of ``shape`` saved at ``path`` (kept if it is there), with a
-    byte-level tokenizer if ``tokenizer``."""
+    byte-level tokenizer and ``CHAT_TEMPLATES[chat_template]`` if ``tokenizer``."""
     if not os.path.exists(os.path.join(path, "config.json")):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,10 +86,10 @@ def make_model(path: str, shape: dict[str, Any], max_len: int, tokenizer: bool =
         )
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     if tokenizer and not os.path.exists(os.path.join(path, "tokenizer.json")):
-        save_byte_tokenizer(path, shape["vocab_size"])
+        save_byte_tokenizer(path, shape["vocab_size"], CHAT_TEMPLATES[chat_template])
 
 
-def save_byte_tokenizer(path: str, vocab_size: int) -> None:
+def save_byte_tokenizer(path: str, vocab_size: int, chat_template: str | None = None) -> None:
     """A byte-level BPE tokenizer without merges: every UTF-8 byte of a text is one token. Ids
     past the bytes, up to ``vocab_size``, decode to made-up words (" bako", ...): a random
     model emits them as often as bytes, and they read better than nothing."""
@@ -75,7 +107,11 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=chat_template,
     ).save_pretrained(path)
 
 
@@ -84,8 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("shape", choices=sorted(MODELS))
     parser.add_argument("path")
     parser.add_argument("--max-len", type=int, default=4096, help="max position embeddings")
+    parser.add_argument(
+        "--chat-template",
+        choices=sorted(CHAT_TEMPLATES),
+        default="llama3",
+        help="the tokenizer's chat template (default %(default)s)",
+    )
     args = parser.parse_args(argv)
-    make_model(args.path, MODELS[args.shape], args.max_len, tokenizer=True)
+    make_model(args.path, MODELS[args.shape], args.max_len, True, args.chat_template)
     print(f"{args.shape} model with a byte-level tokenizer at {args.path}")
     return 0
 

@@ -1,0 +1,252 @@
+"""Chat and aggregated serving with real vLLM engines: ``kvcache up`` with two nodes of role both
+(each a vLLM server with our connector, the tiny model with a Llama-3-style chat template) and
+``kvcache router --mode aggregated``; a second router, disaggregated, in front of the same
+engines. Driven with the ``openai`` client as a user would.
+
+What it pins down: the ids the router schedules and serves a chat on are the ids the engine
+itself renders for it, for several templates and multi-turn conversations; a conversation's
+second turn goes to the engine holding the first turn's prompt and reports those tokens cached,
+streamed or not, aggregated or disaggregated; and the tokens equal a single engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from bench.engines.models import CHAT_TEMPLATES, MODELS, make_model
+from clients.conductor_client import ConductorClient
+from kvcache.cluster import Cluster, load_config
+from plumbing.launch import start_service
+from rpc.wire import layout_from_pb
+
+from helpers import wait_until
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+MODEL = "tiny-llama"
+BLOCK = 64  # kvcache block tokens
+VLLM_BLOCK = 32
+MAX_TOKENS = 12
+# Two conversations (one per router), each a first turn and a second turn that extends it.
+TURNS = {
+    "aggregated": [
+        {"role": "system", "content": "You answer in one word, about caches. " * 3},
+        {"role": "user", "content": "Where does the KV cache of a long prompt go? " * 4},
+    ],
+    "disaggregated": [
+        {"role": "user", "content": "What does a decode engine load from its node? " * 5},
+    ],
+}
+REPLY = {"role": "assistant", "content": "Pages."}
+FOLLOW_UP = {"role": "user", "content": "And on the second turn, what is computed again?"}
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a cache."},
+        {"role": "assistant", "content": "LRU."},
+        {"role": "user", "content": "Another one, and why?"},
+    ],
+]
+
+CONFIG = """
+[cluster]
+host = "127.0.0.1"
+state_dir = "{state}"
+
+[conductor]
+policy = "global-cache"
+
+[defaults]
+layout = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
+dram = "64MiB"
+
+[[node]]
+id = "node-0"
+role = "both"
+
+[[node]]
+id = "node-1"
+role = "both"
+
+[engine_defaults]
+model = "{model}"
+served_model_name = "tiny-llama"
+args = ["--block-size", "32", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "8", "--dtype", "bfloat16", "--enforce-eager",
+        "--kv-cache-memory-bytes", "67108864", "--disable-uvicorn-access-log",
+        "--trust-request-chat-template"]
+start_timeout_s = 900
+
+[[engines]]
+node = "node-0"
+env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+
+[[engines]]
+node = "node-1"
+env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+
+[router]
+listen = "127.0.0.1:0"
+mode = "aggregated"
+"""
+
+
+def _turns(mode: str) -> tuple[list[dict], list[dict]]:
+    first = TURNS[mode]
+    return first, [*first, REPLY, FOLLOW_UP]
+
+
+def _hf_ids(model: str, messages: list[dict]) -> list[int]:
+    """The ids Hugging Face's own rendering of the model's template gives (an independent view
+    of what vLLM should compute)."""
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True
+    )
+    ids = out["input_ids"] if not isinstance(out, list) else out
+    return [int(t) for t in ids]
+
+
+class Serving:
+    def __init__(self, model: str, state: dict, reference: dict, ids: dict) -> None:
+        self.model = model  # its directory
+        self.state = state
+        self.reference = reference  # greedy tokens of a single engine, per (mode, turn)
+        self.ids = ids  # Hugging Face's ids of each turn
+        self.engines = {e["node"]: e["url"] for e in state["engines"]}
+        self.clients: dict[str, openai.OpenAI] = {}
+
+    def client(self, url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def held(self, node: str, tokens: list[int]) -> int:
+        """Leading blocks of ``tokens`` the conductor knows ``node`` holds."""
+        with ConductorClient(self.state["conductor"]["address"], self.state.get("token")) as c:
+            ns = layout_from_pb(c.list_nodes().nodes[0].node.layouts[0]).namespace
+            return c.locate(ns, tokens=tokens).get(node, 0)
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serving-chat")
+    model = str(work / MODEL)
+    make_model(model, MODELS["tiny"], max_len=2048, tokenizer=True)
+    ids = {(mode, n): _hf_ids(model, turn) for mode in TURNS for n, turn in enumerate(_turns(mode))}
+    spec = {
+        "model": model,
+        "max_model_len": 2048,
+        "prefix_caching": False,
+        "runs": [{"prompts": list(ids.values()), "max_tokens": MAX_TOKENS}],
+    }
+    ref = subprocess.Popen(
+        [sys.executable, "-m", "bench.engines.vllm_engine"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(os.path.join(work, "reference.log"), "w"),
+        text=True,
+    )
+    assert ref.stdin is not None and ref.stdout is not None
+    ref.stdin.write(json.dumps(spec))
+    ref.stdin.close()
+    config = work / "serve.toml"
+    config.write_text(CONFIG.format(state=work / "state", model=model))
+    cluster = Cluster(load_config(str(config)))
+    router = None
+    try:
+        state = cluster.start()
+        out = ref.stdout.read()
+        assert ref.wait(120) == 0, (work / "reference.log").read_text()[-3000:]
+        outputs = json.loads(out.strip().splitlines()[-1])["runs"][0]["outputs"]
+        reference = {key: o["tokens"] for key, o in zip(ids, outputs)}
+        s = Serving(model, state, reference, ids)
+        router = start_service(
+            ["router", "--listen", "127.0.0.1:0", "--cluster", str(work / "state/cluster.json")],
+            log_dir=str(work),
+        )
+        s.clients = {
+            "aggregated": s.client(state["router"]["url"]),
+            "disaggregated": s.client(f"http://{router.address}"),
+        }
+        yield s
+    finally:
+        ref.kill()
+        if router is not None:
+            router.stop()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
+def test_the_router_serves_a_chat_on_the_ids_the_engine_renders(serving, template):
+    """For each template and conversation, the ids the engine got through the router (the
+    router's rendering, by /tokenize) equal the ids the engine renders itself when asked
+    directly, and (the model's own template) Hugging Face's."""
+    default = template == "llama3"  # the one in the tokenizer's config
+    extra: dict = {"return_token_ids": True}
+    if not default:
+        extra["chat_template"] = CHAT_TEMPLATES[template]
+    direct = serving.client(serving.engines["node-1"])
+    for messages in CONVERSATIONS:
+        routed = serving.clients["aggregated"].chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, temperature=0, extra_body=extra
+        )
+        own = direct.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, temperature=0, extra_body=extra
+        )
+        ids = routed.model_extra["prompt_token_ids"]
+        assert ids == own.model_extra["prompt_token_ids"], (template, messages)
+        if default:
+            assert ids == _hf_ids(serving.model, messages)
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+def test_a_second_turn_hits_the_first_turns_cache(serving, mode):
+    first, second = _turns(mode)
+    client = serving.clients[mode]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=first,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    out = raw.parse()
+    assert out.model_extra["prompt_token_ids"] == serving.ids[(mode, 0)]
+    assert out.choices[0].model_extra["token_ids"] == serving.reference[(mode, 0)]
+    # a new conversation: at most the template's opening block was seen before
+    assert out.usage.prompt_tokens_details.cached_tokens <= VLLM_BLOCK
+    node = raw.headers["x-kvcache-prefill-node"]
+    assert raw.headers["x-kvcache-mode"] == mode
+    assert (node == raw.headers["x-kvcache-decode-node"]) is (mode == "aggregated")
+    prompt = serving.ids[(mode, 0)]
+    # the conductor learns from the node (its engine stored the prompt's full blocks there)
+    wait_until(
+        lambda: serving.held(node, prompt) == len(prompt) // BLOCK, 60, "the first turn's pages"
+    )
+    with client.chat.completions.with_streaming_response.create(
+        model=MODEL,
+        messages=second,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    ) as response:
+        assert response.headers["x-kvcache-mode"] == mode
+        if mode == "aggregated":  # where the first turn is (disaggregated: its decode node
+            # holds the prompt's pages too, pulled from the prefill node)
+            assert response.headers["x-kvcache-prefill-node"] == node
+        chunks = list(response.parse())
+    tokens = [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []]
+    assert tokens == serving.reference[(mode, 1)]
+    # the engine that computed the second turn's prompt found the first's in its cache
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached == len(prompt) // VLLM_BLOCK * VLLM_BLOCK, (cached, len(prompt))
