@@ -96,6 +96,7 @@ env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
 [router]
 listen = "127.0.0.1:0"
 mode = "aggregated"
+args = ["--debug-headers"]  # no keys: every caller is the operator who sees the cache's work
 """
 
 
@@ -169,7 +170,8 @@ def serving(tmp_path_factory):
         reference = {key: o["tokens"] for key, o in zip(ids, outputs)}
         s = Serving(model, state, reference, ids)
         router = start_service(
-            ["router", "--listen", "127.0.0.1:0", "--cluster", str(work / "state/cluster.json")],
+            ["router", "--listen", "127.0.0.1:0", "--debug-headers"]
+            + ["--cluster", str(work / "state/cluster.json")],
             log_dir=str(work),
         )
         s.clients = {
