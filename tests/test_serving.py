@@ -233,7 +233,9 @@ def test_greedy_completions_equal_a_single_engine_and_decode_loads_the_prompt(se
     # The decode engine loaded the 4 full blocks its node's messenger pulled from the prefill
     # node, and computed only the last 43 tokens.
     assert raw.headers["x-kvcache-pulled-pages"] == "4"
-    assert out.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+    # The usage's cached tokens are those the prefill did not compute (none: a new prompt), not
+    # what the decode engine loaded from the prefill's pages.
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
     serving.counted(
         decode,
         before[decode],
@@ -256,7 +258,7 @@ def test_greedy_completions_equal_a_single_engine_and_decode_loads_the_prompt(se
         chunks = list(response.parse())
     tokens = [t for c in chunks for ch in c.choices for t in _token_ids(ch)]
     assert tokens == serving.reference["streamed"]
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_text_prompts_are_tokenized_by_the_engines(serving):
@@ -264,7 +266,7 @@ def test_text_prompts_are_tokenized_by_the_engines(serving):
     out = serving.client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
     assert out.usage.prompt_tokens == len(text.encode())  # a byte-level tokenizer
     assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
-    assert out.usage.prompt_tokens_details.cached_tokens == len(text.encode()) // BLOCK * BLOCK
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # a new prompt for the prefill
 
 
 def test_a_shared_prefix_goes_to_its_holder_whose_prefill_computes_only_the_suffix(serving):

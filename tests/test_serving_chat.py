@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -130,10 +131,19 @@ class Serving:
         return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def held(self, node: str, tokens: list[int]) -> int:
-        """Leading blocks of ``tokens`` the conductor knows ``node`` holds."""
+        """Leading blocks of ``tokens`` the conductor knows ``node`` holds (keys salted as the
+        engines salt them: asked of an engine's connector, as the router asks)."""
+        url = self.engines[node] + "/v1/completions"
+        ask = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+        ask["kv_transfer_params"] = {"kvcache_keys": True}
+        request = urllib.request.Request(
+            url, json.dumps(ask).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            salt = bytes.fromhex(json.load(r)["kv_transfer_params"]["kvcache"]["engine"])
         with ConductorClient(self.state["conductor"]["address"], self.state.get("token")) as c:
             ns = layout_from_pb(c.list_nodes().nodes[0].node.layouts[0]).namespace
-            return c.locate(ns, tokens=tokens).get(node, 0)
+            return c.locate(ns, tokens=tokens, salt=salt).get(node, 0)
 
 
 @pytest.fixture(scope="module")
