@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import threading
+import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -136,7 +140,11 @@ def parse_vllm_metrics(text: str) -> EngineSample:
 
 class EngineLoadFeed:
     """Scrapes one engine every ``interval_s`` on a thread of its own and reports its load (or
-    that it does not answer) to the conductor; logs each change between the two once."""
+    that it does not answer) to the conductor; logs each change between the two once.
+
+    An engine that refuses the connection is gone: its node leaves scheduling at once. One that
+    is slow to answer (a busy API server on a loaded host, a long pause) is not: its last load
+    stands until it has not answered for ``down_after_s``."""
 
     def __init__(
         self,
@@ -145,13 +153,18 @@ class EngineLoadFeed:
         node_id: str,
         interval_s: float = 0.5,
         timeout_s: float = 2.0,
+        down_after_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.conductor, self.url, self.node_id = conductor, url, node_id
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s, self.down_after_s = interval_s, timeout_s, down_after_s
+        self.clock = clock
         self.scrapes = 0
         self.failures = 0
         self._answering: bool | None = None
         self._last: EngineSample | None = None
+        self._last_load: NodeLoad | None = None
+        self._answered_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"engine-load-{node_id}", daemon=True
@@ -186,12 +199,17 @@ class EngineLoadFeed:
                 if prefills or steps:
                     self.conductor.engine_samples(prefills, steps)
             self._last = sample
+            self._last_load, self._answered_at = load, self.clock()
             self.scrapes += 1
             if self._answering is not True:
                 log.info("engine of %s answers at %s", self.node_id, self.url)
         # refused, reset, timed out, an HTTP error status, a cut response, not vLLM's metrics
         except (OSError, http.client.HTTPException, InvalidArgument) as e:
             self.failures += 1
+            if not _refused(e) and self.clock() - self._answered_at < self.down_after_s:
+                # slow, not gone (yet): scheduled on what it said last
+                self.conductor.engine_report(self.node_id, self._last_load)
+                return None
             if self._answering is True:
                 log.warning(
                     "engine of %s at %s does not answer (%s): node out of scheduling",
@@ -202,3 +220,9 @@ class EngineLoadFeed:
         self._answering = load is not None
         self.conductor.engine_report(self.node_id, load)
         return load
+
+
+def _refused(e: BaseException) -> bool:
+    """The engine's port refused the connection: nothing listens there (urllib wraps it)."""
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    return isinstance(reason, ConnectionRefusedError)

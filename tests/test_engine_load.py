@@ -119,3 +119,77 @@ def test_a_feed_of_an_engine_not_there_reports_nothing_against_its_node():
     assert feed.poll() is None and feed.failures == 1
     assert "p0" not in c.registry.engines()  # never answered: unknown, still schedulable
     assert _schedule(c, 0) == "p0"
+
+
+class _SlowMetrics:
+    """An engine's /metrics on a real loopback port that answers, or holds each scrape past
+    the feed's timeout (a busy API server on a loaded host), or is closed (the engine died)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.slow = threading.Event()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if outer.slow.is_set():
+                    outer.release.wait(30)
+                body = VLLM_METRICS.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:
+                pass  # a scrape the feed gave up on: its reply has nowhere to go
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_engine_keeps_its_node_until_down_after_s_and_a_closed_one_leaves_at_once():
+    """Before: one scrape slower than 2 s took the node out of scheduling (test_serving, two
+    engines' API servers busy on a loaded machine: 'no live prefill node')."""
+    c = _cluster()
+    now = [0.0]
+    metrics = _SlowMetrics()
+    try:
+        feed = EngineLoadFeed(
+            c, metrics.url, "p0", timeout_s=0.2, down_after_s=10.0, clock=lambda: now[0]
+        )
+        assert feed.poll() is not None
+        c.engine_report("p1", None)
+        c.engine_report("p1", None)  # never answered: not held against p1
+        metrics.slow.set()
+        now[0] = 9.0
+        assert feed.poll() is None and feed.failures == 1
+        assert not c.registry.get("p0").engine_down
+        assert c.registry.engines()["p0"].running_decode_requests == 3  # its last load
+        now[0] = 10.5  # no answer for longer than down_after_s: out
+        assert feed.poll() is None and feed.failures == 2
+        assert c.registry.get("p0").engine_down
+        metrics.slow.clear()
+        metrics.release.set()
+        assert feed.poll() is not None  # answers again: back
+        assert not c.registry.get("p0").engine_down
+    finally:
+        metrics.close()
+    # Closed: the port refuses, and the node leaves at once, within down_after_s.
+    now[0] = 11.0
+    assert feed.poll() is None
+    assert c.registry.get("p0").engine_down
