@@ -27,6 +27,7 @@ from proto import common_pb2 as cpb
 from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_channel
+from rpc.status import KVCacheRpcError
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
 from helpers import rpc_error, wait_until
@@ -85,7 +86,13 @@ def _store(node_address: str, prompts: list[list[int]]) -> None:
 
 def _indexed(address: str, prompts: list[list[int]]) -> bool:
     with ConductorClient(address) as c:
-        return all(max(c.locate(TEST_NAMESPACE, tokens=p).values(), default=0) for p in prompts)
+        try:
+            located = [c.locate(TEST_NAMESPACE, tokens=p) for p in prompts]
+        except KVCacheRpcError as e:
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION:  # the node is not known here yet
+                return False
+            raise
+        return all(max(hits.values(), default=0) for hits in located)
 
 
 def test_nodes_register_through_etcd_and_leave_when_their_lease_lapses(
