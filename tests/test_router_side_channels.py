@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from test_router_engines import MODEL, PROMPT, FakeEngines
+from test_router_engines import MODEL, PREFILL_CACHED, PROMPT, FakeEngines
 
 from clients.conductor_client import ConductorClient
 from plumbing.launch import start_service
@@ -109,7 +109,8 @@ def test_the_operator_sees_it_only_where_it_is_turned_on(routers):
     assert status == 200
     assert {"x-kvcache-reuse-blocks", "x-kvcache-prefill-cached-tokens",
             "x-kvcache-held-pages"} <= cache_headers(headers)  # fmt: skip
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # what the prefill found cached (the fake prefill's count)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": PREFILL_CACHED}
     # The operator's key is not an API key where it was not given.
     assert complete(plain, ADMIN_KEY)[0] == 401
 
