@@ -91,12 +91,15 @@ serve-demo: $(STAMP)
 	echo "serve-demo: report in out/serve-demo/serve.json (exit $$status)"; \
 	exit $$status
 
-# Every test (about 2 minutes here); `make test-quick` leaves out the ones marked slow.
+# Every test, JOBS at a time (pytest-xdist, a module on one worker: its clusters start once);
+# `make test-quick` leaves out the ones marked slow. JOBS=0 runs them in this process alone.
+JOBS ?= 2
+PYTEST_JOBS = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: $(STAMP) etcd
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x $(PYTEST_JOBS) --durations=15
 
 test-quick: $(STAMP) etcd
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PY) -m pytest -q -x $(PYTEST_JOBS) -m "not slow"
 
 # The whole suite N times in a row, each run's result and time on one line (logs in
 # out/test-repeat/); LOAD=1 runs a CPU-bound loop pinned to one core beside it, as a busy
@@ -110,7 +113,7 @@ test-repeat: $(STAMP) etcd
 	trap '[ -z "$$load" ] || kill $$load' EXIT INT TERM; \
 	failed=0; for i in $$(seq $(N)); do \
 	  log=$(REPEAT_OUT)/run-$$i.log; t0=$$(date +%s); \
-	  if $(PY) -m pytest -q -x -p no:cacheprovider >$$log 2>&1; then r=passed; \
+	  if $(PY) -m pytest -q -x $(PYTEST_JOBS) -p no:cacheprovider >$$log 2>&1; then r=passed; \
 	  else r=FAILED; failed=$$((failed + 1)); fi; \
 	  echo "run $$i/$(N)$(if $(filter 1,$(LOAD)), with a busy core,): $$r in $$(( $$(date +%s) - t0 )) s: $$(tail -n 1 $$log)"; \
 	done; \

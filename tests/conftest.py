@@ -90,7 +90,16 @@ def etcd_server(tmp_path):
 # tests/leftovers.py: processes of this run, /dev/shm entries nobody holds, network namespaces
 # and links with this run's prefix. Checked after every module and at the end; what is found is
 # reported, removed, and fails the run.
+leftovers.start_worker()
 _BASELINE = leftovers.Baseline.take()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow tests first: under ``pytest -n 2 --dist loadfile`` (a module on one
+    worker, its module-scoped clusters started once) the workers then end together rather than
+    one waiting on the other's last long module."""
+    slow = {item.fspath for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.fspath not in slow)  # stable: a module stays together
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,7 +14,9 @@
   blamed.
 
 ``conftest`` checks after every test module (its fixtures are torn down by then) and once at
-the end of the session; it reports, removes what it found, and fails the run.
+the end of the session; it reports, removes what it found, and fails the run. Under
+pytest-xdist each worker checks its own processes and namespaces after each module, and the
+controller checks shared memory once every worker is done.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ def session_token() -> str:
     if not token:
         token = os.environ[SESSION_ENV] = secrets.token_hex(6)
     return token
+
+
+def xdist_worker() -> str | None:
+    """The pytest-xdist worker this process is (``gw0``, ``gw1``, ...), None when not one."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def start_worker() -> None:
+    """An xdist worker is a run of its own: a token (and so a net prefix) of its own, since the
+    one it inherited from the controller would make each worker's processes the other's
+    leftovers. Workers' prefixes differ in their first character, never by chance alone."""
+    worker = xdist_worker()
+    if worker and os.environ.get(SESSION_ENV + "_WORKER") != worker:
+        index = int(worker.removeprefix("gw") or 0)
+        os.environ[SESSION_ENV] = f"{index:x}{secrets.token_hex(6)}"[:12]
+        os.environ[SESSION_ENV + "_WORKER"] = worker
 
 
 def net_prefix() -> str:
@@ -167,10 +185,14 @@ class Baseline:
 
     token: str
     shm: set[str]
+    # /dev/shm names carry no owner: beside another worker of the same run, an entry that
+    # worker orphans for a moment would be blamed (and removed) here. Workers leave shared
+    # memory to the controller's check at the end of the run.
+    check_shm: bool = True
 
     @classmethod
     def take(cls) -> "Baseline":
-        return cls(session_token(), shm_entries())
+        return cls(session_token(), shm_entries(), check_shm=xdist_worker() is None)
 
     def find(self, grace_s: float = 10.0) -> Found:
         """What is left now; processes still on their way out get ``grace_s`` to finish."""
@@ -186,7 +208,7 @@ class Baseline:
         found.processes = [
             f"{pid} {cmd[:160]}" for pid, cmd in session_processes(self.token).items()
         ]
-        new = shm_entries() - self.shm
+        new = shm_entries() - self.shm if self.check_shm else set()
         if new:
             held = held_shm()
             # A name the run made and nobody holds. One another process made a moment ago may

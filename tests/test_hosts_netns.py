@@ -44,13 +44,17 @@ def ip_json(*args: str) -> list[dict]:
 
 
 def free_subnet() -> str:
-    """A /24 in 10.77.100-250 that no interface of this machine is on."""
+    """A /24 in 10.77.100-250 that no interface of this machine is on; each pytest-xdist
+    worker picks from its own share of them (two workers never race for one)."""
     taken = [
         ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
         for dev in ip_json("-4", "addr", "show")
         for a in dev.get("addr_info", [])
     ]
-    for third in random.sample(range(100, 251), 151):
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    mine = [t for t in range(100, 251) if t % workers == worker % workers]
+    for third in random.sample(mine, len(mine)):
         net = ipaddress.ip_network(f"10.77.{third}.0/24")
         if not any(net.overlaps(t) for t in taken):
             return str(net)
