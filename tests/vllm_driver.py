@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from plumbing.launch import group_shm, release_shm
+
 MARK = "@@vllm-driver "
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -115,7 +117,9 @@ class Engine:
     def close(self) -> None:
         """Ends the engine (its stdin closed), and what is left of its process group (workers
         of a multi-process engine, multiprocessing's resource tracker) once given time to
-        clean up after it."""
+        clean up after it. Then the shared memory its processes held and could not unlink
+        (workers killed: the TP ranks' ``vllm_dist_*cpushm_*``) is removed."""
+        pids, names = group_shm(self.proc.pid)
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
@@ -132,6 +136,7 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        release_shm(pids, names)
         self._log.close()
 
     def __enter__(self) -> "Engine":
