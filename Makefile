@@ -93,7 +93,7 @@ serve-demo: $(STAMP)
 
 # Every test, JOBS at a time (pytest-xdist, a module on one worker: its clusters start once);
 # `make test-quick` leaves out the ones marked slow. JOBS=0 runs them in this process alone.
-JOBS ?= 3
+JOBS ?= 2
 PYTEST_JOBS = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: $(STAMP) etcd
 	$(PY) -m pytest -q -x $(PYTEST_JOBS) --durations=15

@@ -97,8 +97,9 @@ _BASELINE = leftovers.Baseline.take()
 # The longest modules here (a minute or more each: vLLM engines, clusters, namespaced hosts),
 # longest first. Order only: nothing is left out.
 _LONGEST = [
-    "test_vllm_connector",
     "test_vllm_connector_cases",
+    "test_vllm_connector",
+    "test_vllm_connector_roles",
     "test_serving",
     "test_serving_chat",
     "test_hosts_netns",
@@ -111,7 +112,7 @@ _LONGEST = [
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first, then those with slow tests: under ``pytest -n 3 --dist
+    """The longest modules first, then those with slow tests: under ``pytest -n 2 --dist
     loadfile`` (a module on one worker, its module-scoped clusters started once) the workers
     then end together rather than one waiting on another's last long module."""
     slow = {_module(item) for item in items if item.get_closest_marker("slow") is not None}
