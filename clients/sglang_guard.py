@@ -9,31 +9,11 @@ import logging
 import threading
 from typing import Callable, TypeVar
 
-import grpc
-
 from .node_client import KVCacheRpcError, KVStoreClient
+from .node_guard import BreakerOpen, node_gone
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# The node is not there (or too slow to be worth waiting for); other codes are its answers.
-GONE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
-
-
-class BreakerOpen(KVCacheRpcError):
-    """The node did not answer lately: the call was not made."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(
-            grpc.StatusCode.UNAVAILABLE, f"kvcache node {address} not answering (breaker open)"
-        )
 
 
 class Breaker:
@@ -69,7 +49,7 @@ class Breaker:
             raise
 
     def failed(self, e: KVCacheRpcError) -> None:
-        if e.code not in GONE or isinstance(e, BreakerOpen):
+        if not node_gone(e):
             return
         with self._lock:
             if self._open or self._stop.is_set():

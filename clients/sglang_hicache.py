@@ -47,7 +47,8 @@ from kvstore.errors import KVStoreError
 
 from . import sglang_keys as sk
 from .node_client import KVCacheRpcError, KVStoreClient
-from .sglang_guard import Breaker, BreakerOpen
+from .node_guard import BreakerOpen
+from .sglang_guard import Breaker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,32 +13,13 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
-import grpc
-
 from rpc.status import KVCacheRpcError
 
 from .node_client import KVStoreClient
+from .node_guard import BreakerOpen, node_gone
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# The node is not there (or too slow to be worth waiting for): the breaker opens. Other codes
-# (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS, ...) are answers, the node is there.
-_GONE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-}
-
-
-class BreakerOpen(KVCacheRpcError):
-    """The node did not answer lately: the call was not made."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(
-            grpc.StatusCode.UNAVAILABLE, f"kvcache node {address} not answering (breaker open)"
-        )
 
 
 class Breaker:
@@ -59,7 +40,7 @@ class Breaker:
 
     def trip(self, e: KVCacheRpcError) -> bool:
         """Opens on a failure for want of the node; True if this call opened it."""
-        if e.code not in _GONE or isinstance(e, BreakerOpen):
+        if not node_gone(e):
             return False
         with self._lock:
             if self._open:

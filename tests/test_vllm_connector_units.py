@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from clients import KVStoreClient
-from clients.vllm_guard import BreakerOpen, NodeGuard
+from clients.node_guard import BreakerOpen
+from clients.vllm_guard import NodeGuard
 from kvstore.keys import block_keys, root_key
 from rpc.status import KVCacheRpcError
 
