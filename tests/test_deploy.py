@@ -454,11 +454,12 @@ def test_health_command_against_a_real_node(start_node, tmp_path):
         )
 
     node = start_node()
-    ok = health(node.address)
+    # the answers, however busy the machine (the default deadline is a probe's 3 s)
+    ok = health(node.address, "--timeout", "30")
     assert ok.returncode == 0 and ok.stdout.strip() == f"{node.address}: SERVING", ok.stderr
-    ok = health(node.address, "--service", "kvcache.v1.NodeService")
+    ok = health(node.address, "--service", "kvcache.v1.NodeService", "--timeout", "30")
     assert ok.returncode == 0, ok.stderr
-    unknown = health(node.address, "--service", "no.such.Service")
+    unknown = health(node.address, "--service", "no.such.Service", "--timeout", "30")
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
     node.stop()
     down = health(node.address, "--timeout", "1")
