@@ -143,7 +143,7 @@ class FlopsCostModel(CostModel):
         return self._quad * (tokens * tokens - p * p) + self._lin * (tokens - p)  # type: ignore
 
     def kv_bytes(self, tokens: int) -> int:
-        return tokens * self._kv_token  # type: ignore[attr-defined]
+        return tokens * self._kv_token  # type: ignore[attr-defined,no-any-return]
 
     def transfer_seconds(self, nbytes: int) -> float:
         if nbytes <= 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from kvstore.errors import FailedPrecondition, NotFound, echo
 from kvstore.tiers import Tier
@@ -114,12 +114,12 @@ class GlobalIndex:
 
     # ---- events ---------------------------------------------------------------------------
 
-    def apply_events(self, node_id: str, events: Iterable) -> int:
+    def apply_events(self, node_id: str, events: Iterable[Any]) -> int:
         """Apply ``kvstore.BlockEvent``-like events (``seq``, ``kind``, ``key``, ``tier`` as a
         ``kvstore.Tier``). Returns how many were applied; raises ``SequenceGap``."""
         return self._apply(node_id, ((e.seq, e.kind, e.key, int(e.tier) + 1) for e in events))
 
-    def apply_proto(self, node_id: str, events: Iterable) -> int:
+    def apply_proto(self, node_id: str, events: Iterable[Any]) -> int:
         """Apply ``proto.common_pb2.BlockEvent`` messages (tier already encoded 1..3)."""
         return self._apply(node_id, ((e.seq, e.kind, e.key, e.tier) for e in events))
 
