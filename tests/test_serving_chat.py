@@ -130,6 +130,12 @@ class Serving:
     def client(self, url: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
+    def idle(self, node: str) -> bool:
+        """The conductor's view of ``node`` (its engine's load, scraped) shows no work."""
+        with ConductorClient(self.state["conductor"]["address"], self.state.get("token")) as c:
+            load = next(s for s in c.list_nodes().nodes if s.node.node_id == node).load
+            return load.running_decode_requests == 0 and load.queued_prefill_tokens == 0
+
     def held(self, node: str, tokens: list[int]) -> int:
         """Leading blocks of ``tokens`` the conductor knows ``node`` holds (keys salted as the
         engines salt them: asked of an engine's connector, as the router asks)."""
@@ -239,10 +245,12 @@ def test_a_second_turn_hits_the_first_turns_cache(serving, mode):
     assert raw.headers["x-kvcache-mode"] == mode
     assert (node == raw.headers["x-kvcache-decode-node"]) is (mode == "aggregated")
     prompt = serving.ids[(mode, 0)]
-    # the conductor learns from the node (its engine stored the prompt's full blocks there)
+    # the conductor learns from the node (its engine stored the prompt's full blocks there), and
+    # that the first turn is over (an engine still running it weighs against its node)
     wait_until(
         lambda: serving.held(node, prompt) == len(prompt) // BLOCK, 60, "the first turn's pages"
     )
+    wait_until(lambda: serving.idle(node), 60, "the conductor to see the first turn's engine idle")
     with client.chat.completions.with_streaming_response.create(
         model=MODEL,
         messages=second,
