@@ -126,6 +126,7 @@ class Serving:
         self.ids = ids  # Hugging Face's ids of each turn
         self.engines = {e["node"]: e["url"] for e in state["engines"]}
         self.clients: dict[str, openai.OpenAI] = {}
+        self.salts: dict[str, bytes] = {}  # node -> its engine's key salt
 
     def client(self, url: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -138,15 +139,19 @@ class Serving:
 
     def held(self, node: str, tokens: list[int]) -> int:
         """Leading blocks of ``tokens`` the conductor knows ``node`` holds (keys salted as the
-        engines salt them: asked of an engine's connector, as the router asks)."""
-        url = self.engines[node] + "/v1/completions"
-        ask = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
-        ask["kv_transfer_params"] = {"kvcache_keys": True}
-        request = urllib.request.Request(
-            url, json.dumps(ask).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as r:
-            salt = bytes.fromhex(json.load(r)["kv_transfer_params"]["kvcache"]["engine"])
+        engines salt them: asked once of the node's engine's connector, as the router asks)."""
+        if node not in self.salts:  # fixed for the engine's life: not asked on every poll
+            ask = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+            ask["kv_transfer_params"] = {"kvcache_keys": True}
+            request = urllib.request.Request(
+                self.engines[node] + "/v1/completions",
+                json.dumps(ask).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as r:
+                kv = json.load(r)["kv_transfer_params"]["kvcache"]
+            self.salts[node] = bytes.fromhex(kv["engine"])
+        salt = self.salts[node]
         with ConductorClient(self.state["conductor"]["address"], self.state.get("token")) as c:
             ns = layout_from_pb(c.list_nodes().nodes[0].node.layouts[0]).namespace
             return c.locate(ns, tokens=tokens, salt=salt).get(node, 0)
