@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -15,6 +16,17 @@ TEST_LAYOUT = "model=test,num_layers=2,kv_heads=2,head_dim=32,dtype=float16,bloc
 TEST_NAMESPACE = "test|L2|H2|D32|float16|B16"
 TEST_PAGE_BYTES = 8192
 TEST_BLOCK_TOKENS = 16
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tmp(tmp_path_factory):
+    """Temporary files of the run (logs of services started with no log directory, the test
+    engines' logs and fork server, what vLLM and its children write) go under pytest's own base
+    temporary directory, which pytest prunes, not loose in /tmp."""
+    tmp = tmp_path_factory.getbasetemp() / "tmp"
+    tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)
+    yield
 
 
 @pytest.fixture

@@ -32,7 +32,11 @@ SESSION_ENV = "KVTEST_SESSION"
 SHM_DIR = "/dev/shm"
 NETNS_DIR = "/run/netns"
 # Children of the test process that live as long as it does and exit with it.
-_OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_OWN_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "vllm_zygote.py --zygote",  # tests/vllm_zygote.py: the engines' fork server
+)
 
 
 def session_token() -> str:

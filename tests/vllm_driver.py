@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+import vllm_zygote
+
 from plumbing.launch import group_shm, release_shm
 
 MARK = "@@vllm-driver "
@@ -40,15 +42,17 @@ class Engine:
         root = os.path.dirname(HERE)
         env["PYTHONPATH"] = os.pathsep.join([root, HERE, env.get("PYTHONPATH", "")])
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own group: workers of a multi-process engine too
-        )
+        # A fork of a process that imported vLLM already (tests/vllm_zygote.py), in a session
+        # of its own (workers of a multi-process engine are in its group).
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            self.proc = vllm_zygote.spawn(env, in_r, out_w, self._log.fileno())
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        self._stdin = os.fdopen(in_w, "w")
+        self._stdout = os.fdopen(out_r)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
@@ -59,9 +63,8 @@ class Engine:
 
     def _read(self) -> None:
         """Replies to the queue; vLLM's own output (it logs to stdout) to the log."""
-        assert self.proc.stdout is not None
         with open(self.log_path + ".stdout", "w") as out:
-            for line in self.proc.stdout:
+            for line in self._stdout:
                 if line.startswith(MARK):
                     self._lines.put(line[len(MARK) :])
                 else:
@@ -70,9 +73,8 @@ class Engine:
         self._lines.put(None)
 
     def _call(self, cmd: dict, timeout: float = 300) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps(cmd) + "\n")
+        self._stdin.flush()
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
@@ -122,8 +124,7 @@ class Engine:
         pids, names = group_shm(self.proc.pid)
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
+                self._stdin.close()
                 self.proc.wait(60)
             except (subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
