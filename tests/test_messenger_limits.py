@@ -198,7 +198,7 @@ def test_connections_over_the_limit_are_refused_at_once_and_counted(source):
         extra = src.connect()
         t0 = time.monotonic()
         error = read_error(extra)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 15.0  # at once, not after the 30 s frame timeout
         if error is not None:  # said why before hanging up
             assert error[0] is Status.UNAVAILABLE and "connection limit (3)" in error[1]
         closed_by_peer(extra, 2.0)
@@ -233,8 +233,10 @@ def test_trickling_idle_and_silent_peers_are_cut_within_their_deadlines(source):
             break
         time.sleep(0.2)
     if cut is None:
-        cut = closed_by_peer(loris, 1.0) + time.monotonic() - t0
-    assert cut < 2.5, f"a trickling peer was cut after {cut:.1f} s (frame timeout 1 s)"
+        cut = closed_by_peer(loris, 5.0) + time.monotonic() - t0
+    # By the frame timeout (1 s), before the trickle could have ended (0.2 s a byte).
+    trickle = 0.2 * len(header)
+    assert cut < min(5.0, trickle / 2), f"a trickling peer was cut after {cut:.1f} s"
     # Idle: one good request, then nothing; closed after the idle timeout, not before.
     idle = src.connect()
     idle.sendall(fetch_frame(keys))
@@ -246,8 +248,8 @@ def test_trickling_idle_and_silent_peers_are_cut_within_their_deadlines(source):
     recv_exact(idle, memoryview(h))
     assert unpack_header(h).kind is Kind.END
     t1 = time.monotonic()
-    took = closed_by_peer(idle, 4.0)
-    assert 1.0 < time.monotonic() - t1 < 3.5, took
+    took = closed_by_peer(idle, 15.0)
+    assert time.monotonic() - t1 > 1.0, took  # not before the idle timeout (1.5 s)
     # Connected and never said anything: cut like a frame that never completes.
     closed_by_peer(silent, 3.0)
     for s in (loris, idle, silent):
@@ -292,9 +294,8 @@ def test_a_fetch_response_never_read_releases_the_pins_at_the_deadline(source):
     try:
         s.sendall(fetch_frame(keys))
         wait_until(lambda: src.pinned() > 0, 5, "the source to pin the pages")
-        t0 = time.monotonic()
-        wait_until(lambda: src.pinned() == 0, 5, "the pins to be released")
-        assert time.monotonic() - t0 < 3.0
+        # By the deadline, not the pin TTL: well before 60 s, however loaded the machine.
+        wait_until(lambda: src.pinned() == 0, 30, "the pins to be released")
         closed_by_peer(s, 5.0)
     finally:
         s.close()

@@ -183,7 +183,8 @@ def test_a_slow_segment_handshake_is_cut_by_its_total_deadline(shared_node):
             break
         time.sleep(0.5)
     s.close()
-    assert closed is not None and closed < 4.0, closed
+    # By the handshake's 2 s total deadline: long before the 33 s the trickle takes.
+    assert closed is not None and closed < 15.0, closed
 
 
 def test_one_user_cannot_take_every_session_of_the_node(shared_node, tmp_path):

@@ -365,6 +365,17 @@ def test_models_whose_kv_the_connector_cannot_keep_are_refused_at_start(vllm_con
         KVCacheConnector(vllm_config("127.0.0.1:1"), KVConnectorRole.SCHEDULER, config)
 
 
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_engines_are_refused_at_start(vllm_config, name):
+    """With decode or prefill context parallelism each rank holds a slice of every page's
+    tokens, not pages under the chain's keys: refused at start, naming the setting."""
+    cfg = vllm_config("127.0.0.1:1")
+    setattr(cfg.parallel_config, name, 2)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=f"{name} > 1 is not supported"):
+            KVCacheConnector(cfg, role, None)
+
+
 # ---- GPU paths (run where a GPU is) -------------------------------------------------------------
 
 
