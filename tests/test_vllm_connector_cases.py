@@ -34,6 +34,7 @@ LAYOUT_FLAG = f"model={MODEL},num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16
 FP8_DRAFT = (
     f"model={MODEL},num_layers=4,kv_heads=2,head_dim=32,dtype=float8_e4m3fn,block_tokens={BT}"
 )
+FP8_E5M2_DRAFT = FP8_DRAFT.replace("float8_e4m3fn", "float8_e5m2")
 MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
 TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 
@@ -62,7 +63,8 @@ def model(work) -> str:
 
 @pytest.fixture(scope="module")
 def node(work):
-    layouts = [a for layout in (LAYOUT_FLAG, FP8_DRAFT, MLA, TP2) for a in ("--layout", layout)]
+    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, MLA, TP2)
+    layouts = [a for layout in every for a in ("--layout", layout)]
     sp = start_service(
         ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
     )
@@ -265,19 +267,25 @@ def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, wor
 # ---- what users hit at start -----------------------------------------------------------------
 
 
-def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(model, node, work):
-    """kv_cache_dtype fp8_e4m3 (pages of float8 bytes) and speculative decoding with a draft
-    model, whose 2 KV layers are stored with the target's 2: the engine starts, stores, and a
-    later run loads the prompt and gets the tokens of its full computation."""
+@pytest.mark.parametrize(
+    "kv_dtype, stored", [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")]
+)
+def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(
+    model, node, work, kv_dtype, stored
+):
+    """kv_cache_dtype fp8 (pages of float8 bytes, in a namespace of their own per format) and
+    speculative decoding with a draft model, whose 2 KV layers are stored with the target's 2:
+    the engine starts, stores, and a later run loads the prompt and gets the tokens of its full
+    computation."""
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
     with Engine(
         model,
         {"node": node.address},
-        engine={"kv_cache_dtype": "fp8_e4m3", "speculative_config": spec},
-        log_path=str(work / "fp8-draft.log"),
+        engine={"kv_cache_dtype": kv_dtype, "speculative_config": spec},
+        log_path=str(work / f"{kv_dtype}-draft.log"),
     ) as e:
         (full,) = e.generate([PROMPT])
-        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|float8_e4m3fn|")
+        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|{stored}|")
         (loaded,) = e.generate([PROMPT])
     assert full["cached"] == 0
     assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
