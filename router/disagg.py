@@ -64,6 +64,7 @@ import grpc
 
 from clients.conductor_client import ConductorClient
 from clients.messenger_client import MessengerClient
+from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
@@ -103,6 +104,9 @@ class RouterOptions:
 
 
 MODES = ("aggregated", "disaggregated")
+# The most ranks of one engine whose pages a decode pull moves (a pull per rank); the decode
+# engine loads only what all of its ranks hold, so a report of more is pulled in part, never wrong.
+MAX_RANKS = 64
 
 
 @dataclass(kw_only=True)
@@ -317,10 +321,22 @@ class Disaggregator:
             await self._quietly(self.conductor.prefilled, served.ledger_id, took, served.transfer_s)
             served.transfer_s = 0.0  # reported
             served.stage = "decode_pull"
-            blocks = block_keys(tokens, layout.block_tokens, self._root(out, layout))
+            root, ranks = self._keys_of(out, layout)
+            chain = block_keys(tokens, layout.block_tokens, root)
             t = time.perf_counter()
-            await self._pull(
-                "decode_pull", reply.decode_messenger, reply.prefill_messenger, blocks, served
+            # A multi-rank engine stores each rank's share under keys of its own: one pull per
+            # rank (a batch's keys are one chain), side by side.
+            await asyncio.gather(
+                *(
+                    self._pull(
+                        "decode_pull",
+                        reply.decode_messenger,
+                        reply.prefill_messenger,
+                        rank_keys(chain, tag),
+                        served,
+                    )
+                    for tag in ranks
+                )
             )
             self.metrics.stage.labels("decode_pull").observe(time.perf_counter() - t)
             served.stage = "decode"
@@ -363,25 +379,31 @@ class Disaggregator:
         )
         self.finish(served)
         if learn and self._layout is not None:
-            self._root(result, self._layout)
+            self._keys_of(result, self._layout)
             result.pop("kv_transfer_params", None)
         if served.cached_tokens is not None:
             with_cached_tokens(result, served.cached_tokens)
         return result
 
-    def _root(self, prefill: dict[str, Any], layout: KVLayout) -> bytes:
-        """The root of the prompt's keys as the prefill engine's connector reported it; its
-        engine salt is kept for scheduling the next prompts. The plain namespace root for an
-        engine that reports none."""
+    def _keys_of(self, prefill: dict[str, Any], layout: KVLayout) -> tuple[bytes, list[str]]:
+        """The root of the prompt's keys as the prefill engine's connector reported it, and its
+        ranks' tags (``[""]``: one rank, which stores under the chain's keys); its engine salt
+        is kept for scheduling the next prompts. The plain namespace root for an engine that
+        reports none, or keys of another namespace."""
+        plain = root_key(layout.namespace), [""]
         keys = (prefill.get("kv_transfer_params") or {}).get("kvcache") or {}
         try:
-            if keys.get("namespace") != layout.namespace or keys.get("ranks"):
-                return root_key(layout.namespace)  # a multi-rank engine's keys are derived
+            if keys.get("namespace") != layout.namespace:
+                return plain
             salt, engine = bytes.fromhex(keys["salt"]), bytes.fromhex(keys["engine"])
+            ranks = [str(tag) for tag in keys.get("ranks") or []][:MAX_RANKS] or [""]
         except (KeyError, TypeError, ValueError, AttributeError):
-            return root_key(layout.namespace)
-        self._salt = engine
-        return root_key(layout.namespace, salt)
+            return plain
+        if ranks == [""]:
+            # NOTE: the conductor indexes a multi-rank engine's pages under its ranks' keys,
+            # which a schedule by the chain's keys never finds: its salt would only cost lookups.
+            self._salt = engine
+        return root_key(layout.namespace, salt), ranks
 
     async def _schedule(
         self,

@@ -24,7 +24,7 @@ import socket
 import threading
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import openai
 import pytest
@@ -63,6 +63,10 @@ class FakeEngines:
         self.urls: dict[str, str] = {}
         self.models: dict[str, list[str]] = {node: [MODEL] for node in nodes}
         self.tokenized: list[tuple[str, dict[str, Any]]] = []  # (node, /tokenize body)
+        # per node: what its prefill does as a connector would (store the prompt's pages on its
+        # node, then report their keys): called with the prompt's token ids, returns the
+        # ``kvcache`` report the router reads from ``kv_transfer_params``
+        self.stores: dict[str, Callable[[list[int]], dict[str, Any]]] = {}
         # per node: the router's ports of the connections its requests came on
         self.connections: dict[str, set[int]] = {node: set() for node in nodes}
         self._sites: dict[str, web.TCPSite] = {}
@@ -183,7 +187,14 @@ class FakeEngines:
                     "Requested sample logprobs of 50, which is greater than max allowed: 20",
                     "logprobs",
                 )
-            return web.json_response(_completion(rid, [7], "length", PREFILL_CACHED))
+            answer = _completion(rid, [7], "length", PREFILL_CACHED)
+            store = self.stores.get(node)
+            if store is not None:
+                report = await asyncio.get_running_loop().run_in_executor(
+                    None, store, body["prompt"]
+                )
+                answer["kv_transfer_params"] = {"kvcache": report}
+            return web.json_response(answer)
         behaviour = body["user"]
         if behaviour.startswith("503-first:"):
             with self._lock:
