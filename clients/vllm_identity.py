@@ -154,13 +154,20 @@ def request_salt(engine: bytes, request: Any) -> bytes | None:
     embeddings: the KV depends on vectors, not on the token ids the keys hash)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None
+    lora = getattr(request, "lora_request", None)
+    adapter = (lora.lora_name, adapter_fingerprint(lora.lora_path)) if lora is not None else None
+    return salt_of(engine, getattr(request, "cache_salt", None), adapter)
+
+
+def salt_of(engine: bytes, cache_salt: str | None, adapter: tuple[str, str] | None = None) -> bytes:
+    """The salt of keys of an engine (its salt ``engine``) for a request with vLLM's
+    ``cache_salt`` and a LoRA adapter (name, ``adapter_fingerprint``): what the router computes
+    to schedule a request with ``cache_salt`` where its pages are."""
     parts: list[bytes | str] = []
-    cache_salt = getattr(request, "cache_salt", None)
     if cache_salt:
         parts += [b"cache_salt", cache_salt]
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts += [b"lora", lora.lora_name, adapter_fingerprint(lora.lora_path)]
+    if adapter is not None:
+        parts += [b"lora", *adapter]
     return engine if not parts else digest(b"request", engine, *parts)
 
 

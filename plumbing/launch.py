@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import selectors
 import signal
 import socket
@@ -22,10 +23,38 @@ from typing import Any
 
 from rpc.server import TOKEN_ENV
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PICKS = 12288  # ports below the ephemeral range that free_port picks from
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (a connection's own port, a listener on port 0)."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
 
 def free_port(host: str) -> int:
-    """A port free on ``host`` now (the caller tells a process to listen there)."""
-    with socket.socket() as s:
+    """A port free on ``host`` now, for a process the caller starts later to listen on.
+
+    Picked at random below the ephemeral range: in it, any outgoing connection or port-0
+    listener of the host (another service starting meanwhile) could take the port before the
+    process binds it; below it, only another pick like this one can, among thousands."""
+    lo, _ = ephemeral_ports()
+    first = max(1024, lo - _PICKS)
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - first >= 1024 else 0):
+        port = rng.randrange(first, lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # taken
+            return port
+    with socket.socket() as s:  # a crowded host: any port free now
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

@@ -64,7 +64,7 @@ import grpc
 
 from clients.conductor_client import ConductorClient
 from clients.messenger_client import MessengerClient
-from clients.vllm_identity import rank_keys
+from clients.vllm_identity import rank_keys, salt_of
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 from proto import conductor_pb2 as cpb
@@ -385,6 +385,17 @@ class Disaggregator:
             with_cached_tokens(result, served.cached_tokens)
         return result
 
+    def _request_salt(self, call: Completion) -> bytes:
+        """The salt the engines' connector gives this request's keys, as far as the router can
+        tell it: the engines' salt, with the request's ``cache_salt`` mixed in as the connector
+        does (vllm_identity.salt_of). A LoRA adapter's part digests its files, which only the
+        engine reads: such a request is scheduled by the engines' salt, a hint (the connector
+        decides what is loaded)."""
+        cache_salt = call.forward.get("cache_salt")
+        if not self._salt or not isinstance(cache_salt, str) or not cache_salt:
+            return self._salt
+        return salt_of(self._salt, cache_salt)
+
     def _keys_of(self, prefill: dict[str, Any], layout: KVLayout) -> tuple[bytes, list[str]]:
         """The root of the prompt's keys as the prefill engine's connector reported it, and its
         ranks' tags (``[""]``: one rank, which stores under the chain's keys); its engine salt
@@ -420,7 +431,7 @@ class Disaggregator:
                 self.conductor.schedule,
                 layout.namespace,
                 tokens=tokens,
-                salt=self._salt,
+                salt=self._request_salt(call),
                 request_id=served.ledger_id,
                 prompt_tokens=len(tokens),
                 output_tokens=output_tokens,

@@ -17,7 +17,7 @@ from test_router_engines import MODEL, FakeEngines
 
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
-from clients.vllm_identity import rank_keys, rank_tag
+from clients.vllm_identity import rank_keys, rank_tag, salt_of
 from kvstore.keys import block_keys, root_key
 from plumbing.launch import ServiceProcess, free_port, start_service
 
@@ -55,13 +55,14 @@ def fleet(tmp_path_factory):
         with ConductorClient(conductor.address) as c:
             wait_until(lambda: len(c.list_nodes().nodes) == 2, 30, "the nodes to register")
         args = ["router", "--listen", "127.0.0.1:0", "--conductor", conductor.address]
+        args += ["--debug-headers"]  # no keys: every caller sees what the cache did
         for node, url in engines.urls.items():
             args += ["--engine", f"{node}={url}"]
         router = start_kvcache(*args)
         client = openai.OpenAI(
             base_url=f"http://{router.address}/v1", api_key="unused", max_retries=0, timeout=60
         )
-        yield engines, nodes, client
+        yield engines, nodes, client, conductor
     finally:
         for sp in reversed(started):
             sp.stop()
@@ -99,7 +100,7 @@ def _stored(node: str, tags: list[str], reported: list[str]):
     ids=["one-rank", "tp2", "tp2-pp2-stage0"],
 )
 def test_the_decode_pull_moves_every_ranks_pages_under_the_reported_salt(fleet, tags):
-    engines, nodes, client = fleet
+    engines, nodes, client, _ = fleet
     store = _stored(nodes["p"].address, tags, [t for t in tags if t])
     engines.stores["p"] = store
     prompt = [
@@ -128,3 +129,28 @@ def test_the_decode_pull_moves_every_ranks_pages_under_the_reported_salt(fleet, 
         # and nothing under the unsalted chain's keys
         plain = block_keys(prompt, BLOCK, root_key(TEST_NAMESPACE))
         assert c.lookup(TEST_NAMESPACE, keys=plain).hit_blocks == 0
+
+
+def test_a_request_with_a_cache_salt_is_scheduled_where_its_salted_pages_are(fleet):
+    """The router schedules by the salt the connector gives the request's keys: the engines'
+    salt (learned from a prefill's answer) with its ``cache_salt`` mixed in."""
+    engines, nodes, client, conductor = fleet
+    engines.stores["p"] = _stored(nodes["p"].address, [""], [])  # reports the engines' salt
+    client.completions.create(model=MODEL, prompt=[5] * (BLOCK + 1), max_tokens=1, user="whole")
+    del engines.stores["p"]  # learned; the prefills below store nothing
+    prompt = [int(x) for x in np.random.default_rng(11).integers(3, 500, 4 * BLOCK + 5)]
+    salted = salt_of(ENGINE, "alice")
+    with KVStoreClient(nodes["p"].address) as c:
+        c.put(TEST_NAMESPACE, [bytes(TEST_PAGE_BYTES)] * 4, tokens=prompt, salt=salted)
+    with ConductorClient(conductor.address) as c:
+        wait_until(
+            lambda: c.locate(TEST_NAMESPACE, tokens=prompt, salt=salted).get("p") == 4,
+            30,
+            "the conductor to index the salted pages",
+        )
+    for cache_salt, found in (("alice", "4"), ("bob", "0"), (None, "0")):
+        extra = {"cache_salt": cache_salt} if cache_salt else {}
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=1, user="whole", extra_body=extra
+        )
+        assert raw.headers["x-kvcache-reuse-blocks"] == found, cache_salt

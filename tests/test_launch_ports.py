@@ -1,0 +1,36 @@
+"""``free_port``: the ports ``kvcache up`` tells its services to listen on are picked below the
+kernel's ephemeral range, where no connection or port-0 listener started meanwhile (the other
+services of the cluster, a test beside it) can take them before the service binds."""
+
+from __future__ import annotations
+
+import socket
+
+from plumbing.launch import ephemeral_ports, free_port
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_free():
+    lo, hi = ephemeral_ports()
+    assert 1024 <= lo <= hi
+    ports = {free_port("127.0.0.1") for _ in range(50)}
+    assert all(1024 <= p < lo for p in ports), sorted(ports)
+    assert len(ports) > 40  # at random, not one after another
+    for port in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
+
+
+def test_a_port_in_use_is_not_picked():
+    held = []
+    try:
+        for _ in range(20):
+            s = socket.socket()
+            s.bind(("127.0.0.1", free_port("127.0.0.1")))
+            s.listen()
+            held.append(s)
+        taken = {s.getsockname()[1] for s in held}
+        assert len(taken) == 20
+        assert not taken & {free_port("127.0.0.1") for _ in range(1000)}
+    finally:
+        for s in held:
+            s.close()
