@@ -111,7 +111,7 @@ REPEAT_OUT := out/test-repeat
 test-repeat: $(STAMP) etcd
 	@mkdir -p $(REPEAT_OUT); load=; \
 	if [ "$(LOAD)" = 1 ]; then taskset -c 0 $(PY) -c 'while True: pass' & load=$$!; fi; \
-	trap '[ -z "$$load" ] || kill $$load' EXIT INT TERM; \
+	trap '[ -z "$$load" ] || kill $$load' EXIT; trap 'exit 130' INT TERM; \
 	failed=0; for i in $$(seq $(N)); do \
 	  log=$(REPEAT_OUT)/run-$$i.log; t0=$$(date +%s); \
 	  if $(PY) -m pytest -q -x $(PYTEST_JOBS) -p no:cacheprovider >$$log 2>&1; then r=passed; \
