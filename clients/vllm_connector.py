@@ -31,7 +31,7 @@ streamed Get/Put instead.
 A block that cannot be loaded (gone, corrupt on SSD, node down) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``). Every node call has a short deadline
-(``timeout_ms``); a node that does not answer opens a breaker that makes the connector a no-op
+(``min_timeout_ms`` to ``timeout_ms``, following the node's latency); a node that does not answer opens a breaker that makes the connector a no-op
 until it answers again (``clients.vllm_guard``).
 
 ``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` (a prefill engine of a disaggregated
@@ -42,8 +42,10 @@ Extra config (``kv_connector_extra_config``): ``node`` (address, required), ``to
 (default: the node's layout for this model when it serves one, else 256), ``model`` (the
 layout's model name; default vLLM's served model name), ``salt``, ``save`` (``"prompt"``: save
 full prompt blocks, the default; ``"none"``: load only), ``lease_ttl_s``, ``overlap``
-(``"auto"``, true, false), ``timeout_ms`` (deadline of every node call, default 1000 or
-``$KVCACHE_CONNECTOR_TIMEOUT_MS``; streamed pages get 10 ms more per MB), ``retry_s`` (how often
+(``"auto"``, true, false), ``timeout_ms`` (the longest deadline of a node call, default 1000 or
+``$KVCACHE_CONNECTOR_TIMEOUT_MS``; streamed pages get 10 ms more per MB), ``min_timeout_ms``
+(the shortest, default 200 or ``$KVCACHE_CONNECTOR_MIN_TIMEOUT_MS``: between the two, the
+deadline follows the node's latency, ``vllm_guard.Latency``), ``retry_s`` (how often
 a node that stopped answering is asked again, default 2), ``model_fingerprint`` (the weights'
 identity, instead of sampling the weight files).
 """
@@ -136,7 +138,11 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
             timeout_s=self.config.timeout_ms / 1000,
         )
         self.guard = NodeGuard(
-            self.client, self.config.retry_s, self.config.token, self.config.tls_ca_file
+            self.client,
+            self.config.retry_s,
+            self.config.token,
+            self.config.tls_ca_file,
+            min_timeout_s=min(self.config.min_timeout_ms, self.config.timeout_ms) / 1000,
         )
         self.model_name = self.config.model or served_name(vllm_config)
         self.stats = ConnectorStats()

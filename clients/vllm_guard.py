@@ -1,5 +1,6 @@
 """The connector's calls to its node, bounded: a cache must never make the engine slower than no
-cache. Every call on the engine's path has a short deadline (the client's ``timeout_s``); a call
+cache. Every call on the engine's path has a short deadline (at most the client's ``timeout_s``,
+less for a node that has answered fast: ``Latency``); a call
 that fails for want of the node (deadline, unavailable) opens the node's breaker, and while it
 is open the connector is a no-op (no lookups, loads or saves) and costs the engine nothing. A
 background probe asks the node for its info every ``retry_s`` and closes the breaker when it
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -22,12 +24,46 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Breaker:
-    """Whether one node answers, for every connector of this process that uses it."""
+class Latency:
+    """How fast a node has answered lately, and the deadline that gives its next call: TCP's
+    retransmission timer (RFC 6298: a smoothed latency and its mean deviation), times a margin,
+    between ``min_s`` and ``max_s``. A node that answers in a millisecond is given up on after
+    ``min_s``, not ``max_s``; one that slows down under load gets longer deadlines before any
+    call of it is cut. (A call cut too early only costs hits: the engine computes, as it would
+    without a cache.)"""
 
-    def __init__(self, probe: KVStoreClient, retry_s: float) -> None:
+    MARGIN = 4.0
+
+    def __init__(self, min_s: float, max_s: float) -> None:
+        self.min_s, self.max_s = min(min_s, max_s), max_s
+        self._srtt: float | None = None
+        self._var = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            if self._srtt is None:
+                self._srtt, self._var = seconds, seconds / 2
+            else:
+                self._var = 0.75 * self._var + 0.25 * abs(self._srtt - seconds)
+                self._srtt = 0.875 * self._srtt + 0.125 * seconds
+
+    def deadline(self) -> float:
+        """Seconds the next call may take; ``max_s`` until a call was timed."""
+        srtt = self._srtt
+        if srtt is None:
+            return self.max_s
+        return min(self.max_s, max(self.min_s, self.MARGIN * (srtt + 4 * self._var)))
+
+
+class Breaker:
+    """Whether one node answers, for every connector of this process that uses it, and how fast
+    (``latency``: the deadline of the next call)."""
+
+    def __init__(self, probe: KVStoreClient, retry_s: float, latency: Latency) -> None:
         self.probe = probe  # its own client: a connector's may be closed at its shutdown
         self.retry_s = retry_s
+        self.latency = latency
         self.users = 0
         self._lock = threading.Lock()
         self._open = False
@@ -92,16 +128,21 @@ class NodeGuard:
         retry_s: float,
         token: str | None = None,
         tls_ca_file: str | None = None,
+        min_timeout_s: float | None = None,
     ) -> None:
+        """``client.timeout_s``: the longest deadline; ``min_timeout_s``: the shortest (None:
+        every call gets the longest)."""
         self.client = client
         self._key = (client.address, token, tls_ca_file)
+        self._max_s = client.timeout_s
         with _REGISTRY:
             breaker = _BREAKERS.get(self._key)
             if breaker is None:
                 probe = KVStoreClient(
                     client.address, token, tls_ca_file, use_shm=False, timeout_s=client.timeout_s
                 )
-                breaker = _BREAKERS[self._key] = Breaker(probe, retry_s)
+                latency = Latency(min_timeout_s or client.timeout_s, client.timeout_s)
+                breaker = _BREAKERS[self._key] = Breaker(probe, retry_s, latency)
             breaker.users += 1
         self.breaker = breaker
         self.trips = 0
@@ -118,11 +159,17 @@ class NodeGuard:
         if self.breaker.is_open:
             self.skipped += 1
             raise BreakerOpen(self.client.address)
+        # NOTE: the client's calls (and the async ones it starts meanwhile) read timeout_s
+        # when they are made: this connector's calls follow the node's latency.
+        self.client.timeout_s = min(self._max_s, self.breaker.latency.deadline())
+        t0 = time.perf_counter()
         try:
-            return fn()
+            out = fn()
         except KVCacheRpcError as e:
             self.failed(e)
             raise
+        self.breaker.latency.observe(time.perf_counter() - t0)
+        return out
 
     def result(self, pending: Future[T], timeout_s: float | None = None) -> T:
         """The result of an async call started through the client (deadline included)."""

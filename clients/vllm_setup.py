@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 TIMEOUT_ENV = "KVCACHE_CONNECTOR_TIMEOUT_MS"  # timeout_ms when the extra config has none
+MIN_TIMEOUT_ENV = "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS"  # min_timeout_ms, likewise
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ConnectorConfig:
     # A node call on the engine's path waits this long at most; one that does not answer opens
     # the breaker (the connector does nothing until the node answers again, asked every retry_s).
     timeout_ms: float = 1000.0
+    # ... and at least this long: between the two, the deadline follows how fast the node has
+    # answered lately (vllm_guard.Latency), so a node that hangs costs the engine a fraction of
+    # timeout_ms. min_timeout_ms >= timeout_ms: every call waits timeout_ms.
+    min_timeout_ms: float = 200.0
     retry_s: float = 2.0
     model_fingerprint: str | None = None
 
@@ -64,6 +69,8 @@ class ConnectorConfig:
         if "timeout_ms" not in values and os.environ.get(TIMEOUT_ENV):
             # an engine launcher's default (a test machine under load, say)
             values["timeout_ms"] = float(os.environ[TIMEOUT_ENV])
+        if "min_timeout_ms" not in values and os.environ.get(MIN_TIMEOUT_ENV):
+            values["min_timeout_ms"] = float(os.environ[MIN_TIMEOUT_ENV])
         if values.get("token"):
             log.warning(
                 "kvcache connector: 'token' in kv_connector_extra_config is printed in vLLM's "
@@ -82,8 +89,10 @@ class ConnectorConfig:
             raise ValueError(
                 f"kvcache connector: save must be 'prompt' or 'none', got {cfg.save!r}"
             )
-        if not cfg.timeout_ms > 0 or not cfg.retry_s > 0:
-            raise ValueError("kvcache connector: timeout_ms and retry_s must be positive")
+        if not cfg.timeout_ms > 0 or not cfg.min_timeout_ms > 0 or not cfg.retry_s > 0:
+            raise ValueError(
+                "kvcache connector: timeout_ms, min_timeout_ms and retry_s must be positive"
+            )
         return cfg
 
 

@@ -88,11 +88,11 @@ start_timeout_s = 900
 
 [[engines]]
 node = "node-0"
-env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=0", "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS=1000"]
 
 [[engines]]
 node = "node-1"
-env = ["VLLM_CPU_OMP_THREADS_BIND=1"]
+env = ["VLLM_CPU_OMP_THREADS_BIND=1", "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS=1000"]
 
 [router]
 listen = "127.0.0.1:0"

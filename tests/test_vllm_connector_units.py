@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -59,6 +60,46 @@ def test_a_node_that_hangs_costs_one_deadline_then_no_calls_until_it_answers(sta
             c.close()
 
 
+def test_a_node_that_answered_fast_and_then_hangs_is_given_up_on_long_before_the_cap(start_node):
+    """The deadline follows the node's latency (vllm_guard.Latency) between min_timeout_s and
+    the client's timeout_s: a hang after fast answers costs about min_timeout_s, not the cap."""
+    node = start_node()
+    with KVStoreClient(node.address, timeout_s=60, use_shm=False) as c:
+        guard = NodeGuard(c, retry_s=0.2, min_timeout_s=0.2)
+        lookup = lambda: c.lookup(TEST_NAMESPACE, tokens=TOKENS)  # noqa: E731
+        try:
+            assert guard.breaker.latency.deadline() == 60  # nothing timed yet: the cap
+            for _ in range(20):
+                guard.call(lookup)
+            assert guard.breaker.latency.deadline() < 60
+            os.kill(node.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(KVCacheRpcError) as e:
+                guard.call(lookup)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and guard.is_open
+            assert time.monotonic() - t0 < 30  # half the cap: it was not the cap that cut it
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+            guard.close()
+
+
+def test_latency_gives_deadlines_between_its_bounds_and_follows_a_slower_node():
+    from clients.vllm_guard import Latency
+
+    lat = Latency(0.2, 1.0)
+    assert lat.deadline() == 1.0
+    for _ in range(50):
+        lat.observe(0.001)
+    assert lat.deadline() == 0.2  # floor: 4 x a millisecond is not a deadline
+    for _ in range(50):
+        lat.observe(0.1)
+    assert 0.4 <= lat.deadline() <= 1.0  # a node slowed to 100 ms gets at least 4 x that
+    for _ in range(50):
+        lat.observe(5.0)
+    assert lat.deadline() == 1.0  # the cap holds
+    assert Latency(5.0, 1.0).deadline() == 1.0  # a floor above the cap: fixed at the cap
+
+
 def test_answers_of_a_node_that_is_there_do_not_open_the_breaker(start_node):
     node = start_node()
     with KVStoreClient(node.address, timeout_s=5) as c:
@@ -73,7 +114,7 @@ def test_answers_of_a_node_that_is_there_do_not_open_the_breaker(start_node):
 
 
 def test_the_deadline_comes_from_the_extra_config_else_the_launchers_environment(monkeypatch):
-    from clients.vllm_setup import TIMEOUT_ENV, ConnectorConfig
+    from clients.vllm_setup import MIN_TIMEOUT_ENV, TIMEOUT_ENV, ConnectorConfig
 
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     assert ConnectorConfig.from_extra({"node": "n"}).timeout_ms == 1000
@@ -82,6 +123,14 @@ def test_the_deadline_comes_from_the_extra_config_else_the_launchers_environment
     assert ConnectorConfig.from_extra({"node": "n", "timeout_ms": 200}).timeout_ms == 200
     with pytest.raises(ValueError, match="positive"):
         ConnectorConfig.from_extra({"node": "n", "timeout_ms": 0})
+    # the shortest deadline likewise
+    monkeypatch.delenv(MIN_TIMEOUT_ENV, raising=False)
+    assert ConnectorConfig.from_extra({"node": "n"}).min_timeout_ms == 200
+    monkeypatch.setenv(MIN_TIMEOUT_ENV, "9000")
+    assert ConnectorConfig.from_extra({"node": "n"}).min_timeout_ms == 9000
+    assert ConnectorConfig.from_extra({"node": "n", "min_timeout_ms": 50}).min_timeout_ms == 50
+    with pytest.raises(ValueError, match="positive"):
+        ConnectorConfig.from_extra({"node": "n", "min_timeout_ms": -1})
 
 
 def test_a_token_inline_in_the_config_is_warned_about_and_a_token_file_is_not(tmp_path, caplog):

@@ -36,9 +36,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Engine:
     def __init__(self, model: str, connector: dict | None = None, *, log_path: str, **spec: Any):
         self.log_path = log_path
-        # Deadlines a loaded test machine does not outlast (the breaker tests set their own):
-        # a node call slower than the default 1 s would make a lookup or a save a miss.
-        env = {**os.environ, "KVCACHE_CONNECTOR_TIMEOUT_MS": "10000", **spec.pop("env", {})}
+        # Deadlines a loaded test machine does not outlast (the breaker tests set their own),
+        # fixed (not following the node's latency down): a node call slower than its deadline
+        # would make a lookup or a save a miss.
+        env = {
+            **os.environ,
+            "KVCACHE_CONNECTOR_TIMEOUT_MS": "10000",
+            "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS": "10000",
+            **spec.pop("env", {}),
+        }
         root = os.path.dirname(HERE)
         env["PYTHONPATH"] = os.pathsep.join([root, HERE, env.get("PYTHONPATH", "")])
         self._log = open(log_path, "w")

@@ -3,7 +3,8 @@
 engine without the connector; then the node is resumed (SIGCONT) and the time until hits come
 back is measured.
 
-    python -m bench.faults.vllm_stall [--requests 20] [--timeout-ms 1000] [--stop running]
+    python -m bench.faults.vllm_stall [--requests 20] [--timeout-ms 1000] [--min-timeout-ms 200]
+        [--stop running]
 
 Each engine runs in a process of its own (in-process vLLM mode); requests go one at a time, so
 each is a new request the scheduler would look up. ``--stop running``: the node hangs once the
@@ -62,6 +63,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 "node": args.node,
                 "block_tokens": 64,
                 "timeout_ms": args.timeout_ms,
+                "min_timeout_ms": args.min_timeout_ms,
                 "retry_s": args.retry_s,
             },
         }
@@ -95,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--timeout-ms", type=float, default=1000.0)
+    ap.add_argument(
+        "--min-timeout-ms",
+        type=float,
+        default=200.0,
+        help="the connector's shortest deadline (min_timeout_ms; >= --timeout-ms: fixed)",
+    )
     ap.add_argument("--retry-s", type=float, default=2.0)
     ap.add_argument("--repeat", type=int, default=2, help="runs of each engine, alternated")
     ap.add_argument(
