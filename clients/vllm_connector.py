@@ -31,8 +31,9 @@ streamed Get/Put instead.
 A block that cannot be loaded (gone, corrupt on SSD, node down) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``). Every node call has a short deadline
-(``min_timeout_ms`` to ``timeout_ms``, following the node's latency); a node that does not answer opens a breaker that makes the connector a no-op
-until it answers again (``clients.vllm_guard``).
+(``min_timeout_ms`` to ``timeout_ms``, following the node's latency); a node that does not
+answer opens a breaker that makes the connector a no-op until it answers again
+(``clients.vllm_guard``).
 
 ``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` (a prefill engine of a disaggregated
 deployment) only stores, ``kv_consumer`` (a decode engine) only loads.

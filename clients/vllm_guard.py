@@ -1,11 +1,11 @@
 """The connector's calls to its node, bounded: a cache must never make the engine slower than no
 cache. Every call on the engine's path has a short deadline (at most the client's ``timeout_s``,
-less for a node that has answered fast: ``Latency``); a call
-that fails for want of the node (deadline, unavailable) opens the node's breaker, and while it
-is open the connector is a no-op (no lookups, loads or saves) and costs the engine nothing. A
-background probe asks the node for its info every ``retry_s`` and closes the breaker when it
-answers. The connectors of one process that use the same node (vLLM's scheduler and worker
-sides) share its breaker: an outage costs the engine one deadline, not one per side."""
+less for a node that has answered fast: ``Latency``); a call that fails for want of the node
+(deadline, unavailable) opens the node's breaker, and while it is open the connector is a no-op
+(no lookups, loads or saves) and costs the engine nothing. A background probe asks the node for
+its info every ``retry_s`` and closes the breaker when it answers. The connectors of one process
+that use the same node (vLLM's scheduler and worker sides) share its breaker: an outage costs
+the engine one deadline, not one per side."""
 
 from __future__ import annotations
 
