@@ -79,7 +79,9 @@ class Forked:
 def spawn(env: dict[str, str], stdin: int, stdout: int, stderr: int) -> Forked:
     """Fork an engine from this process's server (started on first use) with ``env`` and the
     given descriptors as its standard streams; the caller closes its copies of them."""
-    path = _ensure_server(env)
+    # The server imports with this process's environment (and the engine's PYTHONPATH), not
+    # with what one engine's test set for itself.
+    path = _ensure_server({**os.environ, "PYTHONPATH": env.get("PYTHONPATH", "")})
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     msg = json.dumps({"env": env, "cwd": os.getcwd()}).encode()
