@@ -14,7 +14,7 @@ import signal
 import numpy as np
 import pytest
 
-from bench.engines.models import MODELS, make_model
+from bench.engines.models import MODELS, make_eagle_draft, make_model
 from clients import KVStoreClient
 from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
@@ -35,6 +35,7 @@ FP8_DRAFT = (
     f"model={MODEL},num_layers=4,kv_heads=2,head_dim=32,dtype=float8_e4m3fn,block_tokens={BT}"
 )
 FP8_E5M2_DRAFT = FP8_DRAFT.replace("float8_e4m3fn", "float8_e5m2")
+EAGLE = f"model={MODEL},num_layers=3,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
 TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 
@@ -63,7 +64,7 @@ def model(work) -> str:
 
 @pytest.fixture(scope="module")
 def node(work):
-    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, MLA, TP2)
+    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MLA, TP2)
     layouts = [a for layout in every for a in ("--layout", layout)]
     sp = start_service(
         ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
@@ -286,6 +287,26 @@ def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(
     ) as e:
         (full,) = e.generate([PROMPT])
         assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|{stored}|")
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+def test_an_eagle_drafts_layer_is_stored_and_loaded_with_the_targets(model, node, work):
+    """Speculative decoding with an EAGLE head (a random one, vLLM's EagleLlamaForCausalLM):
+    its KV layer is stored with the target's 2 (L3), and a later run loads the prompt and gets
+    the tokens of its full computation."""
+    draft = str(work / "eagle-draft")
+    make_eagle_draft(draft, MODELS["tiny"], max_len=1024)
+    spec = {"method": "eagle", "model": draft, "num_speculative_tokens": 2}
+    with Engine(
+        model,
+        {"node": node.address},
+        engine={"speculative_config": spec},
+        log_path=str(work / "eagle.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L3|H2|D32|bfloat16|")
         (loaded,) = e.generate([PROMPT])
     assert full["cached"] == 0
     assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]

@@ -89,6 +89,34 @@ def make_model(
         save_byte_tokenizer(path, shape["vocab_size"], CHAT_TEMPLATES[chat_template])
 
 
+def make_eagle_draft(path: str, shape: dict[str, Any], max_len: int) -> None:
+    """A random EAGLE draft head for a Llama of ``shape`` (vLLM's ``EagleLlamaForCausalLM``):
+    one decoder layer without its input norm, ``fc`` from the token's embedding and the
+    target's hidden state, no final norm; saved at ``path`` (kept if it is there)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    h = shape["hidden_size"]
+    cfg = LlamaConfig(
+        **{**shape, "num_hidden_layers": 1},
+        max_position_embeddings=max_len,
+        head_dim=h // shape["num_attention_heads"],
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="bfloat16",
+    )
+    weights = LlamaForCausalLM(cfg).to(torch.bfloat16).state_dict()
+    drop = {"model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight"}
+    head = {k.removeprefix("model."): v.contiguous() for k, v in weights.items() if k not in drop}
+    head["fc.weight"] = (torch.randn(h, 2 * h) * 0.02).to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    save_file(head, os.path.join(path, "model.safetensors"))
+    cfg.save_pretrained(path)
+
+
 def save_byte_tokenizer(path: str, vocab_size: int, chat_template: str | None = None) -> None:
     """A byte-level BPE tokenizer without merges: every UTF-8 byte of a text is one token. Ids
     past the bytes, up to ``vocab_size``, decode to made-up words (" bako", ...): a random
