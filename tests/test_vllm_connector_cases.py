@@ -14,7 +14,7 @@ import signal
 import numpy as np
 import pytest
 
-from bench.engines.models import MODELS, make_eagle_draft, make_model
+from bench.engines.models import MODELS, make_eagle_draft, make_model, make_mtp_model
 from clients import KVStoreClient
 from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
@@ -36,6 +36,7 @@ FP8_DRAFT = (
 )
 FP8_E5M2_DRAFT = FP8_DRAFT.replace("float8_e4m3fn", "float8_e5m2")
 EAGLE = f"model={MODEL},num_layers=3,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens={BT}"
+MTP = EAGLE.replace(f"model={MODEL},", "model=tiny-mimo,")
 MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
 TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 
@@ -64,7 +65,7 @@ def model(work) -> str:
 
 @pytest.fixture(scope="module")
 def node(work):
-    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MLA, TP2)
+    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MTP, MLA, TP2)
     layouts = [a for layout in every for a in ("--layout", layout)]
     sp = start_service(
         ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
@@ -307,6 +308,25 @@ def test_an_eagle_drafts_layer_is_stored_and_loaded_with_the_targets(model, node
     ) as e:
         (full,) = e.generate([PROMPT])
         assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L3|H2|D32|bfloat16|")
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
+def test_an_mtp_models_prediction_layer_is_stored_and_loaded_with_its_own(node, work):
+    """Speculative decoding with the model's own multi-token prediction layer (a random
+    MiMo-style model, vLLM's method "mtp"): the MTP layer's KV is stored with the model's 2
+    layers (L3), and a later run loads the prompt and gets the tokens of its full computation."""
+    path = str(work / "tiny-mimo")
+    make_mtp_model(path, MODELS["tiny"], max_len=1024)
+    with Engine(
+        path,
+        {"node": node.address},
+        engine={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+        log_path=str(work / "mtp.log"),
+    ) as e:
+        (full,) = e.generate([PROMPT])
+        assert full["kvcache"]["namespace"].startswith("tiny-mimo|L3|H2|D32|bfloat16|")
         (loaded,) = e.generate([PROMPT])
     assert full["cached"] == 0
     assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]

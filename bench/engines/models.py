@@ -117,6 +117,44 @@ def make_eagle_draft(path: str, shape: dict[str, Any], max_len: int) -> None:
     cfg.save_pretrained(path)
 
 
+def make_mtp_model(path: str, shape: dict[str, Any], max_len: int) -> None:
+    """A random MiMo-style model (a Qwen2 of ``shape``, ``MiMoForCausalLM``) with one multi-token
+    prediction layer (``model.mtp_layers.0``: its norms, ``input_proj`` and a decoder layer),
+    for vLLM's ``method: "mtp"``; saved at ``path`` (kept if it is there)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    h = shape["hidden_size"]
+    extra = dict(max_position_embeddings=max_len, head_dim=h // shape["num_attention_heads"])
+    cfg = Qwen2Config(**shape, **extra, tie_word_embeddings=False)
+    weights = {
+        k: v.contiguous() for k, v in Qwen2ForCausalLM(cfg).to(torch.bfloat16).state_dict().items()
+    }
+    one = Qwen2ForCausalLM(Qwen2Config(**{**shape, "num_hidden_layers": 1}, **extra))
+    for k, v in one.to(torch.bfloat16).state_dict().items():
+        if k.startswith("model.layers.0."):
+            weights["model.mtp_layers.0." + k.removeprefix("model.layers.0.")] = v.contiguous()
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        weights[f"model.mtp_layers.0.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    weights["model.mtp_layers.0.input_proj.weight"] = (torch.randn(h, 2 * h) * 0.02).to(
+        torch.bfloat16
+    )
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    config = cfg.to_dict()
+    config.update(
+        architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1, torch_dtype="bfloat16"
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
 def save_byte_tokenizer(path: str, vocab_size: int, chat_template: str | None = None) -> None:
     """A byte-level BPE tokenizer without merges: every UTF-8 byte of a text is one token. Ids
     past the bytes, up to ``vocab_size``, decode to made-up words (" bako", ...): a random
