@@ -160,7 +160,7 @@ def test_connections_before_hello_are_capped_per_address(start_node, start_kvcac
             s.close()
         client.close()
         stats.close()
-    assert "have not said HELLO yet" in messenger.log()
+    wait_until(lambda: "have not said HELLO yet" in messenger.log(), 10, "the refusals logged")
 
 
 def _closed(s: socket.socket) -> bool:

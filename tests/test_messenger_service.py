@@ -228,7 +228,7 @@ def test_garbage_on_the_data_port_drops_the_connection_and_messenger_survives(sh
     assert a.messenger.alive()
     status = transfer(b, a, keys)
     assert status.done == 8
-    assert "dropping connection" in a.messenger.log()
+    wait_until(lambda: "dropping connection" in a.messenger.log(), 10, "the drop logged")
 
 
 @pytest.mark.slow
