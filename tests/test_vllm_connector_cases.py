@@ -269,6 +269,17 @@ def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, wor
 # ---- what users hit at start -----------------------------------------------------------------
 
 
+def stores_then_loads(model: str, node, engine: dict, log, namespace: str) -> None:
+    """One engine (``engine``: more LLM arguments) serves PROMPT twice: the first run stores its
+    pages under ``namespace``, the second loads all 4 and gets the first run's tokens."""
+    with Engine(model, {"node": node.address}, engine=engine, log_path=str(log)) as e:
+        (full,) = e.generate([PROMPT])
+        assert full["kvcache"]["namespace"].startswith(namespace)
+        (loaded,) = e.generate([PROMPT])
+    assert full["cached"] == 0
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+
+
 @pytest.mark.parametrize(
     "kv_dtype, stored", [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")]
 )
@@ -280,17 +291,10 @@ def test_an_fp8_kv_cache_with_a_draft_models_layers_stores_and_loads(
     the engine starts, stores, and a later run loads the prompt and gets the tokens of its full
     computation."""
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
-    with Engine(
-        model,
-        {"node": node.address},
-        engine={"kv_cache_dtype": kv_dtype, "speculative_config": spec},
-        log_path=str(work / f"{kv_dtype}-draft.log"),
-    ) as e:
-        (full,) = e.generate([PROMPT])
-        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L4|H2|D32|{stored}|")
-        (loaded,) = e.generate([PROMPT])
-    assert full["cached"] == 0
-    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+    engine = {"kv_cache_dtype": kv_dtype, "speculative_config": spec}
+    stores_then_loads(
+        model, node, engine, work / f"{kv_dtype}-draft.log", f"{MODEL}|L4|H2|D32|{stored}|"
+    )
 
 
 def test_an_eagle_drafts_layer_is_stored_and_loaded_with_the_targets(model, node, work):
@@ -300,17 +304,8 @@ def test_an_eagle_drafts_layer_is_stored_and_loaded_with_the_targets(model, node
     draft = str(work / "eagle-draft")
     make_eagle_draft(draft, MODELS["tiny"], max_len=1024)
     spec = {"method": "eagle", "model": draft, "num_speculative_tokens": 2}
-    with Engine(
-        model,
-        {"node": node.address},
-        engine={"speculative_config": spec},
-        log_path=str(work / "eagle.log"),
-    ) as e:
-        (full,) = e.generate([PROMPT])
-        assert full["kvcache"]["namespace"].startswith(f"{MODEL}|L3|H2|D32|bfloat16|")
-        (loaded,) = e.generate([PROMPT])
-    assert full["cached"] == 0
-    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+    engine = {"speculative_config": spec}
+    stores_then_loads(model, node, engine, work / "eagle.log", f"{MODEL}|L3|H2|D32|bfloat16|")
 
 
 def test_an_mtp_models_prediction_layer_is_stored_and_loaded_with_its_own(node, work):
@@ -319,17 +314,8 @@ def test_an_mtp_models_prediction_layer_is_stored_and_loaded_with_its_own(node, 
     layers (L3), and a later run loads the prompt and gets the tokens of its full computation."""
     path = str(work / "tiny-mimo")
     make_mtp_model(path, MODELS["tiny"], max_len=1024)
-    with Engine(
-        path,
-        {"node": node.address},
-        engine={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
-        log_path=str(work / "mtp.log"),
-    ) as e:
-        (full,) = e.generate([PROMPT])
-        assert full["kvcache"]["namespace"].startswith("tiny-mimo|L3|H2|D32|bfloat16|")
-        (loaded,) = e.generate([PROMPT])
-    assert full["cached"] == 0
-    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+    engine = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    stores_then_loads(path, node, engine, work / "mtp.log", "tiny-mimo|L3|H2|D32|bfloat16|")
 
 
 def test_an_mla_model_stores_and_loads(node, work):
@@ -360,11 +346,7 @@ def test_an_mla_model_stores_and_loads(node, work):
         max_position_embeddings=1024,
     )
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    with Engine(path, {"node": node.address}, log_path=str(work / "mla.log")) as e:
-        (full,) = e.generate([PROMPT])
-        (loaded,) = e.generate([PROMPT])
-    assert full["cached"] == 0 and full["kvcache"]["namespace"].startswith("tiny-mla|L2|H1|D288|")
-    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"]
+    stores_then_loads(path, node, {}, work / "mla.log", "tiny-mla|L2|H1|D288|")
 
 
 def test_a_sliding_window_model_is_refused_at_start_naming_the_feature(node, work):
