@@ -1,6 +1,6 @@
 """The vLLM connector off the happy path, with real vLLM engines (CPU, tiny model) and a real
 node: a page gone between the scheduler's Lookup and the worker's Acquire, cache salts and LoRA
-adapters, a model of the same name, preempted requests, a node that stops answering, fp8 KV
+adapters, images, a model of the same name, preempted requests, a node that stops answering, fp8 KV
 caches, reset_cache and the connector's stats. Engines are driven one call at a time
 (tests/vllm_driver.py) and shared by the tests of the module where they can be; prefix caching
 is off, so every run asks the connector."""
@@ -14,7 +14,13 @@ import signal
 import numpy as np
 import pytest
 
-from bench.engines.models import MODELS, make_eagle_draft, make_model, make_mtp_model
+from bench.engines.models import (
+    MODELS,
+    make_blip2_model,
+    make_eagle_draft,
+    make_model,
+    make_mtp_model,
+)
 from clients import KVStoreClient
 from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
@@ -37,6 +43,7 @@ FP8_DRAFT = (
 FP8_E5M2_DRAFT = FP8_DRAFT.replace("float8_e4m3fn", "float8_e5m2")
 EAGLE = f"model={MODEL},num_layers=3,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 MTP = EAGLE.replace(f"model={MODEL},", "model=tiny-mimo,")
+BLIP2 = LAYOUT_FLAG.replace(f"model={MODEL},", "model=tiny-blip2,")
 MLA = f"model=tiny-mla,num_layers=2,kv_heads=1,head_dim=288,dtype=bfloat16,block_tokens={BT}"
 TP2 = f"model={MODEL},num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens={BT}"
 
@@ -65,7 +72,7 @@ def model(work) -> str:
 
 @pytest.fixture(scope="module")
 def node(work):
-    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MTP, MLA, TP2)
+    every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MTP, MLA, TP2, BLIP2)
     layouts = [a for layout in every for a in ("--layout", layout)]
     sp = start_service(
         ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
@@ -183,6 +190,24 @@ def test_cache_salts_and_lora_adapters_never_share_pages(node, engine):
 
 
 # ---- the model's identity and preempted requests -------------------------------------------------
+
+
+def test_the_same_text_with_another_image_shares_no_pages(node, work):
+    """A multimodal model (a random BLIP-2: the image becomes 8 tokens before the text, so it is
+    in every page): the same prompt with another image loads nothing the first one stored; with
+    the same image it loads every full page and gets the tokens of its full computation."""
+    path = str(work / "tiny-blip2")
+    make_blip2_model(path, MODELS["tiny"], max_len=1024)
+    engine = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 1}}
+    log = str(work / "blip2.log")
+    with Engine(path, {"node": node.address}, engine=engine, log_path=log) as e:
+        (first,) = e.generate([{"tokens": PROMPT, "image": 1}])
+        (other,) = e.generate([{"tokens": PROMPT, "image": 2}])
+        (again,) = e.generate([{"tokens": PROMPT, "image": 1}])
+    assert first["kvcache"]["namespace"].startswith("tiny-blip2|L2|H2|D32|bfloat16|")
+    assert first["cached"] == 0
+    assert other["cached"] == 0 and other["tokens"] != first["tokens"]
+    assert again["cached"] == 4 * BT and again["tokens"] == first["tokens"]
 
 
 @pytest.fixture(scope="module")

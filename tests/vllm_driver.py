@@ -107,7 +107,8 @@ class Engine:
         return "\n".join(tails)
 
     def generate(self, prompts: list, max_tokens: int = 8) -> list[dict]:
-        """Greedy outputs; a prompt is token ids or ``{"tokens", "cache_salt", "lora"}``."""
+        """Greedy outputs; a prompt is token ids or ``{"tokens", "cache_salt", "lora", "image"}``
+        (``image``: the seed of a random image, for a multimodal model)."""
         items = [p if isinstance(p, dict) else {"tokens": p} for p in prompts]
         return self._call({"op": "generate", "prompts": items, "max_tokens": max_tokens})["outputs"]
 
@@ -192,6 +193,14 @@ def _engine(spec: dict) -> Any:
     return LLM(**kw)
 
 
+def _image(seed: int) -> Any:
+    """A 56x56 RGB image of random pixels (the size of bench.engines.models' BLIP-2)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 56, 3), np.uint8))
+
+
 def _generate(llm: Any, spec: dict, cmd: dict) -> dict:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
@@ -208,6 +217,8 @@ def _generate(llm: Any, spec: dict, cmd: dict) -> dict:
         prompt: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
         if p.get("cache_salt"):
             prompt["cache_salt"] = p["cache_salt"]
+        if p.get("image") is not None:
+            prompt["multi_modal_data"] = {"image": _image(p["image"])}
         prompts.append(prompt)
         name = p.get("lora")
         lora_requests.append(LoRARequest(name, ids[name], loras[name]) if name else None)

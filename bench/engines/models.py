@@ -155,6 +155,57 @@ def make_mtp_model(path: str, shape: dict[str, Any], max_len: int) -> None:
         json.dump(config, f, indent=1)
 
 
+def make_blip2_model(path: str, shape: dict[str, Any], max_len: int, query_tokens: int = 8) -> None:
+    """A random BLIP-2 (a 56x56-pixel vision tower of 2 layers, a one-layer Q-Former, a Llama of
+    ``shape`` as its language model) with a byte-level tokenizer that has ``<image>`` and BLIP-2's
+    processor: a multimodal model vLLM's CPU build serves (an image becomes ``query_tokens``
+    ``<image>`` tokens before the prompt); saved at ``path`` (kept if it is there)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import torch
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        Blip2QFormerConfig,
+        Blip2VisionConfig,
+        BlipImageProcessor,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    os.makedirs(path, exist_ok=True)
+    save_byte_tokenizer(path, shape["vocab_size"])
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    pixels = {"height": 56, "width": 56}
+    Blip2Processor(
+        image_processor=BlipImageProcessor(size=pixels),
+        tokenizer=tok,
+        num_query_tokens=query_tokens,
+    ).save_pretrained(path)
+    h = shape["hidden_size"]
+    text = LlamaConfig(
+        **{**shape, "vocab_size": len(tok)},
+        max_position_embeddings=max_len,
+        head_dim=h // shape["num_attention_heads"],
+    )
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2)
+    cfg = Blip2Config(
+        vision_config=Blip2VisionConfig(
+            **small, num_hidden_layers=2, image_size=56, patch_size=14
+        ).to_dict(),
+        qformer_config=Blip2QFormerConfig(
+            **small, num_hidden_layers=1, encoder_hidden_size=64
+        ).to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=query_tokens,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+    )
+    torch.manual_seed(0)
+    Blip2ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
 def save_byte_tokenizer(path: str, vocab_size: int, chat_template: str | None = None) -> None:
     """A byte-level BPE tokenizer without merges: every UTF-8 byte of a text is one token. Ids
     past the bytes, up to ``vocab_size``, decode to made-up words (" bako", ...): a random
