@@ -89,6 +89,8 @@ class _Lease:
     offsets: list[int]
     page_bytes: int
     slab: Mapping | None = field(repr=False)
+    # the run of the node that granted it (AllocateReply.node_epoch): sent back with the lease
+    node_epoch: int = field(default=0, kw_only=True)
 
     def page(self, index: int) -> NDArray[np.uint8]:
         """Zero-copy view of page ``index`` in the node's shared memory."""
@@ -173,7 +175,9 @@ class ReadLease(_Lease):
 
 
 def _lease_request(lease: _Lease) -> pb.LeaseRequest:
-    return pb.LeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id)
+    return pb.LeaseRequest(
+        namespace=lease.namespace, lease_id=lease.lease_id, node_epoch=lease.node_epoch
+    )
 
 
 def _commit_request(lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None) -> Any:
@@ -424,7 +428,14 @@ class KVStoreClient:
         def lease(r: Any) -> WriteLease:
             current = self._mapping_of(namespace, slab, r, "Abort")
             return WriteLease(
-                self, namespace, r.lease_id, list(r.keys), list(r.offsets), r.page_bytes, current
+                self,
+                namespace,
+                r.lease_id,
+                list(r.keys),
+                list(r.offsets),
+                r.page_bytes,
+                current,
+                node_epoch=r.node_epoch,
             )
 
         request = pb.AllocateRequest(
@@ -443,7 +454,9 @@ class KVStoreClient:
             return self._current_slab(namespace, slab, reply.shm_name)
         except KVCacheRpcError:
             with contextlib.suppress(KVCacheRpcError):
-                request = pb.LeaseRequest(namespace=namespace, lease_id=reply.lease_id)
+                request = pb.LeaseRequest(
+                    namespace=namespace, lease_id=reply.lease_id, node_epoch=reply.node_epoch
+                )
                 self._call(undo, request)
             raise
 
@@ -515,6 +528,7 @@ class KVStoreClient:
                 current,
                 [_TIER_OF_PB[t] for t in r.tiers],
                 list(r.checksums),
+                node_epoch=r.node_epoch,
             )
 
         request = pb.AcquireRequest(
@@ -535,7 +549,12 @@ class KVStoreClient:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
         reply: pb.ExtendLeaseReply = self._call(
             "ExtendLease",
-            pb.ExtendLeaseRequest(namespace=lease.namespace, lease_id=lease.lease_id, ttl_s=ttl_s),
+            pb.ExtendLeaseRequest(
+                namespace=lease.namespace,
+                lease_id=lease.lease_id,
+                ttl_s=ttl_s,
+                node_epoch=lease.node_epoch,
+            ),
         )
         return reply.ttl_s
 

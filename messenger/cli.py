@@ -196,6 +196,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Test-only: after N pages sent, stall the stream for S seconds (once).
     parser.add_argument("--fault-stall-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fault-stall-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--fault-stall-until", default="", help=argparse.SUPPRESS)
     # Test-only: once serving, allow only N more open files than are open (RLIMIT_NOFILE).
     parser.add_argument("--fault-open-files", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -333,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
             corrupt_every=args.fault_corrupt_every,
             stall_after=args.fault_stall_after,
             stall_s=args.fault_stall_s,
+            stall_until=args.fault_stall_until,
         ),
     )
     try:

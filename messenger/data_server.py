@@ -29,6 +29,7 @@ import hmac
 import itertools
 import logging
 import math
+import os
 import socket
 import ssl
 import threading
@@ -102,12 +103,14 @@ class SenderFaults:
     ``corrupt_every``: flip one byte of every N-th page sent, after its checksum was computed
     (the flip goes into a copy, never into the source's memory).
     ``stall_after``: once N pages have been sent, stop sending for ``stall_s`` seconds (once), so
-    a test can act while a transfer is certainly in flight.
+    a test can act while a transfer is certainly in flight; ``stall_until``: a path whose
+    creation ends the stall sooner (a test acts, then lets the transfer go on).
     """
 
     corrupt_every: int = 0
     stall_after: int = 0
     stall_s: float = 0.0
+    stall_until: str = ""
 
 
 @dataclass
@@ -678,8 +681,9 @@ class DataServer:
         conn.send(batch)  # what came before the stall point reaches the peer first
         log.warning("fault injection: stalling the data stream for %.1f s", self.faults.stall_s)
         end = time.monotonic() + self.faults.stall_s
+        until = self.faults.stall_until
         while not conn.cut and not self._stopped.wait(min(0.05, max(0.0, end - time.monotonic()))):
-            if time.monotonic() >= end:
+            if time.monotonic() >= end or (until and os.path.exists(until)):
                 break
         return [], 0, sent_bytes + batch_bytes
 

@@ -223,7 +223,8 @@ class Mover:
             entries = []
             for key, r in zip(keys, requests):
                 entry = self._inflight.get((namespace, key))
-                if entry is None:
+                # A cancelled fetch ends without publishing: a new batch starts its own.
+                if entry is None or entry.cancelled:
                     entry = _Entry(namespace, key, r.source, r.source_data)
                     self._inflight[(namespace, key)] = entry
                     new.setdefault((r.source, r.source_data), []).append(entry)
@@ -358,7 +359,8 @@ class Mover:
                 entry = entries[i]
                 entry.result = result
                 entry.already_present = i in present
-                self._inflight.pop((entry.namespace, entry.key), None)
+                if self._inflight.get((entry.namespace, entry.key)) is entry:
+                    del self._inflight[(entry.namespace, entry.key)]
             moved = {id(entries[i]) for i, r in results.items() if r.ok and i not in present}
             for batch in self._batches.values():
                 if batch.finished_at is not None:
@@ -441,7 +443,6 @@ class Mover:
         todo: list[int],
         results: dict[int, EntryResult],
         namespace: str,
-        page_bytes: int,
     ) -> dict[int, EntryResult]:
         """Commit the verified pages of ``lease``; returns results that changed."""
         good = [i for i in todo if results[i].ok]
@@ -467,12 +468,11 @@ class Mover:
                 i: EntryResult(outcome, f"cannot republish the verified pages: {e.details}")
                 for i in good
             }
-        region = self.node.region(namespace)
+        # Each lease's own mapping: if the node restarted in between, the verified pages are in
+        # the old one and the second lease's in the new one.
         for j, i in enumerate(good):
-            dst = second.offsets[j]
-            if dst >= 0:  # -1: another writer stored it meanwhile
-                src = lease.offsets[i]
-                np.copyto(region[dst : dst + page_bytes], region[src : src + page_bytes])
+            if second.offsets[j] >= 0:  # -1: another writer stored it meanwhile
+                np.copyto(second.page(j), lease.page(i))
         self._abort(lease)
         try:
             client.commit(second)
@@ -597,8 +597,9 @@ class _Pipeline:
         if not todo:
             self.mover._abort(lease)
             return None
-        node, pb = self.mover.node, self.page_bytes
-        views = [node.page(self.namespace, lease.offsets[i], pb) for i in todo]
+        # NOTE: views of the mapping the lease's offsets point into, not the node's current one:
+        # after a restart they differ, and the new node's pages at these offsets are others'.
+        views = [memoryview(lease.page(i)) for i in todo]
         with self._lock:
             self._open[lease.lease_id] = lease
         return FetchGroup([chunk[i].key for i in todo], views, (lease, chunk, todo))
@@ -623,9 +624,7 @@ class _Pipeline:
                     self._committing += 1  # the callback (maybe at once, here) counts it down
                 future.add_done_callback(lambda f: self._committed(f, chunk, results))
                 return
-            results.update(
-                self.mover._publish(lease, todo, results, self.namespace, self.page_bytes)
-            )
+            results.update(self.mover._publish(lease, todo, results, self.namespace))
         except Exception as e:  # noqa: BLE001 - every entry of the group gets a result
             log.exception("publishing a transfer group failed")
             results = {i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}") for i in todo}

@@ -60,9 +60,6 @@ class NodeAccess:
             )
         return region
 
-    def page(self, namespace: str, offset: int, page_bytes: int) -> memoryview:
-        return memoryview(self.region(namespace)[offset : offset + page_bytes])
-
     def close(self) -> None:
         """The mappings go with the client (``KVStoreClient.close``)."""
 
@@ -96,11 +93,10 @@ class NodePageSource(PageSource):
             if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise LookupError(e.details) from None
             raise ConnectionError(f"node Acquire failed: {e}") from None
-        # NOTE: mapped after the Acquire: its reply tells whether the node restarted meanwhile
-        region = self.node.region(namespace)
-        pb = lease.page_bytes
-        mv = memoryview(region)
-        views = [mv[off : off + pb] if off >= 0 else None for off in lease.offsets]
+        # NOTE: the lease's own mapping (the reply tells whether the node restarted meanwhile)
+        views = [
+            memoryview(lease.page(i)) if off >= 0 else None for i, off in enumerate(lease.offsets)
+        ]
 
         def release() -> None:
             # NOTE: not in the background: a Release still pending when the node restarts

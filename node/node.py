@@ -7,6 +7,7 @@ Python and testable in-process.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -43,6 +44,9 @@ class Node:
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:04x}"
         self.hub = EventHub()
+        # Names this run: lease ids restart at 1 with the process, so a lease request carries the
+        # epoch of the reply that granted it (a restarted node's new leases are not its own).
+        self.epoch = secrets.randbits(64) or 1
         self.stores: dict[str, TieredStore] = {}
         # (namespace, lease id) -> (tenant, deadline, session id or b"")
         self._owners: dict[tuple[str, int], tuple[str, float, bytes]] = {}
@@ -175,11 +179,19 @@ class Node:
             self.holders_gone(0, [key])
             raise FailedPrecondition("the caller's session ended (its process exited)")
 
-    def check_owner(self, namespace: str, lease_id: int, tenant: str) -> TieredStore:
+    def check_owner(
+        self, namespace: str, lease_id: int, tenant: str, epoch: int = 0
+    ) -> TieredStore:
         """The store of a lease ``tenant`` took through Allocate / Acquire. Another tenant's lease,
         and the leases a streamed Put / Get holds inside the node, answer exactly as a lease that
-        does not exist: NOT_FOUND, revealing nothing."""
+        does not exist: NOT_FOUND, revealing nothing. So does a lease of an earlier run of the
+        node (``epoch``, from the reply that granted it; 0: not checked)."""
         store = self.store(namespace)
+        if epoch and epoch != self.epoch:
+            raise NotFound(
+                f"lease {lease_id} was granted by an earlier run of this node (it restarted "
+                "since): its pages are gone"
+            )
         with self._owners_lock:
             owner = self._owners.get((namespace, lease_id))
         if owner is None or owner[0] != tenant:

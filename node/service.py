@@ -184,12 +184,13 @@ class NodeServicer(pbg.NodeServiceServicer):
             offsets=[s * page if s >= 0 else -1 for s in lease.slots],
             ttl_s=lease.expires_at - time.monotonic(),
             keys=sel.raw,
+            node_epoch=self.node.epoch,
         )
 
     def _end_lease(self, request, context, end):
         """Commit / abort / release a lease the caller's tenant owns; ``end(store, lease_id)``."""
         store = self.node.check_owner(
-            request.namespace, request.lease_id, self.auth.tenant(context)
+            request.namespace, request.lease_id, self.auth.tenant(context), request.node_epoch
         )
         result = end(store, request.lease_id)
         self.node.disown(request.namespace, request.lease_id)
@@ -260,6 +261,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             ttl_s=lease.expires_at - time.monotonic(),
             keys=sel.raw[:n],
             checksums=store.checksums(lease),
+            node_epoch=self.node.epoch,
         )
 
     def _stage_reads(
@@ -311,7 +313,9 @@ class NodeServicer(pbg.NodeServiceServicer):
     @observed
     def ExtendLease(self, request, context):
         tenant = self.auth.tenant(context)
-        store = self.node.check_owner(request.namespace, request.lease_id, tenant)
+        store = self.node.check_owner(
+            request.namespace, request.lease_id, tenant, request.node_epoch
+        )
         ttl = self._lease_ttl(store, tenant, request.ttl_s, request.lease_id)
         deadline = store.extend(request.lease_id, ttl)
         self.node.own(request.namespace, request.lease_id, tenant, deadline)

@@ -67,30 +67,34 @@ class AllocateRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
-    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "ttl_s", "keys")
+    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "ttl_s", "keys", "node_epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     shm_name: str
     page_bytes: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     ttl_s: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    node_epoch: int
+    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id", "checksums")
+    __slots__ = ("namespace", "lease_id", "checksums", "node_epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     lease_id: int
     checksums: bytes
-    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., checksums: _Optional[bytes] = ...) -> None: ...
+    node_epoch: int
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("stored", "duplicates")
@@ -113,7 +117,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., prefix_only: bool = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
-    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys", "checksums")
+    __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "tiers", "ttl_s", "keys", "checksums", "node_epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +126,7 @@ class AcquireReply(_message.Message):
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     shm_name: str
     page_bytes: int
@@ -130,7 +135,8 @@ class AcquireReply(_message.Message):
     ttl_s: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    node_epoch: int
+    def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
 class OpenShmRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -151,14 +157,16 @@ class OpenShmReply(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ..., socket: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class ExtendLeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id", "ttl_s")
+    __slots__ = ("namespace", "lease_id", "ttl_s", "node_epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     lease_id: int
     ttl_s: float
-    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    node_epoch: int
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., ttl_s: _Optional[float] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
 class ExtendLeaseReply(_message.Message):
     __slots__ = ("ttl_s",)

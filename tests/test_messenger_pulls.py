@@ -1,0 +1,170 @@
+"""The messenger's pull against what can happen to it in the middle: the destination node
+restarts, a batch is cancelled and the same keys are asked for again. Nodes and messengers are
+real processes; the source messenger stalls its stream after a few pages (test-only fault
+injection) until the test has acted, then goes on."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from clients.messenger_client import MessengerClient
+from clients.node_client import KVCacheRpcError, KVStoreClient
+from kvstore.keys import keys_from_block_ids, root_key
+from plumbing.launch import ServiceProcess, start_service
+
+from conftest import TEST_LAYOUT
+from conftest import TEST_NAMESPACE as NS
+from conftest import TEST_PAGE_BYTES as PB
+from helpers import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def make_keys(n: int, start: int = 0) -> list[bytes]:
+    return keys_from_block_ids(list(range(start, start + n)), root_key(NS, b"pulls"))
+
+
+def make_pages(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, PB), dtype=np.uint8)
+
+
+@pytest.fixture
+def procs():
+    started: list[ServiceProcess] = []
+    yield started
+    for sp in reversed(started):
+        sp.stop()
+
+
+def stalling_source(procs: list, tmp_path, release) -> tuple[ServiceProcess, ServiceProcess]:
+    """A node and a messenger that stops its stream after 2 pages until ``release`` exists."""
+    node = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
+    procs.append(node)
+    stall = ("--fault-stall-after", "2", "--fault-stall-s", "300")
+    messenger = start_service(
+        ["messenger", "--node", node.address, *stall, "--fault-stall-until", str(release)],
+        log_dir=str(tmp_path),
+    )
+    procs.append(messenger)
+    return node, messenger
+
+
+def test_a_destination_node_restarted_mid_pull_gets_no_wrong_page_and_no_lease_is_taken(
+    procs, tmp_path
+):
+    """The destination node restarts while its messenger holds a write lease of the old run
+    for a pull in flight. Before the fix, the messenger committed that lease by its id on the
+    new node, whose ids start at 1 again: it ended a lease another writer had just opened
+    there (whose commit then failed), and reported pages done that the node never got. Now
+    the late commit is refused (the lease names the node's old run), the other writer's lease
+    is untouched, whatever the batch reports done is on the node byte for byte, and the same
+    pull asked again moves every page."""
+    release = tmp_path / "release"
+    node_a, messenger_a = stalling_source(procs, tmp_path, release)
+    address_b = free_address()
+    node_b_args = ["node", "--listen", address_b, "--dram", "4MiB", "--layout", TEST_LAYOUT]
+    node_b = start_service(node_b_args, log_dir=str(tmp_path))
+    procs.append(node_b)
+    messenger_b = start_service(["messenger", "--node", address_b], log_dir=str(tmp_path))
+    procs.append(messenger_b)
+    keys, pages = make_keys(8), make_pages(8, seed=1)
+    # as many keys as the pull's one group: the old lease's commit fits this one's
+    others, other_pages = make_keys(8, start=100), make_pages(8, seed=2)
+    with KVStoreClient(node_a.address) as a:
+        a.put(NS, list(pages), keys=keys)
+    with MessengerClient(messenger_b.address) as m:
+        batch = m.submit(NS, [(k, messenger_a.address) for k in keys]).batch_id
+        wait_until(lambda: "stalling the data stream" in messenger_a.log(), 60, "the stall")
+
+        node_b.kill()  # a crash; the node comes back at the same address
+        procs.remove(node_b)
+        node_b = start_service(node_b_args, log_dir=str(tmp_path))
+        procs.append(node_b)
+        with KVStoreClient(address_b) as b:
+            lease = b.allocate(NS, keys=others)  # the new run's first lease
+            for i in lease.to_write:
+                lease.page(i)[:] = other_pages[i]
+            release.touch()
+            status = m.status(batch, wait=True, timeout_s=120)
+            assert status.finished
+            assert b.commit(lease).stored == 8  # still this writer's own lease
+            held = b.get(NS, keys=others + keys)
+        assert all(np.array_equal(held[i], other_pages[i]) for i in range(8))
+        for entry, page, got in zip(status.entries, pages, held[8:]):
+            if entry.code == "":  # done: on the node as the source holds it
+                assert got is not None and np.array_equal(got, page)
+        assert status.failed > 0, "the old run's lease cannot have been committed"
+
+        again = m.status(m.submit(NS, [(k, messenger_a.address) for k in keys]).batch_id, True)
+        assert (again.done, again.failed) == (8, 0)
+    with KVStoreClient(address_b, use_shm=False) as b:
+        moved = b.get(NS, keys=keys)
+    assert all(np.array_equal(moved[i], pages[i]) for i in range(8))
+
+
+def test_a_lease_of_a_nodes_earlier_run_is_not_found(procs, tmp_path):
+    """Commit, Abort, Release and ExtendLease of a lease granted before the node restarted
+    answer NOT_FOUND naming the restart, even where the new run granted a lease of that id."""
+    address = free_address()
+    args = ["node", "--listen", address, "--dram", "1MiB", "--layout", TEST_LAYOUT]
+    node = start_service(args, log_dir=str(tmp_path))
+    procs.append(node)
+    with KVStoreClient(address) as c:
+        old_write = c.allocate(NS, keys=make_keys(1, start=200))
+        c.put(NS, list(make_pages(1, seed=3)), keys=make_keys(1, start=201))
+        old_read = c.acquire(NS, keys=make_keys(1, start=201))
+        node.kill()
+        procs.remove(node)
+        node = start_service(args, log_dir=str(tmp_path))
+        procs.append(node)
+        new_write = c.allocate(NS, keys=make_keys(1, start=200))
+        new_read = c.acquire(NS, keys=make_keys(1, start=201))  # not stored in this run
+        assert {new_write.lease_id, new_read.lease_id} & {old_write.lease_id, old_read.lease_id}
+        for call in (
+            lambda: c.commit(old_write),
+            lambda: c.abort(old_write),
+            lambda: c.extend(old_write),
+            lambda: c.release(old_read),
+        ):
+            with pytest.raises(KVCacheRpcError) as e:
+                call()
+            assert e.value.code.name == "NOT_FOUND" and "restarted" in e.value.details
+        new_write.page(0)[:] = make_pages(1, seed=4)[0]
+        assert c.commit(new_write).stored == 1  # the new run's leases are untouched
+        c.release(new_read)
+
+
+def test_a_batch_after_a_cancelled_one_moves_the_same_keys(procs, tmp_path):
+    """Before the fix, a batch submitted while a cancelled batch's fetch of the same keys was
+    still in flight joined that fetch and inherited its cancel: every entry CANCELLED."""
+    release = tmp_path / "release"
+    node_a, messenger_a = stalling_source(procs, tmp_path, release)
+    node_b = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path)
+    )
+    procs.append(node_b)
+    messenger_b = start_service(["messenger", "--node", node_b.address], log_dir=str(tmp_path))
+    procs.append(messenger_b)
+    keys, pages = make_keys(6, start=300), make_pages(6, seed=5)
+    with KVStoreClient(node_a.address) as a:
+        a.put(NS, list(pages), keys=keys)
+    with MessengerClient(messenger_b.address) as m:
+        first = m.submit(NS, [(k, messenger_a.address) for k in keys]).batch_id
+        wait_until(lambda: "stalling the data stream" in messenger_a.log(), 60, "the stall")
+        assert m.cancel(first).finished
+        second = m.submit(NS, [(k, messenger_a.address) for k in keys]).batch_id
+        release.touch()
+        status = m.status(second, wait=True, timeout_s=120)
+    assert (status.done, status.failed) == (6, 0), status
+    with KVStoreClient(node_b.address, use_shm=False) as b:
+        moved = b.get(NS, keys=keys)
+    assert all(np.array_equal(moved[i], pages[i]) for i in range(6))
