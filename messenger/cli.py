@@ -45,6 +45,7 @@ from rpc.server import (
 
 from .data_security import client_context, derive_data_token, server_context
 from .data_server import DataLimits, DataServer, SenderFaults
+from .identity import Identities
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
 from .pin_budget import PinShares
@@ -309,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
         auth = Auth.from_args(args.token, args.tenant_token, args.service_token)
     except ValueError as e:
         raise SystemExit(f"kvcache messenger: {e}") from None
+    # The same table proves whom each pull is for to its source, and checks it as a source.
+    identities = Identities(auth.tokens)
     client = _connect_node(args)
     set_identity(node_id=client.info().node_id)  # its log lines name the node it serves
     node = NodeAccess(client)
@@ -330,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
         tls=serve_tls,
         limits=limits,
         pin_shares=pin_shares,
+        identities=identities,
         faults=SenderFaults(
             corrupt_every=args.fault_corrupt_every,
             stall_after=args.fault_stall_after,
@@ -372,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
         MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
         on_entry=metrics.on_entry,
         on_job=metrics.on_job,
+        identities=identities,
     )
     info = pb.MessengerInfo(
         node=args.node,

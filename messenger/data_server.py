@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 from .data_security import NONCE_BYTES, new_nonce, proof, shutdown
 from .frames import (
     FLAG_HOLD,
+    FLAG_IDENTITY,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -58,6 +59,7 @@ from .frames import (
     unpack_header,
     unpack_keys_body,
 )
+from .identity import Identities, stored_keys, unpack_identity
 from .pin_budget import PinBudget, PinnedChunk, PinShares, pin_chunk
 from .transport import PageSource, PinnedPages
 
@@ -177,10 +179,13 @@ class DataServer:
         limits: DataLimits | None = None,
         pin_shares: PinShares | None = None,
         tls: ssl.SSLContext | None = None,
+        identities: Identities | None = None,
     ) -> None:
         """``token``: when set, a connection must open with a HELLO carrying it (the cluster's
         data token, see data_security.py). ``pin_shares``: how much of the pool a connection and
-        a peer may hold pinned. ``tls``: serve TLS (a server context)."""
+        a peer may hold pinned. ``tls``: serve TLS (a server context). ``identities``: the
+        cluster's token table; with tokens in it, every request must prove whom it is for."""
+        self.identities = identities or Identities({})
         self.source = source
         self.budget = PinBudget(pin_shares or PinShares(), source.pool_pages)
         self._token = token.encode() if token else None
@@ -514,10 +519,33 @@ class DataServer:
 
     # ---- FETCH ---------------------------------------------------------------------------------
 
-    def _serve_fetch(self, conn: PeerConnection, header: Header) -> None:
+    def read_request(
+        self, conn: PeerConnection, header: Header
+    ) -> tuple[str, int, list[bytes], list[bytes]]:
+        """A FETCH's or RDMA_PIN's (namespace, page size, keys as asked, keys as stored): the
+        identity it names must be proven (identity.py) on a source with tokens, and a tenant's
+        keys are scoped to it here. A request that fails is answered UNAUTHENTICATED and the
+        connection dropped (``ProtocolError``)."""
         if header.count > MAX_KEYS_PER_REQUEST:
-            raise ProtocolError(f"FETCH of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
-        namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
+            raise ProtocolError(
+                f"{header.kind.name} of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}"
+            )
+        body = conn.read_body(header)
+        who, why = "", None
+        if header.flags & FLAG_IDENTITY:
+            who, proof, body = unpack_identity(body)
+            nonces = b"".join(conn.state.get("nonces", ()))
+            why = self.identities.verify(who, proof, nonces, body)
+        elif self.identities.enabled:
+            why = "the request names no identity (a messenger older than this source?)"
+        if why is not None:
+            self._send_error(conn, Status.UNAUTHENTICATED, why)
+            raise ProtocolError(f"{header.kind.name}: {why}")
+        namespace, page_bytes, keys = unpack_keys_body(body, header.count)
+        return namespace, page_bytes, keys, stored_keys(who, keys)
+
+    def _serve_fetch(self, conn: PeerConnection, header: Header) -> None:
+        namespace, page_bytes, keys, stored = self.read_request(conn, header)
         # The whole response (pin, GO, send, release) within the deadline: a peer that does not
         # read is cut, which fails the blocked send, and the pins go back in the finally below.
         deadline = self.limits.fetch_deadline_s
@@ -531,7 +559,7 @@ class DataServer:
             # Pinned a chunk at a time, each within the pin budget (pin_budget.py); the first
             # one before a held request's GO, so it is pinned while the puller allocates.
             if error is None and todo:
-                chunk, error = self.pin_chunk(conn, namespace, keys, todo, end, late)
+                chunk, error = self.pin_chunk(conn, namespace, stored, todo, end, late)
             if header.flags & FLAG_HOLD:
                 todo = self._await_go(conn, len(keys), end if error is None else math.inf)
             if error is not None:
@@ -549,7 +577,7 @@ class DataServer:
                 chunk = None
                 if not todo:
                     return
-                chunk, error = self.pin_chunk(conn, namespace, keys, todo, end, late)
+                chunk, error = self.pin_chunk(conn, namespace, stored, todo, end, late)
                 if error is not None:
                     return self._answer_error(conn, error)  # ends the response; pages sent stand
             self._stream_pages(conn, [], _NOTHING_PINNED, [], last=True)  # no key to send

@@ -61,6 +61,9 @@ class Kind(enum.IntEnum):
 # the pages still wanted: the puller allocates its pages while the source pins (two round trips
 # to two nodes at once instead of one after the other) and never pulls a page it holds already.
 FLAG_HOLD = 1
+# FETCH and RDMA_PIN flags. IDENTITY: the body opens with whom the request is for and its proof
+# (identity.py), then the keys body.
+FLAG_IDENTITY = 2
 
 
 class Status(enum.IntEnum):

@@ -35,6 +35,7 @@ from clients.node_client import KVCacheRpcError, WriteLease
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, echo
 from kvstore.keys import check_keys
 
+from .identity import Identities, Identity
 from .node_access import NodeAccess
 from .tcp import parse_address
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
@@ -79,6 +80,8 @@ class _Entry:
     already_present: bool = False
     refs: int = 0  # batches still waiting for it
     cancelled: bool = False
+    owner: str = ""  # whom it is fetched for (the first batch's submitter)
+    name: bytes = b""  # the key as the owner named it (a tenant's, unscoped); b"": ``key``
 
 
 @dataclass(eq=False)
@@ -151,8 +154,11 @@ class Mover:
         config: MoverConfig | None = None,
         on_entry: Callable[[str, EntryResult, int], None] | None = None,
         on_job: Callable[[float, int], None] | None = None,
+        identities: Identities | None = None,
     ) -> None:
+        """``identities``: the token table whose tokens prove to sources whom a pull is for."""
         self.node = node
+        self.identities = identities or Identities({})
         self.transport = transport
         self.resolver = resolver
         self.config = config or MoverConfig()
@@ -221,11 +227,12 @@ class Mover:
                 raise FailedPrecondition("the messenger is shutting down")
             batch_id = f"{self._prefix}-{next(self._ids)}"
             entries = []
-            for key, r in zip(keys, requests):
+            for i, (key, r) in enumerate(zip(keys, requests)):
                 entry = self._inflight.get((namespace, key))
                 # A cancelled fetch ends without publishing: a new batch starts its own.
                 if entry is None or entry.cancelled:
-                    entry = _Entry(namespace, key, r.source, r.source_data)
+                    name = names[i] if names is not None else b""
+                    entry = _Entry(namespace, key, r.source, r.source_data, owner=owner, name=name)
                     self._inflight[(namespace, key)] = entry
                     new.setdefault((r.source, r.source_data), []).append(entry)
                 else:
@@ -418,7 +425,17 @@ class Mover:
                 page_bytes,
             )
             return
-        job = _Pipeline(self, namespace, page_bytes, entries)
+        # A job's entries are one batch's: one owner, for whom the source is asked.
+        identity = self.identities.of(entries[0].owner)
+        if identity is None:
+            reason = "this messenger holds no token to prove the pull's identity to the source"
+            self._resolve(
+                entries,
+                {i: EntryResult(Outcome.INTERNAL, reason) for i in range(len(entries))},
+                page_bytes,
+            )
+            return
+        job = _Pipeline(self, namespace, page_bytes, entries, identity)
         try:
             self.transport.fetch_groups(
                 data_address, namespace, page_bytes, len(entries), job.groups(), job.done
@@ -502,8 +519,16 @@ class _Pipeline:
     visible group by group. A Commit carries the checksums the transport verified the pages
     against, so the node does not pass over every page again to take its own."""
 
-    def __init__(self, mover: Mover, namespace: str, page_bytes: int, entries: list[_Entry]):
+    def __init__(
+        self,
+        mover: Mover,
+        namespace: str,
+        page_bytes: int,
+        entries: list[_Entry],
+        identity: Identity,
+    ):
         self.mover, self.client = mover, mover.node.client
+        self.identity = identity
         self.namespace, self.page_bytes = namespace, page_bytes
         per = mover.transport.group_pages(page_bytes)
         self.chunks = [entries[s : s + per] for s in range(0, len(entries), per)]
@@ -563,7 +588,7 @@ class _Pipeline:
 
     def _early(self, chunk: list[_Entry], pending: Future[WriteLease]) -> FetchGroup:
         """A group whose views come when the transport settles it (``FetchGroup.settle``)."""
-        group = FetchGroup([e.key for e in chunk], None)
+        group = FetchGroup([e.name or e.key for e in chunk], None, identity=self.identity)
 
         def settle() -> list[memoryview | None]:
             ready = self._group(chunk, pending)
@@ -602,7 +627,8 @@ class _Pipeline:
         views = [memoryview(lease.page(i)) for i in todo]
         with self._lock:
             self._open[lease.lease_id] = lease
-        return FetchGroup([chunk[i].key for i in todo], views, (lease, chunk, todo))
+        keys = [chunk[i].name or chunk[i].key for i in todo]
+        return FetchGroup(keys, views, (lease, chunk, todo), identity=self.identity)
 
     def done(self, group: FetchGroup, fetched: list[EntryResult]) -> None:
         """A group landed (or failed): commit it in the background when every page is good,

@@ -52,17 +52,16 @@ from .frames import (
     lease_of_key,
     pack_header,
     pack_json,
-    pack_keys_body,
     pack_pinned,
     recv_exact,
     recv_header,
     send_buffers,
     unpack_json,
-    unpack_keys_body,
     unpack_pinned,
 )
+from .identity import Identity
 from .pin_budget import PinnedChunk
-from .tcp import destination_views, hello, parse_address
+from .tcp import destination_views, hello, parse_address, request_body
 from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, Transport
 from .verbs import (
     Access,
@@ -197,9 +196,9 @@ class RdmaSource:
         conn.send([pack_header(Kind.RDMA_ACCEPT, length=len(body), checksum_=checksum(body)), body])
 
     def _pin(self, conn: PeerConnection, header: Header) -> None:
-        if header.count > MAX_KEYS_PER_REQUEST:
-            raise ProtocolError(f"RDMA_PIN of {header.count} keys exceeds {MAX_KEYS_PER_REQUEST}")
-        namespace, page_bytes, keys = unpack_keys_body(conn.read_body(header), header.count)
+        server = self._server
+        assert server is not None
+        namespace, page_bytes, _, keys = server.read_request(conn, header)
         if "qp" not in conn.state:
             return _send_error(conn, Status.INVALID, "RDMA_PIN before RDMA_CONNECT")
         try:
@@ -218,8 +217,6 @@ class RdmaSource:
             return _send_error(conn, Status.UNAVAILABLE, f"source cannot register memory: {e}")
         # Within the pin budget (pin_budget.py), like a FETCH: the leases a connection holds
         # count together; keys past what the budget grants now are DEFERRED (asked again).
-        server = self._server
-        assert server is not None
         deadline = server.limits.fetch_deadline_s
         end = time.monotonic() + deadline
         chunk, error = server.pin_chunk(
@@ -310,6 +307,7 @@ class _Session:
         self.header = bytearray(HEADER_BYTES)
         self.lock = threading.Lock()
         self.broken = False
+        self.nonces = b""  # HELLO's, on a token-protected port
 
     def close(self) -> None:
         self.broken = True
@@ -319,11 +317,17 @@ class _Session:
             self.qp.close()
 
     def request(
-        self, kind: Kind, body: bytes = b"", count: int = 0, key: bytes | None = None
+        self,
+        kind: Kind,
+        body: bytes = b"",
+        count: int = 0,
+        key: bytes | None = None,
+        flags: int = 0,
     ) -> tuple[Header, bytes]:
         head = pack_header(
             kind,
             count=count,
+            flags=flags,
             length=len(body),
             checksum_=checksum(body),
             **({"key": key} if key is not None else {}),
@@ -400,7 +404,7 @@ class RdmaTransport(Transport):
         session = _Session(sock, qp)
         try:
             if self.config.token:
-                hello(sock, session.header, self.config.token)
+                session.nonces = hello(sock, session.header, self.config.token)
             h, body = session.request(Kind.RDMA_CONNECT, pack_json({"qp": qp.info.to_dict()}))
             if h.kind is Kind.ERROR:
                 raise RdmaUnavailable(f"peer {peer} refused RDMA: {body.decode(errors='replace')}")
@@ -439,19 +443,29 @@ class RdmaTransport(Transport):
     # ---- fetch -------------------------------------------------------------------------------
 
     def fetch(
-        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None = None,
     ) -> list[EntryResult]:
-        return self._fetch(peer, namespace, keys, views)[0]
+        return self._fetch(peer, namespace, keys, views, identity)[0]
 
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         # Every page READ is checked whole against the source's checksum: pass those on.
         assert group.views is not None
-        results, verified = self._fetch(peer, namespace, group.keys, group.views)
+        results, verified = self._fetch(peer, namespace, group.keys, group.views, group.identity)
         group.checksums = [verified.get(i, 0) for i in range(len(group.keys))]
         return results
 
     def _fetch(
-        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None = None,
     ) -> tuple[list[EntryResult], dict[int, int]]:
         """``fetch``, and the checksum each page that came in whole was verified against."""
         verified: dict[int, int] = {}
@@ -480,7 +494,16 @@ class RdmaTransport(Transport):
                 while todo and not session.broken:
                     group, todo = todo[:MAX_KEYS_PER_REQUEST], todo[MAX_KEYS_PER_REQUEST:]
                     checked, deferred = self._fetch_group(
-                        session, namespace, page_bytes, group, keys, views, local, lkeys, results
+                        session,
+                        namespace,
+                        page_bytes,
+                        group,
+                        keys,
+                        views,
+                        local,
+                        lkeys,
+                        results,
+                        identity,
                     )
                     verified.update(checked)
                     todo = deferred + todo  # past the source's pin budget: asked again
@@ -505,17 +528,31 @@ class RdmaTransport(Transport):
         return results
 
     def _fetch_group(
-        self, session: _Session, namespace, page_bytes, group, keys, views, local, lkeys, results
+        self,
+        session: _Session,
+        namespace,
+        page_bytes,
+        group,
+        keys,
+        views,
+        local,
+        lkeys,
+        results,
+        identity: Identity | None,
     ) -> tuple[dict[int, int], list[int]]:
         """READ one request's pages; returns the checksum each good page was verified against,
         and the entries the source deferred (not pinned this time, to stay within its budget)."""
-        body = pack_keys_body(namespace, page_bytes, [keys[i] for i in group])
-        h, reply = session.request(Kind.RDMA_PIN, body, count=len(group))
+        body, flags = request_body(
+            namespace, page_bytes, [keys[i] for i in group], identity, session.nonces
+        )
+        h, reply = session.request(Kind.RDMA_PIN, body, count=len(group), flags=flags)
         if h.kind is Kind.ERROR:
             outcome = _STATUS_OUTCOME.get(h.status, Outcome.INTERNAL)
             reason = reply.decode(errors="replace") or h.status.name
             for i in group:
                 results[i] = EntryResult(outcome, reason)
+            if h.status is Status.UNAUTHENTICATED:
+                session.broken = True  # the source hangs up after it
             return {}, []
         if h.kind is not Kind.RDMA_PINNED or h.count != len(group):
             raise ProtocolError(f"expected RDMA_PINNED for {len(group)} keys, got {h.kind.name}")
@@ -684,9 +721,15 @@ class FallbackTransport(Transport):
         self.fallback.register_local(region)
 
     def fetch(
-        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None = None,
     ) -> list[EntryResult]:
-        return self.fetch_group(peer, namespace, FetchGroup(list(keys), list(views)))
+        group = FetchGroup(list(keys), list(views), identity=identity)
+        return self.fetch_group(peer, namespace, group)
 
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         with self._lock:
@@ -712,8 +755,12 @@ class FallbackTransport(Transport):
                 reason,
                 self.fallback.name,
             )
-        again = self.fallback.fetch(
-            peer, namespace, [keys[i] for i in retry], [views[i] for i in retry]
+        again = self.fallback.fetch_group(
+            peer,
+            namespace,
+            FetchGroup(
+                [keys[i] for i in retry], [views[i] for i in retry], identity=group.identity
+            ),
         )
         for i, r in zip(retry, again):
             results[i] = r

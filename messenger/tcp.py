@@ -32,6 +32,7 @@ from kvstore.errors import echo
 from .data_security import NONCE_BYTES, PROOF_BYTES, connect, new_nonce, proof
 from .frames import (
     FLAG_HOLD,
+    FLAG_IDENTITY,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
@@ -46,6 +47,7 @@ from .frames import (
     recv_header,
     send_buffers,
 )
+from .identity import Identity, pack_identity
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 
 log = logging.getLogger(__name__)
@@ -101,10 +103,11 @@ class _Groups:
             return next(self._groups, None)
 
 
-def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
+def hello(sock: socket.socket, hbuf: bytearray, token: str) -> bytes:
     """Open a connection to a token-protected data port: a challenge and response
     (data_security.py); the token never goes on the wire, and nothing else is sent to a port
-    that cannot prove it holds the token too."""
+    that cannot prove it holds the token too. Returns both nonces (the connection's, which the
+    proofs of its requests are bound to)."""
     key = token.encode()
     mine = new_nonce()
     _send_hello(sock, mine)
@@ -124,6 +127,21 @@ def hello(sock: socket.socket, hbuf: bytearray, token: str) -> None:
         _raise_error(sock, h)
     if h.kind is not Kind.END:
         raise ProtocolError(f"expected END after HELLO, got {h.kind.name}")
+    return mine + theirs
+
+
+def request_body(
+    namespace: str,
+    page_bytes: int,
+    keys: Sequence[bytes],
+    identity: Identity | None,
+    nonces: bytes,
+) -> tuple[bytes, int]:
+    """A FETCH's or RDMA_PIN's body and flags: the keys, and whom they are for (identity.py)."""
+    body = pack_keys_body(namespace, page_bytes, list(keys))
+    if identity is None:
+        return body, 0
+    return pack_identity(identity, nonces, body) + body, FLAG_IDENTITY
 
 
 def _send_hello(sock: socket.socket, body: bytes) -> None:
@@ -190,11 +208,12 @@ class TcpStats:
 class _Lane:
     """One pooled connection."""
 
-    __slots__ = ("sock", "header")
+    __slots__ = ("sock", "header", "nonces")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.header = bytearray(HEADER_BYTES)
+        self.nonces = b""  # HELLO's, on a token-protected port
 
     def close(self) -> None:
         try:
@@ -222,7 +241,12 @@ class TcpTransport(Transport):
         return max(1, min(MAX_KEYS_PER_REQUEST, self.config.request_bytes // page_bytes))
 
     def fetch(
-        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None = None,
     ) -> list[EntryResult]:
         n = len(keys)
         checked = destination_views(keys, views)
@@ -231,7 +255,8 @@ class TcpTransport(Transport):
         results: list[EntryResult | None] = [None] * n
         per = self.group_pages(checked[0].nbytes)
         groups = (
-            FetchGroup(list(keys[s : s + per]), checked[s : s + per], s) for s in range(0, n, per)
+            FetchGroup(list(keys[s : s + per]), checked[s : s + per], s, identity=identity)
+            for s in range(0, n, per)
         )
 
         def done(group: FetchGroup, res: list[EntryResult]) -> None:
@@ -364,7 +389,7 @@ class TcpTransport(Transport):
         keys = f.group.keys
         f.held = f.group.settle is not None
         f.results = [None] * len(keys)
-        body = pack_keys_body(namespace, page_bytes, keys)
+        body, flags = request_body(namespace, page_bytes, keys, f.group.identity, lane.nonces)
         send_buffers(
             lane.sock,
             [
@@ -373,7 +398,7 @@ class TcpTransport(Transport):
                     count=len(keys),
                     length=len(body),
                     checksum_=checksum(body),
-                    flags=FLAG_HOLD if f.held else 0,
+                    flags=flags | (FLAG_HOLD if f.held else 0),
                 ),
                 body,
             ],
@@ -493,7 +518,7 @@ class TcpTransport(Transport):
         lane = _Lane(sock)
         if self.config.token:
             try:
-                hello(sock, lane.header, self.config.token)
+                lane.nonces = hello(sock, lane.header, self.config.token)
             except (OSError, ProtocolError) as e:
                 lane.close()
                 raise _ConnectFailed(str(e)) from None

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from .identity import Identity
+
 
 class Outcome(enum.Enum):
     """Per-entry result of a transfer; the names map to gRPC status codes in the service."""
@@ -69,6 +71,9 @@ class FetchGroup:
     # source's xxh3-64: that value per key (0 where a page failed). The caller's node can keep
     # them instead of hashing the pages again at commit. None: not known.
     checksums: list[int] | None = None
+    # Whom the pages are pulled for (the source checks it, identity.py); None: named by no one
+    # (a pull of a cluster without tokens, tests and benchmarks). ``keys`` are as it names them.
+    identity: Identity | None = None
 
     def resolve(self) -> list[bool]:
         """Settle a group handed out early: keeps only the wanted keys (and their views);
@@ -90,11 +95,17 @@ class Transport(ABC):
 
     @abstractmethod
     def fetch(
-        self, peer: str, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None = None,
     ) -> list[EntryResult]:
         """Fill ``views[i]`` with the page of ``keys[i]`` held by ``peer`` (its data address,
-        ``host:port``). Every view has the namespace's page size. Never raises for per-entry or
-        connection failures: they come back as results."""
+        ``host:port``), pulled for ``identity`` (``FetchGroup.identity``). Every view has the
+        namespace's page size. Never raises for per-entry or connection failures: they come
+        back as results."""
 
     def fetch_groups(
         self,
@@ -124,7 +135,7 @@ class Transport(ABC):
         """``fetch`` of one resolved group for the default ``fetch_groups``; a transport that
         verifies each page whole against the source's checksum sets ``group.checksums``."""
         assert group.views is not None
-        return self.fetch(peer, namespace, group.keys, group.views)
+        return self.fetch(peer, namespace, group.keys, group.views, group.identity)
 
     def group_pages(self, page_bytes: int) -> int:
         """Pages per group for ``fetch_groups``: the unit a transport moves (and a caller

@@ -25,6 +25,7 @@ from messenger.frames import (
     recv_exact,
     unpack_header,
 )
+from messenger.identity import Identity
 from messenger.tcp import TcpConfig, TcpTransport, Unauthenticated, hello
 from proto import messenger_pb2 as mpb
 
@@ -150,7 +151,9 @@ def test_connections_before_hello_are_capped_per_address(start_node, start_kvcac
                       token=derive_data_token("admin-token"))
         )  # fmt: skip
         try:
-            res = t.fetch(messenger.info["data_address"], NS, keys, [memoryview(p) for p in dest])
+            admin = Identity("", b"admin-token")  # whom the pull is for, proven
+            views = [memoryview(p) for p in dest]
+            res = t.fetch(messenger.info["data_address"], NS, keys, views, admin)
         finally:
             t.close()
         assert all(r.ok for r in res), res

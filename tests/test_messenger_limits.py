@@ -32,7 +32,8 @@ from messenger.frames import (
     recv_exact,
     unpack_header,
 )
-from messenger.tcp import TcpConfig, TcpTransport, hello
+from messenger.identity import Identity
+from messenger.tcp import TcpConfig, TcpTransport, hello, request_body
 from messenger.transport import Outcome
 
 from conftest import TEST_NAMESPACE as NS
@@ -81,7 +82,8 @@ class Source:
         token = derive_data_token(self.token) if self.token else None
         t = TcpTransport(TcpConfig(lanes=1, connect_timeout_s=2, io_timeout_s=5, token=token))
         try:
-            res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest])
+            admin = Identity("", self.token.encode()) if self.token else None
+            res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest], admin)
         finally:
             t.close()
         return all(r.ok for r in res)
@@ -149,10 +151,14 @@ def read_error(s: socket.socket) -> tuple[Status, str] | None:
     return h.status, body.decode()
 
 
-def fetch_frame(keys: list[bytes]) -> bytes:
-    body = pack_keys_body(NS, PB, keys)
+def fetch_frame(keys: list[bytes], identity: Identity | None = None, nonces: bytes = b"") -> bytes:
+    """A FETCH; ``identity``: whom it is for, proven on the connection of HELLO's ``nonces``."""
+    body, flags = request_body(NS, PB, keys, identity, nonces)
     return (
-        pack_header(Kind.FETCH, count=len(keys), length=len(body), checksum_=checksum(body)) + body
+        pack_header(
+            Kind.FETCH, count=len(keys), length=len(body), checksum_=checksum(body), flags=flags
+        )
+        + body
     )
 
 
@@ -460,8 +466,9 @@ def test_a_peer_that_never_reads_pins_at_most_its_share_and_writers_keep_writing
     stalled = [src.connect(SO_RCVBUF=4096) for _ in range(4)]
     try:
         for i, s in enumerate(stalled):
-            hello(s, bytearray(HEADER_BYTES), derive_data_token("t0k"))
-            s.sendall(fetch_frame(keys[512 * i : 512 * (i + 1)]))
+            nonces = hello(s, bytearray(HEADER_BYTES), derive_data_token("t0k"))
+            admin = Identity("", b"t0k")  # the admin's pull
+            s.sendall(fetch_frame(keys[512 * i : 512 * (i + 1)], admin, nonces))
         wait_until(lambda: src.pinned() == 1024, 10, "the peer's pins to reach its budget")
         wait_until(
             lambda: src.metric("kvcache_messenger_pin_budget_waits_total") == 2,

@@ -22,6 +22,7 @@ import xxhash
 
 from messenger import rdma as rdma_module
 from messenger.data_server import DataServer
+from messenger.identity import Identities, Identity
 from messenger.rdma import (
     FallbackTransport,
     RdmaConfig,
@@ -304,6 +305,7 @@ class Setup:
         config: RdmaConfig | None = None,
         max_send_wr: int = 64,
         token: str | None = None,
+        identities: Identities | None = None,
         source_cls: type[RdmaSource] = RdmaSource,
         transport_cls: type[RdmaTransport] = RdmaTransport,
         src_backend_cls: type[FakeVerbsBackend] = FakeVerbsBackend,
@@ -315,7 +317,7 @@ class Setup:
         self.keys = pattern_keys(PAGES)
         slots = {k: i for i, k in enumerate(self.keys) if i not in set(missing)}
         self.source = SlabPageSource(NS, self.src_region, PB, slots)
-        self.server = DataServer(self.source, token=token).start()
+        self.server = DataServer(self.source, token=token, identities=identities).start()
         self.src_backend = src_backend_cls(self.fabric, max_send_wr)
         if with_rdma_source:
             self.rdma_source = source_cls(self.src_backend, self.source)
@@ -669,6 +671,28 @@ def test_token_protected_control_channel():
         res = stranger.fetch(s.server.address, NS, s.keys[:2], s.views()[:2])
         assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
         stranger.close()
+    finally:
+        s.close()
+
+
+def test_an_rdma_pin_is_for_an_identity_the_source_checks():
+    """RDMA_PIN, like FETCH, names whom it is for (identity.py): the data token alone pins
+    nothing, and a tenant's keys are scoped to it at the source."""
+    tokens = {"adm": "", "ali": "alice"}
+    s = Setup(
+        token="k",
+        identities=Identities(tokens),
+        config=RdmaConfig(chain=4, chains_in_flight=2, token="k"),
+    )
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:2], s.views()[:2])
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        assert "names no identity" in res[0].reason
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views(), Identity("alice", b"ali"))
+        assert {r.outcome for r in res} == {Outcome.NOT_FOUND}, res  # the admin's keys, not hers
+        res = s.rdma.fetch(s.server.address, NS, s.keys, s.views(), Identity("", b"adm"))
+        assert all(r.ok for r in res)
+        assert np.array_equal(s.dst.reshape(-1), s.src_region)
     finally:
         s.close()
 

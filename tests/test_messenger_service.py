@@ -414,7 +414,9 @@ def test_messenger_without_a_node_exits_with_a_message(tmp_path):
 
 @pytest.mark.slow
 def test_token_everywhere(cluster):
-    a, b = cluster(token="t0k", b_args=("--tenant-token", "tt=alice"))
+    # the cluster's tenants, on both ends: the source checks a tenant's pulls itself
+    alice = ("--tenant-token", "tt=alice")
+    a, b = cluster(token="t0k", a_args=alice, b_args=alice)
     keys, pages = make_keys(16), make_pages(16, seed=10)
     a.client.put(NS, list(pages), keys=keys)
     assert transfer(b, a, keys).done == 16
@@ -557,7 +559,7 @@ def test_a_job_that_fails_midway_releases_its_write_lease_at_once(start_node):
     class Exploding(Transport):
         name = "exploding"
 
-        def fetch(self, peer, namespace, keys, views):
+        def fetch(self, peer, namespace, keys, views, identity=None):
             raise RuntimeError("bad source data")
 
         def close(self) -> None:

@@ -17,6 +17,8 @@ from clients.conductor_client import ConductorClient
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVStoreClient
 from kvstore.keys import block_keys, root_key, scope_keys
+from messenger.identity import Identity
+from messenger.tcp import TcpConfig, TcpTransport
 from plumbing.launch import free_port
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as mpb
@@ -24,6 +26,7 @@ from proto import messenger_pb2_grpc as mpbg
 from proto import node_pb2 as npb
 from proto import node_pb2_grpc as npbg
 from rpc.channel import make_channel
+from rpc.server import SERVICE as SERVICE_ID
 from rpc.wire import transfer_keys
 
 from conftest import TEST_BLOCK_TOKENS as BT
@@ -159,6 +162,51 @@ def test_the_service_token_reads_feeds_and_moves_stored_keys_and_nothing_else(cl
     with make_channel(a.address, ALICE) as channel:
         feed = npbg.NodeServiceStub(channel).Events(npb.EventsRequest(resync=True), timeout=10)
         assert rpc_error(lambda: next(feed))[0] is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_source_checks_whom_a_pull_is_for_itself(cluster):
+    """The source's data port, not only the destination's messenger, checks a pull's tenant.
+    Before, a peer holding the data token (a messenger's credential for opening connections)
+    read any tenant's pages by their stored keys. Now each request names whom it is for and
+    proves it with that identity's token; the source scopes a tenant's keys itself."""
+    _, pairs = cluster
+    a, ma = pairs["A"]
+    with KVStoreClient(a.address, token=ALICE) as alice_a:
+        assert alice_a.put(NS, pages(4), tokens=tokens(4)).stored == 4
+    names, stored = raw_keys(4), scope_keys(raw_keys(4), "alice")
+    with MessengerClient(ma.address, ADMIN) as m:
+        port = m.info().data_address
+
+    def pull(keys: list[bytes], identity: Identity | None) -> tuple[list, np.ndarray]:
+        dest = np.zeros((len(keys), PB), dtype=np.uint8)
+        t = TcpTransport(TcpConfig(lanes=1, io_timeout_s=10, token="data-t"))
+        try:
+            res = t.fetch(port, NS, keys, [memoryview(p) for p in dest], identity)
+        finally:
+            t.close()
+        return res, dest
+
+    refused = {
+        None: "names no identity",  # the data token alone
+        Identity("mallory", b"a-guess"): "proof of its identity is wrong",
+        Identity("eve", b"eve-t"): "an identity this source does not know",
+    }
+    for identity, why in refused.items():
+        res, _ = pull(stored, identity)
+        assert all(not r.ok and why in r.reason for r in res), (identity, res)
+    # Mallory's own token: her names are scoped to her at the source, so alice's stored keys
+    # name nothing of alice's there.
+    res, _ = pull(stored, Identity("mallory", MALLORY.encode()))
+    assert {r.outcome.name for r in res} == {"NOT_FOUND"}
+    # Alice, with her names; the admin and the service, with the keys as stored.
+    for identity, keys in (
+        (Identity("alice", ALICE.encode()), names),
+        (Identity("", ADMIN.encode()), stored),
+        (Identity(SERVICE_ID, SERVICE.encode()), stored),
+    ):
+        res, dest = pull(keys, identity)
+        assert all(r.ok for r in res), (identity.who, res)
+        np.testing.assert_array_equal(dest, np.stack(pages(4)))
 
 
 def _selector() -> cpb.BlockSelector:
