@@ -76,7 +76,10 @@ class OpenServices:
     def serve_health_alone(self, address: str) -> tuple[grpc.Server, int]:
         """A second, plaintext server on ``address`` with this health service only (its own
         threads, no token, nothing else to reach): what probes that cannot speak TLS ask."""
-        server = grpc.server(futures.ThreadPoolExecutor(2, thread_name_prefix="grpc-health"))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(2, thread_name_prefix="grpc-health"),
+            options=[("grpc.so_reuseport", 0)],  # a port in use is an error (rpc/server.py)
+        )
         _add_health(server, self.health, self.pool)
         port = server.add_insecure_port(address)
         if port == 0:

@@ -203,6 +203,11 @@ class TlsConfig:
     key_file: str
 
 
+# NOTE: gRPC sets SO_REUSEPORT by default: a second server (another node of the same user) could
+# bind a port already served and take a share of its connections. A port in use is an error.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 def make_server(
     auth: Auth,
     max_workers: int = 32,
@@ -218,7 +223,7 @@ def make_server(
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
-        options=CHANNEL_OPTIONS,
+        options=SERVER_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_rpcs or max_workers * 8,
     )
 

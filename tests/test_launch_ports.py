@@ -34,3 +34,24 @@ def test_a_port_in_use_is_not_picked():
     finally:
         for s in held:
             s.close()
+
+
+def test_a_server_on_a_port_another_server_holds_refuses_to_start(start_node):
+    """gRPC binds with SO_REUSEPORT by default, so a second node of the same user on a port
+    another node serves used to start and take a share of its connections (a test that stopped
+    one node saw its calls answered by the other). Now it exits, saying why."""
+    import subprocess
+    import sys
+
+    from conftest import TEST_LAYOUT
+
+    node = start_node()
+    kvcache = [sys.executable, "-c", "from kvcache.cli import main; raise SystemExit(main())"]
+    second = subprocess.run(
+        [*kvcache, "node", "--listen", node.address, "--dram", "1MiB", "--layout", TEST_LAYOUT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode != 0
+    assert f"kvcache node: cannot listen on {node.address}" in second.stderr

@@ -5,15 +5,13 @@ injection) until the test has acted, then goes on."""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
-from plumbing.launch import ServiceProcess, start_service
+from plumbing.launch import ServiceProcess, free_port, start_service
 
 from conftest import TEST_LAYOUT
 from conftest import TEST_NAMESPACE as NS
@@ -24,9 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port('127.0.0.1')}"  # below the ephemeral range (plumbing.launch)
 
 
 def make_keys(n: int, start: int = 0) -> list[bytes]:

@@ -9,14 +9,12 @@ restarted node.
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVStoreClient
 from kvstore.keys import keys_from_block_ids, root_key
-from plumbing.launch import ServiceProcess, start_service
+from plumbing.launch import ServiceProcess, free_port, start_service
 from proto import messenger_pb2 as mpb
 
 from conftest import TEST_LAYOUT
@@ -25,9 +23,7 @@ from conftest import TEST_PAGE_BYTES as PB
 
 
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port('127.0.0.1')}"  # below the ephemeral range (plumbing.launch)
 
 
 def pages(n: int, seed: int) -> np.ndarray:
