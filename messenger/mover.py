@@ -437,7 +437,7 @@ class Mover:
             return
         job = _Pipeline(self, namespace, page_bytes, entries, identity)
         try:
-            self.transport.fetch_groups(
+            stopped = self.transport.fetch_groups(
                 data_address, namespace, page_bytes, len(entries), job.groups(), job.done
             )
         finally:
@@ -445,13 +445,12 @@ class Mover:
             job.close()
         if job.unavailable and not source_data:
             self.resolver.forget(source)  # the peer may have restarted on another port
-        left = {
-            i: EntryResult(Outcome.INTERNAL, "entry left unresolved")
-            for i, e in enumerate(entries)
-            if e.result is None
-        }
-        if left:
+        # Groups the transport never took (its lanes to the peer broke): that failure is theirs.
+        rest = stopped or EntryResult(Outcome.INTERNAL, "entry left unresolved")
+        left = {i: rest for i, e in enumerate(entries) if e.result is None}
+        if left and stopped is None:
             log.error("transfer job from %s left %d entries unresolved", source, len(left))
+        if left:
             self._resolve(entries, left, page_bytes)
 
     def _publish(
@@ -469,7 +468,7 @@ class Mover:
                 client.commit(lease)
                 return {}
             except KVCacheRpcError as e:
-                return self._commit_failed(good, e)
+                return self._commit_failed(lease, good, e)
         if not good:
             self._abort(lease)
             return {}
@@ -494,14 +493,19 @@ class Mover:
         try:
             client.commit(second)
         except KVCacheRpcError as e:
-            return self._commit_failed(good, e)
+            return self._commit_failed(second, good, e)
         return {}
 
-    @staticmethod
-    def _commit_failed(good: list[int], e: KVCacheRpcError) -> dict[int, EntryResult]:
+    def _commit_failed(
+        self, lease: WriteLease, good: list[int], e: KVCacheRpcError
+    ) -> dict[int, EntryResult]:
+        """The results of a Commit that failed; a lease it may have left open is aborted (its
+        pages would stay leased until --write-ttl, then quarantined)."""
         reason = f"destination commit failed: {e.details}"
         if e.code == grpc.StatusCode.FAILED_PRECONDITION:
             reason += " (the write lease expired: raise the messenger's --write-ttl)"
+        if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            self._abort(lease)  # gone already (NOT_FOUND) if the node did commit it after all
         return {i: EntryResult(Outcome.UNAVAILABLE, reason) for i in good}
 
     def _abort(self, lease: WriteLease) -> None:
@@ -648,7 +652,7 @@ class _Pipeline:
                 future = self.mover._rpc.submit(self.client.commit, lease, sums)
                 with self._lock:
                     self._committing += 1  # the callback (maybe at once, here) counts it down
-                future.add_done_callback(lambda f: self._committed(f, chunk, results))
+                future.add_done_callback(lambda f: self._committed(f, lease, chunk, results))
                 return
             results.update(self.mover._publish(lease, todo, results, self.namespace))
         except Exception as e:  # noqa: BLE001 - every entry of the group gets a result
@@ -670,12 +674,16 @@ class _Pipeline:
         return sums
 
     def _committed(
-        self, future: Future[Any], chunk: list[_Entry], results: dict[int, EntryResult]
+        self,
+        future: Future[Any],
+        lease: WriteLease,
+        chunk: list[_Entry],
+        results: dict[int, EntryResult],
     ) -> None:
         try:
             e = future.exception()
             if isinstance(e, KVCacheRpcError):
-                results = self.mover._commit_failed(list(results), e)
+                results = self.mover._commit_failed(lease, list(results), e)
             elif e is not None:
                 results = {i: EntryResult(Outcome.INTERNAL, f"commit: {e!r}") for i in results}
             self.mover._resolve(chunk, results, self.page_bytes)

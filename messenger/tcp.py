@@ -262,11 +262,9 @@ class TcpTransport(Transport):
         def done(group: FetchGroup, res: list[EntryResult]) -> None:
             results[group.tag : group.tag + len(res)] = res
 
-        self.fetch_groups(peer, namespace, checked[0].nbytes, n, groups, done)
-        return [
-            r if r is not None else EntryResult(Outcome.INTERNAL, "entry left unresolved")
-            for r in results
-        ]
+        stopped = self.fetch_groups(peer, namespace, checked[0].nbytes, n, groups, done)
+        rest = stopped or EntryResult(Outcome.INTERNAL, "entry left unresolved")
+        return [r if r is not None else rest for r in results]
 
     def fetch_groups(
         self,
@@ -276,21 +274,23 @@ class TcpTransport(Transport):
         pages: int,
         groups: Iterator[FetchGroup],
         done: Callable[[FetchGroup, list[EntryResult]], None],
-    ) -> None:
+    ) -> EntryResult | None:
         """Lanes take groups as they have room (``window`` requests in flight each, one request
         per group), so groups finish roughly in order and a group is committed while the next
-        ones stream; a fetch of one group stays on one lane."""
+        ones stream; a fetch of one group stays on one lane. A lane that broke takes no more
+        groups: when every lane broke, what broke the first is returned."""
         lanes = max(1, min(self.config.lanes, -(-pages // self.group_pages(page_bytes))))
         source = _Groups(groups)
         futures = [
             self._pool.submit(self._lane, peer, namespace, page_bytes, source, done)
             for _ in range(lanes - 1)
         ]
+        broken: list[EntryResult | None] = []
         try:
-            self._lane(peer, namespace, page_bytes, source, done)
+            broken.append(self._lane(peer, namespace, page_bytes, source, done))
         finally:
-            for f in futures:
-                f.result()
+            broken += [f.result() for f in futures]
+        return broken[0] if all(b is not None for b in broken) else None
 
     def close(self) -> None:
         with self._lock:
@@ -303,11 +303,14 @@ class TcpTransport(Transport):
 
     # ---- lanes ---------------------------------------------------------------------------------
 
-    def _lane(self, peer: str, namespace: str, page_bytes: int, source: "_Groups", done) -> None:
+    def _lane(
+        self, peer: str, namespace: str, page_bytes: int, source: "_Groups", done
+    ) -> EntryResult | None:
         """One connection's loop: keep ``window`` groups requested, receive them in order, and
-        report each; a failure fails the groups in flight and every group this lane takes
-        after it (the peer is gone or broken), except a pooled connection found stale before
-        it delivered anything, which is retried once on a fresh connection.
+        report each; a failure fails the groups in flight and ends the lane (the peer is gone
+        or broken: the groups no lane took are the caller's to fail, never allocated for
+        nothing), except a pooled connection found stale before it delivered anything, which
+        is retried once on a fresh connection.
 
         A group handed out before its pages were allocated is requested with HOLD (the source
         pins it meanwhile) and resolved when it is next to be received: then a GO names the
@@ -326,14 +329,16 @@ class TcpTransport(Transport):
                         self._send_request(lane, namespace, page_bytes, f)
                 # NOTE: nothing is sent behind a held request before its GO: the source reads
                 # the GO next.
-                while len(inflight) < self.config.window and not any(f.held for f in inflight):
+                while (
+                    broken is None
+                    and len(inflight) < self.config.window
+                    and not any(f.held for f in inflight)
+                ):
                     group = source.take()
                     if group is None:
                         break
                     f = _InFlight(group)
                     inflight.append(f)
-                    if broken is not None:
-                        continue
                     if lane is None:
                         lane, reused = self._take(peer, allow_reuse=not retried)
                         received = 0
@@ -382,6 +387,7 @@ class TcpTransport(Transport):
 
         if lane is not None:
             self._give_back(peer, lane)
+        return broken
 
     @staticmethod
     def _send_request(lane: _Lane, namespace: str, page_bytes: int, f: "_InFlight") -> None:

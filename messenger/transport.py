@@ -115,14 +115,16 @@ class Transport(ABC):
         pages: int,
         groups: Iterator[FetchGroup],
         done: Callable[[FetchGroup, list[EntryResult]], None],
-    ) -> None:
+    ) -> EntryResult | None:
         """Fetch every group ``groups`` yields (``pages`` in all, each ``page_bytes``) and call
         ``done(group, results)`` once per group, as soon as its results are final. ``groups`` is
         advanced only when the transport is ready for one more group (so the caller allocates a
         group's pages late), from one thread at a time; ``done`` may be called from any thread
         and groups may finish out of order. Never raises for per-entry or connection failures.
 
-        A group left with no keys once resolved is not reported (the caller settled it).
+        A group left with no keys once resolved is not reported (the caller settled it). A
+        transport that stops taking groups (the peer is gone) returns why: the failure of every
+        group it did not take.
 
         This default fetches one group after the other; ``group_pages`` says how big the
         transport wants groups to be."""
@@ -130,6 +132,7 @@ class Transport(ABC):
             group.resolve()
             if group.keys:
                 done(group, self.fetch_group(peer, namespace, group))
+        return None
 
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         """``fetch`` of one resolved group for the default ``fetch_groups``; a transport that

@@ -5,6 +5,7 @@ injection) until the test has acted, then goes on."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
@@ -164,3 +165,60 @@ def test_a_batch_after_a_cancelled_one_moves_the_same_keys(procs, tmp_path):
     with KVStoreClient(node_b.address, use_shm=False) as b:
         moved = b.get(NS, keys=keys)
     assert all(np.array_equal(moved[i], pages[i]) for i in range(6))
+
+
+class _LosesFirstCommit(KVStoreClient):
+    """A real node client whose first Commit never reaches the node (a request lost with its
+    connection): the lease stays open there, as after any Commit that fails before the node
+    ends it."""
+
+    lost = 0
+
+    def commit(self, lease, checksums=None):
+        if not self.lost:
+            self.lost += 1
+            raise KVCacheRpcError(grpc.StatusCode.UNAVAILABLE, "connection lost (test)")
+        return super().commit(lease, checksums)
+
+
+def test_a_failed_commit_gives_its_pages_back_at_once(procs, tmp_path):
+    """Before the fix, a group whose Commit failed kept its write lease (64 MiB in a real job)
+    until --write-ttl, then its quarantine; now the mover aborts it when the node may still
+    hold it."""
+    from messenger.mover import DataAddressResolver, EntryRequest, Mover, MoverConfig
+    from messenger.node_access import NodeAccess
+    from messenger.tcp import TcpConfig, TcpTransport
+
+    source = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path)
+    )
+    procs.append(source)
+    messenger = start_service(["messenger", "--node", source.address], log_dir=str(tmp_path))
+    procs.append(messenger)
+    dest = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
+    procs.append(dest)
+    keys, pages = make_keys(8, start=400), make_pages(8, seed=6)
+    with KVStoreClient(source.address) as a:
+        a.put(NS, list(pages), keys=keys)
+    client = _LosesFirstCommit(dest.address)
+    data = messenger.info["data_address"]
+    mover = Mover(
+        NodeAccess(client),
+        TcpTransport(TcpConfig(lanes=1, request_bytes=4 * PB)),  # two groups of 4
+        DataAddressResolver(lambda s: data),
+        MoverConfig(workers=1, write_ttl_s=600),
+    )
+    try:
+        batch, _ = mover.submit(NS, [EntryRequest(k, messenger.address) for k in keys])
+        snap = mover.status(batch, wait=True, timeout_s=60)
+        assert (snap.count("done"), snap.count("failed")) == (4, 4)
+        stats = client.stats().namespaces[0]
+        assert stats.write_leases == 0  # before: 1, for 600 s
+        got = client.get(NS, keys=keys)
+        done = [e.result.ok for e in snap.entries]
+        assert [g is not None for g in got] == done
+        assert all(np.array_equal(g, p) for g, p in zip(got, pages) if g is not None)
+    finally:
+        mover.close()
+        mover.transport.close()
+        client.close()

@@ -206,6 +206,38 @@ def test_unreachable_peer_fails_every_entry_unavailable(dest):
     assert "cannot connect" in res[0].reason
 
 
+def test_a_lane_to_a_peer_that_is_gone_takes_no_more_groups(dest):
+    """Each group a transport takes is a group the caller leased pages for (an Allocate that may
+    evict): a lane whose peer is gone stops taking them (before, it took and failed every group
+    of the job), and the groups no lane took get the lane's failure."""
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    taken: list[int] = []
+
+    def groups():
+        for i in range(10):
+            taken.append(i)
+            yield FetchGroup(pattern_keys(10)[i : i + 1], views(dest[i : i + 1]), i)
+
+    reported: list[FetchGroup] = []
+    t = TcpTransport(TcpConfig(lanes=2, connect_timeout_s=2))
+    try:
+        stopped = t.fetch_groups(
+            f"127.0.0.1:{port}",
+            NAMESPACE,
+            PAGE_BYTES,
+            10,
+            groups(),
+            lambda g, r: reported.append(g),
+        )
+    finally:
+        t.close()
+    assert len(taken) <= 2 and len(reported) == len(taken)  # one per lane, each failed
+    assert stopped is not None and stopped.outcome is Outcome.UNAVAILABLE
+    assert "cannot connect" in stopped.reason
+
+
 @pytest.mark.parametrize(
     "garbage",
     [
