@@ -331,3 +331,36 @@ def test_segments_tickets_are_bound_to_their_tenant_and_expire(monkeypatch):
     finally:
         segs.close()
         store.close()
+
+
+def tenant_segment_bytes(pid: int) -> int:
+    """Bytes backed in a node process's tenant segments (the memfds labelled kvcache-tenant)."""
+    backed: dict[int, int] = {}  # by inode: a segment may be open on several descriptors
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:kvcache-tenant"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                backed[st.st_ino] = st.st_blocks * 512
+        except OSError:
+            continue  # closed meanwhile
+    return sum(backed.values())
+
+
+def test_a_tenants_segment_holds_only_the_pages_of_its_live_leases(start_node):
+    """Each tenant's segment is as large as the DRAM pool (any slot may be leased to it), but
+    sparse: a page is backed while a lease of the tenant shows it, and given back when the last
+    one ends. So writing and reading the pool over and over costs a tenant nothing once its
+    leases end, and its live leases (bounded by --tenant-lease-share) are what it holds."""
+    node = start_node(*TENANTS, dram="4MiB")  # 512 pages of 8 KiB
+    with no_streaming(KVStoreClient(node.address, token="tok-a")) as alice:
+        for i in range(8):  # 384 pages written through the segment, committed, read back
+            start = 10_000 * i
+            assert alice.put(NS, pages_for(48, i), tokens=tokens(48, start)).stored == 48
+            assert all(p is not None for p in alice.get(NS, tokens=tokens(48, start)))
+        assert tenant_segment_bytes(node.pid) == 0
+        lease = alice.allocate(NS, tokens=tokens(20, start=90_000))
+        for i, page in zip(lease.to_write, pages_for(20, 99)):
+            lease.page(i)[:] = page
+        assert tenant_segment_bytes(node.pid) == 20 * TEST_PAGE_BYTES  # its live lease
+        lease.abort()
+        assert tenant_segment_bytes(node.pid) == 0
