@@ -34,13 +34,16 @@ class MessengerClient:
         return reply
 
     def submit(
-        self, namespace: str, entries: Iterable[tuple[bytes, str]]
+        self, namespace: str, entries: Iterable[tuple[bytes, str]], chain: bool = False
     ) -> pb.SubmitTransferReply:
-        """``entries``: (key, source messenger gRPC address) pairs."""
+        """``entries``: (key, source messenger gRPC address) pairs; ``chain``: their keys are
+        one prefix chain in order (a prompt's blocks), linked as such on the destination."""
         reply: pb.SubmitTransferReply = self._call(
             "SubmitTransfer",
             pb.SubmitTransferRequest(
-                namespace=namespace, entries=[pb.TransferEntry(key=k, source=s) for k, s in entries]
+                namespace=namespace,
+                entries=[pb.TransferEntry(key=k, source=s) for k, s in entries],
+                chain=chain,
             ),
         )
         return reply
@@ -56,13 +59,19 @@ class MessengerClient:
         return reply
 
     def pull(
-        self, namespace: str, keys: Sequence[bytes], source: str, timeout_s: float = 30.0
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        source: str,
+        timeout_s: float = 30.0,
+        chain: bool = False,
     ) -> pb.TransferStatusReply:
         """Have this messenger fetch ``keys`` from the messenger at ``source`` and wait for the
         batch (keys its node holds already count as done, keys in flight are joined). A batch
         not finished after ``timeout_s`` is cancelled: ``KVCacheRpcError`` DEADLINE_EXCEEDED.
-        Entries that failed (e.g. evicted on the source) are in the reply, not raised."""
-        batch = self.submit(namespace, [(k, source) for k in keys])
+        Entries that failed (e.g. evicted on the source) are in the reply, not raised.
+        ``chain``: as in ``submit``."""
+        batch = self.submit(namespace, [(k, source) for k in keys], chain)
         status = self.status(batch.batch_id, wait=True, timeout_s=timeout_s)
         if not status.finished:
             self.cancel(batch.batch_id)

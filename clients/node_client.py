@@ -398,8 +398,11 @@ class KVStoreClient:
         tokens: Any = None,
         salt: bytes | str = b"",
         ttl_s: float = 0.0,
+        chained: bool = True,
     ) -> WriteLease:
-        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s)
+        """Lease pages for the blocks not stored yet. ``chained``: the keys are one prefix chain
+        in order (a prompt's); False for blocks from anywhere (AllocateRequest.unchained)."""
+        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s, chained)
         return lease(self._call("Allocate", request))
 
     def allocate_async(
@@ -409,9 +412,10 @@ class KVStoreClient:
         tokens: Any = None,
         salt: bytes | str = b"",
         ttl_s: float = 0.0,
+        chained: bool = True,
     ) -> Future[WriteLease]:
         """``allocate`` started now, waited for by ``result()``: the round trip overlaps work."""
-        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s)
+        request, lease = self._allocate_call(namespace, keys, tokens, salt, ttl_s, chained)
         return self._call_async("Allocate", request, lease)
 
     def _allocate_call(
@@ -421,6 +425,7 @@ class KVStoreClient:
         tokens: Any,
         salt: bytes | str,
         ttl_s: float,
+        chained: bool = True,
     ) -> tuple[pb.AllocateRequest, Callable[[Any], WriteLease]]:
         """The Allocate request and the conversion of its reply, for both ways of calling."""
         slab = self._slab(namespace)
@@ -442,6 +447,7 @@ class KVStoreClient:
             blocks=selector_to_pb(namespace, keys, tokens, salt),
             ttl_s=ttl_s,
             session=self._session_id() if slab is not None else b"",
+            unchained=not chained,
         )
         return request, lease
 

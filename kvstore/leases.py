@@ -35,6 +35,9 @@ class WriteLease:
     slots: list[int]  # page slot to write for each key; -1: already stored, skip it
     expires_at: float
     generations: list[int] = field(default_factory=list)  # of each slot when it was leased
+    # The keys are one prefix chain in order (key i's parent is key i - 1), as a writer's own
+    # prompt is; False: blocks from anywhere (a transfer with gaps), linked to no parent.
+    chained: bool = True
 
     @property
     def to_write(self) -> list[int]:
@@ -90,11 +93,17 @@ class LeaseBook(BlockStore):
         return float(ttl_s)
 
     def _add_write_lease(
-        self, tier: Tier, keys: list[BlockKey], slots: list[int], gens: list[int], ttl_s: float
+        self,
+        tier: Tier,
+        keys: list[BlockKey],
+        slots: list[int],
+        gens: list[int],
+        ttl_s: float,
+        chained: bool = True,
     ) -> WriteLease:
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ttl_s
-        lease = WriteLease(lease_id, tier, keys, slots, deadline, gens)
+        lease = WriteLease(lease_id, tier, keys, slots, deadline, gens, chained)
         self._write_leases[lease_id] = WriteLeaseState(lease, deadline)
         heapq.heappush(self._deadlines, (deadline, lease_id))
         return lease

@@ -24,10 +24,17 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
     """A mixin of ``TieredStore``: the writer's side of its API."""
 
     def allocate(
-        self, keys: Sequence[bytes], ttl_s: float | None = None, tier: Tier | str | None = None
+        self,
+        keys: Sequence[bytes],
+        ttl_s: float | None = None,
+        tier: Tier | str | None = None,
+        chained: bool = True,
     ) -> WriteLease:
         """Lease pages for the keys not yet stored. Evicts (demoting) as needed; raises
-        ``CapacityExhausted`` when the pages cannot be freed because the rest are pinned."""
+        ``CapacityExhausted`` when the pages cannot be freed because the rest are pinned.
+        ``chained``: the keys are one prefix chain in order (each key's parent is the one
+        before it); False links them to no parent, so that no block leaves with another it
+        was never the parent of."""
         checked = check_keys(keys)
         if len(set(checked)) != len(checked):
             raise InvalidArgument("allocate: the key list contains duplicates")
@@ -53,7 +60,7 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
                 slots[i] = slot
             ts.leased += len(pages)
             gens = [ts.gens[s] if s >= 0 else 0 for s in slots]
-            return self._add_write_lease(target, checked, slots, gens, ttl)
+            return self._add_write_lease(target, checked, slots, gens, ttl, chained)
 
     def write(self, lease_id: int, index: int, data: Any, layer: int | None = None) -> None:
         """Copy one page (or, with ``layer``, one layer's K|V slice) into a leased page."""
@@ -152,7 +159,8 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
             new: list[int] = []
             prev: bytes | None = None
             for i, (key, slot) in enumerate(zip(lease.keys, lease.slots)):
-                parent, prev = prev, key  # NOTE: a lease's keys are one chain, in order
+                # NOTE: a chained lease's keys are one chain, in order
+                parent, prev = (prev if lease.chained else None), key
                 if slot < 0:
                     continue
                 ts.leased -= 1
@@ -167,7 +175,7 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
                 new.append(slot)
                 stored += 1
             ts.policy.insert_many(new, fresh=True)
-            if tree is not None and new:
+            if tree is not None and new and lease.chained:
                 self._touch_prefix(lease.keys)
             if written_in_place:
                 self._n.bytes_written += (stored + dup) * self.layout.page_bytes

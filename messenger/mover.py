@@ -193,10 +193,12 @@ class Mover:
         requests: Sequence[EntryRequest],
         owner: str = "",
         names: Sequence[bytes] | None = None,
+        chain: bool = False,
     ) -> tuple[str, int]:
         """Start a batch; returns (batch id, entries joined to fetches already in flight).
         ``owner``: who may see and cancel it; ``names``: the keys as the owner named them,
-        shown in its status instead of the keys as stored."""
+        shown in its status instead of the keys as stored; ``chain``: the keys are one prefix
+        chain in order (see ``_Pipeline``)."""
         if not requests:
             raise InvalidArgument("a transfer batch needs at least one entry")
         if len(requests) > MAX_BATCH_ENTRIES:
@@ -250,6 +252,9 @@ class Mover:
             self._bytes[batch_id] = 0
             self._trim_locked()
         per_job = max(1, self.config.job_bytes // info.page_bytes)
+        # Fetched as the chain it is only when nothing is missing from it: no key joined
+        # another batch's fetch, none comes from another source.
+        chained = chain and joined == 0 and len(new) == 1
         for (source, source_data), group in new.items():
             for s in range(0, len(group), per_job):
                 self._pool.submit(
@@ -259,6 +264,7 @@ class Mover:
                     source,
                     source_data,
                     group[s : s + per_job],
+                    chained,
                 )
         return batch_id, joined
 
@@ -386,11 +392,17 @@ class Mover:
     # ---- a job -----------------------------------------------------------------------------------
 
     def _run_job(
-        self, namespace: str, page_bytes: int, source: str, source_data: str, entries: list[_Entry]
+        self,
+        namespace: str,
+        page_bytes: int,
+        source: str,
+        source_data: str,
+        entries: list[_Entry],
+        chained: bool = False,
     ) -> None:
         t0 = time.monotonic()
         try:
-            self._job(namespace, page_bytes, source, source_data, entries)
+            self._job(namespace, page_bytes, source, source_data, entries, chained)
             self._on_job(time.monotonic() - t0, len(entries))
         except Exception as e:  # noqa: BLE001 - a job must resolve its entries whatever happens
             log.exception("transfer job from %s failed", source)
@@ -404,7 +416,9 @@ class Mover:
                 page_bytes,
             )
 
-    def _job(self, namespace, page_bytes, source, source_data, entries: list[_Entry]) -> None:
+    def _job(
+        self, namespace, page_bytes, source, source_data, entries: list[_Entry], chained: bool
+    ) -> None:
         cancelled = {
             i: EntryResult(Outcome.CANCELLED, "the batch was cancelled")
             for i, e in enumerate(entries)
@@ -435,7 +449,7 @@ class Mover:
                 page_bytes,
             )
             return
-        job = _Pipeline(self, namespace, page_bytes, entries, identity)
+        job = _Pipeline(self, namespace, page_bytes, entries, identity, chained)
         try:
             stopped = self.transport.fetch_groups(
                 data_address, namespace, page_bytes, len(entries), job.groups(), job.done
@@ -474,8 +488,11 @@ class Mover:
             return {}
         # Some pages failed: publish only the verified ones, through a lease of their own.
         try:
-            second = client.allocate(
-                namespace, keys=[lease.keys[i] for i in good], ttl_s=self.config.write_ttl_s
+            second = client.allocate(  # the verified pages only: gaps, so no chain
+                namespace,
+                keys=[lease.keys[i] for i in good],
+                ttl_s=self.config.write_ttl_s,
+                chained=False,
             )
         except KVCacheRpcError as e:
             self._abort(lease)
@@ -530,9 +547,14 @@ class _Pipeline:
         page_bytes: int,
         entries: list[_Entry],
         identity: Identity,
+        chained: bool = False,
     ):
         self.mover, self.client = mover, mover.node.client
         self.identity = identity
+        # A group's keys are linked as a chain on the node only when they are one (the batch
+        # said so, and nothing was taken out of it); else no block is the parent of another
+        # it was never the parent of, which prefix-aware eviction would drop with it.
+        self.chained = chained
         self.namespace, self.page_bytes = namespace, page_bytes
         per = mover.transport.group_pages(page_bytes)
         self.chunks = [entries[s : s + per] for s in range(0, len(entries), per)]
@@ -555,14 +577,16 @@ class _Pipeline:
         rpc = self.mover._rpc
 
         def allocate_next() -> None:
-            for chunk in chunks:
-                chunk = self._live(chunk)
+            for whole in chunks:
+                chunk = self._live(whole)
                 if chunk:
                     keys = [e.key for e in chunk]
                     ttl = self.mover.config.write_ttl_s
-                    ahead.append(
-                        (chunk, rpc.submit(self.client.allocate, self.namespace, keys, ttl_s=ttl))
+                    chained = self.chained and len(chunk) == len(whole)
+                    pending = rpc.submit(
+                        self.client.allocate, self.namespace, keys, ttl_s=ttl, chained=chained
                     )
+                    ahead.append((chunk, pending))
                     return
 
         try:

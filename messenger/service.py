@@ -221,7 +221,11 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         keys = scope_keys(check_keys(names), who) if tenant else names
         entries = [EntryRequest(k, e.source, e.source_data) for k, e in zip(keys, request.entries)]
         batch_id, joined = self.mover.submit(
-            request.namespace, entries, owner=who, names=names if tenant else None
+            request.namespace,
+            entries,
+            owner=who,
+            names=names if tenant else None,
+            chain=request.chain,
         )
         return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
 

@@ -171,7 +171,7 @@ class NodeServicer(pbg.NodeServiceServicer):
         quotas = self.node.quotas
         with quotas.reserve(tenant, store.namespace, len(sel.keys)) as held:
             quotas.make_room(store, tenant, len(sel.keys))
-            lease = store.allocate(sel.keys, ttl)
+            lease = store.allocate(sel.keys, ttl, chained=not request.unchained)
             held.bind(lease.lease_id, len(lease.to_write), [lease.keys[i] for i in lease.to_write])
         self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
         if self.node.segments is not None:  # written in the tenant's segment, copied at Commit

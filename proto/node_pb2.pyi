@@ -57,14 +57,16 @@ class LookupReply(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("blocks", "ttl_s", "session")
+    __slots__ = ("blocks", "ttl_s", "session", "unchained")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    UNCHAINED_FIELD_NUMBER: _ClassVar[int]
     blocks: _common_pb2.BlockSelector
     ttl_s: float
     session: bytes
-    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[bytes] = ...) -> None: ...
+    unchained: bool
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.BlockSelector, _Mapping]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[bytes] = ..., unchained: bool = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("lease_id", "shm_name", "page_bytes", "offsets", "ttl_s", "keys", "node_epoch")

@@ -334,6 +334,7 @@ class Disaggregator:
                         reply.prefill_messenger,
                         rank_keys(chain, tag),
                         served,
+                        chain=True,
                     )
                     for tag in ranks
                 )
@@ -477,9 +478,12 @@ class Disaggregator:
             )
         return engine
 
-    async def _pull(self, kind: str, dst: str, src: str, keys: Any, served: Served) -> None:
-        """``dst``'s messenger fetches ``keys`` from ``src``'s. A failure is not the request's:
-        the engine computes what did not arrive. Cancelled, the batch is cancelled too."""
+    async def _pull(
+        self, kind: str, dst: str, src: str, keys: Any, served: Served, chain: bool = False
+    ) -> None:
+        """``dst``'s messenger fetches ``keys`` from ``src``'s (``chain``: a prompt's whole
+        chain, in order). A failure is not the request's: the engine computes what did not
+        arrive. Cancelled, the batch is cancelled too."""
         keys = list(keys)
         if not keys or not dst or not src:
             return
@@ -488,7 +492,7 @@ class Disaggregator:
         timeout_s = self.options.transfer_timeout_s
         try:
             submitted = self._calls.submit(
-                messenger.submit, layout.namespace, [(k, src) for k in keys]
+                messenger.submit, layout.namespace, [(k, src) for k in keys], chain
             )
             try:
                 batch: mpb.SubmitTransferReply = await asyncio.wrap_future(submitted)

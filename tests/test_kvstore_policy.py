@@ -320,6 +320,24 @@ def test_store_prefix_policy_drops_the_orphans_of_a_removed_block_but_not_pinned
         store.check_invariants()
 
 
+def test_an_unchained_lease_links_no_block_to_another_it_was_never_the_child_of():
+    """A transfer's lease holds blocks from anywhere (keys of several prompts, with gaps where
+    some were already there or joined another fetch). Before, every lease was taken as one
+    chain: removing a block dropped the next key of the lease as its "orphan", a live block of
+    another prompt. Unchained, each is a root; a chained lease links as before."""
+    for chained, dropped in ((True, [2, 9]), (False, [2])):
+        with make_store(dram_pages=8, dram_policy="prefix") as store:
+            store.put(keys(1, 2), [page(1), page(2)])  # prompt A: 1 -> 2
+            lease = store.allocate(keys(2, 9), chained=chained)  # 2 (stored), 9 of prompt B
+            store.write_pages(lease.lease_id, [page(2), page(9)])
+            store.commit(lease.lease_id)
+            store.take_events()
+            assert store.remove([key(2)]) == 1
+            assert sorted(evicted(store)) == dropped, chained
+            assert store.contains([key(9)]) == [not chained]
+            store.check_invariants()
+
+
 def test_store_prefix_tree_follows_demotion_and_guards_the_last_tier(tmp_path):
     with make_store(
         tmp_path, dram_pages=2, ssd_pages=2, dram_policy="prefix", ssd_policy="prefix"

@@ -251,8 +251,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.tiers[k] is self.write_tier
             self.content[k] = seeds[k]
 
-    @rule(ids=KEY_IDS, ttl=TTLS)
-    def allocate(self, ids: list[int], ttl: float) -> None:
+    @rule(ids=KEY_IDS, ttl=TTLS, chained=st.booleans())
+    def allocate(self, ids: list[int], ttl: float, chained: bool) -> None:
         keys = [key(i) for i in ids]
         if self.blocked(keys):
             return
@@ -260,7 +260,7 @@ class StoreMachine(RuleBasedStateMachine):
         expect = self.fits(self.write_tier, keys)
         self.sweep()
         try:
-            lease = self.store.allocate(keys, ttl_s=ttl)
+            lease = self.store.allocate(keys, ttl_s=ttl, chained=chained)
         except CapacityExhausted:
             assert expect is not True, "CapacityExhausted though pages could be freed"
             return

@@ -222,3 +222,36 @@ def test_a_failed_commit_gives_its_pages_back_at_once(procs, tmp_path):
         mover.close()
         mover.transport.close()
         client.close()
+
+
+def test_a_pull_of_blocks_from_anywhere_links_none_to_another(procs, tmp_path):
+    """A batch of keys from two prompts (the tail of one, the head of the other): before, the
+    destination took its group as one chain, and removing the first prompt's block dropped the
+    second prompt's head with it as an "orphan". A batch that says it is a chain (the router's
+    decode pull of a prompt) is linked as one."""
+    source = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path)
+    )
+    procs.append(source)
+    messenger_a = start_service(["messenger", "--node", source.address], log_dir=str(tmp_path))
+    procs.append(messenger_a)
+    dest = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT, "--dram-policy", "prefix"],
+        log_dir=str(tmp_path),
+    )
+    procs.append(dest)
+    messenger_b = start_service(["messenger", "--node", dest.address], log_dir=str(tmp_path))
+    procs.append(messenger_b)
+    a_keys = keys_from_block_ids([1, 2], root_key(NS, b"prompt-a"))
+    b_keys = keys_from_block_ids([1, 2], root_key(NS, b"prompt-b"))
+    with KVStoreClient(source.address) as a:
+        a.put(NS, list(make_pages(2, seed=7)), keys=a_keys)
+        a.put(NS, list(make_pages(2, seed=8)), keys=b_keys)
+    with MessengerClient(messenger_b.address) as m, KVStoreClient(dest.address) as b:
+        mixed = [a_keys[1], b_keys[0]]  # A's tail, then B's head: no parent and child
+        assert m.pull(NS, mixed, messenger_a.address).done == 2
+        assert b.remove(NS, keys=[a_keys[1]]) == 1
+        assert b.lookup(NS, keys=[b_keys[0]]).hit_blocks == 1  # before: dropped with it
+        assert m.pull(NS, b_keys, messenger_a.address, chain=True).done == 2
+        assert b.remove(NS, keys=[b_keys[0]]) == 1
+        assert b.lookup(NS, keys=[b_keys[1]]).hit_blocks == 0  # a chain's tail goes with it
