@@ -109,6 +109,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lanes", type=int, default=2, help="TCP connections per fetch")
     parser.add_argument("--workers", type=int, default=4, help="transfer jobs run at once")
     parser.add_argument(
+        "--max-fetching",
+        type=int,
+        default=MoverConfig.max_fetching,
+        help="keys being fetched at once, all batches together; one submitter (a tenant, the "
+        "admin) may hold half: past it SubmitTransfer is RESOURCE_EXHAUSTED "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--pin-ttl",
         type=float,
         default=30.0,
@@ -296,8 +304,10 @@ def _limit_open_files(more: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.lanes < 1 or args.workers < 1:
-        raise SystemExit("kvcache messenger: --lanes and --workers must be at least 1")
+    if args.lanes < 1 or args.workers < 1 or args.max_fetching < 2:
+        raise SystemExit(
+            "kvcache messenger: --lanes and --workers must be at least 1, --max-fetching 2"
+        )
     etcd = None
     if args.etcd:
         urls, prefix = etcd_settings("messenger", args.etcd, args.etcd_prefix, args.etcd_ttl_s)
@@ -373,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
         node,
         choice.transport,
         DataAddressResolver(lookup_data_address),
-        MoverConfig(workers=args.workers, write_ttl_s=args.write_ttl),
+        MoverConfig(
+            workers=args.workers, write_ttl_s=args.write_ttl, max_fetching=args.max_fetching
+        ),
         on_entry=metrics.on_entry,
         on_job=metrics.on_job,
         identities=identities,

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from clients.node_client import KVCacheRpcError, WriteLease
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, echo
+from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound, echo
 from kvstore.keys import check_keys
 
 from .identity import Identities, Identity
@@ -61,6 +61,11 @@ class MoverConfig:
     job_bytes: int = 1 << 30
     write_ttl_s: float = 120.0  # write lease while pages arrive
     keep_batches: int = 4096  # finished batches kept for TransferStatus
+    # Keys being fetched at once (all batches; a joined key counts once), and one submitter's
+    # share of them: past either, SubmitTransfer is RESOURCE_EXHAUSTED instead of queueing
+    # without end (one tenant must not hold the queue for every other).
+    max_fetching: int = 1 << 20
+    owner_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,9 @@ class _Entry:
     cancelled: bool = False
     owner: str = ""  # whom it is fetched for (the first batch's submitter)
     name: bytes = b""  # the key as the owner named it (a tenant's, unscoped); b"": ``key``
+    # (batch, position) of every batch waiting on it: its result updates exactly those, not
+    # every entry of every open batch.
+    waiters: list[tuple["Batch", int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -94,6 +102,8 @@ class Batch:
     finished_at: float | None = None
     owner: str = ""  # who submitted it: only they (or anyone, for owner None) see or cancel it
     names: list[bytes] | None = None  # the keys as the owner named them (a tenant's, unscoped)
+    pending: int = 0  # positions without a result yet
+    moved_bytes: int = 0
 
     def result_of(self, i: int) -> EntryResult | None:
         return self.overrides.get(i, self.entries[i].result)
@@ -167,8 +177,8 @@ class Mover:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._inflight: dict[tuple[str, bytes], _Entry] = {}
+        self._fetching: dict[str, int] = {}  # entries not final yet, by owner
         self._batches: dict[str, Batch] = {}
-        self._bytes: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mover")
         # NOTE: the jobs' Allocate and Commit calls, run beside their transfers: a pool of their
         # own (the node client's one background thread would queue every job's calls behind
@@ -227,6 +237,7 @@ class Mover:
         with self._lock:
             if self._closed:
                 raise FailedPrecondition("the messenger is shutting down")
+            self._check_room_locked(namespace, keys, owner)
             batch_id = f"{self._prefix}-{next(self._ids)}"
             entries = []
             for i, (key, r) in enumerate(zip(keys, requests)):
@@ -235,21 +246,25 @@ class Mover:
                 if entry is None or entry.cancelled:
                     name = names[i] if names is not None else b""
                     entry = _Entry(namespace, key, r.source, r.source_data, owner=owner, name=name)
+                    self._fetching[owner] = self._fetching.get(owner, 0) + 1
                     self._inflight[(namespace, key)] = entry
                     new.setdefault((r.source, r.source_data), []).append(entry)
                 else:
                     joined += 1
                 entry.refs += 1
                 entries.append(entry)
-            self._batches[batch_id] = Batch(
+            batch = Batch(
                 batch_id,
                 namespace,
                 entries,
                 time.monotonic(),
                 owner=owner,
                 names=list(names) if names is not None else None,
+                pending=len(entries),
             )
-            self._bytes[batch_id] = 0
+            for i, entry in enumerate(entries):
+                entry.waiters.append((batch, i))
+            self._batches[batch_id] = batch
             self._trim_locked()
         per_job = max(1, self.config.job_bytes // info.page_bytes)
         # Fetched as the chain it is only when nothing is missing from it: no key joined
@@ -292,10 +307,10 @@ class Mover:
             for i, entry in enumerate(batch.entries):
                 if entry.result is None and i not in batch.overrides:
                     batch.overrides[i] = cancelled
+                    self._settled_locked(batch)
                     entry.refs -= 1
                     if entry.refs <= 0:
                         entry.cancelled = True  # no other batch wants it: stop fetching it
-            self._note_finished_locked(batch)
             self._changed.notify_all()
             return self._snapshot_locked(batch)
 
@@ -315,6 +330,23 @@ class Mover:
 
     # ---- bookkeeping (caller holds the lock) -----------------------------------------------------
 
+    def _check_room_locked(self, namespace: str, keys: Sequence[bytes], owner: str) -> None:
+        """RESOURCE_EXHAUSTED when the keys this batch would add to the fetches under way pass
+        the messenger's bound or the submitter's share of it."""
+        more = 0
+        for key in keys:
+            entry = self._inflight.get((namespace, key))
+            more += entry is None or entry.cancelled
+        total = sum(self._fetching.values()) + more
+        mine = self._fetching.get(owner, 0) + more
+        share = int(self.config.max_fetching * self.config.owner_share)
+        if total > self.config.max_fetching or mine > share:
+            raise CapacityExhausted(
+                f"this messenger is fetching {total - more} keys ({mine - more} of them for "
+                f"this submitter); {more} more would pass its bound of {self.config.max_fetching} "
+                f"({share} per submitter): wait for batches to finish and submit again"
+            )
+
     def _batch_locked(self, batch_id: str, owner: str | None = None) -> Batch:
         """The batch; another owner's answers exactly as one that does not exist."""
         batch = self._batches.get(batch_id)
@@ -327,10 +359,13 @@ class Mover:
 
     @staticmethod
     def _finished_locked(batch: Batch) -> bool:
-        return all(batch.result_of(i) is not None for i in range(len(batch.entries)))
+        return batch.pending == 0
 
-    def _note_finished_locked(self, batch: Batch) -> None:
-        if batch.finished_at is None and self._finished_locked(batch):
+    @staticmethod
+    def _settled_locked(batch: Batch) -> None:
+        """One more position of ``batch`` has its result."""
+        batch.pending -= 1
+        if batch.pending == 0:
             batch.finished_at = time.monotonic()
 
     def _snapshot_locked(self, batch: Batch) -> BatchSnapshot:
@@ -347,7 +382,7 @@ class Mover:
             batch.batch_id,
             entries,
             batch.finished_at is not None,
-            self._bytes.get(batch.batch_id, 0),
+            batch.moved_bytes,
             end - batch.created,
         )
 
@@ -357,7 +392,6 @@ class Mover:
             return
         for bid in [b for b, batch in self._batches.items() if batch.finished_at][:excess]:
             del self._batches[bid]
-            self._bytes.pop(bid, None)
 
     def _resolve(
         self,
@@ -370,19 +404,23 @@ class Mover:
         with self._lock:
             for i, result in results.items():
                 entry = entries[i]
+                if entry.result is not None:
+                    continue  # final already
                 entry.result = result
                 entry.already_present = i in present
+                left = self._fetching.get(entry.owner, 1) - 1
+                if left:
+                    self._fetching[entry.owner] = left
+                else:
+                    self._fetching.pop(entry.owner, None)
                 if self._inflight.get((entry.namespace, entry.key)) is entry:
                     del self._inflight[(entry.namespace, entry.key)]
-            moved = {id(entries[i]) for i, r in results.items() if r.ok and i not in present}
-            for batch in self._batches.values():
-                if batch.finished_at is not None:
-                    continue
-                if moved:
-                    self._bytes[batch.batch_id] += page_bytes * sum(
-                        1 for e in batch.entries if id(e) in moved
-                    )
-                self._note_finished_locked(batch)
+                moved = page_bytes if result.ok and i not in present else 0
+                for batch, at in entry.waiters:
+                    if at not in batch.overrides:  # a cancelled position is settled already
+                        batch.moved_bytes += moved
+                        self._settled_locked(batch)
+                entry.waiters.clear()
             self._changed.notify_all()
         for i, result in results.items():
             self._on_entry(

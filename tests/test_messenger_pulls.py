@@ -255,3 +255,53 @@ def test_a_pull_of_blocks_from_anywhere_links_none_to_another(procs, tmp_path):
         assert m.pull(NS, b_keys, messenger_a.address, chain=True).done == 2
         assert b.remove(NS, keys=[b_keys[0]]) == 1
         assert b.lookup(NS, keys=[b_keys[1]]).hit_blocks == 0  # a chain's tail goes with it
+
+
+def test_the_fetch_queue_is_bounded_and_one_submitter_holds_at_most_half(procs, tmp_path):
+    """Before, SubmitTransfer queued without end: one tenant could fill the messenger's queue
+    (and its memory) and every other pull waited behind it. Now past --max-fetching keys in
+    flight, or half of it for one submitter, a batch is RESOURCE_EXHAUSTED, saying why."""
+    release = tmp_path / "release"
+    tokens = tmp_path / "tenants"
+    tokens.write_text("tok-a=alice\n")
+    auth = ["--token", "admin", "--tenant-tokens-file", str(tokens)]
+    node_a = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT, *auth], log_dir=str(tmp_path)
+    )
+    procs.append(node_a)
+    stall = ["--fault-stall-after", "1", "--fault-stall-s", "300", "--fault-stall-until"]
+    messenger_a = start_service(
+        ["messenger", "--node", node_a.address, *auth, *stall, str(release)],
+        log_dir=str(tmp_path),
+    )
+    procs.append(messenger_a)
+    node_b = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT, *auth], log_dir=str(tmp_path)
+    )
+    procs.append(node_b)
+    messenger_b = start_service(
+        ["messenger", "--node", node_b.address, *auth, "--max-fetching", "10", "--lanes", "1"],
+        log_dir=str(tmp_path),
+    )
+    procs.append(messenger_b)
+    keys, pages = make_keys(12, start=500), make_pages(12, seed=9)
+    with KVStoreClient(node_a.address, token="admin") as a:
+        a.put(NS, list(pages), keys=keys)
+    src = messenger_a.address
+    with (
+        MessengerClient(messenger_b.address, token="admin") as admin,
+        MessengerClient(messenger_b.address, token="tok-a") as alice,
+    ):
+        first = admin.submit(NS, [(k, src) for k in keys[:5]]).batch_id  # half of 10
+        wait_until(lambda: "stalling the data stream" in messenger_a.log(), 60, "the stall")
+        with pytest.raises(KVCacheRpcError) as e:
+            admin.submit(NS, [(keys[5], src)])
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "wait for batches to finish" in e.value.details
+        assert admin.submit(NS, [(keys[0], src)]).deduplicated == 1  # joins: nothing more
+        theirs = alice.submit(NS, [(k, src) for k in keys[:5]]).batch_id  # her own share
+        release.touch()
+        assert admin.status(first, wait=True, timeout_s=60).done == 5
+        assert alice.status(theirs, wait=True, timeout_s=60).finished
+        # room again
+        assert admin.status(admin.submit(NS, [(keys[5], src)]).batch_id, True, 60).done == 1
