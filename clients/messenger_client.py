@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Sequence
 
 import grpc
@@ -51,12 +52,21 @@ class MessengerClient:
     def status(
         self, batch_id: str, wait: bool = False, timeout_s: float = 30.0
     ) -> pb.TransferStatusReply:
-        reply: pb.TransferStatusReply = self._call(
-            "TransferStatus",
-            pb.TransferStatusRequest(batch_id=batch_id, wait=wait, timeout_s=timeout_s),
-            timeout_s=timeout_s + 10 if wait else None,
-        )
-        return reply
+        """The batch's status; with ``wait``, once it finished or ``timeout_s`` passed. A
+        messenger with many waiting calls answers some at once: then this polls, backing off."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.01
+        while True:
+            left = max(0.001, deadline - time.monotonic())
+            reply: pb.TransferStatusReply = self._call(
+                "TransferStatus",
+                pb.TransferStatusRequest(batch_id=batch_id, wait=wait, timeout_s=left),
+                timeout_s=left + 10 if wait else None,
+            )
+            if not wait or reply.finished or time.monotonic() + pause >= deadline:
+                return reply
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     def pull(
         self,

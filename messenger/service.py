@@ -6,7 +6,7 @@ import threading
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -34,6 +34,10 @@ CODE_OF: dict[Outcome, str] = {
 }
 DEFAULT_WAIT_S = 30.0
 MAX_WAIT_S = 600.0
+# A waiting TransferStatus holds a gRPC worker thread while it waits: at most this many wait at
+# once (of the server's 32 workers); more are answered at once, as a status without wait, and
+# the client library polls (MessengerClient.status). Waits never starve the other calls.
+MAX_WAITING = 16
 
 
 class MessengerMetrics:
@@ -66,6 +70,11 @@ class MessengerMetrics:
             "kvcache_messenger_job_seconds",
             "Time of one transfer job (allocate, fetch, commit)",
             buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=self.registry,
+        )
+        self.status_waits = Gauge(
+            "kvcache_messenger_status_waits",
+            f"TransferStatus calls waiting now (each holds a worker; at most {MAX_WAITING})",
             registry=self.registry,
         )
         self.registry.register(_DataServerCollector(data_server))
@@ -195,6 +204,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         self.auth = auth or Auth()
         self.metrics = metrics  # RPC latency and errors (rpc.status.observed), when given
         self.data_server: DataServer | None = None  # for Stats: bytes sent, connections
+        self._waiting = threading.BoundedSemaphore(MAX_WAITING)
         self.started = time.monotonic()
 
     def _owner(self, context) -> tuple[str, str | None]:
@@ -237,7 +247,19 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")
         if context.time_remaining() is not None:
             timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
-        return status_reply(self.mover.status(request.batch_id, request.wait, timeout, owner))
+        if not request.wait:
+            return status_reply(self.mover.status(request.batch_id, False, timeout, owner))
+        if not self._waiting.acquire(blocking=False):
+            return status_reply(self.mover.status(request.batch_id, False, timeout, owner))
+        waits = self.metrics.status_waits if self.metrics is not None else None
+        if waits is not None:
+            waits.inc()
+        try:
+            return status_reply(self.mover.status(request.batch_id, True, timeout, owner))
+        finally:
+            if waits is not None:
+                waits.dec()
+            self._waiting.release()
 
     @observed
     def Cancel(self, request: pb.CancelRequest, context) -> pb.TransferStatusReply:

@@ -305,3 +305,56 @@ def test_the_fetch_queue_is_bounded_and_one_submitter_holds_at_most_half(procs, 
         assert alice.status(theirs, wait=True, timeout_s=60).finished
         # room again
         assert admin.status(admin.submit(NS, [(keys[5], src)]).batch_id, True, 60).done == 1
+
+
+def status_waits(messenger: ServiceProcess) -> float:
+    """The messenger's kvcache_messenger_status_waits gauge (0 before it is exported)."""
+    import re
+    import urllib.request
+
+    port = messenger.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(r"^kvcache_messenger_status_waits ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_waiting_status_calls_never_take_every_worker(procs, tmp_path):
+    """A waiting TransferStatus holds a gRPC worker for up to 600 s: before, 40 of them (any
+    tenant's, or one router's pulls) took all 32 workers and every other call of the messenger
+    waited. Now at most 16 wait at once; the client library polls for the others."""
+    import threading
+
+    release = tmp_path / "release"
+    node_a, messenger_a = stalling_source(procs, tmp_path, release)
+    node_b = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path)
+    )
+    procs.append(node_b)
+    messenger_b = start_service(
+        ["messenger", "--node", node_b.address, "--metrics-port", "0"], log_dir=str(tmp_path)
+    )
+    procs.append(messenger_b)
+    keys, pages = make_keys(6, start=600), make_pages(6, seed=10)
+    with KVStoreClient(node_a.address) as a:
+        a.put(NS, list(pages), keys=keys)
+    src = messenger_a.address
+    with MessengerClient(messenger_b.address) as m:
+        batch = m.submit(NS, [(k, src) for k in keys]).batch_id
+        wait_until(lambda: "stalling the data stream" in messenger_a.log(), 60, "the stall")
+        finished: list[bool] = []
+        waiters = [
+            threading.Thread(
+                target=lambda: finished.append(m.status(batch, True, 120).finished), daemon=True
+            )
+            for _ in range(40)
+        ]
+        for t in waiters:
+            t.start()
+        wait_until(lambda: status_waits(messenger_b) >= 16, 60, "16 waiting status calls")
+        with MessengerClient(messenger_b.address, timeout_s=10) as other:
+            wait_until(lambda: other.stats().batches_in_flight == 1, 30, "the stats")
+            assert other.submit(NS, [(keys[0], src)]).deduplicated == 1  # served, not queued
+        release.touch()
+        for t in waiters:
+            t.join(timeout=120)
+    assert finished == [True] * 40
