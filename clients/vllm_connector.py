@@ -48,7 +48,12 @@ full prompt blocks, the default; ``"none"``: load only), ``lease_ttl_s``, ``over
 (the shortest, default 200 or ``$KVCACHE_CONNECTOR_MIN_TIMEOUT_MS``: between the two, the
 deadline follows the node's latency, ``vllm_guard.Latency``), ``retry_s`` (how often
 a node that stopped answering is asked again, default 2), ``model_fingerprint`` (the weights'
-identity, instead of sampling the weight files).
+identity, instead of sampling the weight files), ``conductor`` (the cluster's conductor: a prefix
+another node holds more of is pulled into this node and loaded while the request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS``; ``clients.vllm_remote``), ``messenger`` (this node's messenger;
+default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100),
+``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
+default 10). Pulls are for single-rank engines (TP = PP = 1) for now.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,8 +72,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.layout import KVLayout
 
+from .messenger_client import MessengerClient
 from .node_client import KVStoreClient
 from .vllm_guard import NodeGuard
+from .vllm_remote import RemotePool
 from .vllm_scheduler import SchedulerSide, _Rank, _Request
 from .vllm_setup import (
     ConnectorConfig,
@@ -86,7 +93,7 @@ from .vllm_stats import (
     delta,
     snapshot,
 )
-from .vllm_transfer import KVCacheConnectorMetadata, _RowMap, _Step, _word_for
+from .vllm_transfer import KVCacheConnectorMetadata, _RowMap, _Step, _Transfer, _word_for
 from .vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -178,6 +185,14 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         self._hook_s = 0.0
         # Commits and releases sent without waiting; their outcomes are logged when collected.
         self._inflight: list[tuple[str, Future[Any]]] = []
+        # the pool (clients.vllm_remote): scheduler side, made on first use; worker side, the
+        # pulls it waits for in the background and the requests whose pages it then loaded
+        self._pool: RemotePool | None = None
+        self._pool_retry_at = 0.0
+        self._remote_loads: list[tuple[str, str, str, _Transfer]] = []
+        self._pulls: ThreadPoolExecutor | None = None
+        self._waiters: dict[str, MessengerClient] = {}
+        self._received: set[str] = set()
         if role == KVConnectorRole.WORKER:
             atexit.register(self._collect, True)  # an engine that exits without shutdown()
         log.info("kvcache connector (%s) on node %s", role.name, self.config.node)
@@ -234,5 +249,11 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         if step is not None:
             step.abort()
         self._collect(wait=True)
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=True)
+        for waiter in self._waiters.values():
+            waiter.close()
+        if self._pool is not None:
+            self._pool.close()
         self.guard.close()
         self.client.close()

@@ -11,14 +11,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.keys import root_key
 from kvstore.layout import KVLayout
 
+from .conductor_client import ConductorClient
 from .node_client import KVCacheRpcError, KVStoreClient
 from .vllm_guard import NodeGuard
 from .vllm_identity import engine_salt, rank_keys, request_keys, request_salt
+from .vllm_remote import RemotePool, messengers
 from .vllm_setup import ConnectorConfig, KVCacheHandshake
 from .vllm_stats import ConnectorStats
 from .vllm_transfer import KVCacheConnectorMetadata, _Transfer
@@ -46,6 +49,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0
     load: tuple[int, int] | None = None  # (first token, end token) offered to vLLM
+    pulling: str = ""  # the messenger batch bringing its pages from another node
 
 
 class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
@@ -67,6 +71,9 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _epoch: bytes
     _engine_salt: bytes
     _fingerprint: str
+    _remote_loads: list[tuple[str, str, str, _Transfer]]
+    _pool: RemotePool | None
+    _pool_retry_at: float
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
@@ -128,11 +135,78 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         # vLLM must compute at least the last prompt token; offers are whole vLLM blocks.
         last = (len(st.tokens) - 1) // self.vblock_tokens * self.vblock_tokens
         end = min(hit * self.layout.block_tokens, last)
+        if hit * self.layout.block_tokens < last:
+            remote = self._pull_from_pool(request.request_id, st, hit, last, num_computed_tokens)
+            if remote:
+                return remote, True
         if end <= num_computed_tokens:
             st.load = None
             return 0, False
         st.load = (num_computed_tokens, end)
         return end - num_computed_tokens, False
+
+    def _pull_from_pool(self, req_id: str, st: _Request, hit: int, last: int, computed: int) -> int:
+        """Tokens another node holds beyond this node's ``hit`` pages, now being pulled into
+        this node (``load_async``); 0: none, or no pool. One Locate (its own short deadline)
+        and one SubmitTransfer; any failure is a miss."""
+        pool = self._remote_pool()
+        if pool is None or self._ranks is None or len(self._ranks) != 1:
+            return 0  # NOTE: multi-rank engines load only from their own node for now
+        assert self.layout is not None
+        bt = self.layout.block_tokens
+        t0 = time.perf_counter()
+        try:
+            found = pool.find(self.namespace, st.keys[: last // bt + 1], hit)
+            if found is None:
+                return 0
+            pages, source = found
+            end = min(pages * bt, last)
+            if end <= max(computed, hit * bt):
+                return 0
+            st.pulling = pool.pull(self.namespace, st.keys[hit : -(-end // bt)], source)
+        except KVCacheRpcError as e:
+            log.info("kvcache pool lookup failed (%s); this node's hit only", e)
+            return 0
+        finally:
+            self.stats.remote_lookup_s += time.perf_counter() - t0
+        self.stats.remote_pulls += 1
+        st.load = (computed, end)
+        return end - computed
+
+    def _remote_pool(self) -> RemotePool | None:
+        """The pool, made on first use (the node names itself and its messenger); None without
+        a conductor, or for ``retry_s`` after it could not be made."""
+        if self.config.conductor is None or not self.loads:
+            return None
+        if self._pool is not None or time.monotonic() < self._pool_retry_at:
+            return self._pool
+        try:
+            info = self.guard.call(self.client.info)
+            timeout_s = self.config.remote_timeout_ms / 1000
+            messenger = self.config.messenger or ""
+            if not messenger:
+                with ConductorClient(
+                    self.config.conductor, self.config.token, self.config.tls_ca_file, timeout_s
+                ) as c:
+                    messenger = messengers(c).get(info.node_id, "")
+            if not messenger:
+                raise KVCacheRpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {info.node_id} registered no messenger: set 'messenger'",
+                )
+            self._pool = RemotePool(
+                self.config.conductor,
+                messenger,
+                info.node_id,
+                self.config.token,
+                self.config.tls_ca_file,
+                timeout_s,
+                self.config.pull_timeout_s,
+            )
+        except KVCacheRpcError as e:
+            log.warning("kvcache pool unavailable (%s); loading from this node only", e)
+            self._pool_retry_at = time.monotonic() + self.config.retry_s
+        return self._pool
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Leading pages every rank holds: per namespace one Lookup of the ranks' keys
@@ -157,9 +231,27 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             st.load = None
         elif st.load is not None:  # what vLLM took of the offer
             st.load = (st.load[0], st.load[0] + num_external_tokens)
+        if st.pulling and st.load is not None:
+            # Waits in WAITING_FOR_REMOTE_KVS: the worker loads these blocks once the pull is
+            # done and says so (get_finished); the step that schedules it later loads nothing.
+            (ids,) = blocks.get_block_ids()[:1]
+            st.block_ids = list(ids)
+            first, end = st.load
+            assert self.layout is not None
+            transfer = self._transfer(
+                request.request_id, st, first // self.vblock_tokens, end // self.vblock_tokens
+            )
+            assert self._pool is not None
+            messenger = self._pool.messenger.address
+            self._remote_loads.append((request.request_id, messenger, st.pulling, transfer))
+            st.saved_pages = max(st.saved_pages, -(-end // self.layout.block_tokens))
+            self.stats.hit_tokens += end - first
+            st.load = None
+        st.pulling = ""
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCacheConnectorMetadata:
-        meta = KVCacheConnectorMetadata()
+        meta = KVCacheConnectorMetadata(remote=self._remote_loads)
+        self._remote_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)

@@ -50,6 +50,15 @@ class ConnectorConfig:
     min_timeout_ms: float = 200.0
     retry_s: float = 2.0
     model_fingerprint: str | None = None
+    # The cluster's pool (clients.vllm_remote): with ``conductor``, a prefix another node holds
+    # more of is pulled into this engine's node by its messenger (``messenger``; default: the
+    # one the node registered) while the request waits, then loaded. ``remote_timeout_ms``:
+    # the deadline of the conductor's Locate on the scheduler's path; ``pull_timeout_s``: how
+    # long a request waits for its pages before vLLM recomputes them.
+    conductor: str | None = None
+    messenger: str | None = None
+    remote_timeout_ms: float = 100.0
+    pull_timeout_s: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":

@@ -41,6 +41,10 @@ class ConnectorStats:
     breaker_skipped: int = 0  # node calls not made while the breaker was open
     breaker_open: int = 0  # 1 while open (a gauge; the sum over processes)
     resets: int = 0
+    remote_pulls: int = 0  # requests whose pages were pulled from another node (the pool)
+    remote_lookup_s: float = 0.0  # the conductor's Locate and the SubmitTransfer
+    remote_wait_s: float = 0.0  # worker: waiting for pulls (in the background)
+    remote_failed: int = 0  # pulls that did not finish in time (their pages recomputed)
 
 
 STATS = ConnectorStats()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.layout import KVLayout
 
+from .messenger_client import MessengerClient
 from .node_client import KVCacheRpcError, KVStoreClient
 from .vllm_guard import NodeGuard
 from .vllm_identity import page_format, rank_tag
@@ -29,7 +30,7 @@ from .vllm_setup import (
     vllm_version,
 )
 from .vllm_stats import ConnectorStats
-from .vllm_transfer import KVCacheConnectorMetadata, _Step, _word_for
+from .vllm_transfer import KVCacheConnectorMetadata, _Step, _Transfer, _word_for
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -64,6 +65,9 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _hook_s: float  # time in this step's hooks so far
     _inflight: list[tuple[str, Future[Any]]]  # commits and releases sent without waiting
     _lock: threading.Lock
+    _pulls: ThreadPoolExecutor | None  # waits for pulls, then loads (background)
+    _waiters: dict[str, MessengerClient]
+    _received: set[str]  # requests whose pulled pages are loaded (or failed)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Every KV layer of this rank (a draft model's included); each block's bytes must be
@@ -207,6 +211,9 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         t0 = time.perf_counter()
+        bound = self._get_connector_metadata()
+        if isinstance(bound, KVCacheConnectorMetadata) and bound.remote:
+            self._start_remote_loads(bound.remote)
         step = self._current_step()
         if step is not None and self._on_gpu:
             # Every layer now: a CUDA graph replay would not call wait_for_layer_load.
@@ -267,6 +274,55 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
             except Exception as e:  # noqa: BLE001 - e.g. the channel closed at exit
                 log.info("kvcache %s not confirmed (%s)", what, e)
         self._inflight = keep
+
+    # ---- the pool's loads (clients.vllm_remote) -------------------------------------------------
+
+    def _start_remote_loads(self, loads: list[tuple[str, str, str, _Transfer]]) -> None:
+        if self._pulls is None:
+            self._pulls = ThreadPoolExecutor(4, thread_name_prefix="kvcache-pull")
+        for req_id, messenger, batch_id, transfer in loads:
+            self._pulls.submit(self._load_remote, req_id, messenger, batch_id, transfer)
+
+    def _load_remote(self, req_id: str, messenger: str, batch_id: str, t: _Transfer) -> None:
+        """Wait for the pull, then copy the request's pages from this node into its blocks
+        (blocks vLLM holds for it while it waits: no forward touches them). Whatever did not
+        arrive is a load error (vLLM recomputes it); the request is reported finished always."""
+        try:
+            t0 = time.perf_counter()
+            waiter = self._waiters.get(messenger)
+            if waiter is None:
+                waiter = self._waiters[messenger] = MessengerClient(
+                    messenger, self.config.token, self.config.tls_ca_file
+                )
+            timeout_s = self.config.pull_timeout_s
+            done = False
+            try:
+                status = waiter.status(batch_id, wait=True, timeout_s=timeout_s)
+                done = status.finished
+                if not done:
+                    waiter.cancel(batch_id)
+            except KVCacheRpcError as e:
+                log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
+            self.stats.remote_wait_s += time.perf_counter() - t0
+            if not done:
+                self.stats.remote_failed += 1
+                self._failed(t.vblocks)
+                return
+            step = _Step(self, KVCacheConnectorMetadata(loads=[t]))  # Acquire: a leading run
+            step.load_all()
+            step.finish()  # Release
+        except Exception:  # noqa: BLE001 - the request must never wait forever
+            log.exception("kvcache load of pulled pages for %s failed", req_id)
+            self._failed(t.vblocks)
+        finally:
+            with self._lock:
+                self._received.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose pulled pages are in their blocks (or failed: load errors)."""
+        with self._lock:
+            received, self._received = self._received, set()
+        return None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

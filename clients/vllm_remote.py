@@ -1,0 +1,97 @@
+"""The pool beyond the engine's own node: a prefix cached on any node of the cluster is found in
+the conductor's index (one ``Locate``, short deadline) and pulled into this engine's node by its
+messenger; the engine then loads it from its own node as any hit.
+
+Scheduler side: ``RemotePool.find`` asks where a prompt's pages are when the engine's node holds
+fewer of them than the best other node, and ``pull`` submits the transfer (one RPC: vLLM's
+scheduler thread never waits for the pages). The request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS`` (``load_async``) while the worker side waits for the batch in the
+background, then copies the pages into the request's blocks and reports it finished
+(``get_finished``); pages that did not arrive are load errors, which vLLM recomputes. The
+pulled pages stay on the engine's node: the next request there hits locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from rpc.status import KVCacheRpcError
+
+from .conductor_client import ConductorClient
+from .messenger_client import MessengerClient
+
+log = logging.getLogger("clients.vllm_connector")
+
+NODES_TTL_S = 10.0  # how long the cluster's node -> messenger map is trusted
+
+
+def messengers(conductor: ConductorClient) -> dict[str, str]:
+    """Node id -> the messenger it registered ("" when none), from the conductor."""
+    return {s.node.node_id: str(s.node.messenger_address) for s in conductor.list_nodes().nodes}
+
+
+class RemotePool:
+    """The conductor's index and this engine's messenger, with deadlines."""
+
+    def __init__(
+        self,
+        conductor: str,
+        messenger: str,
+        node_id: str,
+        token: str | None,
+        tls_ca_file: str | None,
+        timeout_s: float,
+        pull_timeout_s: float,
+    ) -> None:
+        self.conductor = ConductorClient(conductor, token, tls_ca_file, timeout_s=timeout_s)
+        self.messenger = MessengerClient(messenger, token, tls_ca_file, timeout_s=timeout_s)
+        self.node_id = node_id
+        self.pull_timeout_s = pull_timeout_s
+        self._lock = threading.Lock()
+        self._nodes: dict[str, str] = {}
+        self._nodes_at = 0.0
+
+    def find(self, namespace: str, keys: list[bytes], local: int) -> tuple[int, str] | None:
+        """(pages, source messenger) of the node that holds the most leading pages of ``keys``
+        beyond ``local`` (what this engine's node holds); None when no other holds more."""
+        held = self.conductor.locate(namespace, keys=keys)
+        best = max(
+            ((n, node) for node, n in held.items() if node != self.node_id and n > local),
+            default=None,
+        )
+        if best is None:
+            return None
+        messenger = self._messenger_of(best[1])
+        return (best[0], messenger) if messenger else None
+
+    def _messenger_of(self, node_id: str) -> str:
+        with self._lock:
+            fresh = time.monotonic() - self._nodes_at < NODES_TTL_S
+            if fresh and node_id in self._nodes:
+                return self._nodes[node_id]
+        nodes = messengers(self.conductor)
+        with self._lock:
+            self._nodes, self._nodes_at = nodes, time.monotonic()
+        return nodes.get(node_id, "")
+
+    def pull(self, namespace: str, keys: list[bytes], source: str) -> str:
+        """Submit the pull of ``keys`` (one chain, in order) from ``source``; the batch id."""
+        return self.messenger.submit(namespace, [(k, source) for k in keys], chain=True).batch_id
+
+    def wait(self, batch_id: str) -> bool:
+        """Wait for a pull (at most ``pull_timeout_s``): True once it finished; one that did
+        not finish in time is cancelled (its pages are then load errors: vLLM recomputes)."""
+        try:
+            status = self.messenger.status(batch_id, wait=True, timeout_s=self.pull_timeout_s)
+            if not status.finished:
+                self.messenger.cancel(batch_id)
+            return bool(status.finished)
+        except KVCacheRpcError as e:
+            log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
+            return False
+
+    def close(self) -> None:
+        self.conductor.close()
+        self.messenger.close()

@@ -1,0 +1,110 @@
+"""One pool for every engine, with real vLLM engines (CPU, tiny model) on two real nodes, their
+messengers and a conductor: a prefix one engine stored on its node is found by an engine on the
+other node through the conductor's index, pulled into that engine's node while the request
+waits (vLLM's WAITING_FOR_REMOTE_KVS), and loaded from there."""
+
+from __future__ import annotations
+
+import pytest
+from test_vllm_connector_cases import BT, LAYOUT_FLAG, MODEL, PROMPT, tokens
+
+from bench.engines.models import MODELS, make_model
+from clients import KVStoreClient
+from clients.conductor_client import ConductorClient
+from kvstore.keys import block_keys, root_key
+from plumbing.launch import free_port, start_service
+
+from helpers import wait_until
+from vllm_driver import Engine
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-pool")
+
+
+@pytest.fixture(scope="module")
+def model(work) -> str:
+    path = str(work / MODEL)
+    make_model(path, MODELS["tiny"], max_len=1024)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(work):
+    """A conductor and two nodes (A, B), each with its messenger, registered."""
+    procs = []
+
+    def start(*args: str):
+        sp = start_service(list(args), log_dir=str(work))
+        procs.append(sp)
+        return sp
+
+    try:
+        conductor = start("conductor", "--listen", "127.0.0.1:0")
+        nodes = {}
+        for node_id in ("A", "B"):
+            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
+            node = start(
+                "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
+                "--node-id", node_id, "--messenger", messenger_at,
+                "--conductor", conductor.address,
+            )  # fmt: skip
+            start("messenger", "--node", node.address, "--listen", messenger_at)
+            nodes[node_id] = node
+        with ConductorClient(conductor.address) as c:
+            wait_until(lambda: len(c.list_nodes().nodes) == 2, 30, "the nodes to register")
+        yield conductor, nodes
+    finally:
+        for sp in reversed(procs):
+            sp.stop()
+
+
+def held(node, kvcache: dict, prompt: list[int]) -> int:
+    root = root_key(kvcache["namespace"], bytes.fromhex(kvcache["salt"]))
+    with KVStoreClient(node.address) as c:
+        return c.lookup(kvcache["namespace"], keys=block_keys(prompt, BT, root)).hit_blocks
+
+
+def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(model, cluster, work):
+    """Before, an engine saw only its own node: B's engine recomputed what A's had stored."""
+    conductor, nodes = cluster
+    a, b = nodes["A"], nodes["B"]
+    with Engine(model, {"node": a.address}, log_path=str(work / "a.log")) as e:
+        (first,) = e.generate([PROMPT])
+    keys = first["kvcache"]
+    assert held(a, keys, PROMPT) == 4
+    root = root_key(keys["namespace"], bytes.fromhex(keys["salt"]))
+    with ConductorClient(conductor.address) as c:
+        wait_until(
+            lambda: c.locate(keys["namespace"], keys=block_keys(PROMPT, BT, root)).get("A") == 4,
+            30,
+            "the conductor to index A's pages",
+        )
+    pool = {"node": b.address, "conductor": conductor.address}
+    with Engine(model, pool, log_path=str(work / "b.log")) as e:
+        (pulled,) = e.generate([PROMPT])
+        stats = e.stats()
+        assert pulled["cached"] == 4 * BT and pulled["tokens"] == first["tokens"]
+        assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 0
+        assert held(b, keys, PROMPT) == 4  # on B now: the next request hits there
+        (again,) = e.generate([PROMPT])
+        assert again["cached"] == 4 * BT and again["tokens"] == first["tokens"]
+        assert e.stats()["remote_pulls"] == 1  # B's own hit, no second pull
+        # A prompt nobody holds: no pull, computed in full.
+        (fresh,) = e.generate([tokens(77, 3 * BT + 5)])
+        assert fresh["cached"] == 0 and e.stats()["remote_pulls"] == 1
+
+
+def test_a_pool_whose_conductor_is_gone_costs_a_miss(model, cluster, work):
+    """A conductor that does not answer: the engine serves from its own node only."""
+    _, nodes = cluster
+    gone = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    pool = {"node": nodes["B"].address, "conductor": gone, "remote_timeout_ms": 200}
+    prompt = tokens(78, 4 * BT + 10)
+    with Engine(model, pool, log_path=str(work / "gone.log")) as e:
+        (out,) = e.generate([prompt])
+        assert out["cached"] == 0 and e.stats()["remote_pulls"] == 0
