@@ -46,8 +46,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.errors import KVStoreError
 
 from . import sglang_keys as sk
+from .conductor_client import ConductorClient
 from .node_client import KVCacheRpcError, KVStoreClient
 from .node_guard import BreakerOpen
+from .remote_pool import RemotePool, messengers
 from .sglang_guard import Breaker
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,17 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             _positive(extra, "retry_s", 5.0),
             lambda: KVStoreClient(address, token, tls, use_shm=False, timeout_s=self.timeout_s),
         )
+        # The cluster's pool (clients.remote_pool): with a conductor, pages other nodes hold are
+        # counted by batch_exists and pulled into this node by batch_get.
+        self._pool_args = (
+            (str(extra["conductor"]), str(extra.get("messenger") or ""), token, tls)
+            if extra.get("conductor")
+            else None
+        )
+        self._remote_timeout_s = _positive(extra, "remote_timeout_s", 0.1)
+        self._pull_timeout_s = _positive(extra, "pull_timeout_s", 10.0)
+        self._pool: RemotePool | None = None
+        self._pool_retry_at = 0.0
         self._wanted_ns: str | None = extra.get("namespace") or None
         self._key_epoch = str(extra.get("key_epoch", ""))
         self.namespace: str | None = None
@@ -206,11 +219,65 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         ns = self.namespace
         assert ns is not None
+        node_keys = self._keys(keys)
         try:
-            return int(self._call(lambda: self.client.lookup(ns, keys=self._keys(keys))).hit_blocks)
+            hit = int(self._call(lambda: self.client.lookup(ns, keys=node_keys)).hit_blocks)
         except KVCacheRpcError as e:
             self._failed("lookup", e)
             return 0
+        pool = self._remote_pool() if hit < len(keys) else None
+        if pool is not None:
+            try:
+                found = pool.find(ns, node_keys, hit)
+                if found is not None:
+                    return found[0]  # batch_get pulls them first
+            except KVCacheRpcError as e:
+                self._failed("pool lookup", e)
+        return hit
+
+    def _remote_pool(self) -> RemotePool | None:
+        """The pool, made on first use; None without a conductor, or for a while after it could
+        not be made (a miss: pages of this node only)."""
+        if self._pool_args is None:
+            return None
+        if self._pool is not None or time.monotonic() < self._pool_retry_at:
+            return self._pool
+        conductor, messenger, token, tls = self._pool_args
+        try:
+            node_id = self._call(self.client.info).node_id
+            if not messenger:
+                with ConductorClient(conductor, token, tls, self._remote_timeout_s) as c:
+                    messenger = messengers(c).get(node_id, "")
+            if not messenger:
+                raise KVStoreError(f"node {node_id} registered no messenger: set 'messenger'")
+            self._pool = RemotePool(
+                conductor,
+                messenger,
+                node_id,
+                token,
+                tls,
+                self._remote_timeout_s,
+                self._pull_timeout_s,
+            )
+        except (KVCacheRpcError, KVStoreError) as e:
+            self._failed("pool setup", e)
+            self._pool_retry_at = time.monotonic() + self.breaker.retry_s
+        return self._pool
+
+    def _pull(self, ns: str, node_keys: list[bytes], found: list[bool]) -> list[int]:
+        """Pull the pages from the first one this node lacks on, from the node that holds the
+        most of them; returns the indices that may now be here."""
+        pool = self._remote_pool()
+        first = found.index(False) if False in found else len(found)
+        if pool is None or first == len(found):
+            return []
+        where = pool.find(ns, node_keys, first)
+        if where is None:
+            return []
+        pages, source = where
+        batch = pool.pull(ns, node_keys[first:pages], source)
+        pool.wait(batch)
+        return [i for i in range(first, pages) if not found[i]]
 
     # ---- pages of the host pool (interface_v1) ---------------------------------------------------
 
@@ -260,6 +327,10 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                         self.client.release(lease)  # else it expires by itself
                 if elsewhere:
                     self._stream_into(ns, elsewhere, node_keys, starts, found)
+            if not all(found) and self._pool_args is not None:
+                pulled = self._pull(ns, node_keys, found)
+                if pulled:  # now on this node: the streamed path reads them wherever they are
+                    self._stream_into(ns, pulled, node_keys, starts, found)
         except Exception as e:  # noqa: BLE001 - a miss, never an error in SGLang's threads
             self._failed(f"load of {len(keys)} pages", e)
         self._metric("prefetch", sum(found), t0)

@@ -50,7 +50,7 @@ deadline follows the node's latency, ``vllm_guard.Latency``), ``retry_s`` (how o
 a node that stopped answering is asked again, default 2), ``model_fingerprint`` (the weights'
 identity, instead of sampling the weight files), ``conductor`` (the cluster's conductor: a prefix
 another node holds more of is pulled into this node and loaded while the request waits in vLLM's
-``WAITING_FOR_REMOTE_KVS``; ``clients.vllm_remote``), ``messenger`` (this node's messenger;
+``WAITING_FOR_REMOTE_KVS``; ``clients.remote_pool``), ``messenger`` (this node's messenger;
 default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100),
 ``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
 default 10). Pulls are for single-rank engines (TP = PP = 1) for now.
@@ -74,8 +74,8 @@ from kvstore.layout import KVLayout
 
 from .messenger_client import MessengerClient
 from .node_client import KVStoreClient
+from .remote_pool import RemotePool
 from .vllm_guard import NodeGuard
-from .vllm_remote import RemotePool
 from .vllm_scheduler import SchedulerSide, _Rank, _Request
 from .vllm_setup import (
     ConnectorConfig,
@@ -185,7 +185,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         self._hook_s = 0.0
         # Commits and releases sent without waiting; their outcomes are logged when collected.
         self._inflight: list[tuple[str, Future[Any]]] = []
-        # the pool (clients.vllm_remote): scheduler side, made on first use; worker side, the
+        # the pool (clients.remote_pool): scheduler side, made on first use; worker side, the
         # pulls it waits for in the background and the requests whose pages it then loaded
         self._pool: RemotePool | None = None
         self._pool_retry_at = 0.0

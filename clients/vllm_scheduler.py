@@ -19,9 +19,9 @@ from kvstore.layout import KVLayout
 
 from .conductor_client import ConductorClient
 from .node_client import KVCacheRpcError, KVStoreClient
+from .remote_pool import RemotePool, messengers
 from .vllm_guard import NodeGuard
 from .vllm_identity import engine_salt, rank_keys, request_keys, request_salt
-from .vllm_remote import RemotePool, messengers
 from .vllm_setup import ConnectorConfig, KVCacheHandshake
 from .vllm_stats import ConnectorStats
 from .vllm_transfer import KVCacheConnectorMetadata, _Transfer

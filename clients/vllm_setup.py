@@ -50,7 +50,7 @@ class ConnectorConfig:
     min_timeout_ms: float = 200.0
     retry_s: float = 2.0
     model_fingerprint: str | None = None
-    # The cluster's pool (clients.vllm_remote): with ``conductor``, a prefix another node holds
+    # The cluster's pool (clients.remote_pool): with ``conductor``, a prefix another node holds
     # more of is pulled into this engine's node by its messenger (``messenger``; default: the
     # one the node registered) while the request waits, then loaded. ``remote_timeout_ms``:
     # the deadline of the conductor's Locate on the scheduler's path; ``pull_timeout_s``: how

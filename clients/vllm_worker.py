@@ -275,7 +275,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                 log.info("kvcache %s not confirmed (%s)", what, e)
         self._inflight = keep
 
-    # ---- the pool's loads (clients.vllm_remote) -------------------------------------------------
+    # ---- the pool's loads (clients.remote_pool) -------------------------------------------------
 
     def _start_remote_loads(self, loads: list[tuple[str, str, str, _Transfer]]) -> None:
         if self._pulls is None:

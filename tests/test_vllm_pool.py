@@ -108,3 +108,52 @@ def test_a_pool_whose_conductor_is_gone_costs_a_miss(model, cluster, work):
     with Engine(model, pool, log_path=str(work / "gone.log")) as e:
         (out,) = e.generate([prompt])
         assert out["cached"] == 0 and e.stats()["remote_pulls"] == 0
+
+
+def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(model, work):
+    """The source's messenger stalls the stream (test-only fault injection): the request waits
+    ``pull_timeout_s``, the pull is cancelled, its blocks are load errors, and vLLM computes
+    them: the same tokens as the engine that computed the prompt, no hang."""
+    procs = []
+
+    def start(*args: str):
+        sp = start_service(list(args), log_dir=str(work))
+        procs.append(sp)
+        return sp
+
+    release = work / "release-stall"
+    try:
+        conductor = start("conductor", "--listen", "127.0.0.1:0")
+        nodes = {}
+        for node_id, faults in (
+            ("C", ["--fault-stall-after", "1", "--fault-stall-s", "300",
+                   "--fault-stall-until", str(release)]),
+            ("D", []),
+        ):  # fmt: skip
+            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
+            nodes[node_id] = start(
+                "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
+                "--node-id", node_id, "--messenger", messenger_at,
+                "--conductor", conductor.address,
+            )  # fmt: skip
+            start("messenger", "--node", nodes[node_id].address, "--listen", messenger_at, *faults)
+        with Engine(model, {"node": nodes["C"].address}, log_path=str(work / "c.log")) as e:
+            (first,) = e.generate([PROMPT])
+        keys = first["kvcache"]
+        root = root_key(keys["namespace"], bytes.fromhex(keys["salt"]))
+        with ConductorClient(conductor.address) as c:
+            chain = block_keys(PROMPT, BT, root)
+            wait_until(
+                lambda: c.locate(keys["namespace"], keys=chain).get("C") == 4, 30, "the index"
+            )
+        pool = {"node": nodes["D"].address, "conductor": conductor.address, "pull_timeout_s": 1}
+        with Engine(model, pool, log_path=str(work / "d.log")) as e:
+            (out,) = e.generate([PROMPT])
+            stats = e.stats()
+        assert out["tokens"] == first["tokens"]
+        assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 1
+        assert stats["load_failed_blocks"] > 0
+    finally:
+        release.touch()
+        for sp in reversed(procs):
+            sp.stop()

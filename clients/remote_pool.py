@@ -1,14 +1,15 @@
-"""The pool beyond the engine's own node: a prefix cached on any node of the cluster is found in
-the conductor's index (one ``Locate``, short deadline) and pulled into this engine's node by its
-messenger; the engine then loads it from its own node as any hit.
+"""The pool beyond an engine's own node: a prefix cached on any node of the cluster is found in
+the conductor's index (one ``Locate``, short deadline) and pulled into the engine's node by that
+node's messenger; the engine then loads it from its own node as any hit, and the pages stay
+there (the next request on that node hits locally).
 
-Scheduler side: ``RemotePool.find`` asks where a prompt's pages are when the engine's node holds
-fewer of them than the best other node, and ``pull`` submits the transfer (one RPC: vLLM's
-scheduler thread never waits for the pages). The request waits in vLLM's
-``WAITING_FOR_REMOTE_KVS`` (``load_async``) while the worker side waits for the batch in the
-background, then copies the pages into the request's blocks and reports it finished
-(``get_finished``); pages that did not arrive are load errors, which vLLM recomputes. The
-pulled pages stay on the engine's node: the next request there hits locally.
+vLLM (``clients.vllm_scheduler`` / ``vllm_worker``): the scheduler finds and submits the pull
+(one RPC each: its thread never waits for pages), the request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS`` (``load_async``) while the worker waits for the batch in the
+background, copies the pages into the request's blocks and reports it (``get_finished``); pages
+that did not arrive are load errors, which vLLM recomputes. SGLang (``clients.sglang_hicache``):
+``batch_exists`` counts what the pool holds, ``batch_get`` pulls what is elsewhere first (both
+run on HiCache's prefetch threads, never on the scheduler's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rpc.status import KVCacheRpcError
 from .conductor_client import ConductorClient
 from .messenger_client import MessengerClient
 
-log = logging.getLogger("clients.vllm_connector")
+log = logging.getLogger(__name__)
 
 NODES_TTL_S = 10.0  # how long the cluster's node -> messenger map is trusted
 
