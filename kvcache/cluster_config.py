@@ -223,6 +223,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "args": Key(list, [], "more 'vllm serve' flags for every engine"),
         "env": Key(list, [], "NAME=VALUE environment entries for every engine"),
         "start_timeout_s": Key(float, 300.0, "seconds an engine may take to answer /health"),
+        "pool": Key(
+            bool,
+            False,
+            "engines load prefixes cached on any node: found in the conductor's index, pulled "
+            "into their node by its messenger (the connector's 'conductor')",
+        ),
     },
     "router": {
         "listen": Key(str, "", "host:port of 'kvcache router' (empty: no router)"),
@@ -262,6 +268,7 @@ TABLES: dict[str, dict[str, Key]] = {
         "port": Key(int, 0, "its HTTP port (0: any free port)", check=_port),
         "args": Key(list, None, ""),
         "env": Key(list, None, ""),
+        "pool": Key(bool, None, ""),
     },
 }
 

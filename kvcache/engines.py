@@ -5,6 +5,7 @@
     served_model_name = "tiny-llama"
     args = ["--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", "67108864"]
     env = ["VLLM_CPU_OMP_THREADS_BIND=0"]
+    pool = true                           # load prefixes cached on any node (default: false)
 
     [[engines]]
     node = "prefill-0"                    # the node it stores to and loads from
@@ -68,6 +69,7 @@ class EngineSpec:
     port: int = 0  # 0: a free one
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    pool: bool = False  # loads from any node (the connector's 'conductor')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +123,7 @@ def serving_config(cfg: ClusterConfig) -> ServingConfig | None:
                 port=row["port"],
                 args=tuple(value["args"]),
                 env=tuple(env),
+                pool=bool(value["pool"]),
             )
         )
     nodes = [s.node for s in specs]
@@ -250,7 +253,9 @@ class Serving:
         records: address, layout), wait until all are healthy, then the router. Returns what
         goes into cluster.json."""
         for spec in self.config.engines:
-            self.engines.append(self._launch(spec, nodes[spec.node], log_dir, token_file, tls_ca))
+            self.engines.append(
+                self._launch(spec, nodes[spec.node], log_dir, token_file, tls_ca, conductor)
+            )
         deadline = time.monotonic() + self.config.start_timeout_s
         for engine in self.engines:
             _wait_healthy(engine, deadline, self.config.start_timeout_s)
@@ -298,6 +303,7 @@ class Serving:
         log_dir: str,
         token_file: str | None,
         tls_ca: str | None,
+        conductor: str = "",
     ) -> EngineProcess:
         try:
             layout = parse_layout(node["layout"])
@@ -312,6 +318,8 @@ class Serving:
             extra["token_file"] = token_file
         if tls_ca:
             extra["tls_ca_file"] = tls_ca
+        if spec.pool and conductor:
+            extra["conductor"] = conductor  # its node's messenger: the one it registered
         transfer = {
             "kv_connector": "KVCacheConnector",
             "kv_connector_module_path": "clients.vllm_connector",
