@@ -36,7 +36,15 @@ from messenger.select import choose_transport, open_rdma_backend
 from messenger.slab_peer import fill_pattern, pattern_keys
 from messenger.tcp import TcpTransport
 from messenger.transport import FetchGroup, Outcome, SlabPageSource
-from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
+from messenger.verbs import (
+    Access,
+    BindWr,
+    InvalidateWr,
+    QpInfo,
+    ReadWr,
+    VerbsError,
+    WcStatus,
+)
 from messenger.verbs_fake import FakeFabric, FakeQueuePair, FakeVerbsBackend
 
 from helpers import CommitLog, wait_until
@@ -827,6 +835,22 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         def set_wr_rdma(self, rkey, addr):
             self.rdma = (rkey, addr)
 
+        def set_bind_wr(self, mw, bind_info):  # as pyverbs: the new key is inc_rkey(mw.rkey)
+            self.bind = (mw, bind_info)
+            self.rkey = (mw.rkey & ~0xFF) | ((mw.rkey + 1) & 0xFF)
+
+    class MR(_Rec):
+        lkey, rkey = 0x11, 0x22
+
+        def close(self):
+            calls.setdefault("closed", []).append(self)
+
+    class MW(_Rec):
+        rkey = 0x3300
+
+        def close(self):
+            calls.setdefault("closed", []).append(self)
+
     class CQ(_Rec):
         def poll(self, num_entries=1):
             return 0, []
@@ -839,6 +863,9 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         "IBV_SEND_SIGNALED": 2,
         "IBV_WR_RDMA_READ": 4,
         "IBV_ACCESS_REMOTE_READ": 4,
+        "IBV_WR_LOCAL_INV": 7,
+        "IBV_WR_BIND_MW": 8,
+        "IBV_MW_TYPE_2": 2,
     }
     contents = {
         "pyverbs": {},
@@ -846,7 +873,7 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         "pyverbs.enums": enums,
         "pyverbs.addr": {"GID": _Rec, "AHAttr": _Rec, "GlobalRoute": _Rec},
         "pyverbs.cq": {"CQ": CQ},
-        "pyverbs.mr": {"MR": _Rec},
+        "pyverbs.mr": {"MR": MR, "MW": MW, "MWBindInfo": _Rec},
         "pyverbs.pd": {"PD": _Rec},
         "pyverbs.pyverbs_error": {"PyverbsError": PyverbsError},
         "pyverbs.qp": {"QP": QP, "QPAttr": QPAttr, "QPCap": _Rec, "QPInitAttr": _Rec},
@@ -866,7 +893,8 @@ def test_pyverbs_backend_signals_like_the_fake(monkeypatch):
     """No RDMA here: run verbs_pyverbs against a recording stub of pyverbs to check that it
     asks for what the transport relies on (and the fake enforces): no sq_sig_all (pyverbs'
     QPInitAttr defaults to 1), a send queue of max_send_wr, IBV_SEND_SIGNALED only where the WR
-    asks, the chain linked in posting order, and the QP access flags it is given."""
+    asks, the chain linked in posting order, the QP access flags it is given, and memory
+    window binds and invalidations built as rdma-core's pyverbs tests build them."""
     calls: dict = {}
     for name, module in _stub_pyverbs(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -900,6 +928,26 @@ def test_pyverbs_backend_signals_like_the_fake(monkeypatch):
         assert [w.kwargs["wr_id"] for w in chain] == [10, 11, 12]
         assert [w.kwargs["send_flags"] for w in chain] == [0, 0, 2]
         assert [w.rdma for w in chain] == [(2, 0x9000), (2, 0x9001), (2, 0x9002)]
+
+        # Memory windows as rdma-core's pyverbs tests bind and invalidate them (test_mr.py).
+        backend._mrs, backend._mws, backend._lock = {}, {}, threading.Lock()
+        backend._mw_ids = iter(range(1, 100))
+        mr = backend.register(0x5000, 4 * 64, Access.MW_BIND)
+        window = backend.alloc_mw()
+        assert calls.get("closed") is None and window.rkey == 0x3300
+        bind = BindWr(20, window, mr, 0x5040, 128, Access.REMOTE_READ, False)
+        qp.post_send([bind, InvalidateWr(21, 0x3301, True)])
+        first, second = stub.posted[-1], stub.posted[-1].kwargs["next_wr"]
+        assert first.kwargs["opcode"] == 8 and first.kwargs["send_flags"] == 0
+        mw_stub, info = first.bind
+        assert isinstance(mw_stub, backend._mws[window.handle].__class__)
+        assert info.args[1:] == (0x5040, 128, Access.REMOTE_READ)
+        assert window.rkey == 0x3301  # the key the peer will use
+        assert second.kwargs["opcode"] == 7 and second.kwargs["send_flags"] == 2
+        assert second.imm_data == 0x3301  # ibv_send_wr.invalidate_rkey shares imm_data's union
+        backend.dealloc_mw(window)
+        backend.deregister(mr)
+        assert len(calls["closed"]) == 2 and not backend._mws and not backend._mrs
     finally:
         import messenger
 
