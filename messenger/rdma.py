@@ -4,16 +4,20 @@ Protocol (control over the peer's TCP data port, see ``frames.py``):
 
 1. ``RDMA_CONNECT`` (JSON: our QP's QPN/PSN/LID/GID/MTU) -> ``RDMA_ACCEPT`` (the source's QP
    info). Both sides move their RC QP to RTS towards the other. One QP per peer connection.
-2. ``RDMA_PIN`` (namespace, page size, keys) -> ``RDMA_PINNED``: a lease id, the source region's
-   address, length and rkey (the whole slab, registered once per namespace) and, per key, the
-   page's offset in it (-1: absent) and its xxh3-64 checksum.
+2. ``RDMA_PIN`` (namespace, page size, keys) -> ``RDMA_PINNED``: a lease id, the address and
+   length of the mapping the pages live in and, per key, the page's offset in it (-1: absent),
+   its xxh3-64 checksum and the rkey of the memory window the source bound over its run of
+   pages for this lease, through this connection's QP (``rdma_source.py``: nothing else of the
+   source's memory is readable, by this QP or any other, and not after the release).
 3. The destination plans READs: pages sorted by remote address, runs contiguous on both sides
-   merged into one work request, WRs posted in chains of at most ``chain`` with only the last
-   signaled (the QP is created without ``sq_sig_all``), at most ``chains_in_flight`` chains and
-   ``max_send_wr`` WRs outstanding. A chain has landed when its last WR's completion arrives
-   (completions come in posting order), never at an earlier one; completions are polled without
-   ever blocking inside the verbs library (it would hold the GIL).
-4. Checksums verified; ``RDMA_RELEASE`` unpins. A connection that closes releases its leases.
+   (and in one window) merged into one work request, WRs posted in chains of at most ``chain``
+   with only the last signaled (the QP is created without ``sq_sig_all``), at most
+   ``chains_in_flight`` chains and ``max_send_wr`` WRs outstanding. A chain has landed when
+   its last WR's completion arrives (completions come in posting order), never at an earlier
+   one; completions are polled without ever blocking inside the verbs library (it would hold
+   the GIL).
+4. Checksums verified; ``RDMA_RELEASE`` invalidates the windows and unpins. A connection that
+   closes releases its leases.
 
 Failures are per entry. A failed completion fails its chain's entries and every later one (the
 QP is in the error state), and the peer's RDMA session is dropped; ``FallbackTransport`` then
@@ -40,6 +44,7 @@ from .frames import (
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
+    PINNED_BYTES_PER_KEY,
     Header,
     Kind,
     ProtocolError,
@@ -56,8 +61,8 @@ from .frames import (
     unpack_pinned,
 )
 from .identity import Identity
+from .rdma_regions import buffer_address
 from .rdma_source import RdmaSource as RdmaSource  # re-exported: the source side moved
-from .rdma_source import buffer_address
 from .tcp import destination_views, hello, parse_address, request_body
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 from .verbs import (
@@ -93,32 +98,35 @@ class Segment:
     local_addr: int
     length: int
     entries: tuple[int, ...]  # entry indices, in address order
+    rkey: int = 0  # the source's window over these pages
 
 
 def plan_segments(
-    entries: Sequence[tuple[int, int, int]], page_bytes: int, max_bytes: int
+    entries: Sequence[tuple[int, int, int, int]], page_bytes: int, max_bytes: int
 ) -> list[Segment]:
-    """``entries``: (index, remote_addr, local_addr) per page. Sorted by remote address, and
-    merged where the next page follows on both sides, up to ``max_bytes`` per segment."""
+    """``entries``: (index, remote_addr, local_addr, rkey) per page. Sorted by remote address,
+    and merged where the next page follows on both sides under the same rkey (a READ lies in
+    one window), up to ``max_bytes`` per segment."""
     out: list[Segment] = []
     run: list[int] = []
-    r0 = l0 = 0
+    r0 = l0 = key = 0
     length = 0
-    for idx, raddr, laddr in sorted(entries, key=lambda e: e[1]):
+    for idx, raddr, laddr, rkey in sorted(entries, key=lambda e: e[1]):
         if (
             run
             and raddr == r0 + length
             and laddr == l0 + length
+            and rkey == key
             and length + page_bytes <= max_bytes
         ):
             run.append(idx)
             length += page_bytes
             continue
         if run:
-            out.append(Segment(r0, l0, length, tuple(run)))
-        run, r0, l0, length = [idx], raddr, laddr, page_bytes
+            out.append(Segment(r0, l0, length, tuple(run), key))
+        run, r0, l0, key, length = [idx], raddr, laddr, rkey, page_bytes
     if run:
-        out.append(Segment(r0, l0, length, tuple(run)))
+        out.append(Segment(r0, l0, length, tuple(run), key))
     return out
 
 
@@ -184,7 +192,7 @@ class _Session:
         )
         send_buffers(self.sock, [head, body] if body else [head])
         h = recv_header(self.sock, self.header)
-        if h.length > MAX_CONTROL_BYTES + 16 * MAX_KEYS_PER_REQUEST + 64:
+        if h.length > MAX_CONTROL_BYTES + PINNED_BYTES_PER_KEY * MAX_KEYS_PER_REQUEST + 64:
             raise ProtocolError(f"oversized {h.kind.name} reply")
         reply = bytearray(h.length)
         if h.length:
@@ -423,11 +431,11 @@ class RdmaTransport(Transport):
                 raddr = pinned.region_addr + off
                 if raddr + page_bytes > region_end:
                     raise ProtocolError(f"page offset {off} outside the source region")
-                entries.append((i, raddr, local[i]))
+                entries.append((i, raddr, local[i], int(pinned.rkeys[j])))
             segments = plan_segments(entries, page_bytes, self.config.max_wr_bytes)
-            self._read(session, segments, pinned.rkey, lkeys, results)
+            self._read(session, segments, lkeys, results)
             sums = dict(zip(group, pinned.checksums.tolist()))
-            for i, _, _ in entries:
+            for i, _, _, _ in entries:
                 if results[i] is not None:
                     continue
                 if checksum(views[i]) == sums[i]:
@@ -447,7 +455,7 @@ class RdmaTransport(Transport):
             raise ProtocolError(f"the source deferred every key of an RDMA_PIN of {len(group)}")
         return verified, deferred
 
-    def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
+    def _read(self, session: _Session, segments: list[Segment], lkeys, results) -> None:
         """Post the segments as chained READs and wait until every one has landed; a failed
         chain fails its entries.
 
@@ -487,7 +495,7 @@ class RdmaTransport(Transport):
                         local_addr=seg.local_addr,
                         lkey=lkeys[seg.entries[0]],
                         remote_addr=seg.remote_addr,
-                        rkey=rkey,
+                        rkey=seg.rkey,
                         length=seg.length,
                         signaled=k == len(chain) - 1,
                     )
