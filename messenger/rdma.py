@@ -19,6 +19,10 @@ Protocol (control over the peer's TCP data port, see ``frames.py``):
 4. Checksums verified; ``RDMA_RELEASE`` invalidates the windows and unpins. A connection that
    closes releases its leases.
 
+The destination registers the mapping its pages live in (``FetchGroup.region``: a restarted
+node's new segment) when it is not registered yet, and drops the registrations of mappings no
+longer in use (``rdma_regions.py``).
+
 Failures are per entry. A failed completion fails its chain's entries and every later one (the
 QP is in the error state), and the peer's RDMA session is dropped; ``FallbackTransport`` then
 retries those entries over TCP and keeps that peer on TCP.
@@ -26,7 +30,6 @@ retries those entries over TCP and keeps that peer on TCP.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import socket
@@ -61,7 +64,7 @@ from .frames import (
     unpack_pinned,
 )
 from .identity import Identity
-from .rdma_regions import buffer_address
+from .rdma_regions import Registrations, buffer_address
 from .rdma_source import RdmaSource as RdmaSource  # re-exported: the source side moved
 from .tcp import destination_views, hello, parse_address, request_body
 from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
@@ -218,23 +221,16 @@ class RdmaTransport(Transport):
             )
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
-        self._local: list[MemoryRegion] = []  # sorted by address
+        self.regions = Registrations(backend, self.local_access)
         self._wr_ids = itertools.count(1)
 
     # ---- local memory ----------------------------------------------------------------------
 
-    def register_local(self, region: np.ndarray) -> None:
-        mr = self.backend.register(buffer_address(region), region.nbytes, self.local_access)
-        with self._lock:
-            self._local.append(mr)
-            self._local.sort(key=lambda m: m.addr)
-
-    def _local_mr(self, addr: int, length: int) -> MemoryRegion | None:
-        with self._lock:
-            i = bisect.bisect_right([m.addr for m in self._local], addr) - 1
-            if i >= 0 and self._local[i].contains(addr, length):
-                return self._local[i]
-        return None
+    def register_local(self, region: np.ndarray, namespace: str | None = None) -> None:
+        if namespace is None:
+            self.regions.keep(region)
+        else:  # replaced once a group's pages live in another mapping (a node restart)
+            self.regions.register(region, namespace)
 
     # ---- sessions --------------------------------------------------------------------------
 
@@ -292,11 +288,9 @@ class RdmaTransport(Transport):
     def close(self) -> None:
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
-            local, self._local = self._local, []
         for s in sessions:
             s.close()
-        for mr in local:
-            self.backend.deregister(mr)
+        self.regions.close()
 
     # ---- fetch -------------------------------------------------------------------------------
 
@@ -313,7 +307,9 @@ class RdmaTransport(Transport):
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         # Every page READ is checked whole against the source's checksum: pass those on.
         assert group.views is not None
-        results, verified = self._fetch(peer, namespace, group.keys, group.views, group.identity)
+        results, verified = self._fetch(
+            peer, namespace, group.keys, group.views, group.identity, group.region
+        )
         group.checksums = [verified.get(i, 0) for i in range(len(group.keys))]
         return results
 
@@ -324,19 +320,43 @@ class RdmaTransport(Transport):
         keys: Sequence[bytes],
         views: Sequence[memoryview],
         identity: Identity | None = None,
+        region: np.ndarray | None = None,
     ) -> tuple[list[EntryResult], dict[int, int]]:
-        """``fetch``, and the checksum each page that came in whole was verified against."""
-        verified: dict[int, int] = {}
+        """``fetch``, and the checksum each page that came in whole was verified against.
+        ``region``: the mapping the views point into, registered here if it is not yet."""
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
-            return [], verified
+            return [], {}
+        held: list[MemoryRegion | None] = []
+        try:
+            if region is not None:
+                held.append(self.regions.hold_region(region, namespace))
+            return self._fetch_held(peer, namespace, keys, views, identity, held)
+        except VerbsError as e:  # the region could not be registered
+            reason = f"cannot register destination memory for RDMA: {e}"
+            return [EntryResult(Outcome.UNAVAILABLE, reason)] * n, {}
+        finally:
+            self.regions.release(held)  # after the session's READs stopped (or it was dropped)
+
+    def _fetch_held(
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None,
+        held: list[MemoryRegion | None],
+    ) -> tuple[list[EntryResult], dict[int, int]]:
+        verified: dict[int, int] = {}
+        n = len(keys)
         page_bytes = views[0].nbytes
         results: list[EntryResult | None] = [None] * n
         local = [buffer_address(v) for v in views]
+        mrs = self.regions.hold([(addr, page_bytes) for addr in local])
+        held += mrs
         lkeys = []
-        for i, addr in enumerate(local):
-            mr = self._local_mr(addr, page_bytes)
+        for i, mr in enumerate(mrs):
             if mr is None:
                 results[i] = EntryResult(
                     Outcome.UNAVAILABLE, "destination page is not in RDMA-registered memory"
@@ -574,9 +594,9 @@ class FallbackTransport(Transport):
         with self._lock:
             return dict(self._tcp_only)
 
-    def register_local(self, region: np.ndarray) -> None:
-        self.primary.register_local(region)
-        self.fallback.register_local(region)
+    def register_local(self, region: np.ndarray, namespace: str | None = None) -> None:
+        self.primary.register_local(region, namespace)
+        self.fallback.register_local(region, namespace)
 
     def fetch(
         self,

@@ -85,9 +85,10 @@ def page_runs(offsets: Sequence[int], page_bytes: int) -> list[tuple[int, int]]:
 class RdmaSource:
     """Adds the RDMA control requests to a ``DataServer``: QP setup, pin, release.
 
-    The namespace's region is registered at its first pin with ``mr_access``; each lease's
-    pages are readable through windows with ``mw_access``; each peer's QP lets that peer READ
-    (and nothing else)."""
+    The mapping a lease's pages live in (``PinnedPages.region``; a restarted node's new segment
+    included) is registered at its first pin with ``mr_access`` and deregistered once no lease
+    uses it and a newer one replaced it; each lease's pages are readable through windows with
+    ``mw_access``; each peer's QP lets that peer READ (and nothing else)."""
 
     mr_access: int = Access.MW_BIND  # no remote access through the region's own rkey
     mw_access: int = Access.REMOTE_READ
@@ -164,7 +165,8 @@ class RdmaSource:
             return _send_error(conn, *error)
         pinned, n = chunk.pinned, len(chunk.indices)
         try:
-            mr = self.regions.hold_region(self.source.region(namespace), namespace)
+            region = pinned.region if pinned.region is not None else self.source.region(namespace)
+            mr = self.regions.hold_region(region, namespace)
         except (LookupError, VerbsError) as e:
             chunk.release(server.budget)
             if isinstance(e, LookupError):

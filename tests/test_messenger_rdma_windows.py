@@ -180,7 +180,7 @@ def _pin(session, keys):
 
 def _read(s: Setup, session, pinned, slot: int, rkey: int, length: int = PB) -> int:
     """One READ of the source's page ``slot`` on ``session``'s QP with ``rkey``; its status."""
-    (local,) = s.rdma._local
+    (local,) = s.rdma.regions.registered()
     wr = ReadWr(
         7, s.dst.ctypes.data, local.lkey, pinned.region_addr + slot * PB, rkey, length, True
     )
