@@ -5,7 +5,9 @@ their offsets point into (``lease.slab``). Before the fix the source kept one re
 namespace (the dead segment's: READs returned the dead node's bytes, DATA_LOSS, with no TCP
 retry) and the destination one per namespace from its start (pages of the new segment were "not
 in RDMA-registered memory": every pull fell back to TCP), and the dead pools stayed registered.
-Each test below fails so on that code.
+Each test below fails on that code: the first with DATA_LOSS, the second UNAVAILABLE, and the
+one on real nodes crashes (the fake READs from the dead segment, unmapped once its client let
+it go; an HCA would have kept its pages pinned and read the dead node's bytes).
 """
 
 from __future__ import annotations
