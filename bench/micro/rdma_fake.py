@@ -5,11 +5,12 @@
 copies with ``memmove`` on a thread per QP under one lock, so these are **not hardware
 numbers**: they show the transport's control-path cost (RDMA_PIN round trips, the source's
 registrations / window binds and invalidations, posting, polling, checksums) and how it scales
-with the number of contiguous runs a pin has (``contiguous``: source pages in slot order, few
-runs; ``scattered``: every page its own run).
+with the number of contiguous runs a pin has (``contiguous``: the pages fill the source's slab
+in order, one run per request; ``scattered``: they sit in every other slot of a slab twice as
+large, so every page is a run of its own, one window each).
 
 Each case: median of ``--runs`` timed fetches of ``--total`` bytes after one warm-up; GB/s =
-1e9 bytes/s; ms per RDMA_PIN request (of at most 4096 pages / the pin budget).
+1e9 bytes/s; ms per RDMA_PIN request (of at most 4096 pages).
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ NS = "bench|rdma-fake"
 
 def run_case(total: int, page_bytes: int, scattered: bool, runs: int) -> dict:
     pages = total // page_bytes
+    spread = 2 if scattered else 1  # scattered: every other slot, no two pages adjacent
     fabric = FakeFabric()
-    region = np.empty(pages * page_bytes, dtype=np.uint8)
-    fill_pattern(region.reshape(pages, page_bytes))
+    region = np.empty(spread * pages * page_bytes, dtype=np.uint8)
+    fill_pattern(region.reshape(spread * pages, page_bytes))
     keys = pattern_keys(pages)
-    slots = list(range(pages))
-    if scattered:  # every other slot first: no two pinned pages are adjacent in one request
-        slots = slots[::2] + slots[1::2]
+    slots = [spread * i for i in range(pages)]
     source = SlabPageSource(NS, region, page_bytes, dict(zip(keys, slots)))
     server = DataServer(source).start()
     rdma_source = RdmaSource(FakeVerbsBackend(fabric, 256), source)
@@ -57,7 +57,7 @@ def run_case(total: int, page_bytes: int, scattered: bool, runs: int) -> dict:
                 raise RuntimeError(f"fetch failed: {next(r for r in res if not r.ok)}")
             if i:
                 times.append(dt)
-        expected = region.reshape(pages, page_bytes)[slots]
+        expected = region.reshape(spread * pages, page_bytes)[slots]
         if not np.array_equal(dst, expected):
             raise RuntimeError("wrong bytes")
     finally:
