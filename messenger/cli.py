@@ -49,7 +49,8 @@ from .identity import Identities
 from .mover import DataAddressResolver, Mover, MoverConfig
 from .node_access import NodeAccess, NodePageSource
 from .pin_budget import PinShares
-from .rdma import RdmaConfig, RdmaSource
+from .rdma import RdmaConfig
+from .rdma_source import RdmaSource
 from .select import MODES, choose_transport
 from .service import MessengerMetrics, MessengerServicer
 from .tcp import TcpConfig

@@ -48,7 +48,7 @@ class Kind(enum.IntEnum):
     ERROR = 4  # src -> dest: the request failed as a whole; payload = utf-8 message
     RDMA_CONNECT = 5  # dest -> src: JSON QP info; reply RDMA_ACCEPT with the source's QP info
     RDMA_ACCEPT = 6
-    RDMA_PIN = 7  # dest -> src: like FETCH; reply RDMA_PINNED (lease, offsets, checksums)
+    RDMA_PIN = 7  # dest -> src: like FETCH; reply RDMA_PINNED (lease, offsets, checksums, rkeys)
     RDMA_PINNED = 8
     RDMA_RELEASE = 9  # dest -> src: count = 0, key[:8] = lease id; reply END
     HELLO = 10  # dest -> src, first on a connection when the source wants a token:
@@ -153,7 +153,9 @@ def unpack_keys_body(body: bytes, count: int) -> tuple[str, int, list[bytes]]:
     return namespace, page_bytes, keys
 
 
+# lease id, mapping address and length, and two reserved words (once the whole region's rkey)
 _PINNED_HEAD = struct.Struct("<QQQII")
+PINNED_BYTES_PER_KEY = 20  # offset, checksum, rkey
 # The offset of a key the source did not pin this time (its pin budget granted only the keys
 # before it): the puller asks for it again once it released this lease.
 DEFERRED = -2
@@ -161,32 +163,37 @@ DEFERRED = -2
 
 @dataclass(frozen=True, slots=True)
 class Pinned:
-    """The source's answer to RDMA_PIN: where each page is in its registered region."""
+    """The source's answer to RDMA_PIN: where each page is in the mapping it lives in, and the
+    rkey of the memory window that covers it (one per run of pages contiguous on the source,
+    bound for this lease through the connection's QP: valid on that QP only, for those pages
+    only, until the lease is released)."""
 
     lease_id: int
-    region_addr: int
+    region_addr: int  # the mapping the offsets point into
     region_length: int
-    rkey: int
     offsets: np.ndarray  # int64 per key; -1: the source does not hold it; DEFERRED: ask again
     checksums: np.ndarray  # uint64 xxh3-64 per key (0 where absent)
+    rkeys: np.ndarray  # uint32 per key (0 where absent)
 
 
 def pack_pinned(p: Pinned) -> bytes:
     return (
-        _PINNED_HEAD.pack(p.lease_id, p.region_addr, p.region_length, p.rkey, 0)
+        _PINNED_HEAD.pack(p.lease_id, p.region_addr, p.region_length, 0, 0)
         + np.asarray(p.offsets, dtype="<i8").tobytes()
         + np.asarray(p.checksums, dtype="<u8").tobytes()
+        + np.asarray(p.rkeys, dtype="<u4").tobytes()
     )
 
 
 def unpack_pinned(body: bytes, count: int) -> Pinned:
     head = _PINNED_HEAD.size
-    if len(body) != head + 16 * count:
+    if len(body) != head + PINNED_BYTES_PER_KEY * count:
         raise ProtocolError(f"RDMA_PINNED body of {len(body)} bytes for {count} keys")
-    lease_id, addr, length, rkey, _ = _PINNED_HEAD.unpack_from(body)
+    lease_id, addr, length, _, _ = _PINNED_HEAD.unpack_from(body)
     offsets = np.frombuffer(body, dtype="<i8", count=count, offset=head)
     checksums = np.frombuffer(body, dtype="<u8", count=count, offset=head + 8 * count)
-    return Pinned(lease_id, addr, length, rkey, offsets, checksums)
+    rkeys = np.frombuffer(body, dtype="<u4", count=count, offset=head + 16 * count)
+    return Pinned(lease_id, addr, length, offsets, checksums, rkeys)
 
 
 def check_request_size(header: Header) -> None:

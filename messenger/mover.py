@@ -191,7 +191,7 @@ class Mover:
         self._closed = False
         for ns in node.namespaces():
             try:
-                transport.register_local(node.region(ns))
+                transport.register_local(node.region(ns), ns)
             except LookupError as e:
                 log.warning("namespace %s cannot receive transfers: %s", ns, e)
 
@@ -660,7 +660,7 @@ class _Pipeline:
             ready = self._group(chunk, pending)
             views: list[memoryview | None] = [None] * len(chunk)
             if ready is not None:
-                group.tag = ready.tag
+                group.tag, group.region = ready.tag, ready.region
                 assert ready.views is not None
                 for i, view in zip(ready.tag[2], ready.views):
                     views[i] = view
@@ -694,7 +694,8 @@ class _Pipeline:
         with self._lock:
             self._open[lease.lease_id] = lease
         keys = [chunk[i].name or chunk[i].key for i in todo]
-        return FetchGroup(keys, views, (lease, chunk, todo), identity=self.identity)
+        region = lease.slab.array if lease.slab is not None else None  # RDMA registers it
+        return FetchGroup(keys, views, (lease, chunk, todo), identity=self.identity, region=region)
 
     def done(self, group: FetchGroup, fetched: list[EntryResult]) -> None:
         """A group landed (or failed): commit it in the background when every page is good,

@@ -117,4 +117,7 @@ class NodePageSource(PageSource):
             except KVCacheRpcError as e:
                 log.warning("could not drop corrupt pages on the node: %s", e)
 
-        return PinnedPages(views, list(lease.offsets), release, list(lease.checksums), drop)
+        region = lease.slab.array if lease.slab is not None else None
+        return PinnedPages(
+            views, list(lease.offsets), release, list(lease.checksums), drop, region=region
+        )

@@ -4,16 +4,24 @@ Protocol (control over the peer's TCP data port, see ``frames.py``):
 
 1. ``RDMA_CONNECT`` (JSON: our QP's QPN/PSN/LID/GID/MTU) -> ``RDMA_ACCEPT`` (the source's QP
    info). Both sides move their RC QP to RTS towards the other. One QP per peer connection.
-2. ``RDMA_PIN`` (namespace, page size, keys) -> ``RDMA_PINNED``: a lease id, the source region's
-   address, length and rkey (the whole slab, registered once per namespace) and, per key, the
-   page's offset in it (-1: absent) and its xxh3-64 checksum.
+2. ``RDMA_PIN`` (namespace, page size, keys) -> ``RDMA_PINNED``: a lease id, the address and
+   length of the mapping the pages live in and, per key, the page's offset in it (-1: absent),
+   its xxh3-64 checksum and the rkey of the memory window the source bound over its run of
+   pages for this lease, through this connection's QP (``rdma_source.py``: nothing else of the
+   source's memory is readable, by this QP or any other, and not after the release).
 3. The destination plans READs: pages sorted by remote address, runs contiguous on both sides
-   merged into one work request, WRs posted in chains of at most ``chain`` with only the last
-   signaled (the QP is created without ``sq_sig_all``), at most ``chains_in_flight`` chains and
-   ``max_send_wr`` WRs outstanding. A chain has landed when its last WR's completion arrives
-   (completions come in posting order), never at an earlier one; completions are polled without
-   ever blocking inside the verbs library (it would hold the GIL).
-4. Checksums verified; ``RDMA_RELEASE`` unpins. A connection that closes releases its leases.
+   (and in one window) merged into one work request, WRs posted in chains of at most ``chain``
+   with only the last signaled (the QP is created without ``sq_sig_all``), at most
+   ``chains_in_flight`` chains and ``max_send_wr`` WRs outstanding. A chain has landed when
+   its last WR's completion arrives (completions come in posting order), never at an earlier
+   one; completions are polled without ever blocking inside the verbs library (it would hold
+   the GIL).
+4. Checksums verified; ``RDMA_RELEASE`` invalidates the windows and unpins. A connection that
+   closes releases its leases.
+
+The destination registers the mapping its pages live in (``FetchGroup.region``: a restarted
+node's new segment) when it is not registered yet, and drops the registrations of mappings no
+longer in use (``rdma_regions.py``).
 
 Failures are per entry. A failed completion fails its chain's entries and every later one (the
 QP is in the error state), and the peer's RDMA session is dropped; ``FallbackTransport`` then
@@ -22,7 +30,6 @@ retries those entries over TCP and keeps that peer on TCP.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import socket
@@ -35,24 +42,21 @@ from typing import Sequence
 import numpy as np
 
 from .data_security import connect
-from .data_server import DataServer, PeerConnection
 from .frames import (
     DEFERRED,
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
     MAX_KEYS_PER_REQUEST,
+    PINNED_BYTES_PER_KEY,
     Header,
     Kind,
-    Pinned,
     ProtocolError,
     Status,
     checksum,
     is_disconnect,
     lease_key,
-    lease_of_key,
     pack_header,
     pack_json,
-    pack_pinned,
     recv_exact,
     recv_header,
     send_buffers,
@@ -60,9 +64,10 @@ from .frames import (
     unpack_pinned,
 )
 from .identity import Identity
-from .pin_budget import PinnedChunk
+from .rdma_regions import Registrations, buffer_address
+from .rdma_source import RdmaSource as RdmaSource  # re-exported: the source side moved
 from .tcp import destination_views, hello, parse_address, request_body
-from .transport import OK, EntryResult, FetchGroup, Outcome, PageSource, Transport
+from .transport import OK, EntryResult, FetchGroup, Outcome, Transport
 from .verbs import (
     Access,
     MemoryRegion,
@@ -85,13 +90,6 @@ _STATUS_OUTCOME = {
 }
 
 
-def buffer_address(buf) -> int:
-    """Address of the first byte of a buffer (numpy array or memoryview)."""
-    if isinstance(buf, np.ndarray):
-        return buf.ctypes.data
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
-
-
 # ---- planning (pure) ---------------------------------------------------------------------------
 
 
@@ -103,177 +101,40 @@ class Segment:
     local_addr: int
     length: int
     entries: tuple[int, ...]  # entry indices, in address order
+    rkey: int = 0  # the source's window over these pages
 
 
 def plan_segments(
-    entries: Sequence[tuple[int, int, int]], page_bytes: int, max_bytes: int
+    entries: Sequence[tuple[int, int, int, int]], page_bytes: int, max_bytes: int
 ) -> list[Segment]:
-    """``entries``: (index, remote_addr, local_addr) per page. Sorted by remote address, and
-    merged where the next page follows on both sides, up to ``max_bytes`` per segment."""
+    """``entries``: (index, remote_addr, local_addr, rkey) per page. Sorted by remote address,
+    and merged where the next page follows on both sides under the same rkey (a READ lies in
+    one window), up to ``max_bytes`` per segment."""
     out: list[Segment] = []
     run: list[int] = []
-    r0 = l0 = 0
+    r0 = l0 = key = 0
     length = 0
-    for idx, raddr, laddr in sorted(entries, key=lambda e: e[1]):
+    for idx, raddr, laddr, rkey in sorted(entries, key=lambda e: e[1]):
         if (
             run
             and raddr == r0 + length
             and laddr == l0 + length
+            and rkey == key
             and length + page_bytes <= max_bytes
         ):
             run.append(idx)
             length += page_bytes
             continue
         if run:
-            out.append(Segment(r0, l0, length, tuple(run)))
-        run, r0, l0, length = [idx], raddr, laddr, page_bytes
+            out.append(Segment(r0, l0, length, tuple(run), key))
+        run, r0, l0, key, length = [idx], raddr, laddr, rkey, page_bytes
     if run:
-        out.append(Segment(r0, l0, length, tuple(run)))
+        out.append(Segment(r0, l0, length, tuple(run), key))
     return out
 
 
 def chain_segments(segments: Sequence[Segment], chain: int) -> list[list[Segment]]:
     return [list(segments[i : i + chain]) for i in range(0, len(segments), chain)]
-
-
-# ---- source side -------------------------------------------------------------------------------
-
-
-class RdmaSource:
-    """Adds the RDMA control requests to a ``DataServer``: QP setup, pin, release.
-
-    Each namespace's region is registered once (lazily, at the first pin) with REMOTE_READ;
-    each peer's QP lets that peer READ (and nothing else)."""
-
-    mr_access: int = Access.LOCAL_WRITE | Access.REMOTE_READ
-    qp_access: int = Access.REMOTE_READ
-
-    def __init__(self, backend: VerbsBackend, source: PageSource) -> None:
-        self.backend = backend
-        self.source = source
-        self._lock = threading.Lock()
-        self._mrs: dict[str, MemoryRegion] = {}
-        self._leases = itertools.count(1)
-        self._server: DataServer | None = None
-
-    def install(self, server: DataServer) -> None:
-        self._server = server
-        server.add_handler(Kind.RDMA_CONNECT, self._connect)
-        server.add_handler(Kind.RDMA_PIN, self._pin)
-        server.add_handler(Kind.RDMA_RELEASE, self._release)
-
-    def close(self) -> None:
-        with self._lock:
-            mrs, self._mrs = list(self._mrs.values()), {}
-        for mr in mrs:
-            self.backend.deregister(mr)
-
-    def region_mr(self, namespace: str) -> MemoryRegion:
-        with self._lock:
-            mr = self._mrs.get(namespace)
-            if mr is None:
-                region = self.source.region(namespace)
-                mr = self.backend.register(buffer_address(region), region.nbytes, self.mr_access)
-                self._mrs[namespace] = mr
-            return mr
-
-    def _connect(self, conn: PeerConnection, header: Header) -> None:
-        request = unpack_json(conn.read_body(header))
-        if "qp" in conn.state:
-            raise ProtocolError("RDMA_CONNECT twice on one connection")
-        try:
-            remote = QpInfo.from_dict(request.get("qp", {}))
-        except ValueError as e:
-            raise ProtocolError(str(e)) from None
-        try:
-            qp = self.backend.create_qp(sq_sig_all=False)  # posts nothing; responds to READs
-            conn.on_close.append(qp.close)
-            qp.connect(remote, self.qp_access)
-        except VerbsError as e:
-            return _send_error(conn, Status.UNAVAILABLE, f"source cannot set up an RC QP: {e}")
-        conn.state["qp"] = qp
-        body = pack_json({"qp": qp.info.to_dict()})
-        conn.send([pack_header(Kind.RDMA_ACCEPT, length=len(body), checksum_=checksum(body)), body])
-
-    def _pin(self, conn: PeerConnection, header: Header) -> None:
-        server = self._server
-        assert server is not None
-        namespace, page_bytes, _, keys = server.read_request(conn, header)
-        if "qp" not in conn.state:
-            return _send_error(conn, Status.INVALID, "RDMA_PIN before RDMA_CONNECT")
-        try:
-            mine = self.source.page_bytes(namespace)
-            if mine != page_bytes:
-                return _send_error(
-                    conn,
-                    Status.INVALID,
-                    f"page size mismatch for {namespace!r}: source pages are "
-                    f"{mine} bytes, the request expects {page_bytes}",
-                )
-            mr = self.region_mr(namespace)
-        except LookupError as e:
-            return _send_error(conn, Status.INVALID, str(e))
-        except VerbsError as e:
-            return _send_error(conn, Status.UNAVAILABLE, f"source cannot register memory: {e}")
-        # Within the pin budget (pin_budget.py), like a FETCH: the leases a connection holds
-        # count together; keys past what the budget grants now are DEFERRED (asked again).
-        deadline = server.limits.fetch_deadline_s
-        end = time.monotonic() + deadline
-        chunk, error = server.pin_chunk(
-            conn,
-            namespace,
-            keys,
-            list(range(len(keys))),
-            end,
-            f"an RDMA_PIN reply of {len(keys)} pages not read within {deadline:g} s",
-        )
-        if chunk is None:
-            assert error is not None
-            return _send_error(conn, *error)
-        lease_id = next(self._leases)
-        conn.state.setdefault("leases", {})[lease_id] = chunk
-        if len(conn.state["leases"]) == 1:
-            conn.on_close.append(lambda: _release_all(conn, server))
-        pinned, n = chunk.pinned, len(chunk.indices)
-        sums = np.zeros(len(keys), dtype=np.uint64)
-        sums[:n] = [checksum(v) if v is not None else 0 for v in pinned.views]
-        offsets = np.full(len(keys), DEFERRED, dtype=np.int64)
-        offsets[:n] = pinned.offsets
-        # A page changed since its commit is offered as missing, never as good bytes.
-        corrupt = [i for i in range(n) if pinned.expected(i) not in (0, int(sums[i]))]
-        for i in corrupt:
-            offsets[i], sums[i] = -1, 0
-        pinned.corrupt(corrupt)
-        body = pack_pinned(Pinned(lease_id, mr.addr, mr.length, mr.rkey, offsets, sums))
-        conn.send(
-            [
-                pack_header(
-                    Kind.RDMA_PINNED, count=len(keys), length=len(body), checksum_=checksum(body)
-                ),
-                body,
-            ]
-        )
-
-    def _release(self, conn: PeerConnection, header: Header) -> None:
-        if header.length:
-            raise ProtocolError("RDMA_RELEASE carries no body")
-        chunk: PinnedChunk | None = conn.state.get("leases", {}).pop(lease_of_key(header.key), None)
-        if chunk is not None:
-            assert self._server is not None
-            chunk.release(self._server.budget)
-        conn.send([pack_header(Kind.END)])
-
-
-def _release_all(conn: PeerConnection, server: DataServer) -> None:
-    leases = conn.state.get("leases", {})
-    while leases:
-        _, chunk = leases.popitem()
-        chunk.release(server.budget)
-
-
-def _send_error(conn: PeerConnection, status: Status, message: str) -> None:
-    body = message.encode()[:MAX_CONTROL_BYTES]
-    conn.send([pack_header(Kind.ERROR, status, length=len(body), checksum_=checksum(body)), body])
 
 
 # ---- destination side ----------------------------------------------------------------------------
@@ -334,7 +195,7 @@ class _Session:
         )
         send_buffers(self.sock, [head, body] if body else [head])
         h = recv_header(self.sock, self.header)
-        if h.length > MAX_CONTROL_BYTES + 16 * MAX_KEYS_PER_REQUEST + 64:
+        if h.length > MAX_CONTROL_BYTES + PINNED_BYTES_PER_KEY * MAX_KEYS_PER_REQUEST + 64:
             raise ProtocolError(f"oversized {h.kind.name} reply")
         reply = bytearray(h.length)
         if h.length:
@@ -360,23 +221,16 @@ class RdmaTransport(Transport):
             )
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
-        self._local: list[MemoryRegion] = []  # sorted by address
+        self.regions = Registrations(backend, self.local_access)
         self._wr_ids = itertools.count(1)
 
     # ---- local memory ----------------------------------------------------------------------
 
-    def register_local(self, region: np.ndarray) -> None:
-        mr = self.backend.register(buffer_address(region), region.nbytes, self.local_access)
-        with self._lock:
-            self._local.append(mr)
-            self._local.sort(key=lambda m: m.addr)
-
-    def _local_mr(self, addr: int, length: int) -> MemoryRegion | None:
-        with self._lock:
-            i = bisect.bisect_right([m.addr for m in self._local], addr) - 1
-            if i >= 0 and self._local[i].contains(addr, length):
-                return self._local[i]
-        return None
+    def register_local(self, region: np.ndarray, namespace: str | None = None) -> None:
+        if namespace is None:
+            self.regions.keep(region)
+        else:  # replaced once a group's pages live in another mapping (a node restart)
+            self.regions.register(region, namespace)
 
     # ---- sessions --------------------------------------------------------------------------
 
@@ -434,11 +288,9 @@ class RdmaTransport(Transport):
     def close(self) -> None:
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
-            local, self._local = self._local, []
         for s in sessions:
             s.close()
-        for mr in local:
-            self.backend.deregister(mr)
+        self.regions.close()
 
     # ---- fetch -------------------------------------------------------------------------------
 
@@ -455,7 +307,9 @@ class RdmaTransport(Transport):
     def fetch_group(self, peer: str, namespace: str, group: FetchGroup) -> list[EntryResult]:
         # Every page READ is checked whole against the source's checksum: pass those on.
         assert group.views is not None
-        results, verified = self._fetch(peer, namespace, group.keys, group.views, group.identity)
+        results, verified = self._fetch(
+            peer, namespace, group.keys, group.views, group.identity, group.region
+        )
         group.checksums = [verified.get(i, 0) for i in range(len(group.keys))]
         return results
 
@@ -466,19 +320,43 @@ class RdmaTransport(Transport):
         keys: Sequence[bytes],
         views: Sequence[memoryview],
         identity: Identity | None = None,
+        region: np.ndarray | None = None,
     ) -> tuple[list[EntryResult], dict[int, int]]:
-        """``fetch``, and the checksum each page that came in whole was verified against."""
-        verified: dict[int, int] = {}
+        """``fetch``, and the checksum each page that came in whole was verified against.
+        ``region``: the mapping the views point into, registered here if it is not yet."""
         n = len(keys)
         views = destination_views(keys, views)
         if n == 0:
-            return [], verified
+            return [], {}
+        held: list[MemoryRegion | None] = []
+        try:
+            if region is not None:
+                held.append(self.regions.hold_region(region, namespace))
+            return self._fetch_held(peer, namespace, keys, views, identity, held)
+        except VerbsError as e:  # the region could not be registered
+            reason = f"cannot register destination memory for RDMA: {e}"
+            return [EntryResult(Outcome.UNAVAILABLE, reason)] * n, {}
+        finally:
+            self.regions.release(held)  # after the session's READs stopped (or it was dropped)
+
+    def _fetch_held(
+        self,
+        peer: str,
+        namespace: str,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        identity: Identity | None,
+        held: list[MemoryRegion | None],
+    ) -> tuple[list[EntryResult], dict[int, int]]:
+        verified: dict[int, int] = {}
+        n = len(keys)
         page_bytes = views[0].nbytes
         results: list[EntryResult | None] = [None] * n
         local = [buffer_address(v) for v in views]
+        mrs = self.regions.hold([(addr, page_bytes) for addr in local])
+        held += mrs
         lkeys = []
-        for i, addr in enumerate(local):
-            mr = self._local_mr(addr, page_bytes)
+        for i, mr in enumerate(mrs):
             if mr is None:
                 results[i] = EntryResult(
                     Outcome.UNAVAILABLE, "destination page is not in RDMA-registered memory"
@@ -573,11 +451,11 @@ class RdmaTransport(Transport):
                 raddr = pinned.region_addr + off
                 if raddr + page_bytes > region_end:
                     raise ProtocolError(f"page offset {off} outside the source region")
-                entries.append((i, raddr, local[i]))
+                entries.append((i, raddr, local[i], int(pinned.rkeys[j])))
             segments = plan_segments(entries, page_bytes, self.config.max_wr_bytes)
-            self._read(session, segments, pinned.rkey, lkeys, results)
+            self._read(session, segments, lkeys, results)
             sums = dict(zip(group, pinned.checksums.tolist()))
-            for i, _, _ in entries:
+            for i, _, _, _ in entries:
                 if results[i] is not None:
                     continue
                 if checksum(views[i]) == sums[i]:
@@ -597,7 +475,7 @@ class RdmaTransport(Transport):
             raise ProtocolError(f"the source deferred every key of an RDMA_PIN of {len(group)}")
         return verified, deferred
 
-    def _read(self, session: _Session, segments: list[Segment], rkey: int, lkeys, results) -> None:
+    def _read(self, session: _Session, segments: list[Segment], lkeys, results) -> None:
         """Post the segments as chained READs and wait until every one has landed; a failed
         chain fails its entries.
 
@@ -637,7 +515,7 @@ class RdmaTransport(Transport):
                         local_addr=seg.local_addr,
                         lkey=lkeys[seg.entries[0]],
                         remote_addr=seg.remote_addr,
-                        rkey=rkey,
+                        rkey=seg.rkey,
                         length=seg.length,
                         signaled=k == len(chain) - 1,
                     )
@@ -716,9 +594,9 @@ class FallbackTransport(Transport):
         with self._lock:
             return dict(self._tcp_only)
 
-    def register_local(self, region: np.ndarray) -> None:
-        self.primary.register_local(region)
-        self.fallback.register_local(region)
+    def register_local(self, region: np.ndarray, namespace: str | None = None) -> None:
+        self.primary.register_local(region, namespace)
+        self.fallback.register_local(region, namespace)
 
     def fetch(
         self,

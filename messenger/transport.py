@@ -74,13 +74,16 @@ class FetchGroup:
     # Whom the pages are pulled for (the source checks it, identity.py); None: named by no one
     # (a pull of a cluster without tokens, tests and benchmarks). ``keys`` are as it names them.
     identity: Identity | None = None
+    # The mapping ``views`` point into (flat uint8): RDMA registers it when it is not yet (a
+    # restarted node's new segment). None: memory declared with ``register_local``.
+    region: np.ndarray | None = None
 
     def resolve(self) -> list[bool]:
         """Settle a group handed out early: keeps only the wanted keys (and their views);
         returns, per key it had, whether it is wanted."""
         if self.settle is None:
             return [True] * len(self.keys)
-        views = self.settle()
+        views = self.settle()  # sets ``region`` too
         wanted = [v is not None for v in views]
         self.keys = [k for k, w in zip(self.keys, wanted) if w]
         self.views = [v for v in views if v is not None]
@@ -145,8 +148,10 @@ class Transport(ABC):
         commits) at a time."""
         return max(1, (64 << 20) // page_bytes)
 
-    def register_local(self, region: np.ndarray) -> None:
-        """Declare memory that views will point into (RDMA registers it once; TCP ignores it)."""
+    def register_local(self, region: np.ndarray, namespace: str | None = None) -> None:
+        """Declare memory that views will point into (RDMA registers it; TCP ignores it):
+        ``namespace``'s mapping on the node (replaced by a group's ``region`` once the node
+        restarted), or, without one, memory kept registered until ``close``."""
 
     @abstractmethod
     def close(self) -> None:
@@ -158,7 +163,7 @@ class PinnedPages:
     """A batch of pages pinned on the source. ``views[i]`` is None when ``keys[i]`` is absent."""
 
     views: list[memoryview | None]
-    offsets: list[int]  # byte offset of each page in the namespace's region; -1
+    offsets: list[int]  # byte offset of each page in ``region``; -1: absent
     release: Callable[[], None]
     # The node's xxh3-64 of each page as committed (0, or none at all: not known). A server
     # checks the page against it while it checksums the page for the wire (one pass), and
@@ -166,6 +171,9 @@ class PinnedPages:
     checksums: list[int] = field(default_factory=list)
     # Told the indices of pages that failed their checksum (the node drops them).
     drop: Callable[[list[int]], None] | None = None
+    # The mapping the offsets point into (flat uint8): a restarted node's pins live in its new
+    # segment. None: ``PageSource.region`` of the namespace.
+    region: np.ndarray | None = None
 
     def expected(self, index: int) -> int:
         return self.checksums[index] if index < len(self.checksums) else 0
@@ -251,7 +259,7 @@ class SlabPageSource(PageSource):
         def release() -> None:
             self.pins -= 1
 
-        return PinnedPages(views, offsets, release)
+        return PinnedPages(views, offsets, release, region=self._region)
 
     def _check(self, namespace: str) -> None:
         if namespace != self.namespace:

@@ -5,8 +5,13 @@ channel, work-request planning, chaining, completion handling, failures, fallbac
 ``rdma.py`` in plain Python and runs against this interface. Two backends implement it:
 ``verbs_pyverbs.PyverbsBackend`` (real hardware, imported lazily) and
 ``verbs_fake.FakeVerbsBackend`` (copies between in-memory regions on a thread of its own, as
-strict as an HCA about signaling, keys, bounds, access flags, QP states and send-queue depth;
-injects completion errors) for tests on machines without RDMA.
+strict as an HCA about signaling, keys, bounds, access flags, memory windows, QP states and
+send-queue depth; injects completion errors) for tests on machines without RDMA.
+
+Remote access goes through type-2 memory windows: a region is registered with ``MW_BIND`` only
+(its own rkey reads nothing), and a window bound over part of it through a QP (``BindWr``) gives
+an rkey valid only for accesses arriving on that QP, inside the bound range, with the bound
+access, until it is invalidated (``InvalidateWr``) or deallocated.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class Access(enum.IntFlag):
     LOCAL_WRITE = 1
     REMOTE_WRITE = 2
     REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+    MW_BIND = 16  # memory windows may be bound over the region
 
 
 class WcStatus(enum.IntEnum):
@@ -33,6 +40,7 @@ class WcStatus(enum.IntEnum):
     LOC_QP_OP_ERR = 2
     LOC_PROT_ERR = 4
     WR_FLUSH_ERR = 5
+    MW_BIND_ERR = 6
     REM_INV_REQ_ERR = 9
     REM_ACCESS_ERR = 10
     REM_OP_ERR = 11
@@ -56,10 +64,15 @@ _WC_STATUS_MEANING = {
         "destination buffer"
     ),
     WcStatus.WR_FLUSH_ERR: "flushed: the QP went to the error state after an earlier failure",
+    WcStatus.MW_BIND_ERR: (
+        "memory window bind error: the region lacks MW_BIND, the range lies outside it, or the "
+        "window is bound already"
+    ),
     WcStatus.REM_INV_REQ_ERR: "remote invalid request: the peer refused the operation",
     WcStatus.REM_ACCESS_ERR: (
-        "remote access error: the rkey names no region of the peer, the region or the peer's QP "
-        "lacks REMOTE_READ, or the range lies outside the region"
+        "remote access error: the rkey names no region or bound window of the peer, the region, "
+        "window or peer's QP lacks REMOTE_READ, the window is bound to another QP, or the range "
+        "lies outside it"
     ),
     WcStatus.REM_OP_ERR: "remote operation error: the peer could not complete the READ",
     WcStatus.RETRY_EXC_ERR: (
@@ -138,6 +151,45 @@ class ReadWr:
     signaled: bool
 
 
+@dataclass(slots=True, eq=False)
+class MemoryWindow:
+    """A type-2 memory window (``ibv_alloc_mw(pd, IBV_MW_TYPE_2)``) of the backend that made it.
+
+    ``rkey``: the key the last bind posted over it gives it (set by ``post_send``; the peer uses
+    it once that bind has completed). A window is bound once, then invalidated and deallocated:
+    pyverbs derives a bind's key from the key the window was allocated with, so a second bind
+    of one window would hand out the same rkey again."""
+
+    handle: int
+    rkey: int
+
+
+@dataclass(frozen=True, slots=True)
+class BindWr:
+    """``IBV_WR_BIND_MW``: bind ``mw`` over ``[addr, addr + length)`` of ``mr`` with ``access``,
+    for accesses arriving on the QP it is posted on (type 2)."""
+
+    wr_id: int
+    mw: MemoryWindow
+    mr: MemoryRegion
+    addr: int
+    length: int
+    access: int
+    signaled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidateWr:
+    """``IBV_WR_LOCAL_INV`` of a window's rkey: once it completed, the rkey reads nothing."""
+
+    wr_id: int
+    rkey: int
+    signaled: bool
+
+
+SendWr = ReadWr | BindWr | InvalidateWr
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     wr_id: int
@@ -172,9 +224,13 @@ class QueuePair(ABC):
         (towards ``remote``) -> RTS."""
 
     @abstractmethod
+    def post_send(self, wrs: Sequence[SendWr]) -> None:
+        """Post the WRs as one chained list (one doorbell), in order; a ``BindWr`` sets its
+        window's new ``rkey``. Raises ``VerbsError`` when the QP is not in RTS (or the error
+        state) or the send queue has no room."""
+
     def post_reads(self, wrs: Sequence[ReadWr]) -> None:
-        """Post the WRs as one chained list (one doorbell). Raises ``VerbsError`` when the QP
-        is not in RTS (or the error state) or the send queue has no room."""
+        self.post_send(wrs)
 
     @abstractmethod
     def poll(self, max_entries: int) -> list[Completion]:
@@ -195,7 +251,17 @@ class VerbsBackend(ABC):
         """Register existing memory (no copy, no allocation) as one memory region."""
 
     @abstractmethod
-    def deregister(self, mr: MemoryRegion) -> None: ...
+    def deregister(self, mr: MemoryRegion) -> None:
+        """Raises ``VerbsError`` while windows are bound over the region (EBUSY)."""
+
+    @abstractmethod
+    def alloc_mw(self) -> MemoryWindow:
+        """A type-2 memory window, not bound (its rkey reads nothing). Raises ``VerbsError``
+        when the device has none (no type-2 window support)."""
+
+    @abstractmethod
+    def dealloc_mw(self, mw: MemoryWindow) -> None:
+        """Free the window: after this returns its rkey reads nothing, bound or not."""
 
     @abstractmethod
     def create_qp(self, sq_sig_all: bool = False) -> QueuePair:

@@ -6,10 +6,19 @@ pyverbs. Debian ships it as ``python3-pyverbs`` for the system Python; a venv bu
 
 NOTE: this module is the only code that needs hardware to run; it is kept to straight verbs calls
 so that everything else is tested with ``verbs_fake``.
+
+Memory windows are written against pyverbs' API as rdma-core's own tests use it
+(``tests/test_mr.py``, ``MWTest``: ``MW(pd, IBV_MW_TYPE_2)``, a ``SendWR`` of opcode
+``IBV_WR_BIND_MW`` filled by ``set_bind_wr(mw, MWBindInfo(mr, addr, length, access))`` whose
+``rkey`` is the window's new key, and ``IBV_WR_LOCAL_INV`` with the key in ``imm_data``, the
+union ``ibv_send_wr.invalidate_rkey`` shares). It needs a device with type-2 windows
+(``IBV_DEVICE_MEM_WINDOW_TYPE_2B``: mlx5, rxe); elsewhere ``alloc_mw`` fails and the source
+answers RDMA_PIN UNAVAILABLE (the puller moves to TCP).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from typing import Sequence
@@ -18,13 +27,24 @@ import pyverbs.device as d  # noqa: F401 - the import itself is the availability
 import pyverbs.enums as e
 from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ
-from pyverbs.mr import MR
+from pyverbs.mr import MR, MW, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, SendWR
 
-from .verbs import Completion, MemoryRegion, QpInfo, QueuePair, ReadWr, VerbsBackend, VerbsError
+from .verbs import (
+    BindWr,
+    Completion,
+    MemoryRegion,
+    MemoryWindow,
+    QpInfo,
+    QueuePair,
+    ReadWr,
+    SendWr,
+    VerbsBackend,
+    VerbsError,
+)
 
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 
@@ -110,24 +130,36 @@ class PyverbsQueuePair(QueuePair):
         except PyverbsError as ex:
             raise VerbsError(f"QP transition failed: {ex}") from None
 
-    def post_reads(self, wrs: Sequence[ReadWr]) -> None:
+    def post_send(self, wrs: Sequence[SendWr]) -> None:
         # Build the list back to front so each WR links to the next (one ibv_post_send).
         nxt = None
-        keep = []
+        keep: list = []
         for wr in reversed(wrs):
-            sge = SGE(wr.local_addr, wr.length, wr.lkey)
             flags = e.IBV_SEND_SIGNALED if wr.signaled else 0
             kwargs = {"next_wr": nxt} if nxt is not None else {}
-            swr = SendWR(
-                wr_id=wr.wr_id,
-                opcode=e.IBV_WR_RDMA_READ,
-                num_sge=1,
-                sg=[sge],
-                send_flags=flags,
-                **kwargs,
-            )
-            swr.set_wr_rdma(wr.rkey, wr.remote_addr)
-            keep += [sge, swr]
+            if isinstance(wr, ReadWr):
+                sge = SGE(wr.local_addr, wr.length, wr.lkey)
+                swr = SendWR(
+                    wr_id=wr.wr_id,
+                    opcode=e.IBV_WR_RDMA_READ,
+                    num_sge=1,
+                    sg=[sge],
+                    send_flags=flags,
+                    **kwargs,
+                )
+                swr.set_wr_rdma(wr.rkey, wr.remote_addr)
+                keep += [sge, swr]
+            elif isinstance(wr, BindWr):
+                info = MWBindInfo(self.backend.mr_of(wr.mr), wr.addr, wr.length, int(wr.access))
+                swr = SendWR(wr_id=wr.wr_id, opcode=e.IBV_WR_BIND_MW, send_flags=flags, **kwargs)
+                # The new key is ibv_inc_rkey of the window's allocated one (see MemoryWindow).
+                swr.set_bind_wr(self.backend.mw_of(wr.mw), info)
+                wr.mw.rkey = swr.rkey
+                keep += [info, swr]
+            else:
+                swr = SendWR(wr_id=wr.wr_id, opcode=e.IBV_WR_LOCAL_INV, send_flags=flags, **kwargs)
+                swr.imm_data = wr.rkey  # ibv_send_wr.invalidate_rkey (a union with imm_data)
+                keep.append(swr)
             nxt = swr
         try:
             self.qp.post_send(nxt)
@@ -174,6 +206,8 @@ class PyverbsBackend(VerbsBackend):
         except PyverbsError as ex:
             raise VerbsError(f"cannot open RDMA device {name}: {ex}") from None
         self._mrs: dict[int, MR] = {}
+        self._mws: dict[int, MW] = {}
+        self._mw_ids = itertools.count(1)
 
     def register(self, addr: int, length: int, access: int) -> MemoryRegion:
         try:
@@ -188,9 +222,48 @@ class PyverbsBackend(VerbsBackend):
 
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:
-            mr = self._mrs.pop(region.rkey, None)
-        if mr is not None:
-            mr.close()
+            mr = self._mrs.get(region.rkey)
+        if mr is None:
+            return
+        try:
+            mr.close()  # ibv_dereg_mr: EBUSY while windows are bound over it
+        except PyverbsError as ex:
+            raise VerbsError(f"ibv_dereg_mr failed: {ex}") from None
+        with self._lock:
+            self._mrs.pop(region.rkey, None)
+
+    def mr_of(self, region: MemoryRegion) -> MR:
+        with self._lock:
+            mr = self._mrs.get(region.rkey)
+        if mr is None:
+            raise VerbsError("the memory region is not registered (deregistered?)")
+        return mr
+
+    def alloc_mw(self) -> MemoryWindow:
+        try:
+            mw = MW(self.pd, e.IBV_MW_TYPE_2)
+        except PyverbsError as ex:
+            raise VerbsError(f"ibv_alloc_mw(IBV_MW_TYPE_2) failed: {ex}") from None
+        handle = next(self._mw_ids)
+        with self._lock:
+            self._mws[handle] = mw
+        return MemoryWindow(handle, mw.rkey)
+
+    def mw_of(self, window: MemoryWindow) -> MW:
+        with self._lock:
+            mw = self._mws.get(window.handle)
+        if mw is None:
+            raise VerbsError("the memory window was deallocated")
+        return mw
+
+    def dealloc_mw(self, window: MemoryWindow) -> None:
+        with self._lock:
+            mw = self._mws.pop(window.handle, None)
+        if mw is not None:
+            try:
+                mw.close()  # ibv_dealloc_mw: the rkey is invalid from here on
+            except PyverbsError as ex:
+                raise VerbsError(f"ibv_dealloc_mw failed: {ex}") from None
 
     def create_qp(self, sq_sig_all: bool = False) -> PyverbsQueuePair:
         try:
@@ -200,7 +273,10 @@ class PyverbsBackend(VerbsBackend):
 
     def close(self) -> None:
         with self._lock:
+            mws, self._mws = list(self._mws.values()), {}
             mrs, self._mrs = list(self._mrs.values()), {}
+        for mw in mws:  # windows first: a region with windows bound over it stays (EBUSY)
+            mw.close()
         for mr in mrs:
             mr.close()
         self.pd.close()

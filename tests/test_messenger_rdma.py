@@ -36,15 +36,19 @@ from messenger.select import choose_transport, open_rdma_backend
 from messenger.slab_peer import fill_pattern, pattern_keys
 from messenger.tcp import TcpTransport
 from messenger.transport import FetchGroup, Outcome, SlabPageSource
-from messenger.verbs import Access, QpInfo, ReadWr, VerbsError, WcStatus
+from messenger.verbs import (
+    Access,
+    BindWr,
+    InvalidateWr,
+    QpInfo,
+    ReadWr,
+    VerbsError,
+    WcStatus,
+)
 from messenger.verbs_fake import FakeFabric, FakeQueuePair, FakeVerbsBackend
 
 from helpers import CommitLog, wait_until
-
-NS = "rdma|test"
-PAGES = 40
-PB = 16 << 10
-
+from rdma_helpers import NS, PAGES, PB, Setup, completions
 
 # ---- planning ---------------------------------------------------------------------------------
 
@@ -53,24 +57,31 @@ def test_plan_merges_runs_contiguous_on_both_sides():
     # Remote pages 0..3 land in local pages 10..13 (contiguous), page 5 elsewhere, 4 goes to a
     # non-adjacent local slot, so it cannot extend the first run.
     entries = [
-        (0, 0, 10 * PB),
-        (1, PB, 11 * PB),
-        (2, 2 * PB, 12 * PB),
-        (3, 3 * PB, 13 * PB),
-        (4, 4 * PB, 20 * PB),
-        (5, 5 * PB, 21 * PB),
-        (6, 9 * PB, 22 * PB),
+        (0, 0, 10 * PB, 7),
+        (1, PB, 11 * PB, 7),
+        (2, 2 * PB, 12 * PB, 7),
+        (3, 3 * PB, 13 * PB, 7),
+        (4, 4 * PB, 20 * PB, 7),
+        (5, 5 * PB, 21 * PB, 7),
+        (6, 9 * PB, 22 * PB, 8),
     ]
     got = plan_segments(list(reversed(entries)), PB, max_bytes=1 << 30)
     assert got == [
-        Segment(0, 10 * PB, 4 * PB, (0, 1, 2, 3)),
-        Segment(4 * PB, 20 * PB, 2 * PB, (4, 5)),
-        Segment(9 * PB, 22 * PB, PB, (6,)),
+        Segment(0, 10 * PB, 4 * PB, (0, 1, 2, 3), 7),
+        Segment(4 * PB, 20 * PB, 2 * PB, (4, 5), 7),
+        Segment(9 * PB, 22 * PB, PB, (6,), 8),
     ]
 
 
+def test_plan_never_merges_pages_of_two_windows():
+    # Contiguous on both sides, but the source bound two windows (a READ lies in one).
+    entries = [(0, 0, 0, 5), (1, PB, PB, 5), (2, 2 * PB, 2 * PB, 6)]
+    got = plan_segments(entries, PB, max_bytes=1 << 30)
+    assert got == [Segment(0, 0, 2 * PB, (0, 1), 5), Segment(2 * PB, 2 * PB, PB, (2,), 6)]
+
+
 def test_plan_caps_segment_size():
-    entries = [(i, i * PB, i * PB) for i in range(10)]
+    entries = [(i, i * PB, i * PB, 1) for i in range(10)]
     got = plan_segments(entries, PB, max_bytes=3 * PB)
     assert [s.entries for s in got] == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9,)]
     assert all(s.length <= 3 * PB for s in got)
@@ -85,13 +96,6 @@ def _pair(fabric, max_send_wr=64, sq_sig_all=False):
     qa.connect(qb.info)
     qb.connect(qa.info)
     return a, b, qa
-
-
-def _completions(qp, n, timeout_s=10.0):
-    """Poll until ``n`` completions arrived (the fake completes on another thread)."""
-    got: list = []
-    wait_until(lambda: got.extend(qp.poll(16)) or len(got) >= n, timeout_s, f"{n} completions")
-    return got
 
 
 def _buffers(fabric, a, b, pages=4):
@@ -125,7 +129,7 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
     assert readable.lkey != readable.rkey and writable.lkey != writable.rkey
     ok = ReadWr(1, dst.ctypes.data, writable.lkey, src.ctypes.data, readable.rkey, PB, True)
     qp.post_reads([ok])
-    assert [c.status for c in _completions(qp, 1)] == [WcStatus.SUCCESS]
+    assert [c.status for c in completions(qp, 1)] == [WcStatus.SUCCESS]
     np.testing.assert_array_equal(dst[:PB], src[:PB])
 
     def status_of(wr):
@@ -133,7 +137,7 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
         q.connect(peer.info)
         peer.connect(q.info)
         q.post_reads([wr])
-        return _completions(q, 1)[0].status, fabric.errors[-1]
+        return completions(q, 1)[0].status, fabric.errors[-1]
 
     def read(**change):
         return dataclasses.replace(ok, **change)
@@ -173,7 +177,7 @@ def test_fake_backend_checks_keys_bounds_access_and_flushes_after_an_error():
 
     # After an error the QP flushes everything behind it, unsignaled WRs included.
     qp.post_reads([read(rkey=0xDEAD), dataclasses.replace(ok, signaled=False), ok])
-    assert [c.status for c in _completions(qp, 3)] == [
+    assert [c.status for c in completions(qp, 3)] == [
         WcStatus.REM_ACCESS_ERR,
         WcStatus.WR_FLUSH_ERR,
         WcStatus.WR_FLUSH_ERR,
@@ -190,7 +194,7 @@ def test_fake_completes_only_signaled_wrs_on_another_thread_after_the_copy():
     qp.post_reads(_chain(src, dst, readable, writable))
     assert qp.poll(16) == [] and not dst.any()
     fabric.unthrottle()
-    (wc,) = _completions(qp, 1)
+    (wc,) = completions(qp, 1)
     assert wc.wr_id == 4 and wc.ok  # the last, signaled WR only
     np.testing.assert_array_equal(dst, src)  # and it completed after every copy ran
     assert fabric.wait_idle() and qp.poll(16) == []
@@ -200,7 +204,7 @@ def test_fake_completes_only_signaled_wrs_on_another_thread_after_the_copy():
     a, b, qp = _pair(fabric, sq_sig_all=True)
     src, dst, readable, writable = _buffers(fabric, a, b)
     qp.post_reads(_chain(src, dst, readable, writable))
-    assert [c.wr_id for c in _completions(qp, 4)] == [1, 2, 3, 4]
+    assert [c.wr_id for c in completions(qp, 4)] == [1, 2, 3, 4]
 
 
 def test_waiting_for_the_first_completion_of_a_sig_all_batch_reads_pages_in_flight():
@@ -212,12 +216,12 @@ def test_waiting_for_the_first_completion_of_a_sig_all_batch_reads_pages_in_flig
     src, dst, readable, writable = _buffers(fabric, a, b)
     fabric.throttle(1)  # the HCA is slower than the waiter: one WR done, three in flight
     qp.post_reads(_chain(src, dst, readable, writable))
-    first = _completions(qp, 1)
+    first = completions(qp, 1)
     assert [(c.wr_id, c.ok) for c in first] == [(1, True)]
     pages = dst.reshape(4, PB)
     assert np.array_equal(pages[0], src[:PB]) and not pages[1:].any()  # stale data
     fabric.unthrottle()
-    assert [c.wr_id for c in _completions(qp, 3)] == [2, 3, 4]
+    assert [c.wr_id for c in completions(qp, 3)] == [2, 3, 4]
     np.testing.assert_array_equal(dst, src)
 
 
@@ -231,9 +235,9 @@ def test_send_queue_overflow_fails_like_ibv_post_send():
     extra = dataclasses.replace(chain[-1], wr_id=9)
     with pytest.raises(VerbsError, match=r"ENOMEM.*max_send_wr 4.*posted 0 of 1"):
         qp.post_reads([extra])
-    assert len(_completions(qp, 1)) == 1  # the signaled WR retires the whole chain
+    assert len(completions(qp, 1)) == 1  # the signaled WR retires the whole chain
     qp.post_reads([extra])
-    assert [c.wr_id for c in _completions(qp, 1)] == [9]
+    assert [c.wr_id for c in completions(qp, 1)] == [9]
     # Unsignaled WRs alone never free their slots: the queue fills up and stays full.
     unsignaled = _chain(src, dst, readable, writable, first_id=20, last_signaled=False)
     with pytest.raises(VerbsError, match="posted 4 of 5"):
@@ -263,7 +267,7 @@ def test_fake_qp_state_machine_and_responder_checks():
 
     def read_status(q):
         q.post_reads(wr)
-        return _completions(q, 1)[0].status, fabric.errors[-1]
+        return completions(q, 1)[0].status, fabric.errors[-1]
 
     # The responder never left INIT: its HCA drops the requests and the requester gives up.
     qb.to_init(Access.REMOTE_READ)
@@ -295,48 +299,6 @@ def test_fake_qp_state_machine_and_responder_checks():
 
 
 # ---- transport against a source server -----------------------------------------------------------
-
-
-class Setup:
-    def __init__(
-        self,
-        missing=(),
-        with_rdma_source=True,
-        config: RdmaConfig | None = None,
-        max_send_wr: int = 64,
-        token: str | None = None,
-        identities: Identities | None = None,
-        source_cls: type[RdmaSource] = RdmaSource,
-        transport_cls: type[RdmaTransport] = RdmaTransport,
-        src_backend_cls: type[FakeVerbsBackend] = FakeVerbsBackend,
-        dst_backend_cls: type[FakeVerbsBackend] = FakeVerbsBackend,
-    ) -> None:
-        self.fabric = FakeFabric()
-        self.src_region = np.empty(PAGES * PB, dtype=np.uint8)
-        fill_pattern(self.src_region.reshape(PAGES, PB))
-        self.keys = pattern_keys(PAGES)
-        slots = {k: i for i, k in enumerate(self.keys) if i not in set(missing)}
-        self.source = SlabPageSource(NS, self.src_region, PB, slots)
-        self.server = DataServer(self.source, token=token, identities=identities).start()
-        self.src_backend = src_backend_cls(self.fabric, max_send_wr)
-        if with_rdma_source:
-            self.rdma_source = source_cls(self.src_backend, self.source)
-            self.rdma_source.install(self.server)
-        self.dst_backend = dst_backend_cls(self.fabric, max_send_wr)
-        self.rdma = transport_cls(
-            self.dst_backend, config or RdmaConfig(chain=4, chains_in_flight=2)
-        )
-        self.dst = np.zeros((PAGES, PB), dtype=np.uint8)
-        self.rdma.register_local(self.dst.reshape(-1))
-
-    def views(self, order=None):
-        order = range(PAGES) if order is None else order
-        return [memoryview(self.dst[i]) for i in order]
-
-    def close(self) -> None:
-        self.fabric.unthrottle()
-        self.rdma.close()
-        self.server.stop()
 
 
 @pytest.fixture
@@ -382,7 +344,7 @@ class PreFixTransport(RdmaTransport):
     completion naming any of its WRs. Right only while nothing but a chain's last WR completes,
     which a QP created with sq_sig_all (pyverbs' default) does not guarantee."""
 
-    def _read(self, session, segments, rkey, lkeys, results):
+    def _read(self, session, segments, lkeys, results):
         chains = chain_segments(segments, self.config.chain)
         in_flight: dict[int, list] = {}
         owner_of: dict[int, int] = {}
@@ -395,7 +357,7 @@ class PreFixTransport(RdmaTransport):
                         seg.local_addr,
                         lkeys[seg.entries[0]],
                         seg.remote_addr,
-                        rkey,
+                        seg.rkey,
                         seg.length,
                         k == len(chain) - 1,
                     )
@@ -426,8 +388,11 @@ def test_pre_fix_completion_rule_returns_while_pages_are_in_flight():
         assert [r.outcome for r in res] == [Outcome.OK] + [Outcome.DATA_LOSS] * 3
         assert not s.dst[:3].any()  # what it checked: pages still being written
         s.fabric.unthrottle()
-        assert s.fabric.wait_idle()  # they land after the fetch has returned
-        np.testing.assert_array_equal(s.dst[:4][::-1], s.src_region.reshape(PAGES, PB)[:4])
+        assert s.fabric.wait_idle()
+        # Its RDMA_RELEASE came while they were in flight, and the source invalidated the
+        # windows: they fail at the source instead of landing after the fetch returned.
+        assert not s.dst[:3].any()
+        assert s.fabric.errors and "REM_ACCESS_ERR" in s.fabric.errors[0]
     finally:
         s.close()
 
@@ -496,13 +461,22 @@ def test_fetch_moves_every_byte_through_a_slow_asynchronous_hca(backend_cls):
 
 
 class LkeyForRkeySource(RdmaSource):
-    def region_mr(self, namespace):
-        mr = super().region_mr(namespace)
-        return dataclasses.replace(mr, rkey=mr.lkey)
+    def _open_windows(self, conn, lease, offsets, page_bytes):
+        rkeys = super()._open_windows(conn, lease, offsets, page_bytes)
+        return np.where(rkeys != 0, lease.mr.lkey, 0)
 
 
-class UnreadableRegionSource(RdmaSource):
-    mr_access = Access.LOCAL_WRITE
+class RegionRkeySource(RdmaSource):
+    """Hands out the rkey of the region itself (registered without REMOTE_READ), as the
+    source did before memory windows, with REMOTE_READ on the region."""
+
+    def _open_windows(self, conn, lease, offsets, page_bytes):
+        rkeys = super()._open_windows(conn, lease, offsets, page_bytes)
+        return np.where(rkeys != 0, lease.mr.rkey, 0)
+
+
+class UnreadableWindowSource(RdmaSource):
+    mw_access = 0
 
 
 class UnreadableQpSource(RdmaSource):
@@ -527,17 +501,17 @@ class StuckBackend(FakeVerbsBackend):
     "kwargs, status, cause",
     [
         ({"source_cls": LkeyForRkeySource}, "REM_ACCESS_ERR", "is not the peer's"),
-        ({"source_cls": UnreadableRegionSource}, "REM_ACCESS_ERR", "region lacks REMOTE_READ"),
+        ({"source_cls": RegionRkeySource}, "REM_ACCESS_ERR", "region lacks REMOTE_READ"),
+        ({"source_cls": UnreadableWindowSource}, "REM_ACCESS_ERR", "window lacks REMOTE_READ"),
         ({"source_cls": UnreadableQpSource}, "REM_ACCESS_ERR", "peer QP lacks REMOTE_READ"),
         ({"transport_cls": ReadOnlyDestination}, "LOC_PROT_ERR", "lacks LOCAL_WRITE"),
-        ({"src_backend_cls": StuckBackend}, "RETRY_EXC_ERR", "peer QP is in INIT"),
     ],
     ids=[
         "lkey-as-rkey",
-        "region-no-remote-read",
+        "region-rkey",
+        "window-no-remote-read",
         "qp-no-remote-read",
         "no-local-write",
-        "peer-qp-in-init",
     ],
 )
 def test_wrong_key_flag_or_qp_state_fails_entries_with_a_clear_reason(kwargs, status, cause):
@@ -550,6 +524,22 @@ def test_wrong_key_flag_or_qp_state_fails_entries_with_a_clear_reason(kwargs, st
         assert cause in s.fabric.errors[0]
         assert s.server.address not in s.rdma._sessions  # the broken session was dropped
         assert s.source.pins == 0
+    finally:
+        s.close()
+
+
+def test_source_qp_not_in_rts_cannot_bind_windows_and_hangs_up():
+    # A responder QP short of RTS would only time the READs out (RETRY_EXC_ERR, see the fake's
+    # own test); the source cannot even post its window binds, and says so.
+    s = Setup(src_backend_cls=StuckBackend)
+    try:
+        res = s.rdma.fetch(s.server.address, NS, s.keys[:8], s.views()[:8])
+        assert {r.outcome for r in res} == {Outcome.UNAVAILABLE}
+        assert res[0].reason.startswith("source cannot open memory windows: ibv_post_send")
+        assert "is INIT, not RTS" in res[0].reason
+        assert s.fabric.reads_posted == 0
+        assert wait_until(lambda: s.source.pins == 0)  # the source hung up and unpinned
+        assert s.src_backend.bound_windows() == 0 and not s.src_backend.windows
     finally:
         s.close()
 
@@ -827,6 +817,22 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         def set_wr_rdma(self, rkey, addr):
             self.rdma = (rkey, addr)
 
+        def set_bind_wr(self, mw, bind_info):  # as pyverbs: the new key is inc_rkey(mw.rkey)
+            self.bind = (mw, bind_info)
+            self.rkey = (mw.rkey & ~0xFF) | ((mw.rkey + 1) & 0xFF)
+
+    class MR(_Rec):
+        lkey, rkey = 0x11, 0x22
+
+        def close(self):
+            calls.setdefault("closed", []).append(self)
+
+    class MW(_Rec):
+        rkey = 0x3300
+
+        def close(self):
+            calls.setdefault("closed", []).append(self)
+
     class CQ(_Rec):
         def poll(self, num_entries=1):
             return 0, []
@@ -839,6 +845,9 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         "IBV_SEND_SIGNALED": 2,
         "IBV_WR_RDMA_READ": 4,
         "IBV_ACCESS_REMOTE_READ": 4,
+        "IBV_WR_LOCAL_INV": 7,
+        "IBV_WR_BIND_MW": 8,
+        "IBV_MW_TYPE_2": 2,
     }
     contents = {
         "pyverbs": {},
@@ -846,7 +855,7 @@ def _stub_pyverbs(calls: dict) -> dict[str, types.ModuleType]:
         "pyverbs.enums": enums,
         "pyverbs.addr": {"GID": _Rec, "AHAttr": _Rec, "GlobalRoute": _Rec},
         "pyverbs.cq": {"CQ": CQ},
-        "pyverbs.mr": {"MR": _Rec},
+        "pyverbs.mr": {"MR": MR, "MW": MW, "MWBindInfo": _Rec},
         "pyverbs.pd": {"PD": _Rec},
         "pyverbs.pyverbs_error": {"PyverbsError": PyverbsError},
         "pyverbs.qp": {"QP": QP, "QPAttr": QPAttr, "QPCap": _Rec, "QPInitAttr": _Rec},
@@ -900,6 +909,26 @@ def test_pyverbs_backend_signals_like_the_fake(monkeypatch):
         assert [w.kwargs["wr_id"] for w in chain] == [10, 11, 12]
         assert [w.kwargs["send_flags"] for w in chain] == [0, 0, 2]
         assert [w.rdma for w in chain] == [(2, 0x9000), (2, 0x9001), (2, 0x9002)]
+
+        # Memory windows as rdma-core's pyverbs tests bind and invalidate them (test_mr.py).
+        backend._mrs, backend._mws, backend._lock = {}, {}, threading.Lock()
+        backend._mw_ids = iter(range(1, 100))
+        mr = backend.register(0x5000, 4 * 64, Access.MW_BIND)
+        window = backend.alloc_mw()
+        assert calls.get("closed") is None and window.rkey == 0x3300
+        bind = BindWr(20, window, mr, 0x5040, 128, Access.REMOTE_READ, False)
+        qp.post_send([bind, InvalidateWr(21, 0x3301, True)])
+        first, second = stub.posted[-1], stub.posted[-1].kwargs["next_wr"]
+        assert first.kwargs["opcode"] == 8 and first.kwargs["send_flags"] == 0
+        mw_stub, info = first.bind
+        assert isinstance(mw_stub, backend._mws[window.handle].__class__)
+        assert info.args[1:] == (0x5040, 128, Access.REMOTE_READ)
+        assert window.rkey == 0x3301  # the key the peer will use
+        assert second.kwargs["opcode"] == 7 and second.kwargs["send_flags"] == 2
+        assert second.imm_data == 0x3301  # ibv_send_wr.invalidate_rkey shares imm_data's union
+        backend.dealloc_mw(window)
+        backend.deregister(mr)
+        assert len(calls["closed"]) == 2 and not backend._mws and not backend._mrs
     finally:
         import messenger
 
