@@ -50,6 +50,7 @@ class _Request:
     saved_pages: int = 0
     load: tuple[int, int] | None = None  # (first token, end token) offered to vLLM
     pulling: str = ""  # the messenger batch bringing its pages from another node
+    pulled: bool = False  # it had its pull: a request vLLM retries (the pull failed) computes
 
 
 class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
@@ -149,6 +150,8 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         """Tokens another node holds beyond this node's ``hit`` pages, now being pulled into
         this node (``load_async``); 0: none, or no pool. One Locate (its own short deadline)
         and one SubmitTransfer; any failure is a miss."""
+        if st.pulled:
+            return 0  # one pull per request: after a failed one, vLLM computes what it lacks
         pool = self._remote_pool()
         if pool is None or self._ranks is None or len(self._ranks) != 1:
             return 0  # NOTE: multi-rank engines load only from their own node for now
@@ -164,6 +167,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             if end <= max(computed, hit * bt):
                 return 0
             st.pulling = pool.pull(self.namespace, st.keys[hit : -(-end // bt)], source)
+            st.pulled = True
         except KVCacheRpcError as e:
             log.info("kvcache pool lookup failed (%s); this node's hit only", e)
             return 0

@@ -44,7 +44,7 @@ class ConnectorStats:
     remote_pulls: int = 0  # requests whose pages were pulled from another node (the pool)
     remote_lookup_s: float = 0.0  # the conductor's Locate and the SubmitTransfer
     remote_wait_s: float = 0.0  # worker: waiting for pulls (in the background)
-    remote_failed: int = 0  # pulls that did not finish in time (their pages recomputed)
+    remote_failed: int = 0  # pulls that did not bring every page in time (the rest recomputed)
 
 
 STATS = ConnectorStats()

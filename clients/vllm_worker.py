@@ -295,17 +295,19 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                     messenger, self.config.token, self.config.tls_ca_file
                 )
             timeout_s = self.config.pull_timeout_s
-            done = False
+            done = whole = False
             try:
                 status = waiter.status(batch_id, wait=True, timeout_s=timeout_s)
-                done = status.finished
+                done, whole = status.finished, status.finished and not status.failed
                 if not done:
                     waiter.cancel(batch_id)
             except KVCacheRpcError as e:
                 log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
             self.stats.remote_wait_s += time.perf_counter() - t0
+            if not whole:
+                self.stats.remote_failed += 1  # what did arrive is loaded, the rest computed
             if not done:
-                self.stats.remote_failed += 1
+                self.stats.load_failed_blocks += len(t.vblocks)
                 self._failed(t.vblocks)
                 return
             step = _Step(self, KVCacheConnectorMetadata(loads=[t]))  # Acquire: a leading run
@@ -313,6 +315,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
             step.finish()  # Release
         except Exception:  # noqa: BLE001 - the request must never wait forever
             log.exception("kvcache load of pulled pages for %s failed", req_id)
+            self.stats.load_failed_blocks += len(t.vblocks)
             self._failed(t.vblocks)
         finally:
             with self._lock:

@@ -33,6 +33,16 @@ TOKENS = [int(x) for x in np.random.default_rng(3).integers(1, 500, 6 * BT + 7)]
 # ---- the breaker: no vLLM needed ----------------------------------------------------------------
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of the process is stopped (state T): a signal's delivery is asynchronous."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    states = []
+    for tid in tasks:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s == "T" for s in states)
+
+
 def test_a_node_that_hangs_costs_one_deadline_then_no_calls_until_it_answers(start_node):
     node = start_node()
     clients = [KVStoreClient(node.address, timeout_s=0.3, use_shm=False) for _ in range(2)]
@@ -73,6 +83,7 @@ def test_a_node_that_answered_fast_and_then_hangs_is_given_up_on_long_before_the
                 guard.call(lookup)
             assert guard.breaker.latency.deadline() < 60
             os.kill(node.pid, signal.SIGSTOP)
+            wait_until(lambda: stopped(node.pid), 10, "the node to be stopped")
             t0 = time.monotonic()
             with pytest.raises(KVCacheRpcError) as e:
                 guard.call(lookup)

@@ -5,6 +5,9 @@ waits (vLLM's WAITING_FOR_REMOTE_KVS), and loaded from there."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from test_vllm_connector_cases import BT, LAYOUT_FLAG, MODEL, PROMPT, tokens
 
@@ -111,9 +114,9 @@ def test_a_pool_whose_conductor_is_gone_costs_a_miss(model, cluster, work):
 
 
 def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(model, work):
-    """The source's messenger stalls the stream (test-only fault injection): the request waits
-    ``pull_timeout_s``, the pull is cancelled, its blocks are load errors, and vLLM computes
-    them: the same tokens as the engine that computed the prompt, no hang."""
+    """The source's messenger hangs (SIGSTOP) once the conductor indexed its node's pages: the
+    request waits ``pull_timeout_s``, the pull is cancelled, its blocks are load errors, and
+    vLLM computes them: the same tokens as the engine that computed the prompt, no hang."""
     procs = []
 
     def start(*args: str):
@@ -121,22 +124,20 @@ def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(mode
         procs.append(sp)
         return sp
 
-    release = work / "release-stall"
+    messengers = {}
     try:
         conductor = start("conductor", "--listen", "127.0.0.1:0")
         nodes = {}
-        for node_id, faults in (
-            ("C", ["--fault-stall-after", "1", "--fault-stall-s", "300",
-                   "--fault-stall-until", str(release)]),
-            ("D", []),
-        ):  # fmt: skip
+        for node_id in ("C", "D"):
             messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
             nodes[node_id] = start(
                 "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
                 "--node-id", node_id, "--messenger", messenger_at,
                 "--conductor", conductor.address,
             )  # fmt: skip
-            start("messenger", "--node", nodes[node_id].address, "--listen", messenger_at, *faults)
+            messengers[node_id] = start(
+                "messenger", "--node", nodes[node_id].address, "--listen", messenger_at
+            )
         with Engine(model, {"node": nodes["C"].address}, log_path=str(work / "c.log")) as e:
             (first,) = e.generate([PROMPT])
         keys = first["kvcache"]
@@ -146,6 +147,7 @@ def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(mode
             wait_until(
                 lambda: c.locate(keys["namespace"], keys=chain).get("C") == 4, 30, "the index"
             )
+        os.kill(messengers["C"].pid, signal.SIGSTOP)
         pool = {"node": nodes["D"].address, "conductor": conductor.address, "pull_timeout_s": 1}
         with Engine(model, pool, log_path=str(work / "d.log")) as e:
             (out,) = e.generate([PROMPT])
@@ -154,6 +156,7 @@ def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(mode
         assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 1
         assert stats["load_failed_blocks"] > 0
     finally:
-        release.touch()
+        if "C" in messengers:
+            os.kill(messengers["C"].pid, signal.SIGCONT)
         for sp in reversed(procs):
             sp.stop()
