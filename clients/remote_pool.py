@@ -38,7 +38,7 @@ class RemotePool:
 
     def __init__(
         self,
-        conductor: str,
+        conductor: str | None,
         messenger: str,
         node_id: str,
         token: str | None,
@@ -46,7 +46,11 @@ class RemotePool:
         timeout_s: float,
         pull_timeout_s: float,
     ) -> None:
-        self.conductor = ConductorClient(conductor, token, tls_ca_file, timeout_s=timeout_s)
+        self.conductor = (
+            ConductorClient(conductor, token, tls_ca_file, timeout_s=timeout_s)
+            if conductor
+            else None
+        )
         self.messenger = MessengerClient(messenger, token, tls_ca_file, timeout_s=timeout_s)
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
@@ -56,7 +60,10 @@ class RemotePool:
 
     def find(self, namespace: str, keys: list[bytes], local: int) -> tuple[int, str] | None:
         """(pages, source messenger) of the node that holds the most leading pages of ``keys``
-        beyond ``local`` (what this engine's node holds); None when no other holds more."""
+        beyond ``local`` (what this engine's node holds); None when no other holds more, or
+        without a conductor."""
+        if self.conductor is None:
+            return None
         held = self.conductor.locate(namespace, keys=keys)
         best = max(
             ((n, node) for node, n in held.items() if node != self.node_id and n > local),
@@ -72,6 +79,7 @@ class RemotePool:
             fresh = time.monotonic() - self._nodes_at < NODES_TTL_S
             if fresh and node_id in self._nodes:
                 return self._nodes[node_id]
+        assert self.conductor is not None
         nodes = messengers(self.conductor)
         with self._lock:
             self._nodes, self._nodes_at = nodes, time.monotonic()
@@ -94,5 +102,6 @@ class RemotePool:
             return False
 
     def close(self) -> None:
-        self.conductor.close()
+        if self.conductor is not None:
+            self.conductor.close()
         self.messenger.close()

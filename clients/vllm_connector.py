@@ -54,6 +54,12 @@ another node holds more of is pulled into this node and loaded while the request
 default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100),
 ``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
 default 10). Pulls are for single-rank engines (TP = PP = 1) for now.
+
+vLLM's own P/D flow (its disaggregated proxy, llm-d's routing sidecar): a prefill request whose
+``kv_transfer_params`` carry ``do_remote_decode`` answers with ``do_remote_prefill``, its node's
+messenger (``kvcache_messenger``) and the pages it stored (``kvcache_pages``); a decode engine
+given those params pulls the pages into its own node and loads them as above (no conductor
+needed; each engine learns its node's messenger from the node).
 """
 
 from __future__ import annotations
@@ -189,6 +195,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         # pulls it waits for in the background and the requests whose pages it then loaded
         self._pool: RemotePool | None = None
         self._pool_retry_at = 0.0
+        self._messenger_of_node: str | None = None
         self._remote_loads: list[tuple[str, str, str, _Transfer]] = []
         self._pulls: ThreadPoolExecutor | None = None
         self._waiters: dict[str, MessengerClient] = {}

@@ -75,6 +75,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _remote_loads: list[tuple[str, str, str, _Transfer]]
     _pool: RemotePool | None
     _pool_retry_at: float
+    _messenger_of_node: str | None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
@@ -136,8 +137,17 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         # vLLM must compute at least the last prompt token; offers are whole vLLM blocks.
         last = (len(st.tokens) - 1) // self.vblock_tokens * self.vblock_tokens
         end = min(hit * self.layout.block_tokens, last)
-        if hit * self.layout.block_tokens < last:
-            remote = self._pull_from_pool(request.request_id, st, hit, last, num_computed_tokens)
+        # vLLM's P/D flow: the prefill engine's answer named its node's messenger (and how many
+        # pages it stored); else the pool's index, with a conductor.
+        params = request.kv_transfer_params or {}
+        source = (
+            str(params.get("kvcache_messenger") or "") if params.get("do_remote_prefill") else ""
+        )
+        if hit * self.layout.block_tokens < last and (source or self.config.conductor):
+            stored = params.get("kvcache_pages") if source else None
+            remote = self._pull_from_pool(
+                request.request_id, st, hit, last, num_computed_tokens, source, stored
+            )
             if remote:
                 return remote, True
         if end <= num_computed_tokens:
@@ -146,10 +156,20 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         st.load = (num_computed_tokens, end)
         return end - num_computed_tokens, False
 
-    def _pull_from_pool(self, req_id: str, st: _Request, hit: int, last: int, computed: int) -> int:
+    def _pull_from_pool(
+        self,
+        req_id: str,
+        st: _Request,
+        hit: int,
+        last: int,
+        computed: int,
+        source: str = "",
+        stored: Any = None,
+    ) -> int:
         """Tokens another node holds beyond this node's ``hit`` pages, now being pulled into
-        this node (``load_async``); 0: none, or no pool. One Locate (its own short deadline)
-        and one SubmitTransfer; any failure is a miss."""
+        this node (``load_async``); 0: none, or no pool. One Locate (its own short deadline),
+        or none for a ``source`` messenger a prefill engine named (``stored``: its pages), and
+        one SubmitTransfer; any failure is a miss."""
         if st.pulled:
             return 0  # one pull per request: after a failed one, vLLM computes what it lacks
         pool = self._remote_pool()
@@ -159,7 +179,11 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         bt = self.layout.block_tokens
         t0 = time.perf_counter()
         try:
-            found = pool.find(self.namespace, st.keys[: last // bt + 1], hit)
+            if source:
+                pages = len(st.keys) if not isinstance(stored, int) else min(stored, len(st.keys))
+                found: tuple[int, str] | None = (pages, source)
+            else:
+                found = pool.find(self.namespace, st.keys[: last // bt + 1], hit)
             if found is None:
                 return 0
             pages, source = found
@@ -178,17 +202,17 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         return end - computed
 
     def _remote_pool(self) -> RemotePool | None:
-        """The pool, made on first use (the node names itself and its messenger); None without
-        a conductor, or for ``retry_s`` after it could not be made."""
-        if self.config.conductor is None or not self.loads:
+        """The pool, made on first use (the node names itself and its messenger); None for
+        ``retry_s`` after it could not be made."""
+        if not self.loads:
             return None
         if self._pool is not None or time.monotonic() < self._pool_retry_at:
             return self._pool
         try:
             info = self.guard.call(self.client.info)
             timeout_s = self.config.remote_timeout_ms / 1000
-            messenger = self.config.messenger or ""
-            if not messenger:
+            messenger = self.config.messenger or info.messenger_address
+            if not messenger and self.config.conductor:
                 with ConductorClient(
                     self.config.conductor, self.config.token, self.config.tls_ca_file, timeout_s
                 ) as c:
@@ -294,12 +318,38 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         engine's salt (that of requests without cache_salt, LoRA or multimodal inputs)."""
         st = self._reqs.pop(request.request_id, None)
         asked = request.kv_transfer_params or {}
-        if st is None or not asked.get("kvcache_keys") or self._ranks is None:
+        if st is None or self._ranks is None:
             return False, None
-        salts = {"salt": st.salt.hex(), "engine": self._engine_salt.hex()}
-        # ranks: each rank's keys are the chain's derived with its tag (vllm_identity.rank_keys)
-        ranks = [r.tag for r in self._ranks if r.tag]
-        return False, {"kvcache": {"namespace": self.namespace, **salts, "ranks": ranks}}
+        out: dict[str, Any] = {}
+        if asked.get("do_remote_decode") and self.saves:
+            # vLLM's P/D flow (its proxy, llm-d): the decode engine's connector pulls the pages
+            # this engine stored from its node's messenger (clients.remote_pool).
+            messenger = self._own_messenger()
+            if messenger:
+                out.update(
+                    do_remote_prefill=True,
+                    do_remote_decode=False,
+                    kvcache_messenger=messenger,
+                    kvcache_pages=st.saved_pages,
+                )
+        if asked.get("kvcache_keys"):
+            salts = {"salt": st.salt.hex(), "engine": self._engine_salt.hex()}
+            # ranks: each rank's keys are the chain's derived with its tag (rank_keys)
+            ranks = [r.tag for r in self._ranks if r.tag]
+            out["kvcache"] = {"namespace": self.namespace, **salts, "ranks": ranks}
+        return False, out or None
+
+    def _own_messenger(self) -> str:
+        """This engine's node's messenger ('messenger', else the one the node names)."""
+        if self.config.messenger:
+            return self.config.messenger
+        if self._messenger_of_node is None:
+            try:
+                self._messenger_of_node = self.guard.call(self.client.info).messenger_address
+            except KVCacheRpcError as e:
+                log.warning("kvcache: cannot ask the node for its messenger (%s)", e)
+                return ""
+        return self._messenger_of_node
 
     def _request(self, request: "Request") -> _Request | None:
         st = self._reqs.get(request.request_id)

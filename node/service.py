@@ -144,6 +144,7 @@ class NodeServicer(pbg.NodeServiceServicer):
             hostname=socket.gethostname(),
             pid=os.getpid(),
             session_socket=self.node.sessions.socket_name if self.node.sessions else "",
+            messenger_address=self.node.config.messenger,
         )
 
     @observed

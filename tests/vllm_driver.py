@@ -107,8 +107,9 @@ class Engine:
         return "\n".join(tails)
 
     def generate(self, prompts: list, max_tokens: int = 8) -> list[dict]:
-        """Greedy outputs; a prompt is token ids or ``{"tokens", "cache_salt", "lora", "image"}``
-        (``image``: the seed of a random image, for a multimodal model)."""
+        """Greedy outputs; a prompt is token ids or ``{"tokens", "cache_salt", "lora", "image",
+        "kv_transfer_params"}`` (``image``: the seed of a random image, for a multimodal model;
+        ``kv_transfer_params``: the request's, as vLLM's P/D proxies send them)."""
         items = [p if isinstance(p, dict) else {"tokens": p} for p in prompts]
         return self._call({"op": "generate", "prompts": items, "max_tokens": max_tokens})["outputs"]
 
@@ -207,11 +208,17 @@ def _generate(llm: Any, spec: dict, cmd: dict) -> dict:
 
     loras = spec.get("loras") or {}
     ids = {name: i + 1 for i, name in enumerate(sorted(loras))}
-    params = SamplingParams(
-        max_tokens=cmd["max_tokens"],
-        temperature=0,
-        extra_args={"kv_transfer_params": {"kvcache_keys": True}},
-    )
+
+    def sampling(extra: dict[str, Any]) -> Any:
+        return SamplingParams(
+            max_tokens=cmd["max_tokens"],
+            temperature=0,
+            extra_args={"kv_transfer_params": {"kvcache_keys": True, **extra}},
+        )
+
+    params: Any = sampling({})
+    if any(p.get("kv_transfer_params") for p in cmd["prompts"]):
+        params = [sampling(p.get("kv_transfer_params") or {}) for p in cmd["prompts"]]
     prompts, lora_requests = [], []
     for p in cmd["prompts"]:
         prompt: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
@@ -231,6 +238,7 @@ def _generate(llm: Any, spec: dict, cmd: dict) -> dict:
                 "tokens": list(o.outputs[0].token_ids),
                 "cached": o.num_cached_tokens or 0,
                 "kvcache": (o.kv_transfer_params or {}).get("kvcache"),
+                "kv_transfer_params": o.kv_transfer_params,
             }
             for o in res
         ]
