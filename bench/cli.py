@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bench.micro.vllm_ttft",
         "vLLM TTFT with the prefix loaded from kvcache vs recomputed",
     ),
+    "pool": (
+        "bench.micro.pool_ttft",
+        "vLLM TTFT of a prefix another node holds (pulled, loaded) vs a local hit vs recomputed",
+    ),
     "serve": (
         "bench.replay.serve",
         "the trace through the router and vLLM engines: modes x policies x rates, goodput",
