@@ -54,13 +54,20 @@ def engine(model: str, connector: dict[str, Any] | None, runs: list[dict[str, An
     return json.loads(proc.stdout.strip().splitlines()[-1])["runs"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind")
     parser.add_argument("--work", default=None, help="model and logs (default: a temp dir)")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     work = args.work or tempfile.mkdtemp(prefix="kvcache-pool-ttft-")
     shape = MODELS[args.shape]
     model = os.path.join(work, f"{args.shape}-llama")
