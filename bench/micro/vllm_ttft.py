@@ -5,8 +5,12 @@ For each model (random weights, made here): a node serving its layout; engine A 
 a fresh engine B (prefix caching off, so every request asks the connector) generates one token
 for it ``--reps`` times, loading the prefix from kvcache each time; a plain engine recomputes it
 ``--reps`` times. Then both engines prefill ``--reps`` fresh prompts: the store's overhead on a
-cold prefill. Each engine runs in a process of its own (``bench.engines.vllm_engine``). The first
-generate of each engine is a warm-up on an unrelated prompt and is not counted.
+cold prefill. Last, ``--reps`` prompts whose first half is the stored prompt's and whose rest is
+new: engine B loads the half and stores the rest in the same engine step, the plain engine
+computes all of it. Each phase also reports the connector's time per engine step
+(``ConnectorStats.step_s / steps``). Each engine runs in a process of its own
+(``bench.engines.vllm_engine``). The first generate of each engine is a warm-up on an unrelated
+prompt and is not counted.
 
 Models: ``tiny`` (2 layers, hidden 128: LMCache's peer model, where a hit can at best match a
 ~20 ms recompute) and ``100m`` (12 layers, hidden 768, about 100M parameters: prefill dominates).
@@ -54,6 +58,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=os.path.join("..", "shared", "peers"),
         help="the peer benchmark folder (default ../shared/peers)",
     )
+    parser.add_argument(
+        "--overlap",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="the connector's overlap setting (auto: on GPUs only)",
+    )
     parser.add_argument("--work", default=None, help="where models and logs go (default: temp)")
     parser.add_argument("--out", default="out/bench", help="directory for vllm.json")
 
@@ -96,6 +106,9 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     fresh = [prompt() for _ in range(args.reps)]
     one = [{"prompts": [shared], "max_tokens": 1}] * args.reps
     cold = [{"prompts": [p], "max_tokens": 1} for p in fresh]
+    # the stored prompt's first half (whole blocks), then new tokens: a load and a save per step
+    half = prompt_len // 2 // args.block_tokens * args.block_tokens
+    mixed = [{"prompts": [shared[:half] + prompt()[half:]], "max_tokens": 1} for _ in fresh]
     warmup = [{"prompts": [warm], "max_tokens": 1}]
     base = {
         "model": model,
@@ -108,32 +121,42 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         log_dir=work,
     )
     try:
-        conn = {"node": node.address}
+        conn: dict[str, Any] = {"node": node.address}
+        if args.overlap != "auto":
+            conn["overlap"] = args.overlap == "true"
         print(f"[{name}] engine A stores a {prompt_len}-token prompt", flush=True)
         stored = _engine(
             {**base, "connector": conn, "runs": [{"prompts": [shared], "max_tokens": 8}]},
             os.path.join(work, f"{name}-A.log"),
         )
         print(
-            f"[{name}] engine B: {args.reps} hits, then {args.reps} cold prefills with the store",
+            f"[{name}] engine B: {args.reps} hits, {args.reps} cold prefills with the store, "
+            f"{args.reps} half hits",
             flush=True,
         )
         hit = _engine(
-            {**base, "connector": conn, "runs": warmup + one + cold},
+            {**base, "connector": conn, "runs": warmup + one + cold + mixed},
             os.path.join(work, f"{name}-B.log"),
         )
         print(
-            f"[{name}] plain engine: {args.reps} recomputes, {args.reps} cold prefills", flush=True
+            f"[{name}] plain engine: {args.reps} recomputes, {args.reps} cold prefills, "
+            f"{args.reps} half-new prompts",
+            flush=True,
         )
         plain = _engine(
-            {**base, "runs": warmup + one + cold + [{"prompts": [shared], "max_tokens": 8}]},
+            {
+                **base,
+                "runs": warmup + one + cold + mixed + [{"prompts": [shared], "max_tokens": 8}],
+            },
             os.path.join(work, f"{name}-plain.log"),
         )
     finally:
         node.stop()
     r = args.reps
-    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r :]
+    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r : 1 + 2 * r]
+    hit_mixed = hit["runs"][1 + 2 * r :]
     plain_runs, plain_cold = plain["runs"][1 : 1 + r], plain["runs"][1 + r : 1 + 2 * r]
+    plain_mixed = plain["runs"][1 + 2 * r : 1 + 3 * r]
     reference = plain["runs"][-1]["outputs"][0]["tokens"]
     after_hits, before_hits = hit_runs[-1]["stats"], hit["runs"][0]["stats"]
     n_loads = max(after_hits["lookups"] - before_hits["lookups"], 1)
@@ -146,10 +169,18 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     def per_cold(field: str) -> float:
         return (after_cold[field] - after_hits[field]) / r * 1e3
 
+    def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+        """The connector's worker time per engine step (ms), and what it spent on the node."""
+        steps = max(after["steps"] - before["steps"], 1)
+        keys = ("step_s", "acquire_s", "allocate_s", "finish_s")
+        return {k[:-2]: (after[k] - before[k]) / steps * 1e3 for k in keys}
+
     hit_s = statistics.median(x["seconds"] for x in hit_runs)
     rec_s = statistics.median(x["seconds"] for x in plain_runs)
     cold_store = statistics.median(x["seconds"] for x in hit_cold)
     cold_plain = statistics.median(x["seconds"] for x in plain_cold)
+    mixed_store = statistics.median(x["seconds"] for x in hit_mixed)
+    mixed_plain = statistics.median(x["seconds"] for x in plain_mixed)
     return {
         "model": name,
         "params_m": _params(shape) / 1e6,
@@ -163,6 +194,15 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "cold_store_ms": cold_store * 1e3,
         "cold_plain_ms": cold_plain * 1e3,
         "store_ratio": cold_store / cold_plain,
+        "mixed_loaded_tokens": hit_mixed[0]["outputs"][0]["cached"],
+        "mixed_store_ms": mixed_store * 1e3,
+        "mixed_plain_ms": mixed_plain * 1e3,
+        "mixed_ratio": mixed_store / mixed_plain,
+        "step_ms": {
+            "hit": per_step(before_hits, after_hits),
+            "cold": per_step(after_hits, after_cold),
+            "mixed": per_step(after_cold, hit_mixed[-1]["stats"]),
+        },
         "breakdown_ms": {
             "lookup": per_hit("lookup_s"),
             "acquire": per_hit("acquire_s"),
@@ -178,6 +218,8 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "recompute_runs_ms": [x["seconds"] * 1e3 for x in plain_runs],
         "cold_store_runs_ms": [x["seconds"] * 1e3 for x in hit_cold],
         "cold_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_cold],
+        "mixed_store_runs_ms": [x["seconds"] * 1e3 for x in hit_mixed],
+        "mixed_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_mixed],
     }
 
 
@@ -267,6 +309,17 @@ def run(args: argparse.Namespace) -> int:
             f"copy out of vLLM blocks {s['copy']:.2f} ms, commit {s['commit']:.2f} ms "
             f"(the cold prefill alone: {r['cold_plain_ms']:.1f} ms)"
         )
+        print(
+            f"[{r['model']}] half hit (load {r['mixed_loaded_tokens']} tokens, store the rest): "
+            f"{r['mixed_store_ms']:.1f} ms vs {r['mixed_plain_ms']:.1f} ms computing it all "
+            f"({r['mixed_ratio']:.3f}x)"
+        )
+        for phase, st in r["step_ms"].items():
+            print(
+                f"[{r['model']}] connector per {phase} step: {st['step']:.2f} ms in its hooks "
+                f"(acquire {st['acquire']:.2f}, allocate {st['allocate']:.2f}, "
+                f"commit + release {st['finish']:.2f})"
+            )
     if peer is not None:
         if "error" in peer:
             print(f"LMCache peer: {peer['error']}")
