@@ -21,8 +21,7 @@ import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from types import TracebackType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -40,17 +39,18 @@ from proto import node_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
-from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb, tiers_from_codes
+from rpc.wire import layout_from_pb, selector_to_pb, tiers_from_codes
 
+from .node_leases import TIER_OF_PB, Lease, Mapping, commit_request, commit_result, lease_request
+from .node_leases import CommitResult as CommitResult  # re-exported: the leases' types
+from .node_leases import ReadLease as ReadLease
+from .node_leases import WriteLease as WriteLease
 from .node_session import NodeSession
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-# NOTE: a reply's tiers by wire value, one tuple index per page instead of an enum call
-_TIER_OF_PB: tuple[Tier | None, ...] = tuple(tier_or_none_from_pb(v) for v in range(4))
-Mapping = SharedSlab | MemfdSegment  # the node's slab by name, or this tenant's own segment
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
@@ -72,127 +72,6 @@ class LookupResult:
     hit_blocks: int
     tiers: list[Tier | None]
     total_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    stored: int
-    duplicates: int
-
-
-@dataclass(eq=False)
-class _Lease:
-    client: "KVStoreClient"
-    namespace: str
-    lease_id: int
-    keys: list[bytes]
-    offsets: list[int]
-    page_bytes: int
-    slab: Mapping | None = field(repr=False)
-    # the run of the node that granted it (AllocateReply.node_epoch): sent back with the lease
-    node_epoch: int = field(default=0, kw_only=True)
-
-    def page(self, index: int) -> NDArray[np.uint8]:
-        """Zero-copy view of page ``index`` in the node's shared memory."""
-        off = self.offsets[index]
-        if off < 0:
-            raise KeyError(f"page #{index} has no shared-memory page in this lease")
-        if self.slab is None:
-            raise StorageError(
-                "the node's shared memory is not mapped here (remote client?); "
-                "use put()/get() instead"
-            )
-        return self.slab.array[off : off + self.page_bytes]
-
-    def layer(self, index: int, layer: int, layout: KVLayout) -> NDArray[np.uint8]:
-        off = layout.layer_offset(layer)
-        return self.page(index)[off : off + layout.layer_bytes]
-
-
-@dataclass(eq=False)
-class WriteLease(_Lease):
-    """Pages leased for writing. Write ``page(i)`` for i in ``to_write``, then commit()."""
-
-    @property
-    def to_write(self) -> list[int]:
-        return [i for i, off in enumerate(self.offsets) if off >= 0]
-
-    def commit(self, checksums: Sequence[int] | NDArray[Any] | None = None) -> CommitResult:
-        return self.client.commit(self, checksums)
-
-    def abort(self) -> None:
-        self.client.abort(self)
-
-    def __enter__(self) -> "WriteLease":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-
-@dataclass(eq=False)
-class ReadLease(_Lease):
-    """Pinned pages. ``found`` tells which keys are present; release() when done."""
-
-    tiers: list[Tier | None] = field(default_factory=list)
-    checksums: list[int] = field(default_factory=list)  # xxh3-64 per page as committed; 0: none
-
-    @property
-    def found(self) -> list[bool]:
-        return [t is not None for t in self.tiers]
-
-    @property
-    def hit_blocks(self) -> int:
-        n = 0
-        for t in self.tiers:
-            if t is None:
-                break
-            n += 1
-        return n
-
-    def page(self, index: int) -> NDArray[np.uint8]:
-        view = super().page(index)
-        view = view.view()
-        view.flags.writeable = False
-        return view
-
-    def release(self) -> None:
-        self.client.release(self)
-
-    def __enter__(self) -> "ReadLease":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _lease_request(lease: _Lease) -> pb.LeaseRequest:
-    return pb.LeaseRequest(
-        namespace=lease.namespace, lease_id=lease.lease_id, node_epoch=lease.node_epoch
-    )
-
-
-def _commit_request(lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None) -> Any:
-    """Commit's request; ``checksums`` (uint64, one per key of the lease) packed as the node
-    reads them: little-endian, 8 bytes each."""
-    request = _lease_request(lease)
-    if checksums is not None:
-        request.checksums = (
-            np.asarray(checksums, dtype=np.uint64).astype("<u8", copy=False).tobytes()
-        )
-    return request
-
-
-def _commit_result(reply: Any) -> CommitResult:
-    return CommitResult(reply.stored, reply.duplicates)
 
 
 class KVStoreClient:
@@ -468,15 +347,15 @@ class KVStoreClient:
         that has them already (it verified the pages): the node keeps them instead of hashing
         every page again. A wrong one makes its page read back as corrupt (dropped, not served);
         a wrong count is ``INVALID_ARGUMENT`` and the lease stays open."""
-        return _commit_result(self._call("Commit", _commit_request(lease, checksums)))
+        return commit_result(self._call("Commit", commit_request(lease, checksums)))
 
     def commit_async(
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
     ) -> Future[CommitResult]:
-        return self._call_async("Commit", _commit_request(lease, checksums), _commit_result)
+        return self._call_async("Commit", commit_request(lease, checksums), commit_result)
 
     def abort(self, lease: WriteLease) -> None:
-        self._call("Abort", _lease_request(lease))
+        self._call("Abort", lease_request(lease))
 
     def acquire(
         self,
@@ -526,7 +405,7 @@ class KVStoreClient:
                 list(r.offsets),
                 r.page_bytes,
                 current,
-                [_TIER_OF_PB[t] for t in r.tiers],
+                [TIER_OF_PB[t] for t in r.tiers],
                 list(r.checksums),
                 node_epoch=r.node_epoch,
             )
@@ -540,12 +419,12 @@ class KVStoreClient:
         return request, lease
 
     def release(self, lease: ReadLease) -> None:
-        self._call("Release", _lease_request(lease))
+        self._call("Release", lease_request(lease))
 
     def release_async(self, lease: ReadLease) -> Future[None]:
-        return self._call_async("Release", _lease_request(lease), lambda r: None)
+        return self._call_async("Release", lease_request(lease), lambda r: None)
 
-    def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
+    def extend(self, lease: Lease, ttl_s: float = 0.0) -> float:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
         reply: pb.ExtendLeaseReply = self._call(
             "ExtendLease",
