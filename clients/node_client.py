@@ -46,6 +46,7 @@ from .node_leases import CommitResult as CommitResult  # re-exported: the leases
 from .node_leases import ReadLease as ReadLease
 from .node_leases import WriteLease as WriteLease
 from .node_session import NodeSession
+from .node_streams import get_streamed, put_streamed
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-STREAM_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,22 +479,7 @@ class KVStoreClient:
         timeout_s: float | None = None,
     ) -> CommitResult:
         selector = selector_to_pb(namespace, keys, tokens, salt)
-
-        def chunks() -> Iterator[pb.PutChunk]:
-            yield pb.PutChunk(header=pb.PutHeader(blocks=selector))
-            for src in srcs:
-                if not isinstance(src, np.ndarray):
-                    src = src.cpu().numpy()
-                # NOTE: numpy's stubs give ndarray __buffer__ on Python >= 3.12 only.
-                mv = memoryview(src)  # type: ignore[arg-type]
-                for off in range(0, len(mv), STREAM_CHUNK_BYTES):
-                    yield pb.PutChunk(data=bytes(mv[off : off + STREAM_CHUNK_BYTES]))
-
-        try:
-            r = self._stub.Put(chunks(), timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise KVCacheRpcError.of(e, "Put") from None
-        return CommitResult(r.stored, r.duplicates)
+        return put_streamed(self._stub, selector, srcs, timeout_s or self.timeout_s)
 
     def get(
         self,
@@ -546,29 +531,7 @@ class KVStoreClient:
         request = pb.GetRequest(
             blocks=selector_to_pb(namespace, keys, tokens, salt), prefix_only=prefix_only
         )
-        try:
-            stream = self._stub.Get(request, timeout=timeout_s or self.timeout_s)
-            header = next(stream).header
-            page = header.page_bytes
-            out: list[NDArray[np.uint8] | None] = [
-                np.empty(page, np.uint8) if f else None for f in header.found
-            ]
-            targets = iter([p for p in out if p is not None])
-            cur: NDArray[np.uint8]  # bound at the first byte: pos starts at page
-            pos = page
-            for chunk in stream:
-                data = chunk.data
-                off = 0
-                while off < len(data):
-                    if pos == page:
-                        cur, pos = next(targets), 0
-                    take = min(page - pos, len(data) - off)
-                    cur[pos : pos + take] = np.frombuffer(data, np.uint8, take, off)
-                    pos += take
-                    off += take
-        except grpc.RpcError as e:
-            raise KVCacheRpcError.of(e, "Get") from None
-        return out
+        return get_streamed(self._stub, request, timeout_s or self.timeout_s)
 
     def remove(
         self,
