@@ -74,6 +74,10 @@ class LookupResult:
     total_blocks: int
 
 
+def _commit_release(write: WriteLease, read: ReadLease) -> pb.CommitReleaseRequest:
+    return pb.CommitReleaseRequest(commit=commit_request(write, None), release=lease_request(read))
+
+
 class KVStoreClient:
     """Client of one node server. Thread-safe; one gRPC channel; shared memory mapped lazily."""
 
@@ -332,12 +336,16 @@ class KVStoreClient:
         try:
             return self._current_slab(namespace, slab, reply.shm_name)
         except KVCacheRpcError:
-            with contextlib.suppress(KVCacheRpcError):
-                request = pb.LeaseRequest(
-                    namespace=namespace, lease_id=reply.lease_id, node_epoch=reply.node_epoch
-                )
-                self._call(undo, request)
+            self._undo(namespace, reply, undo)
             raise
+
+    def _undo(self, namespace: str, reply: Any, undo: str) -> None:
+        """Give back the lease of an Allocate / Acquire reply (``undo``: Abort or Release)."""
+        with contextlib.suppress(KVCacheRpcError):
+            request = pb.LeaseRequest(
+                namespace=namespace, lease_id=reply.lease_id, node_epoch=reply.node_epoch
+            )
+            self._call(undo, request)
 
     def commit(
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
@@ -353,6 +361,16 @@ class KVStoreClient:
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
     ) -> Future[CommitResult]:
         return self._call_async("Commit", commit_request(lease, checksums), commit_result)
+
+    def commit_release(self, write: WriteLease, read: ReadLease) -> CommitResult:
+        """``commit(write)`` and ``release(read)`` in one round trip (the node's CommitRelease):
+        the read lease ends even when the commit fails (whose error is raised)."""
+        return commit_result(self._call("CommitRelease", _commit_release(write, read)).commit)
+
+    def commit_release_async(self, write: WriteLease, read: ReadLease) -> Future[CommitResult]:
+        return self._call_async(
+            "CommitRelease", _commit_release(write, read), lambda r: commit_result(r.commit)
+        )
 
     def abort(self, lease: WriteLease) -> None:
         self._call("Abort", lease_request(lease))
@@ -417,6 +435,40 @@ class KVStoreClient:
             session=self._session_id() if slab is not None else b"",
         )
         return request, lease
+
+    def acquire_allocate(
+        self,
+        namespace: str,
+        load_keys: Sequence[bytes],
+        save_keys: Sequence[bytes],
+        ttl_s: float = 0.0,
+        allocate_if_loaded: bool = False,
+    ) -> tuple[ReadLease, WriteLease | None]:
+        """``acquire(load_keys)`` then ``allocate(save_keys)`` in one round trip (the node's
+        AcquireAllocate): both leases, or an error and neither. With ``allocate_if_loaded`` the
+        write lease is None when a page to load is not in shared memory (a writer whose pages are
+        computed from the loaded ones must not store them then)."""
+        read_req, read_lease = self._acquire_call(namespace, load_keys, None, b"", ttl_s, False)
+        write_req, write_lease = self._allocate_call(namespace, save_keys, None, b"", ttl_s)
+        r = self._call(
+            "AcquireAllocate",
+            pb.AcquireAllocateRequest(
+                acquire=read_req, allocate=write_req, allocate_if_loaded=allocate_if_loaded
+            ),
+        )
+        has_write = r.HasField("allocate")
+        try:
+            read = read_lease(r.acquire)  # a restarted node's reply: released, then raised
+        except KVCacheRpcError:
+            if has_write:
+                self._undo(namespace, r.allocate, "Abort")
+            raise
+        try:
+            write = write_lease(r.allocate) if has_write else None
+        except KVCacheRpcError:
+            self._undo(namespace, r.acquire, "Release")
+            raise
+        return read, write
 
     def release(self, lease: ReadLease) -> None:
         self._call("Release", lease_request(lease))

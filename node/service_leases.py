@@ -1,5 +1,7 @@
 """The node's lease RPCs, mixed into ``NodeServicer``: same-host writes (Allocate, then Commit or
-Abort), same-host reads (Acquire, then Release), and ExtendLease."""
+Abort), same-host reads (Acquire, then Release), ExtendLease, and an engine step's calls merged into
+one round trip each: AcquireAllocate (an Acquire, then an Allocate) and CommitRelease (a Commit,
+then a Release)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import CapacityExhausted, InvalidArgument, KVStoreError
+from kvstore.errors import CapacityExhausted, InvalidArgument, KVStoreError, NotFound
 from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
@@ -145,6 +147,9 @@ class LeaseRpcs:
 
     @observed
     def Commit(self, request, context):
+        return self._commit(request, context)
+
+    def _commit(self, request, context) -> pb.CommitReply:
         segs = self.node.segments
         sums = self._checksums(request.checksums)
 
@@ -255,3 +260,53 @@ class LeaseRpcs:
         deadline = store.extend(request.lease_id, ttl)
         self.node.own(request.namespace, request.lease_id, tenant, deadline)
         return pb.ExtendLeaseReply(ttl_s=deadline - time.monotonic())
+
+    @observed
+    def AcquireAllocate(self, request, context):
+        if not request.HasField("acquire") or not request.HasField("allocate"):
+            raise InvalidArgument(
+                "AcquireAllocate takes both halves, acquire and allocate (for one of them, "
+                "call Acquire or Allocate)"
+            )
+        # Both halves' arguments are checked before anything is leased.
+        load = self._ask(request.acquire, context)
+        save = self._ask(request.allocate, context)
+        read = self._acquire(load, request.acquire.prefix_only)
+        try:
+            missing = len(read.offsets) < len(load.sel.keys) or min(read.offsets, default=0) < 0
+            if request.allocate_if_loaded and missing:
+                return pb.AcquireAllocateReply(acquire=read)
+            return pb.AcquireAllocateReply(acquire=read, allocate=self._allocate(save))
+        except BaseException:
+            # The Allocate failed: the call fails as a whole, with nothing leased.
+            self._drop_read(load.sel.store, read.lease_id)
+            raise
+
+    def _drop_read(self, store: TieredStore, lease_id: int) -> None:
+        try:
+            store.release(lease_id)
+        except KVStoreError:
+            pass  # ended already (its holder's session ended)
+        self.node.disown(store.namespace, lease_id)
+
+    @observed
+    def CommitRelease(self, request, context):
+        if not request.HasField("commit") or not request.HasField("release"):
+            raise InvalidArgument(
+                "CommitRelease takes both halves, commit and release (for one of them, call "
+                "Commit or Release)"
+            )
+        self.node.store(request.release.namespace)  # INVALID_ARGUMENT before anything ends
+        try:
+            reply = self._commit(request.commit, context)
+        finally:  # the read lease ends whatever the commit's outcome
+            released = self._release_held(request.release, context)
+        return pb.CommitReleaseReply(commit=reply, released=released)
+
+    def _release_held(self, request, context) -> bool:
+        """Release a read lease; False when it had ended already (as a Release's NOT_FOUND)."""
+        try:
+            self._end_lease(request, context, TieredStore.release)
+        except NotFound:
+            return False
+        return True
