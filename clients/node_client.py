@@ -21,8 +21,7 @@ import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from types import TracebackType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -40,20 +39,21 @@ from proto import node_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
-from rpc.wire import layout_from_pb, selector_to_pb, tier_or_none_from_pb, tiers_from_codes
+from rpc.wire import layout_from_pb, selector_to_pb, tiers_from_codes
 
+from .node_leases import TIER_OF_PB, Lease, Mapping, commit_request, commit_result, lease_request
+from .node_leases import CommitResult as CommitResult  # re-exported: the leases' types
+from .node_leases import ReadLease as ReadLease
+from .node_leases import WriteLease as WriteLease
 from .node_session import NodeSession
+from .node_streams import get_streamed, put_streamed
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-# NOTE: a reply's tiers by wire value, one tuple index per page instead of an enum call
-_TIER_OF_PB: tuple[Tier | None, ...] = tuple(tier_or_none_from_pb(v) for v in range(4))
-Mapping = SharedSlab | MemfdSegment  # the node's slab by name, or this tenant's own segment
 
 log = logging.getLogger(__name__)
-STREAM_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,125 +74,8 @@ class LookupResult:
     total_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    stored: int
-    duplicates: int
-
-
-@dataclass(eq=False)
-class _Lease:
-    client: "KVStoreClient"
-    namespace: str
-    lease_id: int
-    keys: list[bytes]
-    offsets: list[int]
-    page_bytes: int
-    slab: Mapping | None = field(repr=False)
-    # the run of the node that granted it (AllocateReply.node_epoch): sent back with the lease
-    node_epoch: int = field(default=0, kw_only=True)
-
-    def page(self, index: int) -> NDArray[np.uint8]:
-        """Zero-copy view of page ``index`` in the node's shared memory."""
-        off = self.offsets[index]
-        if off < 0:
-            raise KeyError(f"page #{index} has no shared-memory page in this lease")
-        if self.slab is None:
-            raise StorageError(
-                "the node's shared memory is not mapped here (remote client?); "
-                "use put()/get() instead"
-            )
-        return self.slab.array[off : off + self.page_bytes]
-
-    def layer(self, index: int, layer: int, layout: KVLayout) -> NDArray[np.uint8]:
-        off = layout.layer_offset(layer)
-        return self.page(index)[off : off + layout.layer_bytes]
-
-
-@dataclass(eq=False)
-class WriteLease(_Lease):
-    """Pages leased for writing. Write ``page(i)`` for i in ``to_write``, then commit()."""
-
-    @property
-    def to_write(self) -> list[int]:
-        return [i for i, off in enumerate(self.offsets) if off >= 0]
-
-    def commit(self, checksums: Sequence[int] | NDArray[Any] | None = None) -> CommitResult:
-        return self.client.commit(self, checksums)
-
-    def abort(self) -> None:
-        self.client.abort(self)
-
-    def __enter__(self) -> "WriteLease":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-
-@dataclass(eq=False)
-class ReadLease(_Lease):
-    """Pinned pages. ``found`` tells which keys are present; release() when done."""
-
-    tiers: list[Tier | None] = field(default_factory=list)
-    checksums: list[int] = field(default_factory=list)  # xxh3-64 per page as committed; 0: none
-
-    @property
-    def found(self) -> list[bool]:
-        return [t is not None for t in self.tiers]
-
-    @property
-    def hit_blocks(self) -> int:
-        n = 0
-        for t in self.tiers:
-            if t is None:
-                break
-            n += 1
-        return n
-
-    def page(self, index: int) -> NDArray[np.uint8]:
-        view = super().page(index)
-        view = view.view()
-        view.flags.writeable = False
-        return view
-
-    def release(self) -> None:
-        self.client.release(self)
-
-    def __enter__(self) -> "ReadLease":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _lease_request(lease: _Lease) -> pb.LeaseRequest:
-    return pb.LeaseRequest(
-        namespace=lease.namespace, lease_id=lease.lease_id, node_epoch=lease.node_epoch
-    )
-
-
-def _commit_request(lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None) -> Any:
-    """Commit's request; ``checksums`` (uint64, one per key of the lease) packed as the node
-    reads them: little-endian, 8 bytes each."""
-    request = _lease_request(lease)
-    if checksums is not None:
-        request.checksums = (
-            np.asarray(checksums, dtype=np.uint64).astype("<u8", copy=False).tobytes()
-        )
-    return request
-
-
-def _commit_result(reply: Any) -> CommitResult:
-    return CommitResult(reply.stored, reply.duplicates)
+def _commit_release(write: WriteLease, read: ReadLease) -> pb.CommitReleaseRequest:
+    return pb.CommitReleaseRequest(commit=commit_request(write, None), release=lease_request(read))
 
 
 class KVStoreClient:
@@ -459,12 +342,16 @@ class KVStoreClient:
         try:
             return self._current_slab(namespace, slab, reply.shm_name)
         except KVCacheRpcError:
-            with contextlib.suppress(KVCacheRpcError):
-                request = pb.LeaseRequest(
-                    namespace=namespace, lease_id=reply.lease_id, node_epoch=reply.node_epoch
-                )
-                self._call(undo, request)
+            self._undo(namespace, reply, undo)
             raise
+
+    def _undo(self, namespace: str, reply: Any, undo: str) -> None:
+        """Give back the lease of an Allocate / Acquire reply (``undo``: Abort or Release)."""
+        with contextlib.suppress(KVCacheRpcError):
+            request = pb.LeaseRequest(
+                namespace=namespace, lease_id=reply.lease_id, node_epoch=reply.node_epoch
+            )
+            self._call(undo, request)
 
     def commit(
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
@@ -474,15 +361,25 @@ class KVStoreClient:
         that has them already (it verified the pages): the node keeps them instead of hashing
         every page again. A wrong one makes its page read back as corrupt (dropped, not served);
         a wrong count is ``INVALID_ARGUMENT`` and the lease stays open."""
-        return _commit_result(self._call("Commit", _commit_request(lease, checksums)))
+        return commit_result(self._call("Commit", commit_request(lease, checksums)))
 
     def commit_async(
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
     ) -> Future[CommitResult]:
-        return self._call_async("Commit", _commit_request(lease, checksums), _commit_result)
+        return self._call_async("Commit", commit_request(lease, checksums), commit_result)
+
+    def commit_release(self, write: WriteLease, read: ReadLease) -> CommitResult:
+        """``commit(write)`` and ``release(read)`` in one round trip (the node's CommitRelease):
+        the read lease ends even when the commit fails (whose error is raised)."""
+        return commit_result(self._call("CommitRelease", _commit_release(write, read)).commit)
+
+    def commit_release_async(self, write: WriteLease, read: ReadLease) -> Future[CommitResult]:
+        return self._call_async(
+            "CommitRelease", _commit_release(write, read), lambda r: commit_result(r.commit)
+        )
 
     def abort(self, lease: WriteLease) -> None:
-        self._call("Abort", _lease_request(lease))
+        self._call("Abort", lease_request(lease))
 
     def acquire(
         self,
@@ -532,7 +429,7 @@ class KVStoreClient:
                 list(r.offsets),
                 r.page_bytes,
                 current,
-                [_TIER_OF_PB[t] for t in r.tiers],
+                [TIER_OF_PB[t] for t in r.tiers],
                 list(r.checksums),
                 node_epoch=r.node_epoch,
             )
@@ -545,13 +442,47 @@ class KVStoreClient:
         )
         return request, lease
 
+    def acquire_allocate(
+        self,
+        namespace: str,
+        load_keys: Sequence[bytes],
+        save_keys: Sequence[bytes],
+        ttl_s: float = 0.0,
+        allocate_if_loaded: bool = False,
+    ) -> tuple[ReadLease, WriteLease | None]:
+        """``acquire(load_keys)`` then ``allocate(save_keys)`` in one round trip (the node's
+        AcquireAllocate): both leases, or an error and neither. With ``allocate_if_loaded`` the
+        write lease is None when a page to load is not in shared memory (a writer whose pages are
+        computed from the loaded ones must not store them then)."""
+        read_req, read_lease = self._acquire_call(namespace, load_keys, None, b"", ttl_s, False)
+        write_req, write_lease = self._allocate_call(namespace, save_keys, None, b"", ttl_s)
+        r = self._call(
+            "AcquireAllocate",
+            pb.AcquireAllocateRequest(
+                acquire=read_req, allocate=write_req, allocate_if_loaded=allocate_if_loaded
+            ),
+        )
+        has_write = r.HasField("allocate")
+        try:
+            read = read_lease(r.acquire)  # a restarted node's reply: released, then raised
+        except KVCacheRpcError:
+            if has_write:
+                self._undo(namespace, r.allocate, "Abort")
+            raise
+        try:
+            write = write_lease(r.allocate) if has_write else None
+        except KVCacheRpcError:
+            self._undo(namespace, r.acquire, "Release")
+            raise
+        return read, write
+
     def release(self, lease: ReadLease) -> None:
-        self._call("Release", _lease_request(lease))
+        self._call("Release", lease_request(lease))
 
     def release_async(self, lease: ReadLease) -> Future[None]:
-        return self._call_async("Release", _lease_request(lease), lambda r: None)
+        return self._call_async("Release", lease_request(lease), lambda r: None)
 
-    def extend(self, lease: _Lease, ttl_s: float = 0.0) -> float:
+    def extend(self, lease: Lease, ttl_s: float = 0.0) -> float:
         """Keep a lease alive ``ttl_s`` longer (0: the server default); returns seconds left."""
         reply: pb.ExtendLeaseReply = self._call(
             "ExtendLease",
@@ -606,22 +537,7 @@ class KVStoreClient:
         timeout_s: float | None = None,
     ) -> CommitResult:
         selector = selector_to_pb(namespace, keys, tokens, salt)
-
-        def chunks() -> Iterator[pb.PutChunk]:
-            yield pb.PutChunk(header=pb.PutHeader(blocks=selector))
-            for src in srcs:
-                if not isinstance(src, np.ndarray):
-                    src = src.cpu().numpy()
-                # NOTE: numpy's stubs give ndarray __buffer__ on Python >= 3.12 only.
-                mv = memoryview(src)  # type: ignore[arg-type]
-                for off in range(0, len(mv), STREAM_CHUNK_BYTES):
-                    yield pb.PutChunk(data=bytes(mv[off : off + STREAM_CHUNK_BYTES]))
-
-        try:
-            r = self._stub.Put(chunks(), timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise KVCacheRpcError.of(e, "Put") from None
-        return CommitResult(r.stored, r.duplicates)
+        return put_streamed(self._stub, selector, srcs, timeout_s or self.timeout_s)
 
     def get(
         self,
@@ -673,29 +589,7 @@ class KVStoreClient:
         request = pb.GetRequest(
             blocks=selector_to_pb(namespace, keys, tokens, salt), prefix_only=prefix_only
         )
-        try:
-            stream = self._stub.Get(request, timeout=timeout_s or self.timeout_s)
-            header = next(stream).header
-            page = header.page_bytes
-            out: list[NDArray[np.uint8] | None] = [
-                np.empty(page, np.uint8) if f else None for f in header.found
-            ]
-            targets = iter([p for p in out if p is not None])
-            cur: NDArray[np.uint8]  # bound at the first byte: pos starts at page
-            pos = page
-            for chunk in stream:
-                data = chunk.data
-                off = 0
-                while off < len(data):
-                    if pos == page:
-                        cur, pos = next(targets), 0
-                    take = min(page - pos, len(data) - off)
-                    cur[pos : pos + take] = np.frombuffer(data, np.uint8, take, off)
-                    pos += take
-                    off += take
-        except grpc.RpcError as e:
-            raise KVCacheRpcError.of(e, "Get") from None
-        return out
+        return get_streamed(self._stub, request, timeout_s or self.timeout_s)
 
     def remove(
         self,

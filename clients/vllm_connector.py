@@ -21,12 +21,14 @@ how many leading blocks every rank holds; the connector offers vLLM the part bey
 prefix cache, aligned to vLLM's block size, and never the last prompt token (vLLM must compute
 it). Preempted requests get the same offer when they resume. Worker side, once per step
 (``clients.vllm_transfer``): one ``Acquire`` pins every block to load, then one ``Allocate``
-leases pages for every block to save; each layer's blocks are copied from shared memory just
-before that layer's attention and into shared memory as the layer completes; ``wait_for_save``
-commits and releases. A step in which a load failed commits nothing. With ``overlap`` (the default
-on GPUs) the Allocate is waited for at the first layer's save and the Commit and Release are sent
-without waiting. Without shared memory (the node on another host) pages travel over the
-streamed Get/Put instead.
+leases pages for every block to save (both in one ``AcquireAllocate`` round trip when the step
+does both, the save only when every load was found); each layer's blocks are copied from shared
+memory just before that layer's attention and into shared memory as the layer completes;
+``wait_for_save`` commits and releases (one ``CommitRelease`` when the step holds both leases).
+A step in which a load failed commits nothing. With ``overlap`` (the default on GPUs) the Allocate
+is waited for at the first layer's save (a merged AcquireAllocate at once) and the Commit and
+Release are sent without waiting. Without shared memory (the node on another host) pages travel
+over the streamed Get/Put instead.
 
 A block that cannot be loaded (gone, corrupt on SSD, node down) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it (the connector sets vLLM's
@@ -183,6 +185,9 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         self._layers: list[torch.Tensor] = []
         self._word = torch.uint8
         self.overlap = False  # see ConnectorConfig.overlap; decided when the caches register
+        # A step that loads and saves takes both leases in one AcquireAllocate and ends them in
+        # one CommitRelease; off (a node that does not know them turns it off): separate calls.
+        self.merge_calls = True
         self._on_gpu = False
         self._step: _Step | None = None
         self._step_of: KVConnectorMetadata | None = None  # the metadata _step was made for

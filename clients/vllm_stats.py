@@ -30,11 +30,11 @@ class ConnectorStats:
     saved_pages: int = 0
     saved_bytes: int = 0
     saves_dropped: int = 0  # pages not committed because a load of their step failed
-    acquire_s: float = 0.0  # Acquire / streamed Get of the pages to load
+    acquire_s: float = 0.0  # Acquire / streamed Get of the pages to load (AcquireAllocate too)
     allocate_s: float = 0.0  # waiting for the Allocate of the pages to save
     load_copy_s: float = 0.0  # shared memory -> vLLM blocks, all layers
     save_copy_s: float = 0.0  # vLLM blocks -> shared memory, all layers
-    finish_s: float = 0.0  # sending Commit + Release (or the whole streamed Put)
+    finish_s: float = 0.0  # sending Commit + Release or CommitRelease (or the streamed Put)
     steps: int = 0  # worker steps with loads or saves
     step_s: float = 0.0  # time inside the worker hooks of those steps
     breaker_trips: int = 0

@@ -4,8 +4,11 @@ KV blocks and the node's pages (shared memory, or the streamed Get / Put).
 A step first pins the pages to load (one ``Acquire``), then leases the pages to save (one
 ``Allocate``): a step in which any load failed commits nothing, since what it computed attended
 to blocks that were never filled (vLLM recomputes from the first failed block, and the pages are
-saved then). Pages are copied per layer, just before that layer's attention (loads) and as it
-completes (saves); ``finish`` commits and releases."""
+saved then). A step that does both through shared memory makes them one ``AcquireAllocate``
+(one round trip instead of two), in which the node pins first and leases pages to save only when
+every page to load was found (``allocate_if_loaded``); a node that refuses it is asked the two
+calls, which tell which half failed. Pages are copied per layer, just before that layer's
+attention (loads) and as it completes (saves); ``finish`` commits and releases."""
 
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .node_client import KVCacheRpcError, ReadLease, WriteLease
+from .node_guard import BreakerOpen, node_gone
 from .vllm_identity import rank_keys
 
 if TYPE_CHECKING:
@@ -138,15 +143,20 @@ class _Step:
         self._allocating: Future[WriteLease] | None = None
         self.saves: list[_Transfer] = []
         self.load_failed = False
+        if meta.loads and meta.saves and self._start_both(meta.loads, meta.saves):
+            return
         if meta.loads:
             self._start_loads(meta.loads)
         if meta.saves and self.load_failed:
-            # What this step computes attends to blocks a failed load left unfilled: none of it
-            # may be stored. vLLM recomputes from the first failed block; those pages are saved
-            # then (the scheduler side plans them again).
-            conn.stats.saves_dropped += sum(len(t.keys) for t in meta.saves)
+            self._drop_saves(meta.saves)
         elif meta.saves:
             self._start_saves(meta.saves)
+
+    def _drop_saves(self, saves: list[_Transfer]) -> None:
+        # What this step computes attends to blocks a failed load left unfilled: none of it may
+        # be stored. vLLM recomputes from the first failed block; those pages are saved then
+        # (the scheduler side plans them again).
+        self.conn.stats.saves_dropped += sum(len(t.keys) for t in saves)
 
     # -- plans: page rows <-> vLLM block ids for layer 0; layer l adds l * layer_rows ----------
 
@@ -163,6 +173,59 @@ class _Step:
                 src.append(base + j - p * ratio)
                 dst.append(t.vblocks[j - t.first_vblock])
         return src, dst
+
+    def _start_both(self, loads: list[_Transfer], saves: list[_Transfer]) -> bool:
+        """Loads and saves through shared memory in one round trip (AcquireAllocate): the pages
+        to load are pinned before the pages to save are leased, and those only when every page
+        to load was found. False: this step takes the separate calls (no shared memory, or the
+        node answered the merged call with an error, which they tell apart)."""
+        conn = self.conn
+        if not conn.merge_calls or conn.guard.is_open:
+            return False
+        t0 = time.perf_counter()
+        try:
+            if not conn.guard.call(lambda: conn.client.shm_available(conn.namespace)):
+                return False
+            load_keys = rank_keys([k for t in loads for k in t.keys], conn.rank)
+            save_keys = self._save_keys(saves)
+            try:
+                self.read, write = conn.guard.call(
+                    lambda: conn.client.acquire_allocate(
+                        conn.namespace,
+                        load_keys,
+                        save_keys,
+                        ttl_s=conn.config.lease_ttl_s,
+                        allocate_if_loaded=True,
+                    )
+                )
+            except KVCacheRpcError as e:
+                if node_gone(e) or isinstance(e, BreakerOpen):  # as an Acquire would have
+                    self._loads_failed(loads, len(load_keys), e)
+                    self._drop_saves(saves)
+                    return True
+                if e.code == grpc.StatusCode.UNIMPLEMENTED:  # an older node
+                    conn.merge_calls = False
+                log.debug("kvcache AcquireAllocate refused (%s); separate calls this step", e)
+                return False
+        except KVCacheRpcError:
+            return False  # the separate calls meet the same error and handle it
+        finally:
+            conn.stats.acquire_s += time.perf_counter() - t0
+        self._plan_loads(loads, *self._read_pages(self.read))
+        if self.load_failed:
+            self._drop_saves(saves)
+            if write is not None:  # found, but not where this step can read it
+                self._give_back(write)
+        elif write is not None:
+            self.write = write
+            self._plan_write()
+        return True
+
+    def _give_back(self, write: WriteLease) -> None:
+        try:
+            self.conn.guard.call(write.abort)
+        except KVCacheRpcError as e:
+            log.info("kvcache abort failed (%s); the lease expires by itself", e)
 
     def _start_loads(self, loads: list[_Transfer]) -> None:
         t0 = time.perf_counter()
@@ -182,11 +245,7 @@ class _Step:
                         conn.namespace, keys=keys, ttl_s=conn.config.lease_ttl_s
                     )
                 )
-                assert self.read.slab is not None
-                pages = _Pages(self.read.slab.array, self.vblock_bytes, conn._word)
-                offsets = [
-                    o if t is not None else -1 for o, t in zip(self.read.offsets, self.read.tiers)
-                ]
+                pages, offsets = self._read_pages(self.read)
             else:
                 wait = conn.bulk_timeout(len(keys) * page_bytes)
                 got = conn.guard.call(
@@ -200,12 +259,27 @@ class _Step:
                     offsets.append(i * page_bytes if page is not None else -1)
                 pages = _Pages(buf.reshape(-1), self.vblock_bytes, conn._word)
         except KVCacheRpcError as e:
-            log.warning("kvcache load of %d pages failed (%s); vLLM recomputes them", len(keys), e)
-            for t in loads:
-                conn._failed(t.vblocks)
-            conn.stats.load_failed_blocks += sum(len(t.vblocks) for t in loads)
-            self.load_failed = True
+            self._loads_failed(loads, len(keys), e)
             return
+        self._plan_loads(loads, pages, offsets)
+
+    def _read_pages(self, read: ReadLease) -> tuple[_Pages, list[int]]:
+        """The shared memory a read lease's offsets point into, and its pages' offsets (-1: not
+        found)."""
+        assert read.slab is not None
+        pages = _Pages(read.slab.array, self.vblock_bytes, self.conn._word)
+        return pages, [o if t is not None else -1 for o, t in zip(read.offsets, read.tiers)]
+
+    def _loads_failed(self, loads: list[_Transfer], pages: int, e: KVCacheRpcError) -> None:
+        conn = self.conn
+        log.warning("kvcache load of %d pages failed (%s); vLLM recomputes them", pages, e)
+        for t in loads:
+            conn._failed(t.vblocks)
+        conn.stats.load_failed_blocks += sum(len(t.vblocks) for t in loads)
+        self.load_failed = True
+
+    def _plan_loads(self, loads: list[_Transfer], pages: _Pages, offsets: list[int]) -> None:
+        conn, page_bytes = self.conn, self.layout.page_bytes
         src: list[int] = []
         dst: list[int] = []
         i = 0
@@ -235,16 +309,21 @@ class _Step:
         finally:
             self.conn.stats.allocate_s += time.perf_counter() - t0
 
+    def _save_keys(self, saves: list[_Transfer]) -> list[bytes]:
+        """The keys to allocate for ``saves``. Requests of one step that share a prefix save the
+        same blocks: each key is written once, by its first request (``_slots``: the key's place
+        among the unique keys, -1 for a repeat); the node refuses an Allocate that names a key
+        twice."""
+        unique: dict[bytes, int] = {}
+        self._slots = []
+        for k in rank_keys([k for t in saves for k in t.keys], self.conn.rank):
+            self._slots.append(-1 if k in unique else unique.setdefault(k, len(unique)))
+        self.saves = saves
+        return list(unique)
+
     def _send_allocate(self, saves: list[_Transfer]) -> None:
         conn = self.conn
-        # Requests of one step that share a prefix save the same blocks: each key is written
-        # once, by its first request (``_slots``: the key's place among the unique keys, -1
-        # for a repeat); the node refuses an Allocate that names a key twice.
-        unique: dict[bytes, int] = {}
-        for k in rank_keys([k for t in saves for k in t.keys], conn.rank):
-            self._slots.append(-1 if k in unique else unique.setdefault(k, len(unique)))
-        keys = list(unique)
-        self.saves = saves
+        keys = self._save_keys(saves)
         ttl = conn.config.lease_ttl_s
         try:
             shm = conn.guard.call(lambda: conn.client.shm_available(conn.namespace))
@@ -284,7 +363,10 @@ class _Step:
             return
         finally:
             self.conn.stats.allocate_s += time.perf_counter() - t0
-        assert self.write.slab is not None
+        self._plan_write()
+
+    def _plan_write(self) -> None:
+        assert self.write is not None and self.write.slab is not None
         pages = _Pages(self.write.slab.array, self.vblock_bytes, self.conn._word)
         offsets = self.write.offsets
         self._plan_saves(pages, [offsets[j] if j >= 0 else -1 for j in self._slots])
@@ -340,7 +422,14 @@ class _Step:
             self.save_layer(layer)
         t0 = time.perf_counter()
         try:
-            if self.write is not None and conn.overlap:
+            if self.write is not None and self.read is not None and conn.merge_calls:
+                # One round trip ends both leases (the read one whatever the commit's outcome).
+                write, read, self.read = self.write, self.read, None
+                if conn.overlap:
+                    conn._send("commit", conn.client.commit_release_async(write, read))
+                else:
+                    conn.guard.call(lambda: conn.client.commit_release(write, read))
+            elif self.write is not None and conn.overlap:
                 # The pages are written: vLLM may reuse its blocks; the commit needs no waiting.
                 write = self.write
                 conn._send("commit", conn.client.commit_async(write))

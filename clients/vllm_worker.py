@@ -53,6 +53,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
     ratio: int
     rank: str
     overlap: bool
+    merge_calls: bool
     _handshake: KVCacheHandshake | None
     _layer_index: dict[str, int]
     _layers: list[torch.Tensor]  # per layer: [num_blocks, vblock bytes / word size] of _word

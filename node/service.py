@@ -1,4 +1,5 @@
-"""NodeService: a thin gRPC layer over ``Node``; protobuf <-> domain conversion lives here."""
+"""NodeService: a thin gRPC layer over ``Node``; protobuf <-> domain conversion lives here (the
+lease RPCs in ``service_leases``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from kvstore.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, KVStoreError
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.events import EventKind
-from kvstore.store import ReadLease, TieredStore
-from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
@@ -24,16 +23,15 @@ from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 from .metrics import NodeMetrics
 from .node import Node, Selection
 from .segments import TICKET_TTL_S
+from .service_leases import LeaseRpcs
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK_BYTES = 1 << 20
 EVENT_BATCH = 4096
-MAX_LEASE_TTL_S = 3600.0  # a lease pins pages; a client cannot pin them for longer
-MAX_SESSION_BYTES = 64
 _EVENT_KIND = {EventKind.STORED: cpb.EVENT_STORED, EventKind.EVICTED: cpb.EVENT_EVICTED}
 
 
-class NodeServicer(pbg.NodeServiceServicer):
+class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
     def __init__(
         self,
         node: Node,
@@ -61,60 +59,6 @@ class NodeServicer(pbg.NodeServiceServicer):
         self.event_streams = StreamGate(
             "Events", max_event_streams, stream_idle_timeout_s, refused, cut
         )
-
-    # ---- helpers ------------------------------------------------------------------------------
-
-    def _select(self, sel: cpb.BlockSelector, context) -> tuple[Selection, str]:
-        tenant = self.auth.tenant(context)
-        return self.node.select(
-            sel.namespace,
-            tenant,
-            sel.salt,
-            sel.keys,
-            sel.token_ids,
-            sel.token_bytes,
-            sel.key_bytes,
-        ), tenant
-
-    @staticmethod
-    def _ttl(ttl_s: float) -> float | None:
-        # NOTE: NaN compares false with everything: test for the good range, not the bad one.
-        if not 0 <= ttl_s <= MAX_LEASE_TTL_S:
-            raise InvalidArgument(
-                f"ttl_s must be within [0, {MAX_LEASE_TTL_S:g}] seconds (0: the server's "
-                f"default), got {ttl_s}"
-            )
-        return ttl_s or None
-
-    @staticmethod
-    def _session(raw: bytes) -> bytes:
-        """AllocateRequest / AcquireRequest.session: an id the session socket handed out."""
-        if len(raw) > MAX_SESSION_BYTES:
-            raise InvalidArgument(
-                f"session must be an id from the node's session socket ({MAX_SESSION_BYTES} "
-                f"bytes at most), got {len(raw)} bytes"
-            )
-        return raw
-
-    def _segment_name(self, store: TieredStore) -> str:
-        """What a lease's offsets point into: the /dev/shm slab's name, or with tenants the
-        name of this node process's segment socket (a tenant's memfd has no name of its own);
-        either way a client holding a restarted node's old mapping sees the change."""
-        if self.node.segments is not None:
-            return self.node.segments.socket_name
-        return store.shm_name or ""
-
-    @staticmethod
-    def _prefix(store: TieredStore, keys: list) -> list:
-        present = store.contains(keys)
-        n = present.index(False) if False in present else len(keys)
-        return keys[:n]
-
-    def _offsets(self, store: TieredStore, lease: ReadLease) -> list[int]:
-        pb_ = store.layout.page_bytes
-        return [
-            s * pb_ if s >= 0 and t is Tier.DRAM else -1 for s, t in zip(lease.slots, lease.tiers)
-        ]
 
     # ---- unary ----------------------------------------------------------------------------------
 
@@ -157,138 +101,6 @@ class NodeServicer(pbg.NodeServiceServicer):
             hit_blocks=res.hits, total_blocks=len(sel.keys), tier_codes=res.tier_codes
         )
 
-    def _lease_ttl(
-        self, store: TieredStore, tenant: str, ttl_s: float, lease_id: int | None = None
-    ) -> float:
-        """The lease time asked for (0: the node's default), within a tenant's lease lifetime."""
-        ttl = self._ttl(ttl_s) or store.config.lease_ttl_s
-        return self.node.quotas.ttl(store.namespace, lease_id, tenant, ttl)
-
-    @observed
-    def Allocate(self, request, context):
-        sel, tenant = self._select(request.blocks, context)
-        store, session = sel.store, self._session(request.session)
-        ttl = self._lease_ttl(store, tenant, request.ttl_s)
-        quotas = self.node.quotas
-        with quotas.reserve(tenant, store.namespace, len(sel.keys)) as held:
-            quotas.make_room(store, tenant, len(sel.keys))
-            lease = store.allocate(sel.keys, ttl, chained=not request.unchained)
-            held.bind(lease.lease_id, len(lease.to_write), [lease.keys[i] for i in lease.to_write])
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
-        if self.node.segments is not None:  # written in the tenant's segment, copied at Commit
-            self.node.segments.hold(store.namespace, lease.lease_id, tenant, lease.slots)
-        page = store.layout.page_bytes
-        return pb.AllocateReply(
-            lease_id=lease.lease_id,
-            shm_name=self._segment_name(store),
-            page_bytes=page,
-            offsets=[s * page if s >= 0 else -1 for s in lease.slots],
-            ttl_s=lease.expires_at - time.monotonic(),
-            keys=sel.raw,
-            node_epoch=self.node.epoch,
-        )
-
-    def _end_lease(self, request, context, end):
-        """Commit / abort / release a lease the caller's tenant owns; ``end(store, lease_id)``."""
-        store = self.node.check_owner(
-            request.namespace, request.lease_id, self.auth.tenant(context), request.node_epoch
-        )
-        result = end(store, request.lease_id)
-        self.node.disown(request.namespace, request.lease_id)
-        return result
-
-    @staticmethod
-    def _checksums(raw: bytes) -> np.ndarray | None:
-        """LeaseRequest.checksums: packed little-endian uint64, one per key of the lease."""
-        if not raw:
-            return None
-        if len(raw) % 8:
-            raise InvalidArgument(
-                f"checksums must be packed little-endian uint64 (8 bytes per key of the lease), "
-                f"got {len(raw)} bytes"
-            )
-        return np.frombuffer(raw, dtype="<u8")
-
-    @observed
-    def Commit(self, request, context):
-        segs = self.node.segments
-        sums = self._checksums(request.checksums)
-
-        def commit(store: TieredStore, lease_id: int):
-            if segs is not None:
-                try:
-                    segs.fill(store, lease_id)  # the tenant's pages into the store's
-                except BaseException:
-                    try:
-                        store.abort(lease_id)
-                    except KVStoreError:
-                        pass  # expired already
-                    raise
-            # Written by the client or by fill; a length mismatch leaves the lease as it was.
-            result = store.commit(lease_id, written_in_place=True, checksums=sums)
-            self.node.quotas.committed(store.namespace, lease_id)
-            return result
-
-        res = self._end_lease(request, context, commit)
-        return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
-
-    @observed
-    def Abort(self, request, context):
-        self._end_lease(request, context, TieredStore.abort)
-        return pb.Empty()
-
-    @observed
-    def Acquire(self, request, context):
-        sel, tenant = self._select(request.blocks, context)
-        store, keys, session = sel.store, sel.keys, self._session(request.session)
-        if request.prefix_only:
-            keys = self._prefix(store, keys)
-        n = len(keys)
-        ttl = self._lease_ttl(store, tenant, request.ttl_s)
-        with self.node.quotas.reserve(tenant, store.namespace, 0) as held:
-            lease = store.acquire(keys, ttl, into=Tier.DRAM)
-            self._bind_read(store, held, lease)
-        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at, session)
-        offsets = self._offsets(store, lease)
-        tiers = [tier_to_pb(t) for t in lease.tiers]
-        if self.node.segments is not None:
-            self._stage_reads(store, lease, tenant, offsets, tiers)
-        return pb.AcquireReply(
-            lease_id=lease.lease_id,
-            shm_name=self._segment_name(store),
-            page_bytes=store.layout.page_bytes,
-            offsets=offsets,
-            tiers=tiers,
-            ttl_s=lease.expires_at - time.monotonic(),
-            keys=sel.raw[:n],
-            checksums=store.checksums(lease),
-            node_epoch=self.node.epoch,
-        )
-
-    def _stage_reads(
-        self, store: TieredStore, lease: ReadLease, tenant: str, offsets: list, tiers: list
-    ) -> None:
-        """Copy a read lease's DRAM pages into the tenant's segment (checking their checksums: a
-        page that fails is dropped and reported missing)."""
-        segs = self.node.segments
-        assert segs is not None
-        page = store.layout.page_bytes
-        slots = [off // page if off >= 0 else -1 for off in offsets]
-        segs.hold(store.namespace, lease.lease_id, tenant, slots)
-        for i, slot in enumerate(slots):
-            if slot >= 0 and not store.copy_out(lease, i, segs.page(store.namespace, tenant, slot)):
-                log.warning("dropped a corrupt DRAM page of %s on Acquire", store.namespace)
-                offsets[i], tiers[i] = -1, cpb.TIER_UNSPECIFIED
-
-    @staticmethod
-    def _bind_read(store: TieredStore, held, lease: ReadLease) -> None:
-        """Count a read lease's pins against its tenant's share; over it, the lease ends."""
-        try:
-            held.bind(lease.lease_id, lease.found)
-        except CapacityExhausted:
-            store.release(lease.lease_id)
-            raise
-
     @observed
     def OpenShm(self, request, context):
         segs = self.node.segments
@@ -305,22 +117,6 @@ class NodeServicer(pbg.NodeServiceServicer):
             segment_bytes=segs.segment_bytes(request.namespace),
             ttl_s=TICKET_TTL_S,
         )
-
-    @observed
-    def Release(self, request, context):
-        self._end_lease(request, context, TieredStore.release)
-        return pb.Empty()
-
-    @observed
-    def ExtendLease(self, request, context):
-        tenant = self.auth.tenant(context)
-        store = self.node.check_owner(
-            request.namespace, request.lease_id, tenant, request.node_epoch
-        )
-        ttl = self._lease_ttl(store, tenant, request.ttl_s, request.lease_id)
-        deadline = store.extend(request.lease_id, ttl)
-        self.node.own(request.namespace, request.lease_id, tenant, deadline)
-        return pb.ExtendLeaseReply(ttl_s=deadline - time.monotonic())
 
     @observed
     def Remove(self, request, context):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"\x07\n\x05\x45mpty\"\x10\n\x0eGetInfoRequest\"\xbd\x01\n\rNamespaceInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvcache.v1.Layout\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\x12\x12\n\nshm_socket\x18\x06 \x01(\t\x12\x15\n\rsegment_bytes\x18\x07 \x01(\x04\"\x9c\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12-\n\nnamespaces\x18\x02 \x03(\x0b\x32\x19.kvcache.v1.NamespaceInfo\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0esession_socket\x18\x05 \x01(\t\x12\x19\n\x11messenger_address\x18\x06 \x01(\t\"Q\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x12\n\ntier_codes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"o\n\x0f\x41llocateRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0f\n\x07session\x18\x03 \x01(\x0c\x12\x11\n\tunchained\x18\x04 \x01(\x08\"\x89\x01\n\rAllocateReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\x12\x12\n\nnode_epoch\x18\x07 \x01(\x06\"Z\n\x0cLeaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x01(\x0c\x12\x12\n\nnode_epoch\x18\x04 \x01(\x06\"1\n\x0b\x43ommitReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"p\n\x0e\x41\x63quireRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\x12\x0f\n\x07session\x18\x04 \x01(\x0c\"\xbc\x01\n\x0c\x41\x63quireReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\x1f\n\x05tiers\x18\x05 \x03(\x0e\x32\x10.kvcache.v1.Tier\x12\r\n\x05ttl_s\x18\x06 \x01(\x01\x12\x0c\n\x04keys\x18\x07 \x03(\x0c\x12\x11\n\tchecksums\x18\x08 \x03(\x06\x12\x12\n\nnode_epoch\x18\t \x01(\x06\"#\n\x0eOpenShmRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"T\n\x0cOpenShmReply\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\\\n\x12\x45xtendLeaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x12\n\nnode_epoch\x18\x04 \x01(\x06\"!\n\x10\x45xtendLeaseReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"6\n\tPutHeader\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\"K\n\x08PutChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.PutHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"a\n\nGetRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\x13\n\x0bprefix_only\x18\x02 \x01(\x08\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\".\n\tGetHeader\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\"K\n\x08GetChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.GetHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xe6\x03\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x32\n\x04hits\x18\x04 \x03(\x0b\x32$.kvcache.v1.NamespaceStats.HitsEntry\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12<\n\tevictions\x18\x06 \x03(\x0b\x32).kvcache.v1.NamespaceStats.EvictionsEntry\x12\x11\n\tdemotions\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\x12\x15\n\rcorrupt_pages\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x14\n\x0cwrite_leases\x18\x0c \x01(\x04\x12\x13\n\x0bread_leases\x18\r \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x0e \x01(\x04\x1a+\n\tHitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x30\n\x0e\x45victionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"k\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\r\x12\x14\n\x0cleased_pages\x18\x03 \x01(\x04\x12\x15\n\rstored_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07streams\x18\x05 \x01(\r\"f\n\nStatsReply\x12.\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1a.kvcache.v1.NamespaceStats\x12(\n\x07tenants\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.TenantUsage\"2\n\rEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"s\n\nEventBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.BlockEvent\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x03 \x01(\x08\x12\x14\n\x0csnapshot_seq\x18\x04 \x01(\x04\x32\xed\x06\n\x0bNodeService\x12;\n\x07GetInfo\x12\x1a.kvcache.v1.GetInfoRequest\x1a\x14.kvcache.v1.NodeInfo\x12<\n\x06Lookup\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.LookupReply\x12\x42\n\x08\x41llocate\x12\x1b.kvcache.v1.AllocateRequest\x1a\x19.kvcache.v1.AllocateReply\x12;\n\x06\x43ommit\x12\x18.kvcache.v1.LeaseRequest\x1a\x17.kvcache.v1.CommitReply\x12\x34\n\x05\x41\x62ort\x12\x18.kvcache.v1.LeaseRequest\x1a\x11.kvcache.v1.Empty\x12?\n\x07\x41\x63quire\x12\x1a.kvcache.v1.AcquireRequest\x1a\x18.kvcache.v1.AcquireReply\x12\x36\n\x07Release\x12\x18.kvcache.v1.LeaseRequest\x1a\x11.kvcache.v1.Empty\x12K\n\x0b\x45xtendLease\x12\x1e.kvcache.v1.ExtendLeaseRequest\x1a\x1c.kvcache.v1.ExtendLeaseReply\x12?\n\x07OpenShm\x12\x1a.kvcache.v1.OpenShmRequest\x1a\x18.kvcache.v1.OpenShmReply\x12\x36\n\x03Put\x12\x14.kvcache.v1.PutChunk\x1a\x17.kvcache.v1.CommitReply(\x01\x12\x35\n\x03Get\x12\x16.kvcache.v1.GetRequest\x1a\x14.kvcache.v1.GetChunk0\x01\x12<\n\x06Remove\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.RemoveReply\x12\x39\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x16.kvcache.v1.StatsReply\x12=\n\x06\x45vents\x12\x19.kvcache.v1.EventsRequest\x1a\x16.kvcache.v1.EventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"\x07\n\x05\x45mpty\"\x10\n\x0eGetInfoRequest\"\xbd\x01\n\rNamespaceInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvcache.v1.Layout\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\x12\x12\n\nshm_socket\x18\x06 \x01(\t\x12\x15\n\rsegment_bytes\x18\x07 \x01(\x04\"\x9c\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12-\n\nnamespaces\x18\x02 \x03(\x0b\x32\x19.kvcache.v1.NamespaceInfo\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0esession_socket\x18\x05 \x01(\t\x12\x19\n\x11messenger_address\x18\x06 \x01(\t\"Q\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x12\n\ntier_codes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"o\n\x0f\x41llocateRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0f\n\x07session\x18\x03 \x01(\x0c\x12\x11\n\tunchained\x18\x04 \x01(\x08\"\x89\x01\n\rAllocateReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\x12\x12\n\nnode_epoch\x18\x07 \x01(\x06\"Z\n\x0cLeaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x01(\x0c\x12\x12\n\nnode_epoch\x18\x04 \x01(\x06\"1\n\x0b\x43ommitReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"p\n\x0e\x41\x63quireRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\x12\x0f\n\x07session\x18\x04 \x01(\x0c\"\xbc\x01\n\x0c\x41\x63quireReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\x1f\n\x05tiers\x18\x05 \x03(\x0e\x32\x10.kvcache.v1.Tier\x12\r\n\x05ttl_s\x18\x06 \x01(\x01\x12\x0c\n\x04keys\x18\x07 \x03(\x0c\x12\x11\n\tchecksums\x18\x08 \x03(\x06\x12\x12\n\nnode_epoch\x18\t \x01(\x06\"\x90\x01\n\x16\x41\x63quireAllocateRequest\x12+\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32\x1a.kvcache.v1.AcquireRequest\x12-\n\x08\x61llocate\x18\x02 \x01(\x0b\x32\x1b.kvcache.v1.AllocateRequest\x12\x1a\n\x12\x61llocate_if_loaded\x18\x03 \x01(\x08\"n\n\x14\x41\x63quireAllocateReply\x12)\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32\x18.kvcache.v1.AcquireReply\x12+\n\x08\x61llocate\x18\x02 \x01(\x0b\x32\x19.kvcache.v1.AllocateReply\"k\n\x14\x43ommitReleaseRequest\x12(\n\x06\x63ommit\x18\x01 \x01(\x0b\x32\x18.kvcache.v1.LeaseRequest\x12)\n\x07release\x18\x02 \x01(\x0b\x32\x18.kvcache.v1.LeaseRequest\"O\n\x12\x43ommitReleaseReply\x12\'\n\x06\x63ommit\x18\x01 \x01(\x0b\x32\x17.kvcache.v1.CommitReply\x12\x10\n\x08released\x18\x02 \x01(\x08\"#\n\x0eOpenShmRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"T\n\x0cOpenShmReply\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\\\n\x12\x45xtendLeaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x12\n\nnode_epoch\x18\x04 \x01(\x06\"!\n\x10\x45xtendLeaseReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"6\n\tPutHeader\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\"K\n\x08PutChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.PutHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"a\n\nGetRequest\x12)\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x19.kvcache.v1.BlockSelector\x12\x13\n\x0bprefix_only\x18\x02 \x01(\x08\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\".\n\tGetHeader\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\"K\n\x08GetChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.GetHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xe6\x03\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvcache.v1.TierUsage\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x32\n\x04hits\x18\x04 \x03(\x0b\x32$.kvcache.v1.NamespaceStats.HitsEntry\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12<\n\tevictions\x18\x06 \x03(\x0b\x32).kvcache.v1.NamespaceStats.EvictionsEntry\x12\x11\n\tdemotions\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\x12\x15\n\rcorrupt_pages\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x14\n\x0cwrite_leases\x18\x0c \x01(\x04\x12\x13\n\x0bread_leases\x18\r \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x0e \x01(\x04\x1a+\n\tHitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x30\n\x0e\x45victionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"k\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x01(\r\x12\x14\n\x0cleased_pages\x18\x03 \x01(\x04\x12\x15\n\rstored_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07streams\x18\x05 \x01(\r\"f\n\nStatsReply\x12.\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1a.kvcache.v1.NamespaceStats\x12(\n\x07tenants\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.TenantUsage\"2\n\rEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"s\n\nEventBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.BlockEvent\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x03 \x01(\x08\x12\x14\n\x0csnapshot_seq\x18\x04 \x01(\x04\x32\x99\x08\n\x0bNodeService\x12;\n\x07GetInfo\x12\x1a.kvcache.v1.GetInfoRequest\x1a\x14.kvcache.v1.NodeInfo\x12<\n\x06Lookup\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.LookupReply\x12\x42\n\x08\x41llocate\x12\x1b.kvcache.v1.AllocateRequest\x1a\x19.kvcache.v1.AllocateReply\x12;\n\x06\x43ommit\x12\x18.kvcache.v1.LeaseRequest\x1a\x17.kvcache.v1.CommitReply\x12\x34\n\x05\x41\x62ort\x12\x18.kvcache.v1.LeaseRequest\x1a\x11.kvcache.v1.Empty\x12?\n\x07\x41\x63quire\x12\x1a.kvcache.v1.AcquireRequest\x1a\x18.kvcache.v1.AcquireReply\x12\x36\n\x07Release\x12\x18.kvcache.v1.LeaseRequest\x1a\x11.kvcache.v1.Empty\x12K\n\x0b\x45xtendLease\x12\x1e.kvcache.v1.ExtendLeaseRequest\x1a\x1c.kvcache.v1.ExtendLeaseReply\x12W\n\x0f\x41\x63quireAllocate\x12\".kvcache.v1.AcquireAllocateRequest\x1a .kvcache.v1.AcquireAllocateReply\x12Q\n\rCommitRelease\x12 .kvcache.v1.CommitReleaseRequest\x1a\x1e.kvcache.v1.CommitReleaseReply\x12?\n\x07OpenShm\x12\x1a.kvcache.v1.OpenShmRequest\x1a\x18.kvcache.v1.OpenShmReply\x12\x36\n\x03Put\x12\x14.kvcache.v1.PutChunk\x1a\x17.kvcache.v1.CommitReply(\x01\x12\x35\n\x03Get\x12\x16.kvcache.v1.GetRequest\x1a\x14.kvcache.v1.GetChunk0\x01\x12<\n\x06Remove\x12\x19.kvcache.v1.BlockSelector\x1a\x17.kvcache.v1.RemoveReply\x12\x39\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x16.kvcache.v1.StatsReply\x12=\n\x06\x45vents\x12\x19.kvcache.v1.EventsRequest\x1a\x16.kvcache.v1.EventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,42 +58,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIREREQUEST']._serialized_end=1021
   _globals['_ACQUIREREPLY']._serialized_start=1024
   _globals['_ACQUIREREPLY']._serialized_end=1212
-  _globals['_OPENSHMREQUEST']._serialized_start=1214
-  _globals['_OPENSHMREQUEST']._serialized_end=1249
-  _globals['_OPENSHMREPLY']._serialized_start=1251
-  _globals['_OPENSHMREPLY']._serialized_end=1335
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=1337
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=1429
-  _globals['_EXTENDLEASEREPLY']._serialized_start=1431
-  _globals['_EXTENDLEASEREPLY']._serialized_end=1464
-  _globals['_PUTHEADER']._serialized_start=1466
-  _globals['_PUTHEADER']._serialized_end=1520
-  _globals['_PUTCHUNK']._serialized_start=1522
-  _globals['_PUTCHUNK']._serialized_end=1597
-  _globals['_GETREQUEST']._serialized_start=1599
-  _globals['_GETREQUEST']._serialized_end=1696
-  _globals['_GETHEADER']._serialized_start=1698
-  _globals['_GETHEADER']._serialized_end=1744
-  _globals['_GETCHUNK']._serialized_start=1746
-  _globals['_GETCHUNK']._serialized_end=1821
-  _globals['_REMOVEREPLY']._serialized_start=1823
-  _globals['_REMOVEREPLY']._serialized_end=1853
-  _globals['_STATSREQUEST']._serialized_start=1855
-  _globals['_STATSREQUEST']._serialized_end=1869
-  _globals['_NAMESPACESTATS']._serialized_start=1872
-  _globals['_NAMESPACESTATS']._serialized_end=2358
-  _globals['_NAMESPACESTATS_HITSENTRY']._serialized_start=2265
-  _globals['_NAMESPACESTATS_HITSENTRY']._serialized_end=2308
-  _globals['_NAMESPACESTATS_EVICTIONSENTRY']._serialized_start=2310
-  _globals['_NAMESPACESTATS_EVICTIONSENTRY']._serialized_end=2358
-  _globals['_TENANTUSAGE']._serialized_start=2360
-  _globals['_TENANTUSAGE']._serialized_end=2467
-  _globals['_STATSREPLY']._serialized_start=2469
-  _globals['_STATSREPLY']._serialized_end=2571
-  _globals['_EVENTSREQUEST']._serialized_start=2573
-  _globals['_EVENTSREQUEST']._serialized_end=2623
-  _globals['_EVENTBATCH']._serialized_start=2625
-  _globals['_EVENTBATCH']._serialized_end=2740
-  _globals['_NODESERVICE']._serialized_start=2743
-  _globals['_NODESERVICE']._serialized_end=3620
+  _globals['_ACQUIREALLOCATEREQUEST']._serialized_start=1215
+  _globals['_ACQUIREALLOCATEREQUEST']._serialized_end=1359
+  _globals['_ACQUIREALLOCATEREPLY']._serialized_start=1361
+  _globals['_ACQUIREALLOCATEREPLY']._serialized_end=1471
+  _globals['_COMMITRELEASEREQUEST']._serialized_start=1473
+  _globals['_COMMITRELEASEREQUEST']._serialized_end=1580
+  _globals['_COMMITRELEASEREPLY']._serialized_start=1582
+  _globals['_COMMITRELEASEREPLY']._serialized_end=1661
+  _globals['_OPENSHMREQUEST']._serialized_start=1663
+  _globals['_OPENSHMREQUEST']._serialized_end=1698
+  _globals['_OPENSHMREPLY']._serialized_start=1700
+  _globals['_OPENSHMREPLY']._serialized_end=1784
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=1786
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=1878
+  _globals['_EXTENDLEASEREPLY']._serialized_start=1880
+  _globals['_EXTENDLEASEREPLY']._serialized_end=1913
+  _globals['_PUTHEADER']._serialized_start=1915
+  _globals['_PUTHEADER']._serialized_end=1969
+  _globals['_PUTCHUNK']._serialized_start=1971
+  _globals['_PUTCHUNK']._serialized_end=2046
+  _globals['_GETREQUEST']._serialized_start=2048
+  _globals['_GETREQUEST']._serialized_end=2145
+  _globals['_GETHEADER']._serialized_start=2147
+  _globals['_GETHEADER']._serialized_end=2193
+  _globals['_GETCHUNK']._serialized_start=2195
+  _globals['_GETCHUNK']._serialized_end=2270
+  _globals['_REMOVEREPLY']._serialized_start=2272
+  _globals['_REMOVEREPLY']._serialized_end=2302
+  _globals['_STATSREQUEST']._serialized_start=2304
+  _globals['_STATSREQUEST']._serialized_end=2318
+  _globals['_NAMESPACESTATS']._serialized_start=2321
+  _globals['_NAMESPACESTATS']._serialized_end=2807
+  _globals['_NAMESPACESTATS_HITSENTRY']._serialized_start=2714
+  _globals['_NAMESPACESTATS_HITSENTRY']._serialized_end=2757
+  _globals['_NAMESPACESTATS_EVICTIONSENTRY']._serialized_start=2759
+  _globals['_NAMESPACESTATS_EVICTIONSENTRY']._serialized_end=2807
+  _globals['_TENANTUSAGE']._serialized_start=2809
+  _globals['_TENANTUSAGE']._serialized_end=2916
+  _globals['_STATSREPLY']._serialized_start=2918
+  _globals['_STATSREPLY']._serialized_end=3020
+  _globals['_EVENTSREQUEST']._serialized_start=3022
+  _globals['_EVENTSREQUEST']._serialized_end=3072
+  _globals['_EVENTBATCH']._serialized_start=3074
+  _globals['_EVENTBATCH']._serialized_end=3189
+  _globals['_NODESERVICE']._serialized_start=3192
+  _globals['_NODESERVICE']._serialized_end=4241
 # @@protoc_insertion_point(module_scope)

@@ -142,6 +142,40 @@ class AcquireReply(_message.Message):
     node_epoch: int
     def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
+class AcquireAllocateRequest(_message.Message):
+    __slots__ = ("acquire", "allocate", "allocate_if_loaded")
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_IF_LOADED_FIELD_NUMBER: _ClassVar[int]
+    acquire: AcquireRequest
+    allocate: AllocateRequest
+    allocate_if_loaded: bool
+    def __init__(self, acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., allocate: _Optional[_Union[AllocateRequest, _Mapping]] = ..., allocate_if_loaded: bool = ...) -> None: ...
+
+class AcquireAllocateReply(_message.Message):
+    __slots__ = ("acquire", "allocate")
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    acquire: AcquireReply
+    allocate: AllocateReply
+    def __init__(self, acquire: _Optional[_Union[AcquireReply, _Mapping]] = ..., allocate: _Optional[_Union[AllocateReply, _Mapping]] = ...) -> None: ...
+
+class CommitReleaseRequest(_message.Message):
+    __slots__ = ("commit", "release")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    commit: LeaseRequest
+    release: LeaseRequest
+    def __init__(self, commit: _Optional[_Union[LeaseRequest, _Mapping]] = ..., release: _Optional[_Union[LeaseRequest, _Mapping]] = ...) -> None: ...
+
+class CommitReleaseReply(_message.Message):
+    __slots__ = ("commit", "released")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    commit: CommitReply
+    released: bool
+    def __init__(self, commit: _Optional[_Union[CommitReply, _Mapping]] = ..., released: bool = ...) -> None: ...
+
 class OpenShmRequest(_message.Message):
     __slots__ = ("namespace",)
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -75,6 +75,16 @@ class NodeServiceStub(object):
                 request_serializer=proto_dot_node__pb2.ExtendLeaseRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.ExtendLeaseReply.FromString,
                 _registered_method=True)
+        self.AcquireAllocate = channel.unary_unary(
+                '/kvcache.v1.NodeService/AcquireAllocate',
+                request_serializer=proto_dot_node__pb2.AcquireAllocateRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.AcquireAllocateReply.FromString,
+                _registered_method=True)
+        self.CommitRelease = channel.unary_unary(
+                '/kvcache.v1.NodeService/CommitRelease',
+                request_serializer=proto_dot_node__pb2.CommitReleaseRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.CommitReleaseReply.FromString,
+                _registered_method=True)
         self.OpenShm = channel.unary_unary(
                 '/kvcache.v1.NodeService/OpenShm',
                 request_serializer=proto_dot_node__pb2.OpenShmRequest.SerializeToString,
@@ -158,6 +168,24 @@ class NodeServiceServicer(object):
 
     def ExtendLease(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireAllocate(self, request, context):
+        """An Acquire and then an Allocate in one round trip (an engine step that loads a cached prefix
+        and saves what it computes after it): each half as its own call, or an error and nothing
+        leased. With allocate_if_loaded, the Allocate is made only when every page the acquire half
+        names is found in shared memory (offset >= 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitRelease(self, request, context):
+        """A Commit and then a Release in one round trip (the end of such a step). The read lease is
+        released whatever the commit's outcome; a failed commit fails the call (after the release).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -247,6 +275,16 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.ExtendLease,
                     request_deserializer=proto_dot_node__pb2.ExtendLeaseRequest.FromString,
                     response_serializer=proto_dot_node__pb2.ExtendLeaseReply.SerializeToString,
+            ),
+            'AcquireAllocate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireAllocate,
+                    request_deserializer=proto_dot_node__pb2.AcquireAllocateRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.AcquireAllocateReply.SerializeToString,
+            ),
+            'CommitRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitRelease,
+                    request_deserializer=proto_dot_node__pb2.CommitReleaseRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.CommitReleaseReply.SerializeToString,
             ),
             'OpenShm': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenShm,
@@ -495,6 +533,60 @@ class NodeService(object):
             '/kvcache.v1.NodeService/ExtendLease',
             proto_dot_node__pb2.ExtendLeaseRequest.SerializeToString,
             proto_dot_node__pb2.ExtendLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireAllocate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.NodeService/AcquireAllocate',
+            proto_dot_node__pb2.AcquireAllocateRequest.SerializeToString,
+            proto_dot_node__pb2.AcquireAllocateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.NodeService/CommitRelease',
+            proto_dot_node__pb2.CommitReleaseRequest.SerializeToString,
+            proto_dot_node__pb2.CommitReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,13 +1,16 @@
 """Helpers shared by the tests: polling a real condition with a deadline, reading the status
 of a failed call (a raw stub's ``grpc.RpcError`` or a client's ``KVCacheRpcError``), running
-the ``kvcache`` command as a user would, and a node client that keeps what its commits sent."""
+the ``kvcache`` command as a user would, counting the RPCs a node served, and a node client that
+keeps what its commits sent."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any, Callable, TypeVar
 
 import grpc
@@ -46,6 +49,19 @@ def rpc_error(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as e:
         return e.code(), e.details() or ""
     raise AssertionError("the call did not fail")
+
+
+def rpc_calls(service: Any, method: str, code: str | None = None) -> int:
+    """How many ``method`` calls a node (started with ``--metrics-port``) served, from its
+    Prometheus metrics; with ``code``, how many of them failed with that status code."""
+    port = service.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    if code is None:
+        name, labels = "kvcache_node_rpc_seconds_count", f'method="{method}"'
+    else:
+        name, labels = "kvcache_node_rpc_errors_total", f'code="{code}",method="{method}"'
+    m = re.search(rf"^{name}\{{{labels}\}} ([0-9.e+]+)$", text, re.M)
+    return int(float(m.group(1))) if m else 0
 
 
 def kvcache_cli(

@@ -16,6 +16,7 @@ from clients.torch_client import TorchKVClient
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
 
+from helpers import rpc_calls
 from vllm_driver import Engine
 
 pytest.importorskip("vllm")
@@ -130,3 +131,49 @@ def test_corrupt_pages_and_a_stopped_node_fall_back_to_recompute(
     node.stop()
     (c_,) = generate(model, [PROMPT], {"node": address, "block_tokens": 64})
     assert c_["tokens"] == reference and c_["cached"] == 0
+
+
+STEP_CALLS = ("AcquireAllocate", "CommitRelease", "Acquire", "Allocate", "Commit", "Release")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_a_step_that_loads_a_prefix_and_stores_the_rest_makes_two_calls(
+    model, reference, start_node, overlap
+):
+    """Engine B loads the 3 pages engine A stored and stores the 4th in the same step: one
+    AcquireAllocate and one CommitRelease (sent without waiting with ``overlap``), none of the
+    four separate calls; a fresh engine then loads all 4 pages."""
+    node = start_node("--metrics-port", "0", dram="16MiB", layout=LAYOUT_FLAG)
+    conn = {"node": node.address, "overlap": overlap}
+    (a,) = generate(model, [PROMPT[: 3 * 64 + 10]], conn)
+    assert held(node.address, a, PROMPT) == 3
+    before = {m: rpc_calls(node, m) for m in STEP_CALLS}
+    (b,) = generate(model, [PROMPT], conn)
+    assert b["cached"] == 3 * 64 and b["tokens"] == reference
+    calls = {m: rpc_calls(node, m) - n for m, n in before.items()}
+    assert calls == {m: int(m in ("AcquireAllocate", "CommitRelease")) for m in STEP_CALLS}
+    assert held(node.address, b, PROMPT) == 4
+    (c,) = generate(model, [PROMPT], conn)
+    assert c["cached"] == 4 * 64 and c["tokens"] == reference
+
+
+def test_a_refused_merged_call_falls_back_to_the_separate_calls(model, reference, start_node):
+    """A tenant allowed one lease at a time: the node refuses the AcquireAllocate (two leases),
+    and the step makes the Acquire and the Allocate as before: the load is served, the save
+    refused (the prefix is loaded, the 4th page not stored), and the engine's tokens are right."""
+    node = start_node(
+        "--metrics-port", "0",
+        "--token", "admin", "--tenant-token", "tok-a=alice", "--tenant-max-leases", "1",
+        dram="16MiB", layout=LAYOUT_FLAG,
+    )  # fmt: skip
+    conn = {"node": node.address, "token": "tok-a"}
+    (a,) = generate(model, [PROMPT[: 3 * 64 + 10]], conn)
+    assert held(node.address, a, PROMPT, "tok-a") == 3
+    with Engine(model, conn, prefix_caching=True, log_path=_log()) as e:
+        (b,) = e.generate([PROMPT])
+        stats = e.stats()
+    assert b["cached"] == 3 * 64 and b["tokens"] == reference
+    assert stats["loaded_pages"] == 3 and stats["load_failed_blocks"] == 0
+    assert rpc_calls(node, "AcquireAllocate", "RESOURCE_EXHAUSTED") == 1
+    assert rpc_calls(node, "Allocate", "RESOURCE_EXHAUSTED") == 1
+    assert held(node.address, b, PROMPT, "tok-a") == 3

@@ -26,7 +26,7 @@ from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
 from plumbing.launch import start_service
 
-from helpers import wait_until
+from helpers import rpc_calls, wait_until
 from vllm_driver import Engine
 
 pytest.importorskip("vllm")
@@ -75,7 +75,8 @@ def node(work):
     every = (LAYOUT_FLAG, FP8_DRAFT, FP8_E5M2_DRAFT, EAGLE, MTP, MLA, TP2, BLIP2)
     layouts = [a for layout in every for a in ("--layout", layout)]
     sp = start_service(
-        ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", *layouts], log_dir=str(work)
+        ["node", "--listen", "127.0.0.1:0", "--dram", "128MiB", "--metrics-port", "0", *layouts],
+        log_dir=str(work),
     )
     yield sp
     sp.stop()
@@ -137,9 +138,10 @@ def pages(node, kvcache: dict, prompt: list[int]) -> list:
 def test_a_page_gone_between_lookup_and_acquire_is_recomputed_and_never_stored_wrong(
     model, node, engine, work
 ):
-    """The scheduler finds 3 pages; page 1 is removed before the worker's Acquire (another
-    writer evicted it). vLLM recomputes from there; what the failed step computed attended to
-    unfilled blocks and must not be stored: every page stored is the page of a full computation
+    """The scheduler finds 3 pages; page 1 is removed before the worker's AcquireAllocate
+    (another writer evicted it). vLLM recomputes from there; what the failed step computed
+    attended to unfilled blocks and must not be stored (the node leases nothing to save when a
+    page to load is missing): every page stored is the page of a full computation
     (the same engine's after reset_cache, under keys of a new epoch), and a run that loads all
     5 pages gets the tokens of a full computation."""
     (stored,) = engine.generate([STORED])
@@ -152,8 +154,11 @@ def test_a_page_gone_between_lookup_and_acquire_is_recomputed_and_never_stored_w
         env={"KVCACHE_VANISH_PAGE": "1"},
         log_path=str(work / "vanish.log"),
     ) as e:
+        merged = rpc_calls(node, "AcquireAllocate")
         (hit,) = e.generate([EXTENDED])
         assert e.stats()["load_failed_blocks"] == 4  # pages 1 and 2 (the chain breaks at 1)
+        # The failed step's loads and saves went in one call, which leased nothing to save.
+        assert rpc_calls(node, "AcquireAllocate") == merged + 1
         (loaded,) = e.generate([EXTENDED])
         assert e.reset()
         (full,) = e.generate([EXTENDED])

@@ -3,7 +3,8 @@
     python -m bench.engines.vllm_engine < SPEC_JSON
 
 SPEC: ``model`` (path), ``runs`` (a list of ``{"prompts": [[token ids]...], "max_tokens": n}``,
-each one ``LLM.generate`` call, timed), and optionally ``connector`` (the
+each one ``LLM.generate`` call, timed; ``"connector_attrs": {name: value}`` sets attributes of
+the worker's connector first, e.g. ``merge_calls``), and optionally ``connector`` (the
 ``kv_connector_extra_config`` of ``clients.vllm_connector.KVCacheConnector``; ``kv_role``, default
 ``kv_both``), ``prefix_caching``
 (default true), ``max_model_len`` (default 1024). Prints one line: ``{"runs": [{"outputs":
@@ -60,6 +61,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     out = []
     for r in spec["runs"]:
+        if r.get("connector_attrs") and spec.get("connector") is not None:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group()  # in this process: no engine-core processes
+            for name, value in r["connector_attrs"].items():
+                setattr(worker, name, value)
         params = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0)
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in r["prompts"]], params, use_tqdm=False)

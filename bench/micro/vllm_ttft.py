@@ -5,8 +5,14 @@ For each model (random weights, made here): a node serving its layout; engine A 
 a fresh engine B (prefix caching off, so every request asks the connector) generates one token
 for it ``--reps`` times, loading the prefix from kvcache each time; a plain engine recomputes it
 ``--reps`` times. Then both engines prefill ``--reps`` fresh prompts: the store's overhead on a
-cold prefill. Each engine runs in a process of its own (``bench.engines.vllm_engine``). The first
-generate of each engine is a warm-up on an unrelated prompt and is not counted.
+cold prefill. Last, ``2 * --reps`` prompts whose first half is the stored prompt's and whose rest
+is new: engine B loads the half and stores the rest in the same engine step, in turn with the
+connector's merged node calls (``AcquireAllocate``, ``CommitRelease``) and the separate ones
+(``merge_calls`` off: ``Acquire``, ``Allocate``, ``Commit``, ``Release``); the plain engine
+computes all of it. Each phase also reports the connector's time per engine step
+(``ConnectorStats.step_s / steps``). Each engine runs in a process of its own
+(``bench.engines.vllm_engine``). The first generate of each engine is a warm-up on an unrelated
+prompt and is not counted.
 
 Models: ``tiny`` (2 layers, hidden 128: LMCache's peer model, where a hit can at best match a
 ~20 ms recompute) and ``100m`` (12 layers, hidden 768, about 100M parameters: prefill dominates).
@@ -54,6 +60,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=os.path.join("..", "shared", "peers"),
         help="the peer benchmark folder (default ../shared/peers)",
     )
+    parser.add_argument(
+        "--overlap",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="the connector's overlap setting (auto: on GPUs only)",
+    )
     parser.add_argument("--work", default=None, help="where models and logs go (default: temp)")
     parser.add_argument("--out", default="out/bench", help="directory for vllm.json")
 
@@ -96,6 +108,19 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     fresh = [prompt() for _ in range(args.reps)]
     one = [{"prompts": [shared], "max_tokens": 1}] * args.reps
     cold = [{"prompts": [p], "max_tokens": 1} for p in fresh]
+    # The stored prompt's first half (whole blocks), then new tokens: a load and a save in one
+    # step, alternately with the connector's merged node calls (AcquireAllocate, CommitRelease)
+    # and the separate ones: machine noise hits both alike.
+    half = prompt_len // 2 // args.block_tokens * args.block_tokens
+    mixed = [
+        {
+            "prompts": [shared[:half] + prompt()[half:]],
+            "max_tokens": 1,
+            "connector_attrs": {"merge_calls": merged},
+        }
+        for _ in fresh
+        for merged in (True, False)
+    ]
     warmup = [{"prompts": [warm], "max_tokens": 1}]
     base = {
         "model": model,
@@ -108,32 +133,44 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         log_dir=work,
     )
     try:
-        conn = {"node": node.address}
+        conn: dict[str, Any] = {"node": node.address}
+        if args.overlap != "auto":
+            conn["overlap"] = args.overlap == "true"
         print(f"[{name}] engine A stores a {prompt_len}-token prompt", flush=True)
         stored = _engine(
             {**base, "connector": conn, "runs": [{"prompts": [shared], "max_tokens": 8}]},
             os.path.join(work, f"{name}-A.log"),
         )
         print(
-            f"[{name}] engine B: {args.reps} hits, then {args.reps} cold prefills with the store",
+            f"[{name}] engine B: {args.reps} hits, {args.reps} cold prefills with the store, "
+            f"{2 * args.reps} half hits (merged and separate node calls in turn)",
             flush=True,
         )
         hit = _engine(
-            {**base, "connector": conn, "runs": warmup + one + cold},
+            {**base, "connector": conn, "runs": warmup + one + cold + mixed},
             os.path.join(work, f"{name}-B.log"),
         )
         print(
-            f"[{name}] plain engine: {args.reps} recomputes, {args.reps} cold prefills", flush=True
+            f"[{name}] plain engine: {args.reps} recomputes, {args.reps} cold prefills, "
+            f"{2 * args.reps} half-new prompts",
+            flush=True,
         )
         plain = _engine(
-            {**base, "runs": warmup + one + cold + [{"prompts": [shared], "max_tokens": 8}]},
+            {
+                **base,
+                "runs": warmup + one + cold + mixed + [{"prompts": [shared], "max_tokens": 8}],
+            },
             os.path.join(work, f"{name}-plain.log"),
         )
     finally:
         node.stop()
     r = args.reps
-    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r :]
+    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r : 1 + 2 * r]
+    hit_mixed = hit["runs"][1 + 2 * r :]
     plain_runs, plain_cold = plain["runs"][1 : 1 + r], plain["runs"][1 + r : 1 + 2 * r]
+    plain_mixed = plain["runs"][1 + 2 * r : 1 + 4 * r]
+    # each run with the stats before it: the interleaved phases are told apart by position
+    pairs = list(zip(hit["runs"], hit["runs"][1:]))
     reference = plain["runs"][-1]["outputs"][0]["tokens"]
     after_hits, before_hits = hit_runs[-1]["stats"], hit["runs"][0]["stats"]
     n_loads = max(after_hits["lookups"] - before_hits["lookups"], 1)
@@ -146,10 +183,25 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     def per_cold(field: str) -> float:
         return (after_cold[field] - after_hits[field]) / r * 1e3
 
+    def per_step(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
+        """The connector's worker time per engine step (ms), and what it spent on the node: the
+        median over the phase's requests (one stalled step on a busy machine skews a mean)."""
+        out = {}
+        for k in ("step_s", "acquire_s", "allocate_s", "finish_s"):
+            out[k[:-2]] = 1e3 * statistics.median(
+                (b["stats"][k] - a["stats"][k]) / max(b["stats"]["steps"] - a["stats"]["steps"], 1)
+                for a, b in runs
+            )
+        return out
+
     hit_s = statistics.median(x["seconds"] for x in hit_runs)
     rec_s = statistics.median(x["seconds"] for x in plain_runs)
     cold_store = statistics.median(x["seconds"] for x in hit_cold)
     cold_plain = statistics.median(x["seconds"] for x in plain_cold)
+    mixed_store = statistics.median(x["seconds"] for x in hit_mixed[0::2])
+    mixed_separate = statistics.median(x["seconds"] for x in hit_mixed[1::2])
+    mixed_plain = statistics.median(x["seconds"] for x in plain_mixed)
+    mixed_pairs = pairs[2 * r :]
     return {
         "model": name,
         "params_m": _params(shape) / 1e6,
@@ -163,6 +215,17 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "cold_store_ms": cold_store * 1e3,
         "cold_plain_ms": cold_plain * 1e3,
         "store_ratio": cold_store / cold_plain,
+        "mixed_loaded_tokens": hit_mixed[0]["outputs"][0]["cached"],
+        "mixed_store_ms": mixed_store * 1e3,
+        "mixed_separate_ms": mixed_separate * 1e3,
+        "mixed_plain_ms": mixed_plain * 1e3,
+        "mixed_ratio": mixed_store / mixed_plain,
+        "step_ms": {
+            "hit": per_step(pairs[:r]),
+            "cold": per_step(pairs[r : 2 * r]),
+            "half hit": per_step(mixed_pairs[0::2]),
+            "half hit (separate calls)": per_step(mixed_pairs[1::2]),
+        },
         "breakdown_ms": {
             "lookup": per_hit("lookup_s"),
             "acquire": per_hit("acquire_s"),
@@ -178,6 +241,9 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "recompute_runs_ms": [x["seconds"] * 1e3 for x in plain_runs],
         "cold_store_runs_ms": [x["seconds"] * 1e3 for x in hit_cold],
         "cold_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_cold],
+        "mixed_store_runs_ms": [x["seconds"] * 1e3 for x in hit_mixed[0::2]],
+        "mixed_separate_runs_ms": [x["seconds"] * 1e3 for x in hit_mixed[1::2]],
+        "mixed_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_mixed],
     }
 
 
@@ -267,6 +333,17 @@ def run(args: argparse.Namespace) -> int:
             f"copy out of vLLM blocks {s['copy']:.2f} ms, commit {s['commit']:.2f} ms "
             f"(the cold prefill alone: {r['cold_plain_ms']:.1f} ms)"
         )
+        print(
+            f"[{r['model']}] half hit (load {r['mixed_loaded_tokens']} tokens, store the rest): "
+            f"{r['mixed_store_ms']:.1f} ms ({r['mixed_separate_ms']:.1f} ms with separate node "
+            f"calls) vs {r['mixed_plain_ms']:.1f} ms computing it all ({r['mixed_ratio']:.3f}x)"
+        )
+        for phase, st in r["step_ms"].items():
+            print(
+                f"[{r['model']}] connector, {phase} steps (median): {st['step']:.2f} ms in "
+                f"its hooks (acquire {st['acquire']:.2f}, allocate {st['allocate']:.2f}, "
+                f"commit + release {st['finish']:.2f})"
+            )
     if peer is not None:
         if "error" in peer:
             print(f"LMCache peer: {peer['error']}")
