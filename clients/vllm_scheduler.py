@@ -125,6 +125,9 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         st = self._request(request)  # a producer needs it too: it plans the saves
         if st is None or not st.keys or not self.loads:
             return 0, False
+        # Only a pull started by this call makes the offer asynchronous: one vLLM could not
+        # admit last time (no update_state_after_alloc) must not turn a later offer async.
+        st.pulling = ""
         t0 = time.perf_counter()
         try:
             hit = self._lookup(st.keys)

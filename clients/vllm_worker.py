@@ -290,11 +290,12 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
         arrive is a load error (vLLM recomputes it); the request is reported finished always."""
         try:
             t0 = time.perf_counter()
-            waiter = self._waiters.get(messenger)
-            if waiter is None:
-                waiter = self._waiters[messenger] = MessengerClient(
-                    messenger, self.config.token, self.config.tls_ca_file
-                )
+            with self._lock:  # the pull threads share one client per messenger
+                waiter = self._waiters.get(messenger)
+                if waiter is None:
+                    waiter = self._waiters[messenger] = MessengerClient(
+                        messenger, self.config.token, self.config.tls_ca_file
+                    )
             timeout_s = self.config.pull_timeout_s
             done = whole = False
             try:
