@@ -72,6 +72,39 @@ class EngineSpec:
     pool: bool = False  # loads from any node (the connector's 'conductor')
 
 
+def kv_transfer_config(
+    spec: EngineSpec,
+    node: dict[str, Any],
+    token_file: str | None,
+    tls_ca: str | None,
+    conductor: str = "",
+) -> dict[str, Any]:
+    """The engine's ``--kv-transfer-config``: our connector on its node, the node layout's model
+    and block size, the cluster's token and CA, and with ``pool`` the conductor."""
+    try:
+        layout = parse_layout(node["layout"])
+    except KVStoreError as e:
+        raise ConfigError(f"node {spec.node}: {e}") from None
+    extra: dict[str, Any] = {
+        "node": node["address"],
+        "model": layout.model,
+        "block_tokens": layout.block_tokens,
+    }
+    if token_file:
+        extra["token_file"] = token_file
+    if tls_ca:
+        extra["tls_ca_file"] = tls_ca
+    if spec.pool and conductor:
+        extra["conductor"] = conductor  # its node's messenger: the one it registered
+    return {
+        "kv_connector": "KVCacheConnector",
+        "kv_connector_module_path": "clients.vllm_connector",
+        "kv_role": KV_ROLES[spec.kv_role],
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServingConfig:
     engines: tuple[EngineSpec, ...]
@@ -305,28 +338,7 @@ class Serving:
         tls_ca: str | None,
         conductor: str = "",
     ) -> EngineProcess:
-        try:
-            layout = parse_layout(node["layout"])
-        except KVStoreError as e:
-            raise ConfigError(f"node {spec.node}: {e}") from None
-        extra: dict[str, Any] = {
-            "node": node["address"],
-            "model": layout.model,
-            "block_tokens": layout.block_tokens,
-        }
-        if token_file:
-            extra["token_file"] = token_file
-        if tls_ca:
-            extra["tls_ca_file"] = tls_ca
-        if spec.pool and conductor:
-            extra["conductor"] = conductor  # its node's messenger: the one it registered
-        transfer = {
-            "kv_connector": "KVCacheConnector",
-            "kv_connector_module_path": "clients.vllm_connector",
-            "kv_role": KV_ROLES[spec.kv_role],
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
+        transfer = kv_transfer_config(spec, node, token_file, tls_ca, conductor)
         port = self.ports[spec.node]
         cmd = [
             sys.executable,

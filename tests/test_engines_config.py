@@ -12,7 +12,7 @@ import pytest
 
 from kvcache.cluster import load_config
 from kvcache.cluster_config import ConfigError
-from kvcache.engines import Serving, serving_config
+from kvcache.engines import Serving, kv_transfer_config, serving_config
 
 NODES = """
 [[node]]
@@ -75,6 +75,21 @@ def test_an_engine_entry_overrides_the_defaults(tmp_path):
     assert serving is not None
     d0 = serving.engines[1]
     assert (d0.kv_role, d0.env, d0.args) == ("both", (("VLLM_CPU_OMP_THREADS_BIND", "1"),), ())
+
+
+def test_pool_gives_an_engines_connector_the_conductor(tmp_path):
+    """``pool = true`` (defaults or one entry): the engine loads prefixes cached on any node."""
+    text = ENGINES.replace('args = ["--block-size", "32"]', "args = []\npool = true")
+    text = text.replace("port = 8200", "pool = false")
+    serving = serving_config(load_config(_config(tmp_path, text)))
+    assert serving is not None
+    node = {"address": "127.0.0.1:7000", "layout": "model=m,num_layers=2,kv_heads=2,head_dim=32"}
+    extras = [
+        kv_transfer_config(e, node, None, None, "127.0.0.1:9000")["kv_connector_extra_config"]
+        for e in serving.engines
+    ]
+    assert extras[0]["conductor"] == "127.0.0.1:9000" and "conductor" not in extras[1]
+    assert extras[0]["node"] == "127.0.0.1:7000" and extras[0]["model"] == "m"
 
 
 def test_the_embedded_default_has_no_engines():
