@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.micro.pool_ttft import start_pool
 from clients.conductor_client import ConductorClient
 from clients.node_client import KVStoreClient
-from plumbing.launch import free_port
 
 from helpers import wait_until
 
@@ -23,15 +23,7 @@ pytestmark = pytest.mark.slow
 def test_a_prefix_backed_up_on_another_node_is_prefetched_through_this_one(start_kvcache):
     """Before, B's engine saw only B: a miss for pages A held. Now its prefetch hits all of
     them, the pages are A's byte for byte, and B keeps them (its node's own hit next time)."""
-    conductor = start_kvcache("conductor", "--listen", "127.0.0.1:0")
-    nodes = {}
-    for node_id in ("A", "B"):
-        messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
-        nodes[node_id] = start_kvcache(
-            "node", "--listen", "127.0.0.1:0", "--dram", "8MiB", "--layout", layout_spec(),
-            "--node-id", node_id, "--messenger", messenger_at, "--conductor", conductor.address,
-        )  # fmt: skip
-        start_kvcache("messenger", "--node", nodes[node_id].address, "--listen", messenger_at)
+    conductor, nodes, _ = start_pool(start_kvcache, layout_spec(), ("A", "B"), "8MiB")
     with ConductorClient(conductor.address) as c:
         wait_until(lambda: len(c.list_nodes().nodes) == 2, 30, "the nodes to register")
     prompt = tokens(6, salt=7)

@@ -12,6 +12,7 @@ import pytest
 from test_vllm_connector_cases import BT, LAYOUT_FLAG, MODEL, PROMPT, tokens
 
 from bench.engines.models import MODELS, make_model
+from bench.micro.pool_ttft import start_pool
 from clients import KVStoreClient
 from clients.conductor_client import ConductorClient
 from kvstore.keys import block_keys, root_key
@@ -47,17 +48,7 @@ def cluster(work):
         return sp
 
     try:
-        conductor = start("conductor", "--listen", "127.0.0.1:0")
-        nodes = {}
-        for node_id in ("A", "B"):
-            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
-            node = start(
-                "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
-                "--node-id", node_id, "--messenger", messenger_at,
-                "--conductor", conductor.address,
-            )  # fmt: skip
-            start("messenger", "--node", node.address, "--listen", messenger_at)
-            nodes[node_id] = node
+        conductor, nodes, _ = start_pool(start, LAYOUT_FLAG, ("A", "B"), "32MiB")
         with ConductorClient(conductor.address) as c:
             wait_until(lambda: len(c.list_nodes().nodes) == 2, 30, "the nodes to register")
         yield conductor, nodes
@@ -127,18 +118,7 @@ def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(mode
 
     messengers = {}
     try:
-        conductor = start("conductor", "--listen", "127.0.0.1:0")
-        nodes = {}
-        for node_id in ("C", "D"):
-            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
-            nodes[node_id] = start(
-                "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
-                "--node-id", node_id, "--messenger", messenger_at,
-                "--conductor", conductor.address,
-            )  # fmt: skip
-            messengers[node_id] = start(
-                "messenger", "--node", nodes[node_id].address, "--listen", messenger_at
-            )
+        conductor, nodes, messengers = start_pool(start, LAYOUT_FLAG, ("C", "D"), "32MiB")
         with Engine(model, {"node": nodes["C"].address}, log_path=str(work / "c.log")) as e:
             (first,) = e.generate([PROMPT])
         keys = first["kvcache"]

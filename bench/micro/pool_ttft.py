@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,25 @@ from clients.conductor_client import ConductorClient
 from plumbing.launch import ServiceProcess, free_port, start_service
 
 BLOCK_TOKENS = 256
+
+
+def start_pool(
+    start: Callable[..., ServiceProcess], layout: str, node_ids: Sequence[str], dram: str
+) -> tuple[ServiceProcess, dict[str, ServiceProcess], dict[str, ServiceProcess]]:
+    """A conductor and one node per id, each with its messenger and registered with it (their
+    processes through ``start(*args)``): (conductor, nodes, messengers) by node id."""
+    conductor = start("conductor", "--listen", "127.0.0.1:0")
+    nodes, messengers = {}, {}
+    for node_id in node_ids:
+        messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
+        nodes[node_id] = start(
+            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout,
+            "--node-id", node_id, "--messenger", messenger_at, "--conductor", conductor.address,
+        )  # fmt: skip
+        messengers[node_id] = start(
+            "messenger", "--node", nodes[node_id].address, "--listen", messenger_at
+        )
+    return conductor, nodes, messengers
 
 
 def engine(model: str, connector: dict[str, Any] | None, runs: list[dict[str, Any]]) -> Any:
@@ -93,16 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return sp
 
     try:
-        conductor = start("conductor", "--listen", "127.0.0.1:0")
-        nodes = {}
-        for node_id in ("A", "B"):
-            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
-            nodes[node_id] = start(
-                "node", "--listen", "127.0.0.1:0", "--dram", "2GiB", "--layout", layout,
-                "--node-id", node_id, "--messenger", messenger_at,
-                "--conductor", conductor.address,
-            )  # fmt: skip
-            start("messenger", "--node", nodes[node_id].address, "--listen", messenger_at)
+        conductor, nodes, _ = start_pool(start, layout, ("A", "B"), "2GiB")
         one = [{"prompts": [p], "max_tokens": 1} for p in stored]
         engine(model, {"node": nodes["A"].address}, one)  # A stores them
         pages = args.prompts * ((args.prompt_tokens - 1) // BLOCK_TOKENS)
