@@ -19,6 +19,7 @@ from kvstore.layout import KVLayout
 
 from .messenger_client import MessengerClient
 from .node_client import KVCacheRpcError, KVStoreClient
+from .remote_pool import wait_for_pull
 from .vllm_guard import NodeGuard
 from .vllm_identity import page_format, rank_tag
 from .vllm_setup import (
@@ -296,15 +297,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                     waiter = self._waiters[messenger] = MessengerClient(
                         messenger, self.config.token, self.config.tls_ca_file
                     )
-            timeout_s = self.config.pull_timeout_s
-            done = whole = False
-            try:
-                status = waiter.status(batch_id, wait=True, timeout_s=timeout_s)
-                done, whole = status.finished, status.finished and not status.failed
-                if not done:
-                    waiter.cancel(batch_id)
-            except KVCacheRpcError as e:
-                log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
+            done, whole = wait_for_pull(waiter, batch_id, self.config.pull_timeout_s)
             self.stats.remote_wait_s += time.perf_counter() - t0
             if not whole:
                 self.stats.remote_failed += 1  # what did arrive is loaded, the rest computed
