@@ -96,10 +96,9 @@ from .vllm_setup import (
 from .vllm_stats import (
     STATS,
     ConnectorStats,
+    Intervals,
     KVCacheConnectorPromMetrics,
     KVCacheConnectorStats,
-    delta,
-    snapshot,
 )
 from .vllm_transfer import KVCacheConnectorMetadata, _RowMap, _Step, _Transfer, _word_for
 from .vllm_worker import WorkerSide
@@ -162,7 +161,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         )
         self.model_name = self.config.model or served_name(vllm_config)
         self.stats = ConnectorStats()
-        self._reported: dict[str, Any] = {}
+        self._intervals = Intervals()
         self._lock = threading.Lock()
         # layout of this worker's rank; on the scheduler side, rank 0's (set at the handshake)
         self.layout: KVLayout | None = None
@@ -204,7 +203,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         self._remote_loads: list[tuple[str, str, str, _Transfer]] = []
         self._pulls: ThreadPoolExecutor | None = None
         self._waiters: dict[str, MessengerClient] = {}
-        self._received: set[str] = set()
+        self._received: dict[str, ConnectorStats] = {}
         if role == KVConnectorRole.WORKER:
             atexit.register(self._collect, True)  # an engine that exits without shutdown()
         log.info("kvcache connector (%s) on node %s", role.name, self.config.node)
@@ -248,8 +247,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         s = self.stats
         s.breaker_trips, s.breaker_skipped = self.guard.trips, self.guard.skipped
         s.breaker_open = int(self.guard.is_open)
-        d = delta(s, self._reported)
-        self._reported = snapshot(s)
+        d = self._intervals.take(s)
         for k, v in d.items():
             if k != "breaker_open":
                 setattr(STATS, k, getattr(STATS, k) + v)

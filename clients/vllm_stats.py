@@ -51,15 +51,35 @@ STATS = ConnectorStats()
 _COUNTERS = [f.name for f in fields(ConnectorStats) if f.name != "breaker_open"]
 
 
-def delta(now: ConnectorStats, before: dict[str, Any]) -> dict[str, Any]:
-    """``now`` minus ``before`` (a snapshot), with the breaker's current state."""
-    out: dict[str, Any] = {k: getattr(now, k) - before.get(k, 0) for k in _COUNTERS}
-    out["breaker_open"] = now.breaker_open
+def delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``now`` minus ``before`` (both snapshots), with the breaker's state in ``now``. Both are
+    snapshots, so what changes while this runs is counted in the next interval, not lost."""
+    out: dict[str, Any] = {k: now[k] - before.get(k, 0) for k in _COUNTERS}
+    out["breaker_open"] = now["breaker_open"]
     return out
 
 
 def snapshot(stats: ConnectorStats) -> dict[str, Any]:
     return asdict(stats)
+
+
+class Intervals:
+    """Cuts a live ``ConnectorStats`` into intervals (what vLLM's stats calls report): each
+    interval is what changed since the last, counted from one read of the counters."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] = {}
+
+    def take(self, stats: ConnectorStats) -> dict[str, Any]:
+        now = snapshot(stats)
+        d, self._last = delta(now, self._last), now
+        return d
+
+
+def add(into: ConnectorStats, more: ConnectorStats) -> None:
+    """Adds ``more``'s counters to ``into``'s."""
+    for k in _COUNTERS:
+        setattr(into, k, getattr(into, k) + getattr(more, k))
 
 
 class KVCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]

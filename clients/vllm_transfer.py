@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from .node_client import KVCacheRpcError, ReadLease, WriteLease
 from .node_guard import BreakerOpen, node_gone
 from .vllm_identity import rank_keys
+from .vllm_stats import ConnectorStats
 
 if TYPE_CHECKING:
     from .vllm_connector import KVCacheConnector
@@ -124,9 +125,17 @@ class _Step:
     """One engine step's loads and saves: leases taken up front (one RPC each), copies per layer,
     commit and release at the end."""
 
-    def __init__(self, conn: "KVCacheConnector", meta: KVCacheConnectorMetadata) -> None:
+    def __init__(
+        self,
+        conn: "KVCacheConnector",
+        meta: KVCacheConnectorMetadata,
+        stats: ConnectorStats | None = None,
+    ) -> None:
         self.conn = conn
         self.meta = meta
+        # A pull thread's step counts into its own (merged on the engine's thread, see
+        # KVCacheConnector._load_remote): two threads adding to one counter lose counts.
+        self.stats = conn.stats if stats is None else stats
         assert conn.layout is not None  # caches registered
         self.layout = layout = conn.layout
         self.vblock_bytes = layout.layer_bytes // conn.ratio
@@ -156,7 +165,7 @@ class _Step:
         # What this step computes attends to blocks a failed load left unfilled: none of it may
         # be stored. vLLM recomputes from the first failed block; those pages are saved then
         # (the scheduler side plans them again).
-        self.conn.stats.saves_dropped += sum(len(t.keys) for t in saves)
+        self.stats.saves_dropped += sum(len(t.keys) for t in saves)
 
     # -- plans: page rows <-> vLLM block ids for layer 0; layer l adds l * layer_rows ----------
 
@@ -210,7 +219,7 @@ class _Step:
         except KVCacheRpcError:
             return False  # the separate calls meet the same error and handle it
         finally:
-            conn.stats.acquire_s += time.perf_counter() - t0
+            self.stats.acquire_s += time.perf_counter() - t0
         self._plan_loads(loads, *self._read_pages(self.read))
         if self.load_failed:
             self._drop_saves(saves)
@@ -232,7 +241,7 @@ class _Step:
         try:
             self._take_loads(loads)
         finally:
-            self.conn.stats.acquire_s += time.perf_counter() - t0
+            self.stats.acquire_s += time.perf_counter() - t0
 
     def _take_loads(self, loads: list[_Transfer]) -> None:
         conn = self.conn
@@ -275,7 +284,7 @@ class _Step:
         log.warning("kvcache load of %d pages failed (%s); vLLM recomputes them", pages, e)
         for t in loads:
             conn._failed(t.vblocks)
-        conn.stats.load_failed_blocks += sum(len(t.vblocks) for t in loads)
+        self.stats.load_failed_blocks += sum(len(t.vblocks) for t in loads)
         self.load_failed = True
 
     def _plan_loads(self, loads: list[_Transfer], pages: _Pages, offsets: list[int]) -> None:
@@ -296,10 +305,10 @@ class _Step:
             missing = t.vblocks[len(d) :]
             if missing:
                 conn._failed(missing)
-                conn.stats.load_failed_blocks += len(missing)
+                self.stats.load_failed_blocks += len(missing)
                 self.load_failed = True
-            conn.stats.loaded_pages += n
-            conn.stats.loaded_bytes += n * page_bytes
+            self.stats.loaded_pages += n
+            self.stats.loaded_bytes += n * page_bytes
         self.load_plan = (pages, _RowMap(src, dst))
 
     def _start_saves(self, saves: list[_Transfer]) -> None:
@@ -307,7 +316,7 @@ class _Step:
         try:
             self._send_allocate(saves)
         finally:
-            self.conn.stats.allocate_s += time.perf_counter() - t0
+            self.stats.allocate_s += time.perf_counter() - t0
 
     def _save_keys(self, saves: list[_Transfer]) -> list[bytes]:
         """The keys to allocate for ``saves``. Requests of one step that share a prefix save the
@@ -362,7 +371,7 @@ class _Step:
             log.warning("kvcache save of %d pages skipped (%s)", n, e)
             return
         finally:
-            self.conn.stats.allocate_s += time.perf_counter() - t0
+            self.stats.allocate_s += time.perf_counter() - t0
         self._plan_write()
 
     def _plan_write(self) -> None:
@@ -385,8 +394,8 @@ class _Step:
             s, d = self._rows(t, todo)
             src += s
             dst += d
-            self.conn.stats.saved_pages += len(todo)
-            self.conn.stats.saved_bytes += len(todo) * self.layout.page_bytes
+            self.stats.saved_pages += len(todo)
+            self.stats.saved_bytes += len(todo) * self.layout.page_bytes
         if src:
             self.save_plan = (pages, _RowMap(src, dst))
 
@@ -400,7 +409,7 @@ class _Step:
         if rows.count:
             t0 = time.perf_counter()
             rows.to_blocks(pages.rows_view, layer * self.layer_rows, self.conn._layers[layer])
-            self.conn.stats.load_copy_s += time.perf_counter() - t0
+            self.stats.load_copy_s += time.perf_counter() - t0
 
     def load_all(self) -> None:
         for layer in range(self.layout.num_layers):
@@ -414,7 +423,7 @@ class _Step:
         pages, rows = self.save_plan
         t0 = time.perf_counter()
         rows.to_pages(self.conn._layers[layer], pages.rows_view, layer * self.layer_rows)
-        self.conn.stats.save_copy_s += time.perf_counter() - t0
+        self.stats.save_copy_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         conn = self.conn
@@ -447,7 +456,7 @@ class _Step:
         finally:
             self.write = None
             self._release()
-            conn.stats.finish_s += time.perf_counter() - t0
+            self.stats.finish_s += time.perf_counter() - t0
 
     def abort(self) -> None:
         try:

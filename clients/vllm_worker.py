@@ -30,7 +30,7 @@ from .vllm_setup import (
     vllm_layout,
     vllm_version,
 )
-from .vllm_stats import ConnectorStats
+from .vllm_stats import ConnectorStats, add
 from .vllm_transfer import KVCacheConnectorMetadata, _Step, _Transfer, _word_for
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _lock: threading.Lock
     _pulls: ThreadPoolExecutor | None  # waits for pulls, then loads (background)
     _waiters: dict[str, MessengerClient]
-    _received: set[str]  # requests whose pulled pages are loaded (or failed)
+    _received: dict[str, ConnectorStats]  # pulled pages loaded (or failed): what it counted
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Every KV layer of this rank (a draft model's included); each block's bytes must be
@@ -288,7 +288,10 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
     def _load_remote(self, req_id: str, messenger: str, batch_id: str, t: _Transfer) -> None:
         """Wait for the pull, then copy the request's pages from this node into its blocks
         (blocks vLLM holds for it while it waits: no forward touches them). Whatever did not
-        arrive is a load error (vLLM recomputes it); the request is reported finished always."""
+        arrive is a load error (vLLM recomputes it); the request is reported finished always.
+        Counts go to this thread's own stats, added to the connector's on the engine's thread
+        (get_finished) before vLLM hears the request is done."""
+        stats = ConnectorStats()
         try:
             t0 = time.perf_counter()
             with self._lock:  # the pull threads share one client per messenger
@@ -298,29 +301,31 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                         messenger, self.config.token, self.config.tls_ca_file
                     )
             done, whole = wait_for_pull(waiter, batch_id, self.config.pull_timeout_s)
-            self.stats.remote_wait_s += time.perf_counter() - t0
+            stats.remote_wait_s += time.perf_counter() - t0
             if not whole:
-                self.stats.remote_failed += 1  # what did arrive is loaded, the rest computed
+                stats.remote_failed += 1  # what did arrive is loaded, the rest computed
             if not done:
-                self.stats.load_failed_blocks += len(t.vblocks)
+                stats.load_failed_blocks += len(t.vblocks)
                 self._failed(t.vblocks)
                 return
-            step = _Step(self, KVCacheConnectorMetadata(loads=[t]))  # Acquire: a leading run
+            step = _Step(self, KVCacheConnectorMetadata(loads=[t]), stats)  # Acquire
             step.load_all()
             step.finish()  # Release
         except Exception:  # noqa: BLE001 - the request must never wait forever
             log.exception("kvcache load of pulled pages for %s failed", req_id)
-            self.stats.load_failed_blocks += len(t.vblocks)
+            stats.load_failed_blocks += len(t.vblocks)
             self._failed(t.vblocks)
         finally:
             with self._lock:
-                self._received.add(req_id)
+                self._received[req_id] = stats
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose pulled pages are in their blocks (or failed: load errors)."""
         with self._lock:
-            received, self._received = self._received, set()
-        return None, received or None
+            received, self._received = self._received, {}
+        for stats in received.values():
+            add(self.stats, stats)
+        return None, set(received) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

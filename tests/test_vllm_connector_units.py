@@ -466,3 +466,30 @@ def test_scattered_rows_copy_between_cuda_blocks_and_host_pages():
     m.to_pages(blocks, back, 0)
     for p in pages:
         assert torch.equal(back[p], rows[p])
+
+
+def test_counts_made_while_an_interval_is_cut_fall_in_the_next_one_not_nowhere():
+    """A pull thread counts its loaded pages while the engine's thread reports intervals: each
+    interval is cut from one read of the counters, so every count is reported exactly once
+    (the counts were read twice before, and one made between the reads was lost)."""
+    import sys
+    import threading
+
+    from clients.vllm_stats import ConnectorStats, Intervals
+
+    stats, intervals, n = ConnectorStats(), Intervals(), 200_000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave inside the cut, as under load
+    try:
+        writer = threading.Thread(
+            target=lambda: [setattr(stats, "loaded_pages", stats.loaded_pages + 1) for _ in range(n)]
+        )
+        writer.start()
+        reported = 0
+        while writer.is_alive():
+            reported += intervals.take(stats)["loaded_pages"]
+        writer.join()
+        reported += intervals.take(stats)["loaded_pages"]
+    finally:
+        sys.setswitchinterval(switch)
+    assert reported == stats.loaded_pages == n
