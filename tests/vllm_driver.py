@@ -113,8 +113,11 @@ class Engine:
         items = [p if isinstance(p, dict) else {"tokens": p} for p in prompts]
         return self._call({"op": "generate", "prompts": items, "max_tokens": max_tokens})["outputs"]
 
-    def reset(self) -> bool:
-        return bool(self._call({"op": "reset"})["ok"])
+    def reset(self, connector: bool = True) -> bool:
+        """vLLM's ``reset_prefix_cache``: its own cache emptied, and with ``connector`` the
+        connector's too (a new key epoch); without, the next request asks the connector again
+        as a fresh engine's would."""
+        return bool(self._call({"op": "reset", "connector": connector})["ok"])
 
     def stats(self) -> dict:
         """The connector's cumulative counters in the engine's process (``STATS``)."""
@@ -258,7 +261,7 @@ def main() -> None:
             if cmd["op"] == "generate":
                 _reply(_generate(llm, spec, cmd))
             elif cmd["op"] == "reset":
-                _reply({"ok": llm.reset_prefix_cache(reset_connector=True)})
+                _reply({"ok": llm.reset_prefix_cache(reset_connector=cmd.get("connector", True))})
             elif cmd["op"] == "stats":
                 from clients.vllm_connector import STATS
 
