@@ -605,6 +605,24 @@ class KVStoreClient:
         reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
         return reply
 
+    def drain(
+        self,
+        max_bytes: int = 0,
+        max_seconds: float = 0.0,
+        peers: Sequence[str] = (),
+        leave: bool = False,
+    ) -> pb.DrainReply:
+        """Have the node hand its hottest blocks to its peers (admin token only); ``leave``:
+        then it stops. The call lasts as long as the hand-over (at most ``max_seconds``)."""
+        reply: pb.DrainReply = self._call(
+            "Drain",
+            pb.DrainRequest(
+                max_bytes=max_bytes, max_seconds=max_seconds, peers=list(peers), leave=leave
+            ),
+            timeout=(max_seconds or 60.0) + 30.0,
+        )
+        return reply
+
     def events(self, after_seq: int = 0, resync: bool = False) -> Iterator[pb.EventBatch]:
         """The node's event feed (admin token only); runs until the caller stops iterating."""
         stream = self._stub.Events(pb.EventsRequest(after_seq=after_seq, resync=resync))

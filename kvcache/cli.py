@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "serve OpenAI completions disaggregated over vLLM engines (HTTP)"),
     "up": ("kvcache.cluster", "start a local cluster (loopback, or --hosts N namespaced hosts)"),
     "down": ("kvcache.cluster_down", "stop a local cluster started by 'kvcache up'"),
+    "drain": ("kvcache.drain", "a node leaves: its hottest blocks go to its peers first"),
     "status": ("kvcache.status", "a running cluster at a glance: nodes, conductor, messengers"),
     "bench": ("bench.cli", "benchmarks: hitrate, schedule, live, store, node, transfer, ..."),
     "completion": ("kvcache.completion", "print a shell completion script (bash, zsh, tcsh)"),

@@ -66,6 +66,10 @@ class EvictionPolicy(ABC):
         """Remove and return the next slot to evict, or None when nothing is evictable."""
 
     @abstractmethod
+    def order(self) -> list[int]:
+        """Evictable slots, next victim first (O(n): a drain's plan, tests)."""
+
+    @abstractmethod
     def __len__(self) -> int:
         """Number of evictable slots."""
 
@@ -162,7 +166,7 @@ class LRUPolicy(EvictionPolicy):
         return slot
 
     def order(self) -> list[int]:
-        """Evictable slots, next victim first (for tests and debugging; O(n))."""
+        """Evictable slots, next victim first (O(n): a drain's plan, tests)."""
         out, nxt, s = [], self._lists.next, self._lists.next[self._head]
         while s != self._head:
             out.append(s)
@@ -247,7 +251,7 @@ class LFUPolicy(EvictionPolicy):
         return self._count[slot]
 
     def order(self) -> list[int]:
-        """Evictable slots, next victim first (for tests and debugging; O(n))."""
+        """Evictable slots, next victim first (O(n): a drain's plan, tests)."""
         out = []
         nxt = self._lists.next
         for c in range(self.max_count + 1):

@@ -142,6 +142,21 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
                     self._discard(key, h)
         return n
 
+    def hottest(self, limit: int) -> list[BlockKey]:
+        """Up to ``limit`` keys of committed blocks, the ones their tier's policy would evict
+        last first, faster tiers before slower (what a leaving node hands its peers first).
+        Blocks pinned by readers are not eviction candidates and are left out. O(blocks)."""
+        out: list[BlockKey] = []
+        with self._lock:
+            for tier in sorted(self._tiers):
+                ts = self._tiers[tier]
+                for slot in reversed(ts.policy.order()):
+                    if len(out) >= limit:
+                        return out
+                    if not ts.doomed[slot]:
+                        out.append(ts.key_at(slot))
+        return out
+
     def take_events(self, max_events: int | None = None) -> list[BlockEvent]:
         with self._lock:
             return self._events.take(max_events)

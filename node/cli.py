@@ -30,6 +30,7 @@ from rpc.server import (
 
 from .agent import NodeAgent, start_etcd_registration, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
+from .drain import drain
 from .metrics import NodeMetrics
 from .node import Node
 from .service import NodeServicer
@@ -105,6 +106,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         dest="lease_ttl_s",
         type=float,
         help="default lease time of pins and write leases, seconds (default 30)",
+    )
+    parser.add_argument(
+        "--drain-bytes",
+        help="on SIGTERM, first hand up to this much of the hottest blocks (e.g. 2GiB) to the "
+        "peers the conductor lists, through the messengers (needs --messenger and --conductor; "
+        "default 0: leave at once)",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        help="how long that hand-over may take before the rest is cancelled (default 30)",
     )
     parser.add_argument(
         "--write-quarantine",
@@ -195,6 +207,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "dram_checksums": args.dram_checksums,
         "lease_ttl_s": args.lease_ttl_s,
         "write_quarantine_s": args.write_quarantine_s,
+        "drain_bytes": args.drain_bytes,
+        "drain_seconds": args.drain_seconds,
         "max_streams": args.max_streams,
         "max_event_streams": args.max_event_streams,
         "stream_idle_timeout_s": args.stream_idle_timeout_s,
@@ -238,7 +252,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
                 values[key] = address_arg(values[key])
             except argparse.ArgumentTypeError as e:
                 raise KVStoreError(f"{key}: {e}") from None
-    for key in ("dram", "gpu", "ssd"):
+    for key in ("dram", "gpu", "ssd", "drain_bytes"):
         if key in values:
             values[key] = parse_size(values[key])
     if "layouts" in values and values["layouts"] and isinstance(values["layouts"][0], (str, dict)):
@@ -262,6 +276,13 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         raise KVStoreError(
             "--etcd and --conductor are alternatives: with --etcd the node registers in etcd "
             "and every conductor finds it there"
+        )
+    if not 0 < cfg.drain_seconds < float("inf"):
+        raise KVStoreError("--drain-seconds must be finite seconds > 0")
+    if cfg.drain_bytes and not (cfg.messenger and cfg.conductor):
+        raise KVStoreError(
+            "--drain-bytes needs --messenger (the peers pull through it) and --conductor "
+            "(whose node list names the peers)"
         )
     if cfg.ssd and not cfg.ssd_dir:
         raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")
@@ -318,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
         return {"node_id": node.node_id, "shm": shm}
 
     def on_stopping() -> None:
+        if cfg.drain_bytes and not node.drained:  # while it still serves the peers' reads
+            try:
+                drain(node, cfg, cfg.drain_bytes, cfg.drain_seconds)
+            except KVStoreError as e:
+                log.warning("drain on exit: %s", e)
         servicer.stopping = True
         if agent is not None:
             agent.stop()

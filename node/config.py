@@ -88,6 +88,9 @@ class NodeConfig:
     dram_checksums: bool = True
     ssd_damaged: str = "refuse"  # a damaged SSD lmdb file at start: "refuse" or "move-aside"
     lease_ttl_s: float = 30.0
+    # On SIGTERM, hand the hottest blocks to the peers first (node/drain.py); 0: leave at once.
+    drain_bytes: int = 0
+    drain_seconds: float = 30.0
     write_quarantine_s: float | None = None  # None: 3 x lease_ttl_s (see StoreConfig)
     # Streams hold a gRPC worker each (the pool has WORKERS): caps, and the idle deadline.
     max_streams: int = 16  # Get and Put at once

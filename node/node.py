@@ -47,6 +47,7 @@ class Node:
         # Names this run: lease ids restart at 1 with the process, so a lease request carries the
         # epoch of the reply that granted it (a restarted node's new leases are not its own).
         self.epoch = secrets.randbits(64) or 1
+        self.drained = False  # handed its blocks to its peers (Drain with leave): not again
         self.stores: dict[str, TieredStore] = {}
         # (namespace, lease id) -> (tenant, deadline, session id or b"")
         self._owners: dict[tuple[str, int], tuple[str, float, bytes]] = {}

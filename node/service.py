@@ -20,6 +20,7 @@ from rpc.status import observed, observed_stream
 from rpc.streams import StreamGate
 from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
+from .drain import drain, leave_soon
 from .metrics import NodeMetrics
 from .node import Node, Selection
 from .segments import TICKET_TTL_S
@@ -122,6 +123,39 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
     def Remove(self, request, context):
         sel, _ = self._select(request, context)
         return pb.RemoveReply(removed=sel.store.remove(sel.keys))
+
+    @observed
+    def Drain(self, request, context):
+        # Moves every tenant's blocks and names peers to pull from this node: the admin's.
+        self.auth.require_admin(context, "Drain")
+        if self.stopping:
+            raise FailedPrecondition("the node is stopping")
+        result = drain(
+            self.node,
+            self.node.config,
+            request.max_bytes,
+            request.max_seconds,
+            list(request.peers),
+        )
+        if request.leave:
+            self.node.drained = True
+            leave_soon()
+        return pb.DrainReply(
+            offered=result.offered,
+            blocks=result.blocks,
+            bytes=result.bytes,
+            seconds=result.seconds,
+            peers=[
+                pb.DrainPeer(
+                    messenger=p.messenger,
+                    node_id=p.node_id,
+                    blocks=p.blocks,
+                    bytes=p.bytes,
+                    failed=p.failed,
+                )
+                for p in result.peers
+            ],
+        )
 
     @observed
     def Stats(self, request, context):

@@ -262,6 +262,46 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("max_bytes", "max_seconds", "peers", "leave")
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    max_bytes: int
+    max_seconds: float
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    leave: bool
+    def __init__(self, max_bytes: _Optional[int] = ..., max_seconds: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., leave: bool = ...) -> None: ...
+
+class DrainPeer(_message.Message):
+    __slots__ = ("messenger", "node_id", "blocks", "bytes", "failed")
+    MESSENGER_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    messenger: str
+    node_id: str
+    blocks: int
+    bytes: int
+    failed: int
+    def __init__(self, messenger: _Optional[str] = ..., node_id: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("offered", "blocks", "bytes", "seconds", "peers")
+    OFFERED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    offered: int
+    blocks: int
+    bytes: int
+    seconds: float
+    peers: _containers.RepeatedCompositeFieldContainer[DrainPeer]
+    def __init__(self, offered: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[DrainPeer, _Mapping]]] = ...) -> None: ...
+
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace", "tiers", "blocks", "hits", "misses", "evictions", "demotions", "promotions", "corrupt_pages", "bytes_written", "bytes_read", "write_leases", "read_leases", "expired_leases")
     class HitsEntry(_message.Message):

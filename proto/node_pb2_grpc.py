@@ -115,6 +115,11 @@ class NodeServiceStub(object):
                 request_serializer=proto_dot_node__pb2.EventsRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvcache.v1.NodeService/Drain',
+                request_serializer=proto_dot_node__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer(object):
@@ -233,6 +238,16 @@ class NodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Hands this node's hottest blocks to its peers before it leaves (admin only): the peers'
+        messengers pull them from this node's messenger, hottest first, up to a budget in bytes and
+        seconds; what is not done by then is cancelled. With leave, the node then stops as on
+        SIGTERM (without draining again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +330,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=proto_dot_node__pb2.EventsRequest.FromString,
                     response_serializer=proto_dot_node__pb2.EventBatch.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_node__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -749,6 +769,33 @@ class NodeService(object):
             '/kvcache.v1.NodeService/Events',
             proto_dot_node__pb2.EventsRequest.SerializeToString,
             proto_dot_node__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.NodeService/Drain',
+            proto_dot_node__pb2.DrainRequest.SerializeToString,
+            proto_dot_node__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -236,3 +236,20 @@ def test_metadata_only_store_runs_the_real_index_without_bytes():
 def test_bad_configurations_are_rejected(cfg, match):
     with pytest.raises(InvalidArgument, match=match):
         TieredStore(LAYOUT, StoreConfig(**cfg))
+
+
+def test_hottest_lists_what_eviction_would_keep_longest_faster_tiers_first(tmp_path):
+    """What a leaving node hands over first (node/drain.py): DRAM's most recently used, then
+    SSD's; a block read since it was written counts as used then; pinned blocks are left out."""
+    with make_store(tmp_path, dram_pages=3, ssd_pages=4) as store:
+        for i in range(1, 6):
+            store.put([key(i)], [page(i)])  # 1, 2 demoted to SSD
+        assert tiers_of(store)[key(1)] == "SSD" and tiers_of(store)[key(3)] == "DRAM"
+        store.read([key(3)])  # 3 is now DRAM's most recently used
+        assert store.hottest(10) == [key(3), key(5), key(4), key(2), key(1)]
+        assert store.hottest(2) == [key(3), key(5)]
+        assert store.hottest(0) == []
+        lease = store.acquire([key(5)])  # pinned: not an eviction candidate, not handed over
+        assert key(5) not in store.hottest(10)
+        store.release(lease.lease_id)
+        assert key(5) in store.hottest(10)

@@ -481,9 +481,12 @@ def test_counts_made_while_an_interval_is_cut_fall_in_the_next_one_not_nowhere()
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # threads interleave inside the cut, as under load
     try:
-        writer = threading.Thread(
-            target=lambda: [setattr(stats, "loaded_pages", stats.loaded_pages + 1) for _ in range(n)]
-        )
+
+        def count() -> None:
+            for _ in range(n):
+                stats.loaded_pages += 1
+
+        writer = threading.Thread(target=count)
         writer.start()
         reported = 0
         while writer.is_alive():
