@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "conductor": ("bench.micro.conductor_scale", "conductor Schedule latency and memory at scale"),
     "live": ("bench.replay.live", "replay a trace against a running cluster"),
     "failover": ("bench.faults.failover", "conductor failover in etcd mode vs an embedded restart"),
+    "drain": (
+        "bench.faults.drain",
+        "the pool's hit rate after a node leaves: handed over (kvcache drain) or not",
+    ),
     "soak": (
         "bench.faults.soak",
         "a local cluster under load while processes are killed: no page lost",
