@@ -74,7 +74,7 @@ def test_kvcache_drain_hands_the_hottest_blocks_to_the_peers_and_the_node_leaves
         wait_until(lambda: len(cc.list_nodes().nodes) == 2, 30, "A to leave the conductor")
         for chain in hot:  # a prompt's blocks went to one peer: its prefix is found whole
             wait_until(
-                lambda: max(cc.locate(ns, keys=chain).values(), default=0) == CHAIN,
+                lambda chain=chain: max(cc.locate(ns, keys=chain).values(), default=0) == CHAIN,
                 30,
                 "the conductor to index the prompt on a peer",
             )
