@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "live": ("bench.replay.live", "replay a trace against a running cluster"),
     "failover": ("bench.faults.failover", "conductor failover in etcd mode vs an embedded restart"),
     "drain": (
-        "bench.faults.drain",
+        "bench.replay.drain",
         "the pool's hit rate after a node leaves: handed over (kvcache drain) or not",
     ),
     "soak": (
