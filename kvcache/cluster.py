@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvstore.shm import pid_alive
-from plumbing.launch import ServiceProcess, free_port, process_identity, start_service
+from plumbing.launch import ServiceProcess, process_identity, reserve_port, start_service
 from rpc.server import wait_for_signal
 from rpc.tls import TlsFiles, make_local_ca
 
@@ -117,7 +117,7 @@ class Cluster:
         conductor_args = cfg.conductor_args
         if wanted is not None:  # engine ports first: the conductor scrapes their load
             self.serving = Serving(wanted, cfg.host)
-            conductor_args = [*conductor_args, *self.serving.plan(free_port)]
+            conductor_args = [*conductor_args, *self.serving.plan(reserve_port)]
         etcd = (
             self._start_etcd(place, files if cfg.tls else None)
             if cfg.get("etcd", "enabled")

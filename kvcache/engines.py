@@ -34,6 +34,7 @@ then the rest of the cluster.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ from typing import Any, Callable
 from kvstore.errors import KVStoreError
 from node.config import parse_layout
 from plumbing.launch import (
+    PortReservation,
     ServiceProcess,
     child_environ,
     group_shm,
@@ -211,7 +213,7 @@ class EngineProcess:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return bool(r.status == 200)
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not vLLM (yet) on that port
             return False
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -264,10 +266,14 @@ class Serving:
     engines: list[EngineProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
     ports: dict[str, int] = field(default_factory=dict)
+    # Picked ports held until their engine serves: another service of this host starting
+    # meanwhile (vLLM takes a minute or more to bind) must not pick them too.
+    held: dict[str, PortReservation] = field(default_factory=dict)
 
-    def plan(self, free_port: Callable[[str], int]) -> list[str]:
+    def plan(self, reserve: Callable[[str], PortReservation]) -> list[str]:
         """Pick every engine's port; the conductor's ``--engine-metrics`` flags for them."""
-        self.ports = {s.node: s.port or free_port(self.host) for s in self.config.engines}
+        self.held = {s.node: reserve(self.host) for s in self.config.engines if not s.port}
+        self.ports = {s.node: s.port or self.held[s.node].port for s in self.config.engines}
         flags = []
         for node, port in self.ports.items():
             flags += ["--engine-metrics", f"http://{self.host}:{port}/metrics={node}"]
@@ -292,6 +298,7 @@ class Serving:
         deadline = time.monotonic() + self.config.start_timeout_s
         for engine in self.engines:
             _wait_healthy(engine, deadline, self.config.start_timeout_s)
+            self._release(engine.spec.node)
             engine.shm()
         state: dict[str, Any] = {
             "engines": [
@@ -370,10 +377,17 @@ class Serving:
             )
         return EngineProcess(spec, f"http://{self.host}:{port}", proc, log_path)
 
+    def _release(self, node: str) -> None:
+        reservation = self.held.pop(node, None)
+        if reservation is not None:
+            reservation.release()
+
     def stop(self, timeout_s: float = 15.0) -> list[int]:
         """The router, then every engine (SIGTERM to each group at once, SIGKILL after
         ``timeout_s``); returns exit codes."""
         codes = []
+        for node in list(self.held):
+            self._release(node)
         if self.router is not None:
             codes.append(self.router.stop(timeout_s))
             self.router = None

@@ -60,6 +60,40 @@ def free_port(host: str) -> int:
 
 
 @dataclass
+class PortReservation:
+    """A port held for a process started later: bound here (not listening) with SO_REUSEADDR
+    set after the bind, so that another pick (``free_port``, ``reserve_port``, any bind without
+    SO_REUSEADDR, in any process) finds it taken, while the intended server, binding with
+    SO_REUSEADDR as vLLM's and gRPC's do, gets it. ``release`` once that server listens."""
+
+    port: int
+    sock: socket.socket | None
+
+    def release(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def reserve_port(host: str) -> PortReservation:
+    """``free_port``, held until ``release``: for a process that binds long after the pick (a
+    vLLM server: a minute or more), during which other picks would find the port free."""
+    lo, _ = ephemeral_ports()
+    first = max(1024, lo - _PICKS)
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - first >= 1024 else 0):
+        s = socket.socket()
+        try:
+            s.bind((host, rng.randrange(first, lo)))  # exclusive: fails on any holder
+        except OSError:
+            s.close()
+            continue
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return PortReservation(int(s.getsockname()[1]), s)
+    return PortReservation(free_port(host), None)  # a crowded host: unheld
+
+
+@dataclass
 class ServiceProcess:
     role: str
     proc: subprocess.Popen[str]

@@ -13,6 +13,7 @@ import pytest
 from kvcache.cluster import load_config
 from kvcache.cluster_config import ConfigError
 from kvcache.engines import Serving, kv_transfer_config, serving_config
+from plumbing.launch import PortReservation
 
 NODES = """
 [[node]]
@@ -58,7 +59,7 @@ def test_engines_get_their_kv_role_by_node_role_and_the_conductor_their_metrics(
         ("--block-size", "32"),
     )
     assert serving.router_listen == "127.0.0.1:0"
-    flags = Serving(serving, "127.0.0.1").plan(lambda host: 8100)
+    flags = Serving(serving, "127.0.0.1").plan(lambda host: PortReservation(8100, None))
     assert flags == [
         "--engine-metrics",
         "http://127.0.0.1:8100/metrics=p0",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from plumbing.launch import ephemeral_ports, free_port
+from plumbing.launch import ephemeral_ports, free_port, reserve_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_free():
@@ -55,3 +55,25 @@ def test_a_server_on_a_port_another_server_holds_refuses_to_start(start_node):
     )
     assert second.returncode != 0
     assert f"kvcache node: cannot listen on {node.address}" in second.stderr
+
+
+def test_a_reserved_port_is_taken_for_other_picks_and_free_for_its_server():
+    """An engine's port is picked long before vLLM binds it: meanwhile no other pick (in any
+    process) may get it, and vLLM, which binds with SO_REUSEADDR, must."""
+    held = reserve_port("127.0.0.1")
+    try:
+        with socket.socket() as other:  # what free_port's probe, or any plain bind, does
+            try:
+                other.bind(("127.0.0.1", held.port))
+                raise AssertionError("a reserved port was bound by another socket")
+            except OSError:
+                pass
+        assert free_port("127.0.0.1") != held.port
+        with socket.socket() as server:  # as vLLM's create_server_socket does
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", held.port))
+            server.listen()
+    finally:
+        held.release()
+    with socket.socket() as after:
+        after.bind(("127.0.0.1", held.port))  # released: free for anyone
