@@ -93,9 +93,9 @@ serve-demo: $(STAMP)
 
 # Every test, JOBS at a time (pytest-xdist, a module on one worker: its clusters start once);
 # `make test-quick` leaves out the ones marked slow. JOBS=0 runs them in this process alone.
-# Four on two cores: much of a test's time is waiting (a service starting, a deadline passing;
-# the CPUs were idle ~45% of a run with three).
-JOBS ?= 4
+# Three on two cores: much of a test's time is waiting (a service starting, a deadline passing);
+# four were slower (10:52 vs 10:26: the vLLM and cluster tests then contend for the cores).
+JOBS ?= 3
 PYTEST_JOBS = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: $(STAMP) etcd
 	$(PY) -m pytest -q -x $(PYTEST_JOBS) --durations=15

@@ -35,16 +35,22 @@ class MessengerClient:
         return reply
 
     def submit(
-        self, namespace: str, entries: Iterable[tuple[bytes, str]], chain: bool = False
+        self,
+        namespace: str,
+        entries: Iterable[tuple[bytes, str]],
+        chain: bool = False,
+        urgent: bool = False,
     ) -> pb.SubmitTransferReply:
         """``entries``: (key, source messenger gRPC address) pairs; ``chain``: their keys are
-        one prefix chain in order (a prompt's blocks), linked as such on the destination."""
+        one prefix chain in order (a prompt's blocks), linked as such on the destination;
+        ``urgent``: a request waits on them (not queued behind bulk jobs)."""
         reply: pb.SubmitTransferReply = self._call(
             "SubmitTransfer",
             pb.SubmitTransferRequest(
                 namespace=namespace,
                 entries=[pb.TransferEntry(key=k, source=s) for k, s in entries],
                 chain=chain,
+                urgent=urgent,
             ),
         )
         return reply

@@ -100,7 +100,9 @@ class RemotePool:
 
     def pull(self, namespace: str, keys: list[bytes], source: str) -> str:
         """Submit the pull of ``keys`` (one chain, in order) from ``source``; the batch id."""
-        return self.messenger.submit(namespace, [(k, source) for k in keys], chain=True).batch_id
+        # urgent: a request waits on it, it must not queue behind the messenger's bulk jobs
+        batch = self.messenger.submit(namespace, [(k, source) for k in keys], True, True)
+        return batch.batch_id
 
     def wait(self, batch_id: str) -> bool:
         """``wait_for_pull`` on this engine's messenger: True once the pull finished."""

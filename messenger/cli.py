@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 
 from clients.node_client import KVCacheRpcError, KVStoreClient
+from kvstore.errors import KVStoreError
+from node.config import parse_size
 from plumbing.registration import (
     MessengerRecord,
     Registration,
@@ -109,6 +111,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lanes", type=int, default=2, help="TCP connections per fetch")
     parser.add_argument("--workers", type=int, default=4, help="transfer jobs run at once")
+    parser.add_argument(
+        "--urgent-workers",
+        type=int,
+        default=MoverConfig.urgent_workers,
+        help="jobs run at once for urgent batches (pulls a request waits on), beside the "
+        "--workers bulk ones (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--urgent-bytes",
+        type=_size,
+        default=MoverConfig.urgent_bytes,
+        help="an urgent batch larger than this runs as a bulk one (default: 256MiB)",
+    )
     parser.add_argument(
         "--max-fetching",
         type=int,
@@ -304,10 +319,18 @@ def _limit_open_files(more: int) -> None:
     log.warning("fault injection: open files limited to %d", open_now + more)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except KVStoreError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.lanes < 1 or args.workers < 1 or args.max_fetching < 2:
+    if args.lanes < 1 or args.workers < 1 or args.urgent_workers < 1 or args.max_fetching < 2:
         raise SystemExit(
-            "kvcache messenger: --lanes and --workers must be at least 1, --max-fetching 2"
+            "kvcache messenger: --lanes, --workers and --urgent-workers must be at least 1, "
+            "--max-fetching 2"
         )
     etcd = None
     if args.etcd:
@@ -385,7 +408,11 @@ def run(args: argparse.Namespace) -> int:
         choice.transport,
         DataAddressResolver(lookup_data_address),
         MoverConfig(
-            workers=args.workers, write_ttl_s=args.write_ttl, max_fetching=args.max_fetching
+            workers=args.workers,
+            write_ttl_s=args.write_ttl,
+            max_fetching=args.max_fetching,
+            urgent_workers=args.urgent_workers,
+            urgent_bytes=args.urgent_bytes,
         ),
         on_entry=metrics.on_entry,
         on_job=metrics.on_job,

@@ -66,6 +66,11 @@ class MoverConfig:
     # without end (one tenant must not hold the queue for every other).
     max_fetching: int = 1 << 20
     owner_share: float = 0.5
+    # Pulls a request waits on (an engine's prefix, a decode's prompt) run on workers of their
+    # own, never queued behind bulk jobs; a batch marked urgent but larger than urgent_bytes
+    # runs as a bulk one (the lane is for small, latency-bound pulls).
+    urgent_workers: int = 2
+    urgent_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +185,15 @@ class Mover:
         self._fetching: dict[str, int] = {}  # entries not final yet, by owner
         self._batches: dict[str, Batch] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mover")
+        self._urgent = ThreadPoolExecutor(
+            max_workers=self.config.urgent_workers, thread_name_prefix="mover-urgent"
+        )
         # NOTE: the jobs' Allocate and Commit calls, run beside their transfers: a pool of their
         # own (the node client's one background thread would queue every job's calls behind
         # each other's: 5-9 ms per call in make demo, where four pulls run at once).
         self._rpc = ThreadPoolExecutor(
-            max_workers=2 * self.config.workers, thread_name_prefix="mover-rpc"
+            max_workers=2 * (self.config.workers + self.config.urgent_workers),
+            thread_name_prefix="mover-rpc",
         )
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
@@ -204,11 +213,13 @@ class Mover:
         owner: str = "",
         names: Sequence[bytes] | None = None,
         chain: bool = False,
+        urgent: bool = False,
     ) -> tuple[str, int]:
         """Start a batch; returns (batch id, entries joined to fetches already in flight).
         ``owner``: who may see and cancel it; ``names``: the keys as the owner named them,
         shown in its status instead of the keys as stored; ``chain``: the keys are one prefix
-        chain in order (see ``_Pipeline``)."""
+        chain in order (see ``_Pipeline``); ``urgent``: a request waits on it (see
+        ``MoverConfig.urgent_workers``)."""
         if not requests:
             raise InvalidArgument("a transfer batch needs at least one entry")
         if len(requests) > MAX_BATCH_ENTRIES:
@@ -270,9 +281,15 @@ class Mover:
         # Fetched as the chain it is only when nothing is missing from it: no key joined
         # another batch's fetch, none comes from another source.
         chained = chain and joined == 0 and len(new) == 1
+        fresh = sum(len(g) for g in new.values())
+        pool = (
+            self._urgent
+            if urgent and fresh * info.page_bytes <= self.config.urgent_bytes
+            else self._pool
+        )
         for (source, source_data), group in new.items():
             for s in range(0, len(group), per_job):
-                self._pool.submit(
+                pool.submit(
                     self._run_job,
                     namespace,
                     info.page_bytes,
@@ -326,6 +343,7 @@ class Mover:
             for entry in self._inflight.values():
                 entry.cancelled = True
         self._pool.shutdown(wait=True)
+        self._urgent.shutdown(wait=True)
         self._rpc.shutdown(wait=True)
 
     # ---- bookkeeping (caller holds the lock) -----------------------------------------------------

@@ -236,6 +236,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             owner=who,
             names=names if tenant else None,
             chain=request.chain,
+            urgent=request.urgent,
         )
         return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
 

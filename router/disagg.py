@@ -492,7 +492,7 @@ class Disaggregator:
         timeout_s = self.options.transfer_timeout_s
         try:
             submitted = self._calls.submit(
-                messenger.submit, layout.namespace, [(k, src) for k in keys], chain
+                messenger.submit, layout.namespace, [(k, src) for k in keys], chain, True
             )
             try:
                 batch: mpb.SubmitTransferReply = await asyncio.wrap_future(submitted)

@@ -358,3 +358,39 @@ def test_waiting_status_calls_never_take_every_worker(procs, tmp_path):
         for t in waiters:
             t.join(timeout=120)
     assert finished == [True] * 40
+
+
+def test_an_urgent_pull_does_not_queue_behind_bulk_jobs(procs, tmp_path):
+    """Before, every batch waited for one of the --workers job slots in submission order: a
+    small pull an engine's request waits on queued behind a bulk job. Now an urgent batch
+    (the engines', the router's) runs on workers of its own; a plain one still queues."""
+    release = tmp_path / "release"
+    node_a, messenger_a = stalling_source(procs, tmp_path, release)  # the bulk job's source
+    node_c = start_service(
+        ["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path)
+    )
+    procs.append(node_c)
+    messenger_c = start_service(["messenger", "--node", node_c.address], log_dir=str(tmp_path))
+    procs.append(messenger_c)
+    dest = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
+    procs.append(dest)
+    messenger_b = start_service(
+        ["messenger", "--node", dest.address, "--workers", "1"], log_dir=str(tmp_path)
+    )
+    procs.append(messenger_b)
+    bulk, small, plain = make_keys(8), make_keys(2, 100), make_keys(2, 200)
+    with KVStoreClient(node_a.address) as a, KVStoreClient(node_c.address) as c:
+        a.put(NS, list(make_pages(8, seed=1)), keys=bulk)
+        c.put(NS, list(make_pages(4, seed=2)), keys=small + plain)
+    with MessengerClient(messenger_b.address) as m:
+        stuck = m.submit(NS, [(k, messenger_a.address) for k in bulk]).batch_id
+        wait_until(lambda: "stalling the data stream" in messenger_a.log(), 60, "the stall")
+        queued = m.submit(NS, [(k, messenger_c.address) for k in plain]).batch_id
+        urgent = m.submit(NS, [(k, messenger_c.address) for k in small], urgent=True).batch_id
+        done = m.status(urgent, wait=True, timeout_s=30)
+        assert done.finished and done.done == 2  # while the bulk job holds the one worker
+        assert not m.status(stuck).finished
+        assert m.status(queued).pending == 2  # behind the bulk job, as every batch was
+        release.touch()
+        assert m.status(stuck, wait=True, timeout_s=60).done == 8
+        assert m.status(queued, wait=True, timeout_s=60).done == 2

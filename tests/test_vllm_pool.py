@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 
 import pytest
 from test_vllm_connector_cases import BT, LAYOUT_FLAG, MODEL, PROMPT, tokens
@@ -16,7 +17,8 @@ from bench.micro.pool_ttft import start_pool
 from clients import KVStoreClient
 from clients.conductor_client import ConductorClient
 from kvstore.keys import block_keys, root_key
-from plumbing.launch import free_port, start_service
+from plumbing.launch import ServiceProcess, free_port, start_service
+from rpc.tls import make_local_ca
 
 from helpers import wait_until
 from vllm_driver import Engine
@@ -37,9 +39,36 @@ def model(work) -> str:
     return path
 
 
+ADMIN, SERVICE, DATA, ALICE, MALLORY = "admin-t", "service-t", "data-t", "alice-t", "mallory-t"
+
+
+@dataclass
+class Secured:
+    """The pool's processes and what a tenant's engine needs to reach them."""
+
+    conductor: ServiceProcess
+    nodes: dict[str, ServiceProcess]
+    ca: str  # the cluster's CA (every link speaks TLS)
+    files: dict[str, str]  # token files: admin, service, data, alice, mallory, tenants
+
+    def engine(self, node: str, tenant: str = "alice", pool: bool = True) -> dict:
+        """A connector config for an engine of ``tenant`` on ``node`` (``pool``: with the
+        conductor)."""
+        config = {
+            "node": self.nodes[node].address,
+            "token_file": self.files[tenant],
+            "tls_ca_file": self.ca,
+        }
+        if pool:
+            config["conductor"] = self.conductor.address
+        return config
+
+
 @pytest.fixture(scope="module")
 def cluster(work):
-    """A conductor and two nodes (A, B), each with its messenger, registered."""
+    """A conductor and two nodes (A, B), each with its messenger, registered, as ``kvcache up
+    --tls`` with tenants runs them: TLS on every link, an admin token, the conductor's service
+    token, the messengers' data token, and two tenants (alice, mallory) for the engines."""
     procs = []
 
     def start(*args: str):
@@ -47,58 +76,94 @@ def cluster(work):
         procs.append(sp)
         return sp
 
+    files = {}
+    for name, text in (
+        ("admin", ADMIN), ("service", SERVICE), ("data", DATA), ("alice", ALICE),
+        ("mallory", MALLORY), ("tenants", f"{ALICE}=alice\n{MALLORY}=mallory"),
+    ):  # fmt: skip
+        files[name] = str(work / f"{name}-token")
+        (work / f"{name}-token").write_text(text + "\n")
+        os.chmod(files[name], 0o600)
+    tls = make_local_ca(str(work / "tls"), ["127.0.0.1"])
+    serve_tls = ["--tls-cert", tls.cert, "--tls-key", tls.key]
+    common = ["--token-file", files["admin"], "--tenant-tokens-file", files["tenants"]]
     try:
-        conductor, nodes, _ = start_pool(start, LAYOUT_FLAG, ("A", "B"), "32MiB")
-        with ConductorClient(conductor.address) as c:
+        conductor = start(
+            "conductor", "--listen", "127.0.0.1:0", *common, *serve_tls,
+            "--node-token-file", files["service"], "--node-tls-ca", tls.ca_cert,
+        )  # fmt: skip
+        nodes = {}
+        for node_id in ("A", "B"):
+            messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
+            nodes[node_id] = start(
+                "node", "--listen", "127.0.0.1:0", "--dram", "32MiB", "--layout", LAYOUT_FLAG,
+                "--node-id", node_id, "--messenger", messenger_at, "--conductor",
+                conductor.address, "--conductor-token-file", files["admin"],
+                "--conductor-tls-ca", tls.ca_cert, "--service-token-file", files["service"],
+                *common, *serve_tls,
+            )  # fmt: skip
+            start(
+                "messenger", "--node", nodes[node_id].address, "--listen", messenger_at,
+                "--node-tls-ca", tls.ca_cert, "--service-token-file", files["service"],
+                "--data-token-file", files["data"], *common, *serve_tls,
+            )  # fmt: skip
+        with ConductorClient(conductor.address, ADMIN, tls.ca_cert) as c:
             wait_until(lambda: len(c.list_nodes().nodes) == 2, 30, "the nodes to register")
-        yield conductor, nodes
+        yield Secured(conductor, nodes, tls.ca_cert, files)
     finally:
         for sp in reversed(procs):
             sp.stop()
 
 
-def held(node, kvcache: dict, prompt: list[int]) -> int:
+def held(cluster: Secured, node: str, kvcache: dict, prompt: list[int], who: str = ALICE) -> int:
+    """Leading pages of ``prompt`` that ``node`` holds for tenant ``who``."""
     root = root_key(kvcache["namespace"], bytes.fromhex(kvcache["salt"]))
-    with KVStoreClient(node.address) as c:
+    with KVStoreClient(cluster.nodes[node].address, who, cluster.ca) as c:
         return c.lookup(kvcache["namespace"], keys=block_keys(prompt, BT, root)).hit_blocks
 
 
 def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(model, cluster, work):
-    """Before, an engine saw only its own node: B's engine recomputed what A's had stored."""
-    conductor, nodes = cluster
-    a, b = nodes["A"], nodes["B"]
-    with Engine(model, {"node": a.address}, log_path=str(work / "a.log")) as e:
+    """Before, an engine saw only its own node: B's engine recomputed what A's had stored.
+    Every link speaks TLS and the engines run as tenants: alice's engine on B pulls what
+    alice's engine on A stored; mallory's engine on B finds none of it."""
+    with Engine(model, cluster.engine("A", pool=False), log_path=str(work / "a.log")) as e:
         (first,) = e.generate([PROMPT])
     keys = first["kvcache"]
-    assert held(a, keys, PROMPT) == 4
+    assert held(cluster, "A", keys, PROMPT) == 4
     root = root_key(keys["namespace"], bytes.fromhex(keys["salt"]))
-    with ConductorClient(conductor.address) as c:
+    with ConductorClient(cluster.conductor.address, ALICE, cluster.ca) as c:
         wait_until(
             lambda: c.locate(keys["namespace"], keys=block_keys(PROMPT, BT, root)).get("A") == 4,
             30,
             "the conductor to index A's pages",
         )
-    pool = {"node": b.address, "conductor": conductor.address}
-    with Engine(model, pool, log_path=str(work / "b.log")) as e:
+    with Engine(model, cluster.engine("B"), log_path=str(work / "b.log")) as e:
         (pulled,) = e.generate([PROMPT])
         stats = e.stats()
         assert pulled["tokens"] == first["tokens"]
         assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 0
         assert stats["loaded_pages"] == 4 and stats["load_failed_blocks"] == 0
-        assert held(b, keys, PROMPT) == 4  # on B now: the next request hits there
+        assert held(cluster, "B", keys, PROMPT) == 4  # on B now: the next request hits there
         (again,) = e.generate([PROMPT])
         assert again["cached"] == 4 * BT and again["tokens"] == first["tokens"]
         assert e.stats()["remote_pulls"] == 1  # B's own hit, no second pull
         # A prompt nobody holds: no pull, computed in full.
         (fresh,) = e.generate([tokens(77, 3 * BT + 5)])
         assert fresh["cached"] == 0 and e.stats()["remote_pulls"] == 1
+    # Another tenant's engine on the same node: alice's pages are neither found nor pulled.
+    with Engine(model, cluster.engine("B", "mallory"), log_path=str(work / "m.log")) as e:
+        (other,) = e.generate([PROMPT])
+        stats = e.stats()
+    assert other["cached"] == 0 and other["tokens"] == first["tokens"]
+    assert stats["remote_pulls"] == 0 and stats["loaded_pages"] == 0
+    assert held(cluster, "B", keys, PROMPT, MALLORY) == 4  # mallory's own, computed
+    assert held(cluster, "A", keys, PROMPT, MALLORY) == 0
 
 
 def test_a_pool_whose_conductor_is_gone_costs_a_miss(model, cluster, work):
     """A conductor that does not answer: the engine serves from its own node only."""
-    _, nodes = cluster
     gone = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
-    pool = {"node": nodes["B"].address, "conductor": gone, "remote_timeout_ms": 200}
+    pool = {**cluster.engine("B"), "conductor": gone, "remote_timeout_ms": 200}
     prompt = tokens(78, 4 * BT + 10)
     with Engine(model, pool, log_path=str(work / "gone.log")) as e:
         (out,) = e.generate([prompt])
@@ -151,9 +216,8 @@ def test_vllms_own_prefill_decode_flow_moves_the_prompt_through_the_messengers(
     (``do_remote_prefill``, the prefill node's messenger, the pages it stored) go with the
     decode request, whose engine pulls those pages into its own node and loads them. No
     conductor, no kvcache router."""
-    _, nodes = cluster
     prompt = tokens(79, 4 * BT + 20)
-    with Engine(model, {"node": nodes["A"].address}, log_path=str(work / "p.log")) as p:
+    with Engine(model, cluster.engine("A", pool=False), log_path=str(work / "p.log")) as p:
         (prefilled,) = p.generate(
             [{"tokens": prompt, "kv_transfer_params": {"do_remote_decode": True}}], max_tokens=1
         )
@@ -163,7 +227,7 @@ def test_vllms_own_prefill_decode_flow_moves_the_prompt_through_the_messengers(
     params = prefilled["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["kvcache_pages"] == 4
     assert params["kvcache_messenger"]  # the node's own (it was started with --messenger)
-    with Engine(model, {"node": nodes["B"].address}, log_path=str(work / "pd.log")) as d:
+    with Engine(model, cluster.engine("B", pool=False), log_path=str(work / "pd.log")) as d:
         (decoded,) = d.generate([{"tokens": prompt, "kv_transfer_params": params}], max_tokens=8)
         stats = d.stats()
     # NOTE: vLLM's num_cached_tokens of a request loaded asynchronously can read 0 (it is set
