@@ -108,18 +108,22 @@ _BASELINE = leftovers.Baseline.take()
 
 # The longest modules here (a minute or more each: vLLM engines, clusters, namespaced hosts),
 # longest first. Order only: nothing is left out.
-_LONGEST = [
-    "test_vllm_connector_cases",
-    "test_vllm_connector",
-    "test_vllm_connector_roles",
+_LONGEST = [  # by their summed test times in a full run (2026-11-27)
     "test_serving",
-    "test_serving_chat",
-    "test_hosts_netns",
-    "test_cluster_e2e",
-    "test_dependency_range",
+    "test_vllm_connector_cases",
     "test_messenger_limits",
-    "test_etcd_cluster",
     "test_messenger_service",
+    "test_hosts_netns",
+    "test_serving_chat",
+    "test_etcd_cluster",
+    "test_node_server",
+    "test_vllm_pool",
+    "test_vllm_connector",
+    "test_cluster_e2e",
+    "test_sglang_hicache",
+    "test_router",
+    "test_vllm_connector_roles",
+    "test_dependency_range",
 ]
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_drain_bench_prints_the_hit_rate_after_a_node_leaves_with_and_without(tmp_path):
     out = kvcache_cli(
-        "bench", "drain", "--requests", "80", "--nodes", "2", "--dram", "4MiB", "--window", "20",
+        "bench", "drain", "--requests", "40", "--nodes", "2", "--dram", "4MiB", "--window", "10",
         "--out", str(tmp_path), timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -97,7 +97,10 @@ def test_hf_adapter_under_the_oldest_transformers_claimed():
     )  # fmt: skip
     assert r.stdout.strip() == "4.56.0"
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_torch_hf.py"],
+        # The tests that run the model through the adapter (what a transformers version changes);
+        # the node-failure ones are the same code under any version.
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_torch_hf.py",
+         "-k", "logits or greedy or loaded_kv or layer_that_fails"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
