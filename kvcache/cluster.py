@@ -50,7 +50,7 @@ from .cluster_hosts import (
     network_record,
     placement,
 )
-from .engines import Serving, ServingConfig, serving_config
+from .engines import EngineSite, Serving, ServingConfig, serving_config
 from .etcd_server import etcd_role_args, start_etcd
 
 __all__ = ["Cluster", "ClusterConfig", "NodeSpec", "load_config"]
@@ -117,7 +117,13 @@ class Cluster:
         conductor_args = cfg.conductor_args
         if wanted is not None:  # engine ports first: the conductor scrapes their load
             self.serving = Serving(wanted, cfg.host)
-            conductor_args = [*conductor_args, *self.serving.plan(reserve_port)]
+            sites = {}
+            if place.fixed:  # namespaced hosts: each engine beside its node, in its host
+                for i, spec in enumerate(cfg.nodes):
+                    site = place.node(i)
+                    port = cfg.get("hosts", "engine_port") + i // cfg.get("hosts", "count")
+                    sites[spec.id] = EngineSite(site.wrap, site.ip, port)
+            conductor_args = [*conductor_args, *self.serving.plan(reserve_port, sites)]
         etcd = (
             self._start_etcd(place, files if cfg.tls else None)
             if cfg.get("etcd", "enabled")
@@ -467,15 +473,6 @@ def run(args: argparse.Namespace) -> int:
         check_hosts(cfg)
     except ConfigError as e:
         print(f"kvcache up: {e}", file=sys.stderr)
-        return 2
-    if cfg.get("hosts", "count") and serving_config(cfg) is not None:
-        # NOTE: engines and router are placed on [cluster] host with free loopback ports
-        # (kvcache/engines.py); placing them in the hosts' namespaces is not built yet.
-        print(
-            "kvcache up: [[engines]] / [router] run on loopback only: leave out [hosts] count "
-            "(--hosts) or the [[engines]] tables",
-            file=sys.stderr,
-        )
         return 2
     if cfg.token and cfg.get("etcd", "enabled") and not cfg.tls:
         print(

@@ -199,6 +199,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "messenger_port": Key(int, 7100, "its messenger, + k", check=_fixed_port),
         "data_port": Key(int, 7200, "its messenger's data port, + k", check=_fixed_port),
         "conductor_port": Key(int, 7300, "the i-th conductor's, + i", check=_fixed_port),
+        "engine_port": Key(
+            int, 8000, "the vLLM engine beside a host's k-th node, + k", check=_fixed_port
+        ),
         "etcd_port": Key(int, 2379, "etcd's client port ([etcd] enabled)", check=_fixed_port),
         "etcd_peer_port": Key(int, 2380, "etcd's peer port", check=_fixed_port),
     },

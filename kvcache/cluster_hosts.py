@@ -27,6 +27,7 @@ PORTS = (
     ("node_port", "node"),
     ("messenger_port", "node"),
     ("data_port", "node"),
+    ("engine_port", "node"),
     ("conductor_port", "conductor"),
     ("etcd_port", None),
     ("etcd_peer_port", None),

@@ -257,6 +257,16 @@ class EngineProcess:
         return release_shm(pids, names)  # waits for the trackers too (their unlinks)
 
 
+@dataclass(frozen=True)
+class EngineSite:
+    """Where an engine runs on a namespaced host (``kvcache up --hosts``): beside its node,
+    in the host's network namespace (``wrap``), serving on the host's address."""
+
+    wrap: list[str]
+    ip: str
+    port: int
+
+
 @dataclass
 class Serving:
     """The engines (and router) of one cluster: ports first, processes once the nodes serve."""
@@ -269,15 +279,34 @@ class Serving:
     # Picked ports held until their engine serves: another service of this host starting
     # meanwhile (vLLM takes a minute or more to bind) must not pick them too.
     held: dict[str, PortReservation] = field(default_factory=dict)
+    sites: dict[str, EngineSite] = field(default_factory=dict)  # by node: on namespaced hosts
 
-    def plan(self, reserve: Callable[[str], PortReservation]) -> list[str]:
-        """Pick every engine's port; the conductor's ``--engine-metrics`` flags for them."""
-        self.held = {s.node: reserve(self.host) for s in self.config.engines if not s.port}
-        self.ports = {s.node: s.port or self.held[s.node].port for s in self.config.engines}
+    def plan(
+        self,
+        reserve: Callable[[str], PortReservation],
+        sites: dict[str, EngineSite] | None = None,
+    ) -> list[str]:
+        """Pick every engine's port (``sites``: the hosts' fixed ones, where engines run in
+        network namespaces); the conductor's ``--engine-metrics`` flags for them."""
+        self.sites = dict(sites or {})
+        self.held = {
+            s.node: reserve(self.host)
+            for s in self.config.engines
+            if not s.port and s.node not in self.sites
+        }
+        self.ports = {
+            s.node: s.port
+            or (self.sites[s.node].port if s.node in self.sites else self.held[s.node].port)
+            for s in self.config.engines
+        }
         flags = []
         for node, port in self.ports.items():
-            flags += ["--engine-metrics", f"http://{self.host}:{port}/metrics={node}"]
+            flags += ["--engine-metrics", f"http://{self.host_of(node)}:{port}/metrics={node}"]
         return flags
+
+    def host_of(self, node: str) -> str:
+        site = self.sites.get(node)
+        return site.ip if site is not None else self.host
 
     def start(
         self,
@@ -346,8 +375,10 @@ class Serving:
         conductor: str = "",
     ) -> EngineProcess:
         transfer = kv_transfer_config(spec, node, token_file, tls_ca, conductor)
-        port = self.ports[spec.node]
+        port, host = self.ports[spec.node], self.host_of(spec.node)
+        site = self.sites.get(spec.node)
         cmd = [
+            *(site.wrap if site is not None else []),  # ip netns exec HOST: same pid
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -356,7 +387,7 @@ class Serving:
             "--served-model-name",
             spec.served_model_name,
             "--host",
-            self.host,
+            host,
             "--port",
             str(port),
             # the router reads how much of a prompt the prefill engine found cached
@@ -375,7 +406,7 @@ class Serving:
                 env={**child_environ(), **dict(spec.env)},
                 start_new_session=True,  # its own group: stopped (or killed) with its children
             )
-        return EngineProcess(spec, f"http://{self.host}:{port}", proc, log_path)
+        return EngineProcess(spec, f"http://{host}:{port}", proc, log_path)
 
     def _release(self, node: str) -> None:
         reservation = self.held.pop(node, None)

@@ -258,9 +258,9 @@ def test_up_refuses_bad_host_options(tmp_path, net_prefix):
         ('rate = "fast"', ["--hosts", "3"], "[hosts] rate: link rate 'fast' is not like 10gbit"),
         ("node_port = 99999", ["--hosts", "3"], "[hosts] node_port: a port is 1..65535"),
         (
-            '[engine_defaults]\nmodel = "models/tiny"\n[[engines]]\nnode = "prefill-0"',
+            "engine_port = 7000",
             ["--hosts", "3"],
-            "[[engines]] / [router] run on loopback only",
+            "[hosts] engine_port and node_port are both port 7000",
         ),
     ]:
         subnet = "10.77.0.0/30" if "count" in extra else free_subnet()

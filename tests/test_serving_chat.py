@@ -1,7 +1,8 @@
-"""Chat and aggregated serving with real vLLM engines: ``kvcache up`` with two nodes of role both
-(each a vLLM server with our connector, the tiny model with a Llama-3-style chat template) and
-``kvcache router --mode aggregated``; a second router, disaggregated, in front of the same
-engines. Driven with the ``openai`` client as a user would.
+"""Chat and aggregated serving with real vLLM engines: ``kvcache up --hosts 2`` with two nodes of
+role both on two hosts in network namespaces (each with a vLLM server beside it in its host, our
+connector, the tiny model with a Llama-3-style chat template) and ``kvcache router --mode
+aggregated`` outside them; a second router, disaggregated, in front of the same engines. Driven
+with the ``openai`` client as a user would.
 
 What it pins down: the ids the router schedules and serves a chat on are the ids the engine
 itself renders for it, for several templates and multi-turn conversations; a conversation's
@@ -19,6 +20,7 @@ import urllib.request
 
 import openai
 import pytest
+from test_hosts_netns import REASON, free_subnet, unique_prefix
 
 from bench.engines.models import CHAT_TEMPLATES, MODELS, make_model
 from clients.conductor_client import ConductorClient
@@ -29,7 +31,11 @@ from rpc.wire import layout_from_pb
 from helpers import wait_until
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+]
 
 MODEL = "tiny-llama"
 BLOCK = 64  # kvcache block tokens
@@ -64,6 +70,12 @@ state_dir = "{state}"
 
 [conductor]
 policy = "global-cache"
+
+# Two hosts in network namespaces: each engine runs in its node's host, the routers outside.
+[hosts]
+count = 2
+prefix = "{prefix}"
+subnet = "{subnet}"
 
 [defaults]
 layout = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
@@ -180,7 +192,11 @@ def serving(tmp_path_factory):
     ref.stdin.write(json.dumps(spec))
     ref.stdin.close()
     config = work / "serve.toml"
-    config.write_text(CONFIG.format(state=work / "state", model=model))
+    config.write_text(
+        CONFIG.format(
+            state=work / "state", model=model, prefix=unique_prefix(), subnet=free_subnet()
+        )
+    )
     cluster = Cluster(load_config(str(config)))
     router = None
     try:
@@ -205,6 +221,18 @@ def serving(tmp_path_factory):
         if router is not None:
             router.stop()
         cluster.stop()
+
+
+def test_each_engine_serves_beside_its_node_in_that_hosts_network_namespace(serving):
+    """``kvcache up --hosts 2``: an engine listens on its node's host address, in that host's
+    network namespace (not the test's), and the routers outside reach it over the bridge."""
+    nodes = {n["id"]: n for n in serving.state["nodes"]}
+    own = os.readlink("/proc/self/ns/net")
+    for engine in serving.state["engines"]:
+        node = nodes[engine["node"]]
+        host = node["address"].rsplit(":", 1)[0]
+        assert engine["url"].startswith(f"http://{host}:") and host != "127.0.0.1"
+        assert os.readlink(f"/proc/{engine['pid']}/ns/net") != own
 
 
 @pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
