@@ -11,12 +11,15 @@ is served from another's cache. Aggregated serving needs nodes of role both (the
 has only those: either mode runs on them); a fleet without any skips it.
 
 Per run: TTFT and TPOT p50/p99, output tokens per second, the cache hit rate (prompt tokens an
-engine did not compute, beside the same requests' hit rate on one infinite cache shared by all
-nodes), goodput (requests per second within both ``--ttft-slo-ms`` and ``--tpot-slo-ms``), and
-what the router moved and waited for (KV pages to decode nodes; the conductor's transfer plans
-and the wait for them). The report compares global-cache's TTFT p50 with the best of the other
-policies measured in the same run, per mode and rate. Prints a table, writes ``serve.json`` and
-``serve.png`` (goodput and TTFT p50 against the rate) under ``--out``.
+engine did not compute, as the answers' usage says, beside the same requests' hit rate on one
+infinite cache shared by all nodes), the engines' own count of it
+(``vllm:prompt_tokens_by_source``: their prefix caches and what they loaded from kvcache, which
+includes the pool's asynchronous loads the usage leaves out), goodput (requests per second within
+both ``--ttft-slo-ms`` and ``--tpot-slo-ms``), and what the router moved and waited for (KV pages
+to decode nodes; the conductor's transfer plans and the wait for them). The report compares
+global-cache's TTFT p50 with the best of the other policies measured in the same run, per mode and
+rate. Prints a table, writes ``serve.json`` and ``serve.png`` (goodput and TTFT p50 against the
+rate) under ``--out``.
 """
 
 from __future__ import annotations
@@ -219,6 +222,44 @@ def router_metrics(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def engine_sources(urls: list[str]) -> dict[str, float]:
+    """The engines' prompt tokens by where they came from (vLLM's
+    ``vllm:prompt_tokens_by_source``), summed. The usage's ``cached_tokens`` misses what an
+    engine loaded asynchronously (the pool's pulls): these counters have it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(SOURCES, 0.0)
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") in out:
+                    out[s.labels["source"]] += s.value
+    return out
+
+
+def _engine_figures(urls: list[str], before: dict[str, float], prompt: int) -> dict[str, float]:
+    """Hit rates from the engines' own counters over a run: any cache, and kvcache's part."""
+    deadline = time.monotonic() + 10
+    while True:  # recorded beside each response: wait until every prompt token is counted
+        after = engine_sources(urls)
+        delta = {k: after[k] - before[k] for k in SOURCES}
+        total = sum(delta.values())
+        if total >= prompt or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {
+        "engine_hit_rate": (delta["local_cache_hit"] + delta["external_kv_transfer"]) / total
+        if total
+        else 0.0,
+        "kvcache_hit_rate": delta["external_kv_transfer"] / total if total else 0.0,
+    }
+
+
 def _router_figures(before: dict, after: dict) -> dict[str, float]:
     """Mean milliseconds per stage, KV MiB moved per kind and plans waited for, in a run."""
 
@@ -246,9 +287,11 @@ def _run(
     args: argparse.Namespace,
     requests: list,
     block_tokens: int,
+    engines: list[str],
 ) -> tuple[dict[str, Any], list]:
     arrivals = arrival_times(requests, rate)
     before = router_metrics(router_url)
+    sources = engine_sources(engines)
     outcomes, wall = asyncio.run(
         replay(router_url, model, prompts, outputs, arrivals, args.timeout)
     )
@@ -260,6 +303,10 @@ def _run(
         args.tpot_slo_ms / 1e3,
     )
     summary["router"] = _router_figures(before, router_metrics(router_url))
+    prompt = sum(o.prompt_tokens for o in outcomes if o.status == "ok")
+    summary.update(_engine_figures(engines, sources, prompt))
+    if summary.get("ideal_hit_rate"):
+        summary["engine_vs_ideal"] = summary["engine_hit_rate"] / summary["ideal_hit_rate"]
     return summary, outcomes
 
 
@@ -277,6 +324,9 @@ COLUMNS = [
     Column("tpot_p99_ms", "TPOT p99 ms", "{:.1f}"),
     Column("hit_rate", "hit rate", "{:.1%}"),
     Column("hit_vs_ideal", "vs infinite", "{:.2f}x"),
+    Column("engine_hit_rate", "engines' hit", "{:.1%}"),
+    Column("kvcache_hit_rate", "from kvcache", "{:.1%}"),
+    Column("engine_vs_ideal", "vs infinite", "{:.2f}x"),
     Column("goodput_req_s", "goodput req/s", "{:.2f}"),
     Column("slo_attainment", "in SLO", "{:.0%}"),
     Column("decode_pull_mib", "KV to decode MiB", "{:.1f}"),
@@ -390,7 +440,15 @@ def run(args: argparse.Namespace) -> int:
                             flush=True,
                         )
                         summary, outcomes = _run(
-                            url, model, prompts, outputs, rate, args, requests, block_tokens
+                            url,
+                            model,
+                            prompts,
+                            outputs,
+                            rate,
+                            args,
+                            requests,
+                            block_tokens,
+                            [e["url"] for e in state["engines"]],
                         )
                         summary.update(mode=mode, policy=policy, rate=rate, **summary["router"])
                         rows.append(summary)
