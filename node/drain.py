@@ -105,6 +105,10 @@ def drain(
         )
     if max_seconds < 0 or max_seconds != max_seconds or max_seconds == float("inf"):
         raise InvalidArgument(f"max_seconds must be finite and >= 0, got {max_seconds}")
+    for p in peers or ():
+        host, _, port = p.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"peer {p[:100]!r} is not a messenger's host:port")
     t0 = time.monotonic()
     deadline = t0 + (max_seconds or DEFAULT_SECONDS)
     chosen = [Peer(messenger=p) for p in peers] if peers else conductor_peers(config, node.node_id)

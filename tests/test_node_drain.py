@@ -111,6 +111,11 @@ def test_bad_drains_get_a_clear_error(services, tmp_path):
     assert out.returncode == 1 and "no peer" in out.stderr
     assert nodes["A"].alive()
 
+    # A peer that is not an address.
+    with KVStoreClient(nodes["A"].address, use_shm=False) as c:
+        code, says = rpc_error(lambda: c.drain(peers=["nowhere"]))
+    assert code.name == "INVALID_ARGUMENT" and "host:port" in says
+
     # A tenant may not move every tenant's blocks.
     guarded = services(
         "node", "--listen", "127.0.0.1:0", "--dram", "4MiB", "--layout", LAYOUT,
