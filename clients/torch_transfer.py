@@ -7,12 +7,15 @@ A client keeps one copier per device for all its requests (``TorchKVClient.copie
   copies release the GIL, so they overlap the caller's compute on other cores).
 - ``CudaCopier``: one side stream and one set of pinned staging buffers per client, reused by
   every request (a small ring per direction: loads run on the client's one loader thread, stores
-  on its one storer thread). A layer load gathers the runs' slices into pinned staging on the
-  worker thread; then, on the side stream, one host->device copy, one scatter kernel into the
-  caller's tensors, ``record_stream`` on them (the caller may drop a tensor before the side stream
-  is done with it) and one event, which the caller's stream waits on (no host sync). A store runs
-  the other way: an event recorded on the caller's stream once the layer is computed, a gather
-  kernel and one device->pinned copy on the side stream, then pinned -> pages on the worker.
+  on its one storer thread). Staging keeps the pages' own order, ``[blocks, 2, block_tokens,
+  kv_heads, head_dim]``: the host copies a page's layer as one contiguous run (a K/V transpose on
+  the host was a strided copy at a fraction of memcpy's rate); the GPU reorders. A layer load
+  gathers the runs' slices into pinned staging on the worker thread; then, on the side stream,
+  one host->device copy, one scatter kernel into the caller's tensors, ``record_stream`` on them
+  (the caller may drop a tensor before the side stream is done with it) and one event, which the
+  caller's stream waits on (no host sync). A store runs the other way: an event recorded on the
+  caller's stream once the layer is computed, a gather of K and V into one tensor in page order
+  and one device->pinned copy on the side stream, then pinned -> pages on the worker.
 
 Pages are host memory (the node's shared memory, or buffers of the streamed path) viewed as
 ``[layers, 2, block_tokens, kv_heads, head_dim]``; see ``torch_layout.PageRun``.
@@ -88,7 +91,7 @@ class CpuCopier:
 
 
 class PinnedRing:
-    """Pinned host staging buffers, ``[2, blocks, block_tokens, kv_heads, head_dim]`` (K then V),
+    """Pinned host staging buffers, ``[blocks, 2, block_tokens, kv_heads, head_dim]`` (page order),
     reused round-robin by one thread; a slot is refilled only after the copy that last used it
     has completed. Buffers grow to the largest request seen and are kept."""
 
@@ -106,7 +109,7 @@ class PinnedRing:
         if done is not None:
             done.synchronize()  # the copy that last read or wrote this buffer has finished
         L = self.layout
-        shape = (2, blocks, L.block_tokens, L.kv_heads, L.head_dim)
+        shape = (blocks, 2, L.block_tokens, L.kv_heads, L.head_dim)
         need = int(np.prod(shape))
         buf = self._buffers[slot]
         if buf is None or buf.numel() < need:
@@ -151,14 +154,11 @@ class CudaCopier(CpuCopier):
         st = host_array(staging)
         for run in runs:
             a, n = run.first, len(run)
-            np.copyto(
-                st[:, a : a + n, : run.rows],
-                run.pages[:, layer, :, : run.rows].transpose(1, 0, 2, 3, 4),
-            )
+            np.copyto(st[a : a + n, :, : run.rows], run.pages[:, layer, :, : run.rows])
         with torch.cuda.stream(self.side):
             dev = staging.to(self.device, non_blocking=True)
-            dst.scatter(k, dev[0], num_tokens)
-            dst.scatter(v, dev[1], num_tokens)
+            dst.scatter(k, dev[:, 0], num_tokens)
+            dst.scatter(v, dev[:, 1], num_tokens)
             # NOTE: k/v were allocated on the caller's stream and are written on the side
             # stream: without this, a caller that drops them early lets the allocator hand
             # their memory out while the copy still runs.
@@ -198,8 +198,11 @@ class CudaCopier(CpuCopier):
         with torch.cuda.stream(self.side):
             assert ready is not None  # this copier's mark_computed always returns an event
             self.side.wait_event(ready)
-            staging[0].copy_(src.gather(k, first_block, blocks, bt), non_blocking=True)
-            staging[1].copy_(src.gather(v, first_block, blocks, bt), non_blocking=True)
+            both = torch.stack(
+                (src.gather(k, first_block, blocks, bt), src.gather(v, first_block, blocks, bt)),
+                dim=1,
+            )  # in page order, contiguous: one device->pinned copy
+            staging.copy_(both, non_blocking=True)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.side)
         self._stores.used(slot, done)
@@ -207,7 +210,7 @@ class CudaCopier(CpuCopier):
         st = host_array(staging)
         for run in runs:
             a, n = run.first - first_block, len(run)
-            np.copyto(run.pages[:, layer].transpose(1, 0, 2, 3, 4), st[:, a : a + n])
+            np.copyto(run.pages[:, layer], st[a : a + n])
 
 
 def make_copier(layout: KVLayout, device: torch.device) -> CpuCopier:
