@@ -14,12 +14,11 @@ when the node answered, 1 when it refused or failed (the reason on stderr), 2 fo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from rpc.server import TOKEN_ENV, add_token_file_arg, address_arg
+from rpc.server import address_arg
 
-from .cluster_config import ENV_PREFIX, ConfigError, load_config
+from .cluster_access import NoCluster, add_access_args, read_cluster
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,21 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stay", action="store_true", help="copy only: the node keeps serving afterwards"
     )
-    parser.add_argument(
-        "--cluster", help="cluster.json of 'kvcache up' (default: in the config's state_dir)"
-    )
-    parser.add_argument(
-        "--config",
-        default=os.environ.get(ENV_PREFIX + "CONFIG") or None,
-        help="the cluster TOML 'kvcache up' was given (to find its state_dir)",
-    )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get(TOKEN_ENV) or None,
-        help=f"the admin token (default: ${TOKEN_ENV}, else cluster.json's)",
-    )
-    add_token_file_arg(parser, "--token-file", "token", "the admin token, from a file")
-    parser.add_argument("--tls-ca", help="CA (PEM) of a TLS cluster (default: cluster.json's)")
+    add_access_args(parser)
 
 
 class DrainError(Exception):
@@ -74,17 +59,9 @@ def _target(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
         return address_arg(args.node), args.token, args.tls_ca
     except argparse.ArgumentTypeError:
         pass  # a node id
-    path = args.cluster
-    if path is None:
-        try:
-            path = os.path.join(load_config(args.config).state_dir, "cluster.json")
-        except ConfigError as e:
-            raise DrainError(f"{e}; or name the node by HOST:PORT") from None
-    from bench.replay.live_engine import LiveError, load_cluster
-
     try:
-        info = load_cluster(path)
-    except LiveError as e:
+        info, path = read_cluster(args)
+    except NoCluster as e:
         raise DrainError(f"{e}; or name the node by HOST:PORT") from None
     by_id = {n.id: n for n in info.nodes}
     if args.node not in by_id:

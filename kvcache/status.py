@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Any
 
-from rpc.server import TOKEN_ENV, add_token_file_arg, address_arg
+from rpc.server import address_arg
 
-from .cluster_config import ENV_PREFIX, ConfigError, load_config
+from .cluster_access import NoCluster, add_access_args, read_cluster
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,24 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=address_arg,
         help="ask this conductor (and the nodes it lists) instead of a cluster.json",
     )
-    where.add_argument(
-        "--cluster",
-        help="cluster.json of 'kvcache up' (default: the one in the config's state_dir)",
-    )
-    parser.add_argument(
-        "--config",
-        default=os.environ.get(ENV_PREFIX + "CONFIG") or None,
-        help="the cluster TOML 'kvcache up' was given (to find its state_dir)",
-    )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get(TOKEN_ENV) or None,
-        help=f"the admin token (default: ${TOKEN_ENV}, else cluster.json's)",
-    )
-    add_token_file_arg(parser, "--token-file", "token", "the admin token, from a file")
-    parser.add_argument(
-        "--tls-ca", help="CA (PEM) of a cluster serving TLS (default: cluster.json's)"
-    )
+    add_access_args(parser, where)
     parser.add_argument("--json", action="store_true", help="JSON (one document per reading)")
     parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     parser.add_argument(
@@ -71,18 +54,12 @@ def _targets(args: argparse.Namespace) -> tuple[str | None, list[Any], str | Non
 
     if args.conductor:
         return args.conductor, [], args.token, args.tls_ca
-    path = args.cluster
-    if path is None:
-        try:
-            path = os.path.join(load_config(args.config).state_dir, "cluster.json")
-        except ConfigError as e:
-            raise StatusError(str(e)) from None
-    from bench.replay.live_engine import LiveError, load_cluster
-
     try:
-        info = load_cluster(path)  # the same reading of cluster.json as 'kvcache bench live'
-    except LiveError as e:
-        raise StatusError(f"{e}, or name a conductor with --conductor HOST:PORT") from None
+        info, _ = read_cluster(args)
+    except NoCluster as e:
+        raise StatusError(
+            str(e) if e.config else f"{e}, or name a conductor with --conductor HOST:PORT"
+        ) from None
     nodes = [Target(n.id, n.role, n.address, n.messenger) for n in info.nodes]
     # NOTE: every conductor of an etcd cluster: the client moves on from one that is down
     conductor = ",".join(info.conductors) or info.conductor
