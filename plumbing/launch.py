@@ -37,23 +37,33 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _pick(host: str) -> socket.socket | None:
+    """A socket bound (without SO_REUSEADDR: no other holder of the port) to a random port of
+    ``host`` below the ephemeral range; None on a host too crowded there."""
+    lo, _ = ephemeral_ports()
+    first = max(1024, lo - _PICKS)
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - first >= 1024 else 0):
+        s = socket.socket()
+        try:
+            s.bind((host, rng.randrange(first, lo)))
+        except OSError:
+            s.close()
+            continue  # taken
+        return s
+    return None
+
+
 def free_port(host: str) -> int:
     """A port free on ``host`` now, for a process the caller starts later to listen on.
 
     Picked at random below the ephemeral range: in it, any outgoing connection or port-0
     listener of the host (another service starting meanwhile) could take the port before the
     process binds it; below it, only another pick like this one can, among thousands."""
-    lo, _ = ephemeral_ports()
-    first = max(1024, lo - _PICKS)
-    rng = random.SystemRandom()
-    for _ in range(64 if lo - first >= 1024 else 0):
-        port = rng.randrange(first, lo)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue  # taken
-            return port
+    picked = _pick(host)
+    if picked is not None:
+        with picked:
+            return int(picked.getsockname()[1])
     with socket.socket() as s:  # a crowded host: any port free now
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -78,16 +88,8 @@ class PortReservation:
 def reserve_port(host: str) -> PortReservation:
     """``free_port``, held until ``release``: for a process that binds long after the pick (a
     vLLM server: a minute or more), during which other picks would find the port free."""
-    lo, _ = ephemeral_ports()
-    first = max(1024, lo - _PICKS)
-    rng = random.SystemRandom()
-    for _ in range(64 if lo - first >= 1024 else 0):
-        s = socket.socket()
-        try:
-            s.bind((host, rng.randrange(first, lo)))  # exclusive: fails on any holder
-        except OSError:
-            s.close()
-            continue
+    s = _pick(host)  # exclusive: the bind fails on any holder
+    if s is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         return PortReservation(int(s.getsockname()[1]), s)
     return PortReservation(free_port(host), None)  # a crowded host: unheld
