@@ -86,7 +86,10 @@ class Source:
             res = t.fetch(self.data_address, NS, keys, [memoryview(p) for p in dest], admin)
         finally:
             t.close()
-        return all(r.ok for r in res)
+        failed = [(i, r.outcome.name, r.reason) for i, r in enumerate(res) if not r.ok]
+        if failed:  # shown with the test's failure: what the fetch got, and the server's side
+            print(f"fetch failed: {failed}\nmessenger log (tail):\n{self.messenger.log()[-3000:]}")
+        return not failed
 
     def metric(self, name: str) -> float:
         port = self.messenger.info["metrics_port"]
@@ -400,20 +403,22 @@ def test_a_held_fetch_pins_at_once_and_sends_only_what_its_go_names(source):
 @pytest.mark.parametrize(
     "after, expect",
     [
-        (b"", "no GO within 1 s of a held FETCH"),
+        (b"", "no GO within 3 s of a held FETCH"),
         (fetch_frame([bytes(16)]), "expected a GO for 4 keys after a held FETCH, got FETCH"),
         (go_frame(b"\x01\x01"), "expected a GO for 4 keys after a held FETCH, got GO for 2"),
     ],
     ids=["no-go", "another-fetch", "go-of-the-wrong-size"],
 )
 def test_a_held_fetch_without_its_go_is_cut_and_its_pins_released(source, after, expect):
-    src = source("--frame-timeout", "1", "--pin-ttl", "60")
+    # NOTE: the frame timeout is the server's, and the polite fetch at the end must beat it
+    # too (its first frame read within it of connecting): 3 s, not 1, on a loaded machine.
+    src = source("--frame-timeout", "3", "--pin-ttl", "60")
     keys = src.put(4)
     with src.connect() as s:
         s.sendall(held_fetch(keys))
         wait_until(lambda: src.pinned() == 4, 5, "the source to pin the held pages")
         s.sendall(after)
-        assert closed_by_peer(s, 4.0) < 4.0
+        closed_by_peer(s, 10.0)
     wait_until(lambda: src.pinned() == 0, 5, "the pins to be released")
     wait_until(lambda: expect in src.messenger.log(), 5, "the reason in the log")
     assert src.fetch_ok(keys)
