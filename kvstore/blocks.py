@@ -21,6 +21,7 @@ import threading
 from array import array
 from dataclasses import dataclass, field
 
+from .budget import SharedBudget
 from .errors import InvalidArgument
 from .events import EventKind, EventLog
 from .index import Index, make_index
@@ -45,9 +46,9 @@ class TierState:
     pool: PagePool
     policy: EvictionPolicy  # the committed, unpinned slots: the only eviction candidates
     capacity: int
-    # Per slot. A slot is exactly one of: free (in ``free``), leased to a writer, quarantined, or
+    # Per slot. A slot is exactly one of: free (in ``free``), leased to a writer, quarantined,
     # held by a committed block (``held``): indexed, or ``doomed`` (out of the index, its page
-    # kept until its last reader unpins it).
+    # kept until its last reader unpins it), or withheld (not granted by a shared budget).
     free: array[int] = field(init=False)
     keys: bytearray = field(init=False)  # the held block's key, KEY_BYTES per slot
     held: bytearray = field(init=False)
@@ -62,10 +63,18 @@ class TierState:
     hits: int = 0
     evictions: int = 0
     write_error: str | None = None  # the pool's last refused write, until one succeeds
+    # Under a budget shared with other layouts' stores (budget.py): slots not granted are
+    # withheld (no bytes behind them), and ``refused`` counts pages asked for and not granted.
+    budget: SharedBudget | None = None
+    withheld: array[int] = field(init=False)
+    refused: int = 0
 
     def __post_init__(self) -> None:
         n = self.capacity
         self.free = array("i", range(n - 1, -1, -1))
+        self.withheld = array("i")
+        if self.budget is not None:
+            self.free, self.withheld = self.withheld, self.free
         self.keys = bytearray(n * KEY_BYTES)
         self.held = bytearray(n)
         self.doomed = bytearray(n)
@@ -104,6 +113,7 @@ class BlockStore:
         self.namespace = layout.namespace
         self._clock = config.clock
         self._lock = threading.RLock()
+        self._closed = False
         # Holds only indexed blocks, at most one per page of every tier.
         pages = max(0, config.gpu_pages) + max(0, config.dram_pages) + max(0, config.ssd_pages)
         self._index: Index = make_index(pages)

@@ -21,6 +21,15 @@ class CapacityExhausted(KVStoreError):
     """No page can be freed because every candidate is pinned or leased."""
 
 
+class BudgetShort(Exception):
+    """Internal: a tier under a shared budget cannot free ``pages`` more pages by itself; the
+    caller, holding no store lock, may reclaim them from the budget's other stores and retry."""
+
+    def __init__(self, pages: int, then: CapacityExhausted) -> None:
+        super().__init__(str(then))
+        self.pages, self.then = pages, then
+
+
 class StorageError(KVStoreError):
     """The backing storage (lmdb directory, shared memory) cannot be used."""
 

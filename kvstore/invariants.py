@@ -6,7 +6,8 @@ broken invariant, so one failure shows all that went wrong at once instead of th
 
 Checked:
 - page ownership: each slot of each tier is exactly one of free, leased to a live write lease,
-  quarantined (an expired write lease's, held back from reuse) or committed (``tier.keys``);
+  quarantined (an expired write lease's, held back from reuse), committed (``tier.keys``) or
+  withheld (not granted by a shared budget, budget.py);
   ``tier.leased`` and ``tier.quarantined`` count them; a quarantined page comes back at a finite
   time, and no live lease is quarantined;
 - generations: a live write lease's pages still have the generations it was given (nobody else
@@ -16,10 +17,10 @@ Checked:
 - pins: >= 0, equal to the number of live read leases holding the block; ``tier.pinned`` counts
   the pinned blocks of the tier;
 - eviction policy: holds exactly the committed, unpinned slots of its tier;
-- accounting: used = capacity - free - leased - quarantined (what ``stats`` reports) equals the
-  committed pages; pools have the tier's page count and the layout's page size (the DRAM slab is
-  exactly pages x page_bytes); the SSD tier's lmdb holds exactly one page per committed SSD block;
-  bytes read are whole pages and bytes written whole layers;
+- accounting: used = capacity - withheld - free - leased - quarantined (what ``stats``
+  reports) equals the committed pages; pools have the tier's page count and the layout's page
+  size (the DRAM slab is exactly pages x page_bytes); the SSD tier's lmdb holds exactly one
+  page per committed SSD block; bytes read are whole pages and bytes written whole layers;
 - leases: every live lease has a deadline entry, so it can expire;
 - prefix tree (when a policy keeps one): links only between indexed blocks, each child in its
   parent's child list exactly once, ``kids`` / ``tkids`` equal to the children counted, and no
@@ -205,7 +206,12 @@ def _check_tier(
         return
     # Page ownership: free / leased / quarantined / committed, exactly one each.
     owners: dict[int, list[str]] = {}
-    for what, slots in (("free", ts.free), ("leased", leased), ("quarantined", quarantined)):
+    for what, slots in (
+        ("free", ts.free),
+        ("leased", leased),
+        ("quarantined", quarantined),
+        ("withheld", ts.withheld),
+    ):
         for s in slots:
             owners.setdefault(s, []).append(what)
     committed = [s for s in range(cap) if ts.held[s]]
@@ -216,7 +222,7 @@ def _check_tier(
         if len(got) != 1:
             problems.append(
                 f"{name} slot {s} is owned by {got or 'nobody'}; expected exactly "
-                "one of free, leased, quarantined, committed"
+                "one of free, leased, quarantined, committed, withheld"
             )
     if owners:
         problems.append(
@@ -231,10 +237,11 @@ def _check_tier(
             f"{name} counts {ts.quarantined} quarantined pages; the quarantine holds "
             f"{len(quarantined)}"
         )
-    used = cap - len(ts.free) - ts.leased - ts.quarantined
+    used = cap - len(ts.withheld) - len(ts.free) - ts.leased - ts.quarantined
     if used != len(committed):
         problems.append(
-            f"{name} reports {used} used pages (capacity - free - leased - quarantined); "
+            f"{name} reports {used} used pages (capacity - withheld - free - leased - "
+            "quarantined); "
             f"{len(committed)} are committed"
         )
     # Every committed page belongs to a live block (else it can never be freed).

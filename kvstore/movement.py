@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from .blocks import BlockStore, Handle, TierState
-from .errors import CapacityExhausted, StorageError
+from .errors import BudgetShort, CapacityExhausted, StorageError
 from .events import EventKind
 from .keys import BlockKey
 from .payload import ByteView
@@ -27,24 +27,42 @@ log = logging.getLogger(__name__)
 class TierMovement(BlockStore):
     """Eviction, demotion, promotion (a mixin of ``TieredStore``; caller holds the lock)."""
 
-    def _reserve(self, ts: TierState, n: int) -> list[int]:
-        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed."""
+    def _grant(self, ts: TierState, n: int) -> None:
+        """Bring up to ``n`` more free slots into a tier under a shared budget (budget.py), from
+        the budget's unassigned bytes; the pages refused are counted for its rebalancing."""
+        if ts.budget is None or n <= 0:
+            return
+        got = ts.budget.take(min(n, len(ts.withheld)), self.layout.page_bytes)
+        if got:
+            ts.free.extend(ts.withheld[-got:])
+            del ts.withheld[-got:]
+        ts.refused += n - got
+
+    def _reserve(self, ts: TierState, n: int, grant: bool = True) -> list[int]:
+        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed;
+        under a shared budget, unassigned bytes are taken first (``grant``) before evicting."""
         if n == 0:
             return []
         need = n - len(ts.free)
+        if need > 0 and grant:
+            self._grant(ts, need)
+            need = n - len(ts.free)
         if need > 0:
             if need > len(ts.policy):
-                held = ts.capacity - len(ts.free) - len(ts.policy)
+                held = ts.capacity - len(ts.withheld) - len(ts.free) - len(ts.policy)
                 quarantine = (
                     f" ({ts.quarantined} quarantined after their write lease expired)"
                     if ts.quarantined
                     else ""
                 )
-                raise CapacityExhausted(
+                full = CapacityExhausted(
                     f"{ts.tier.name} tier is full: need {n} pages, {len(ts.free)} free and "
                     f"{len(ts.policy)} evictable; the other {held} are pinned by readers or "
                     f"leased to writers{quarantine}. Release leases or add capacity"
                 )
+                if ts.budget is not None and grant:
+                    raise BudgetShort(need - len(ts.policy), full)
+                raise full
             victims: list[int] = []
             tree = self._tree
             parents: list[BlockKey | None] = []
@@ -68,6 +86,48 @@ class TierMovement(BlockStore):
             gens[slot] += 1
         return out
 
+    # ---- a tier's budget shared with other layouts (budget.Member) ------------------------
+
+    def page_bytes_of(self, tier: Tier) -> int:
+        return self.layout.page_bytes
+
+    def share_bytes(self, tier: Tier) -> int:
+        """Bytes of ``tier`` this store was granted (all its pages when it has no budget)."""
+        with self._lock:
+            ts = self._tiers.get(tier)
+            return 0 if ts is None else (ts.capacity - len(ts.withheld)) * self.layout.page_bytes
+
+    def take_refused(self, tier: Tier) -> int:
+        """Pages this store asked its budget for and did not get, since the last call."""
+        with self._lock:
+            ts = self._tiers.get(tier)
+            if ts is None:
+                return 0
+            n, ts.refused = ts.refused, 0
+            return n
+
+    def shrink(self, tier: Tier, pages: int) -> int:
+        """Give up to ``pages`` pages of ``tier`` back to its shared budget, evicting this
+        store's coldest blocks (by its policy) when free pages are not enough; pinned and
+        leased pages stay. Returns how many went back."""
+        with self._lock:
+            ts = self._tiers.get(tier)
+            if ts is None or self._closed:
+                return 0
+            return self._withhold(ts, pages)
+
+    def _withhold(self, ts: TierState, pages: int) -> int:
+        """Give up to ``pages`` of a budgeted tier's pages back to its budget: free ones first,
+        then its policy's victims (evicted or demoted as any eviction). Returns how many."""
+        if ts.budget is None:
+            return 0
+        pages = min(pages, len(ts.free) + len(ts.policy))
+        slots = self._reserve(ts, pages, grant=False)
+        ts.pool.release(slots)
+        ts.withheld.extend(slots)
+        ts.budget.give(len(slots), self.layout.page_bytes)
+        return len(slots)
+
     def _next_tier(self, tier: Tier) -> TierState | None:
         for t in range(tier + 1, Tier.SSD + 1):
             if Tier(t) in self._tiers:
@@ -83,6 +143,7 @@ class TierMovement(BlockStore):
         dst = self._next_tier(ts.tier)
         moved: list[int] = []
         if dst is not None:
+            self._grant(dst, len(victims) - len(dst.free))
             room = min(len(victims), len(dst.free) + len(dst.policy))
             if room:
                 dslots = self._reserve(dst, room)

@@ -9,6 +9,7 @@ and policies with it.
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -52,6 +53,9 @@ class PagePool(ABC):
 
     def drop_pages(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         """Forget pages (slab pools need not do anything)."""
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Free slots given back to a shared budget: their memory may go back to the system."""
 
     def seal(self, slot: int, checksum: int | None = None) -> None:
         """The page's bytes are final (committed, or moved in): remember its checksum, if this
@@ -146,10 +150,33 @@ class SharedDramPool(PagePool):
         for slot in slots:
             self._sealed[slot] = False
 
+    def release(self, slots: Sequence[int]) -> None:
+        # The pages' memory goes back to the system (a hole punched in the shared memory file):
+        # what budgeted stores hold together stays within their budget. Runs of adjacent slots
+        # are punched at once; only whole system pages inside a run can go.
+        self.drop_pages(slots, [])
+        step = mmap.PAGESIZE
+        for first, count in _runs(sorted(slots)):
+            start = -(-first * self.page_bytes // step) * step
+            end = (first + count) * self.page_bytes // step * step
+            if end > start:
+                self.slab.punch(start, end - start)
+
     def close(self) -> None:
         self._pages = None  # type: ignore[assignment]
         self.slab.close()
         self.slab.unlink()
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted slots as (first, count) runs of adjacent ones."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
 
 
 class TorchSlabPool(PagePool):

@@ -82,6 +82,7 @@ class PinnedReads(LeaseBook, TierMovement):
                     (k, h) for k, h in hits if h & 3 != dst.tier and self._ts(h).pins[h >> 2] == 1
                 ]
                 # Best effort: what does not fit (the target is pinned full) stays where it is.
+                self._grant(dst, len(movers) - len(dst.free))
                 movers = movers[: len(dst.free) + len(dst.policy)]
                 if movers:
                     self._relocate(movers, dst)

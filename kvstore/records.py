@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .budget import SharedBudget
 from .tiers import Tier
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -47,6 +48,10 @@ class StoreConfig:
     max_events: int = 1 << 20
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[[], None] | None = None  # called (under the store lock) after new events
+    # Budgets shared with other layouts' stores (budget.py): the tier's pages are then the most
+    # the whole budget holds in this layout, taken from it as needed.
+    dram_budget: SharedBudget | None = None
+    ssd_budget: SharedBudget | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +85,16 @@ class TierStats:
     hits: int
     evictions: int
     quarantined_pages: int = 0  # of expired write leases, not reusable yet (see quarantine_s)
+    # Under a budget shared with other layouts (budget.py): the pages granted now, of the
+    # ``capacity_pages`` the whole budget would hold in this layout. Without one: capacity.
+    granted_pages: int | None = None
 
     @property
     def free_pages(self) -> int:
-        """Pages neither committed, leased to a writer nor quarantined: what an allocation can
-        take now."""
-        return self.capacity_pages - self.used_pages - self.leased_pages - self.quarantined_pages
+        """Granted pages neither committed, leased to a writer nor quarantined: what an
+        allocation can take now without evicting (or asking its budget)."""
+        granted = self.capacity_pages if self.granted_pages is None else self.granted_pages
+        return granted - self.used_pages - self.leased_pages - self.quarantined_pages
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -163,6 +163,13 @@ class SharedSlab:
         # leaking tmpfs memory until reboot. Only a killed process leaves its segment behind.
         self._unlinker = weakref.finalize(self, _unlink, name) if create else None
 
+    def punch(self, offset: int, length: int) -> None:
+        """Give the pages of ``[offset, offset + length)`` back (they read as zeros after)."""
+        try:
+            self._mmap.madvise(mmap.MADV_REMOVE, offset, length)
+        except (OSError, ValueError):
+            self.array[offset : offset + length] = 0  # still wipe what the range held
+
     @classmethod
     def create(cls, name: str, size: int, reserve: bool = False) -> "SharedSlab":
         return cls(name, size, create=True, reserve=reserve)

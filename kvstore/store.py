@@ -75,8 +75,12 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
             self._open_tiers()
             self._recover_ssd()
         except BaseException:
+            self._give_back()
             self._close_pools()
             raise
+        for ts in self._tiers.values():
+            if ts.budget is not None:
+                ts.budget.join(self)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -123,6 +127,13 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
             return view
         offset = self.layout.layer_offset(layer)
         return view[offset : offset + self.layout.layer_bytes]
+
+    def _give_back(self) -> None:
+        for ts in getattr(self, "_tiers", {}).values():
+            if ts.budget is not None:
+                ts.budget.leave(self)
+                ts.budget.give(ts.capacity - len(ts.withheld), self.layout.page_bytes)
+                ts.budget = None  # NOTE: given back once; the store is closing
 
     # ---- removal, events, stats ----------------------------------------------------------------
 
@@ -178,7 +189,12 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
                 TierStats(
                     tier=t,
                     capacity_pages=ts.capacity,
-                    used_pages=ts.capacity - len(ts.free) - ts.leased - ts.quarantined,
+                    used_pages=ts.capacity
+                    - len(ts.withheld)
+                    - len(ts.free)
+                    - ts.leased
+                    - ts.quarantined,
+                    granted_pages=None if ts.budget is None else ts.capacity - len(ts.withheld),
                     leased_pages=ts.leased,
                     quarantined_pages=ts.quarantined,
                     pinned_blocks=ts.pinned,
@@ -224,6 +240,7 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
             self._read_leases.clear()
             self._quarantine.clear()
             self._quarantined.clear()
+            self._give_back()
             self._close_pools()
 
     def __enter__(self) -> TieredStore:

@@ -9,16 +9,17 @@ import os
 
 import xxhash
 
-from .blocks import BlockStore, TierState
+from .blocks import TierState
 from .errors import InvalidArgument
 from .keys import BlockKey
+from .movement import TierMovement
 from .policy import make_policy
 from .pools import MetadataPool, PagePool, SharedDramPool, TorchSlabPool
 from .ssd import SsdPool
 from .tiers import Tier
 
 
-class TierSetup(BlockStore):
+class TierSetup(TierMovement):
     """A mixin of ``TieredStore``: its construction and the release of its pools."""
 
     def _open_tiers(self) -> None:
@@ -48,7 +49,8 @@ class TierSetup(BlockStore):
                 continue
             evict = make_policy(policy, pages)  # NOTE: first: a bad name must not leak a pool
             pool = self._make_pool(tier, pages, page)
-            self._add_tier(TierState(tier, pool, evict, pages))
+            budget = {Tier.DRAM: cfg.dram_budget, Tier.SSD: cfg.ssd_budget}.get(tier)
+            self._add_tier(TierState(tier, pool, evict, pages, budget=budget))
         self._grow_tree()
 
     def _make_pool(self, tier: Tier, pages: int, page_bytes: int) -> PagePool:
@@ -77,6 +79,7 @@ class TierSetup(BlockStore):
         if ts is None or not isinstance(ts.pool, SsdPool):
             return
         keys = ts.pool.stored_keys()
+        self._grant(ts, len(keys))
         keep, extra = keys[: len(ts.free)], keys[len(ts.free) :]
         if extra:
             ts.pool.drop_pages([-1] * len(extra), extra)

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .errors import FailedPrecondition, InvalidArgument
-from .keys import check_keys
+from .errors import BudgetShort, FailedPrecondition, InvalidArgument
+from .keys import BlockKey, check_keys
 from .leases import LeaseBook, WriteLease
 from .movement import TierMovement
 from .payload import as_uint8, as_uint8_rows, copy_bytes
@@ -40,6 +40,22 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
             raise InvalidArgument("allocate: the key list contains duplicates")
         target = self.config.write_tier if tier is None else Tier.parse(tier)
         ttl = self._ttl(ttl_s)
+        try:
+            return self._allocate(checked, target, ttl, chained)
+        except BudgetShort as short:
+            # Under a budget shared with other layouts: they give pages back (each under its
+            # own lock; this store's is not held here), then one more try.
+            budget = self._tier(target).budget
+            assert budget is not None
+            budget.reclaim(self, short.pages, self.layout.page_bytes)
+            try:
+                return self._allocate(checked, target, ttl, chained)
+            except BudgetShort as again:
+                raise again.then from None
+
+    def _allocate(
+        self, checked: list[BlockKey], target: Tier, ttl: float, chained: bool
+    ) -> WriteLease:
         with self._lock:
             ts = self._tier(target)
             self._expire_locked()

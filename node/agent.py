@@ -55,6 +55,8 @@ class NodeAgent:
         self._timeout = rpc_timeout_s
         self._retry_s, self._max_retry_s = retry_s, max_retry_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stale = False  # the descriptor changed since the last registration
         self.registered = threading.Event()
         self.generation = 0
         self.interval_s = 1.0
@@ -67,6 +69,13 @@ class NodeAgent:
         self._thread.start()
         return self
 
+    def update(self, descriptor: NodeDescriptor) -> None:
+        """The node serves other layouts now: register again with ``descriptor`` (the
+        conductor then reads the node's event feed from a snapshot)."""
+        self.descriptor = descriptor
+        self._stale = True
+        self._wake.set()
+
     def wait_registered(self, timeout: float) -> bool:
         return self.registered.wait(timeout)
 
@@ -74,6 +83,7 @@ class NodeAgent:
         """Stop heartbeating; with ``unregister`` tell the conductor to drop the node now
         (otherwise its lease lapses)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(self._timeout + 1)
         if unregister and self.generation:
             try:
@@ -94,7 +104,8 @@ class NodeAgent:
         failing = False
         while not self._stop.is_set():
             try:
-                if not self.registered.is_set():
+                if not self.registered.is_set() or self._stale:
+                    self._stale = False
                     self._register()
                 else:
                     self._heartbeat()
@@ -118,7 +129,8 @@ class NodeAgent:
                     )
                 failing = True
                 wait, backoff = backoff, min(backoff * 2, self._max_retry_s)
-            self._stop.wait(wait)
+            self._wake.wait(wait)
+            self._wake.clear()
 
     def _current_load(self) -> NodeLoad | None:
         try:
@@ -174,7 +186,7 @@ def _descriptor(cfg: NodeConfig, node: Node, address: str) -> NodeDescriptor:
         role=Role.parse(cfg.role or "both"),
         address=address,
         messenger_address=cfg.messenger or "",
-        layouts=tuple(cfg.layouts),
+        layouts=tuple(store.layout for store in list(node.stores.values())),
         capacity=node_load(node).tiers,
     )
 
@@ -184,25 +196,29 @@ def start_node_agent(cfg: NodeConfig, node: Node, address: str) -> NodeAgent:
     its NodeService)."""
     assert cfg.conductor, "start_node_agent needs cfg.conductor"
     descriptor = _descriptor(cfg, node, address)
-    return NodeAgent(
+    agent = NodeAgent(
         cfg.conductor,
         cfg.conductor_token,
         descriptor,
         lambda: node_load(node),
         tls_ca_file=cfg.conductor_tls_ca,
-    ).start()
+    )
+    node.on_layouts.append(lambda: agent.update(_descriptor(cfg, node, address)))
+    return agent.start()
 
 
 def start_etcd_registration(cfg: NodeConfig, node: Node, address: str) -> Registration:
     """``kvcache node --etcd URLS``: the node's record (descriptor, load, incarnation) under
     ``<prefix>/nodes/<node_id>`` with a lease; conductors learn the membership by watching."""
     assert cfg.etcd, "start_etcd_registration needs cfg.etcd"
-    descriptor = _descriptor(cfg, node, address)
     incarnation = new_incarnation()
 
     def record() -> bytes:
+        # NOTE: described anew each time: layouts registered at run time join the record.
         return NodeRecord(
-            descriptor=descriptor, load=node_load(node), incarnation=incarnation
+            descriptor=_descriptor(cfg, node, address),
+            load=node_load(node),
+            incarnation=incarnation,
         ).encode()
 
     return Registration(

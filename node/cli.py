@@ -49,8 +49,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="SPEC",
         help="a served model layout, repeatable: model=NAME,num_layers=L,"
-        "kv_heads=H,head_dim=D[,dtype=float16][,block_tokens=256] "
-        "(default: the 1 MiB-page demo layout)",
+        "kv_heads=H,head_dim=D[,dtype=float16][,block_tokens=256]; the node then serves "
+        "these only, each with an even split of --dram and --ssd (default: the layouts its "
+        "clients register at run time, engines' connectors do at start, sharing --dram and "
+        "--ssd; the 1 MiB-page demo layout from the start)",
+    )
+    parser.add_argument(
+        "--max-layouts",
+        type=int,
+        help="without --layout: how many layouts clients may register in all (default 8; a "
+        "tenant: half of them)",
     )
     parser.add_argument("--dram", help="DRAM pool size in shared memory, e.g. 4GiB (default 1GiB)")
     parser.add_argument("--gpu", help="GPU tier size (needs CUDA), e.g. 8GiB (default 0)")
@@ -210,6 +218,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         "drain_bytes": args.drain_bytes,
         "drain_seconds": args.drain_seconds,
         "max_streams": args.max_streams,
+        "max_layouts": args.max_layouts,
         "max_event_streams": args.max_event_streams,
         "stream_idle_timeout_s": args.stream_idle_timeout_s,
         "max_streams_per_tenant": args.max_streams_per_tenant,

@@ -75,8 +75,13 @@ def parse_layout(text: str | dict) -> KVLayout:
 class NodeConfig:
     listen: str = "127.0.0.1:0"
     node_id: str = ""
-    layouts: list[KVLayout] = field(default_factory=lambda: [DEFAULT_LAYOUT])
-    dram: int = 1 << 30  # bytes, split evenly between layouts
+    # The layouts named at start (--layout): the node serves those only, each with an even
+    # split of the budgets. None: it serves the layouts its clients register (RegisterLayout,
+    # at most max_layouts; the demo layout from the start), all sharing one DRAM budget and one
+    # SSD budget (kvstore/budget.py).
+    layouts: list[KVLayout] | None = None
+    max_layouts: int = 8
+    dram: int = 1 << 30  # bytes: split evenly between --layout layouts, else shared
     gpu: int = 0
     ssd: int = 0
     ssd_dir: str | None = None
@@ -124,9 +129,19 @@ class NodeConfig:
     etcd_cert: str | None = None
     etcd_key: str | None = None
 
+    @property
+    def fixed_layouts(self) -> bool:
+        """The node serves the layouts it was started with, and registers none at run time."""
+        return self.layouts is not None
+
+    @property
+    def start_layouts(self) -> list[KVLayout]:
+        return [DEFAULT_LAYOUT] if self.layouts is None else self.layouts
+
     def pages(self, layout: KVLayout) -> tuple[int, int, int]:
-        """(gpu, dram, ssd) pages for one layout: each budget split evenly between layouts."""
-        n = len(self.layouts)
+        """(gpu, dram, ssd) pages for one layout: with --layout, each budget split evenly
+        between them; else the most the shared budgets hold in this layout."""
+        n = len(self.layouts) if self.layouts is not None else 1
         per = lambda total: total // n // layout.page_bytes  # noqa: E731
         return per(self.gpu), per(self.dram), per(self.ssd)
 

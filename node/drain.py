@@ -122,7 +122,7 @@ def drain(
     channels = {p.messenger: make_channel(p.messenger, config.token, config.conductor_tls_ca)
                 for p in chosen}  # fmt: skip
     try:
-        for ns, store in node.stores.items():
+        for ns, store in list(node.stores.items()):
             page = store.layout.page_bytes
             takers = [p for p in chosen if p.namespaces is None or ns in p.namespaces]
             if not takers or budget < page:

@@ -45,6 +45,11 @@ class EventHub:
         self._stores = list(stores)
         self._thread.start()
 
+    def add(self, store: TieredStore) -> None:
+        """A store opened after start (a layout registered at run time)."""
+        with self._cond:
+            self._stores = [*self._stores, store]
+
     def notify(self) -> None:
         """Called by stores (under their lock) after logging events: must stay cheap."""
         self._wake.set()

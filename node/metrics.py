@@ -52,7 +52,7 @@ class _StoreCollector(Collector):
         read = CounterMetricFamily(
             "kvcache_store_read_bytes", "Page bytes copied out (streamed Get)", labels=["namespace"]
         )
-        for ns, store in self._stores().items():
+        for ns, store in list(self._stores().items()):
             s = store.stats()
             misses.add_metric([ns], s.misses)
             moves.add_metric([ns, "demote"], s.demotions)

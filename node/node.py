@@ -12,12 +12,21 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, echo
+from kvstore.budget import SharedBudget
+from kvstore.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    echo,
+)
 from kvstore.keys import BlockKey, scope_keys, select_keys
+from kvstore.layout import KVLayout
 from kvstore.shm import check_shm_room, sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers import Tier
 
 from .config import NodeConfig
 from .events import EventHub
@@ -28,6 +37,8 @@ from .sessions import Sessions
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
 MAX_SALT_BYTES = 1024
+MAX_MODEL_NAME_BYTES = 256  # of a layout registered at run time
+MIN_PAGE_BYTES = 4096  # of a layout registered at run time
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,44 +81,41 @@ class Node:
                 len(orphans),
                 ", ".join(orphans),
             )
-        seen = set()
+        # With no --layout, every layout's tier draws on one budget (kvstore/budget.py).
+        self.budgets: dict[Tier, SharedBudget] = {}
+        self._layouts_lock = threading.Lock()
+        self._registrants: dict[str, str] = {}  # namespace -> the tenant that registered it
+        self.on_layouts: list[Callable[[], None]] = []  # called after a layout is registered
         try:
-            # NOTE: all layouts' slabs at once, before any exists: one clear message naming --dram
-            # instead of a failed reservation halfway (or, with --no-reserve-shm, sparse slabs
-            # and a SIGBUS at the first write /dev/shm has no room for).
-            slabs = sum(config.pages(layout)[1] * layout.page_bytes for layout in config.layouts)
+            if config.fixed_layouts:
+                # NOTE: all layouts' slabs at once, before any exists: one clear message naming
+                # --dram instead of a failed reservation halfway (or, with --no-reserve-shm,
+                # sparse slabs and a SIGBUS at the first write /dev/shm has no room for).
+                slabs = sum(
+                    config.pages(layout)[1] * layout.page_bytes for layout in config.start_layouts
+                )
+            else:
+                if config.gpu:
+                    raise InvalidArgument(
+                        "--gpu needs --layout: the GPU tier is split between the layouts named "
+                        "at start, not shared with layouts registered at run time"
+                    )
+                if config.max_layouts < 1:
+                    raise InvalidArgument(f"--max-layouts must be >= 1, got {config.max_layouts}")
+                if config.dram <= 0:
+                    raise InvalidArgument(f"--dram must be positive, got {config.dram}")
+                slabs = config.dram  # what the shared budget lets the slabs hold together
+                self.budgets[Tier.DRAM] = SharedBudget(Tier.DRAM, config.dram)
+                if config.ssd:
+                    self.budgets[Tier.SSD] = SharedBudget(Tier.SSD, config.ssd)
             if not private:
                 check_shm_room(slabs, "--dram")
-            for layout in config.layouts:
+            seen = set()
+            for layout in config.start_layouts:
                 if layout.namespace in seen:
                     raise InvalidArgument(f"layout {layout.namespace} is configured twice")
                 seen.add(layout.namespace)
-                gpu, dram, ssd = config.pages(layout)
-                if dram <= 0:
-                    raise InvalidArgument(
-                        f"--dram {config.dram} bytes is less than one {layout.page_bytes}-byte "
-                        f"page per layout for {layout.namespace}; give the node more DRAM"
-                    )
-                self.stores[layout.namespace] = TieredStore(
-                    layout,
-                    StoreConfig(
-                        gpu_pages=gpu,
-                        dram_pages=dram,
-                        ssd_pages=ssd,
-                        ssd_dir=config.ssd_dir,
-                        gpu_policy=config.gpu_policy,
-                        dram_policy=config.dram_policy,
-                        ssd_policy=config.ssd_policy,
-                        promote_on_hit=config.promote_on_hit,
-                        reserve_shm=config.reserve_shm,
-                        dram_checksums=config.dram_checksums,
-                        private_dram=private,
-                        ssd_damaged=config.ssd_damaged,
-                        lease_ttl_s=config.lease_ttl_s,
-                        quarantine_s=config.write_quarantine_s,
-                        on_event=self.hub.notify,
-                    ),
-                )
+                self.stores[layout.namespace] = self._open_store(layout)
             self.quotas = TenantQuotas(self.stores, limits)
             if private:
                 self.segments = TenantSegments(self.stores)
@@ -119,6 +127,100 @@ class Node:
         self.hub.attach(list(self.stores.values()))
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._reaper.start()
+
+    def _open_store(self, layout: KVLayout) -> TieredStore:
+        config = self.config
+        gpu, dram, ssd = config.pages(layout)
+        if dram <= 0:
+            raise InvalidArgument(
+                f"--dram {config.dram} bytes is less than one {layout.page_bytes}-byte "
+                f"page per layout for {layout.namespace}; give the node more DRAM"
+            )
+        shared = not config.fixed_layouts
+        return TieredStore(
+            layout,
+            StoreConfig(
+                gpu_pages=gpu,
+                dram_pages=dram,
+                ssd_pages=ssd,
+                ssd_dir=config.ssd_dir,
+                gpu_policy=config.gpu_policy,
+                dram_policy=config.dram_policy,
+                ssd_policy=config.ssd_policy,
+                promote_on_hit=config.promote_on_hit,
+                # NOTE: a shared budget's slabs are sparse (each could hold the whole budget):
+                # the room for the budget is checked once, at start.
+                reserve_shm=config.reserve_shm and not shared,
+                dram_checksums=config.dram_checksums,
+                private_dram=bool(config.tenant_tokens),
+                ssd_damaged=config.ssd_damaged,
+                lease_ttl_s=config.lease_ttl_s,
+                quarantine_s=config.write_quarantine_s,
+                on_event=self.hub.notify,
+                dram_budget=self.budgets.get(Tier.DRAM),
+                ssd_budget=self.budgets.get(Tier.SSD),
+            ),
+        )
+
+    def register_layout(self, layout: KVLayout, tenant: str) -> tuple[TieredStore, bool]:
+        """Serve ``layout`` from now on (a node started without --layout); the store, and
+        whether it is new. Registering a served layout again is a no-op. The admin may register
+        up to ``max_layouts`` in all, a tenant up to half of them."""
+        if self.config.fixed_layouts:
+            store = self.stores.get(layout.namespace)
+            if store is not None:
+                return store, False
+            raise FailedPrecondition(
+                f"this node serves only the layouts it was started with (--layout: "
+                f"{', '.join(sorted(self.stores))}), not {layout.namespace}; start it without "
+                "--layout to serve the layouts its clients register"
+            )
+        if len(layout.model.encode()) > MAX_MODEL_NAME_BYTES:
+            raise InvalidArgument(
+                f"layout.model is {len(layout.model.encode())} bytes; at most "
+                f"{MAX_MODEL_NAME_BYTES}"
+            )
+        if layout.page_bytes < MIN_PAGE_BYTES and layout.namespace not in self.stores:
+            # NOTE: per-page bookkeeping is sized for the whole budget up front: tiny pages
+            # would cost the node more memory in metadata than the pages hold.
+            raise InvalidArgument(
+                f"layout {layout.namespace} has {layout.page_bytes}-byte pages; a layout "
+                f"registered at run time needs pages of at least {MIN_PAGE_BYTES} bytes (more "
+                "tokens per block)"
+            )
+        with self._layouts_lock:
+            store = self.stores.get(layout.namespace)
+            if store is not None:
+                return store, False
+            if len(self.stores) >= self.config.max_layouts:
+                raise CapacityExhausted(
+                    f"this node serves {len(self.stores)} layouts, its --max-layouts; "
+                    f"{layout.namespace} cannot be added (serve it from another node, or raise "
+                    "--max-layouts)"
+                )
+            share = max(1, self.config.max_layouts // 2)
+            if tenant and sum(1 for t in self._registrants.values() if t == tenant) >= share:
+                raise CapacityExhausted(
+                    f"tenant {echo(tenant)} registered {share} layouts on this node, its share "
+                    "of --max-layouts"
+                )
+            store = self._open_store(layout)
+            self._registrants[layout.namespace] = tenant
+            self.stores[layout.namespace] = store
+            self.hub.add(store)
+        log.info(
+            "serving layout %s (registered by %s; page %d bytes, up to %d DRAM pages)",
+            layout.namespace,
+            f"tenant {tenant}" if tenant else "the admin",
+            layout.page_bytes,
+            store.capacity(Tier.DRAM),
+        )
+        for hook in list(self.on_layouts):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a listener must not fail the registration
+                log.exception("a listener of new layouts failed")
+        return store, True
 
     # ---- request resolution ---------------------------------------------------------------
 
@@ -228,7 +330,12 @@ class Node:
     def _reap(self) -> None:
         """Expire leases of dead or slow clients: their pins drop and their pages are freed."""
         while not self._stop.wait(REAP_INTERVAL_S):
-            for store in self.stores.values():
+            for budget in self.budgets.values():
+                try:
+                    budget.rebalance()
+                except Exception:  # noqa: BLE001 - keep reaping; log loudly
+                    log.exception("rebalancing the %s budget failed", budget.tier.name)
+            for store in list(self.stores.values()):
                 try:
                     n = store.expire_leases()
                 except Exception:  # noqa: BLE001 - keep reaping other stores; log loudly
@@ -239,7 +346,7 @@ class Node:
             now = time.monotonic()
             # NOTE: owners outlive their lease by the quarantine, so a late Commit reaches the
             # store and hears why it failed (quarantined, content not trusted), not NOT_FOUND.
-            keep = max([1.0, *(s.quarantine_s for s in self.stores.values())])
+            keep = max([1.0, *(s.quarantine_s for s in list(self.stores.values()))])
             with self._owners_lock:
                 stale = [k for k, (_, deadline, _) in self._owners.items() if deadline < now - keep]
             for ns, lease_id in stale:
@@ -248,7 +355,7 @@ class Node:
     # ---- lifetime -------------------------------------------------------------------------------
 
     def usage(self) -> dict[str, list]:
-        return {ns: store.stats().tiers for ns, store in self.stores.items()}
+        return {ns: store.stats().tiers for ns, store in list(self.stores.items())}
 
     def close(self) -> None:
         """Drop leases, close lmdb, unlink shared memory."""
@@ -258,7 +365,7 @@ class Node:
             self.sessions.close()
         if self.segments is not None:
             self.segments.close()
-        for store in self.stores.values():
+        for store in list(self.stores.values()):
             store.close()
 
 

@@ -18,7 +18,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.server import Auth
 from rpc.status import observed, observed_stream
 from rpc.streams import StreamGate
-from rpc.wire import layout_to_pb, tier_to_pb, usage_of, usage_to_pb
+from rpc.wire import layout_from_pb, layout_to_pb, tier_to_pb, usage_of, usage_to_pb
 
 from .drain import drain, leave_soon
 from .metrics import NodeMetrics
@@ -68,21 +68,7 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
         import os
         import socket
 
-        namespaces = []
-        segs = self.node.segments
-        for ns, store in self.node.stores.items():
-            page = store.layout.page_bytes
-            namespaces.append(
-                pb.NamespaceInfo(
-                    namespace=ns,
-                    layout=layout_to_pb(store.layout),
-                    shm_name=store.shm_name or "",
-                    page_bytes=page,
-                    tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers],
-                    shm_socket=segs.socket_name if segs else "",
-                    segment_bytes=segs.segment_bytes(ns) if segs else 0,
-                )
-            )
+        namespaces = [self._namespace_info(ns, st) for ns, st in list(self.node.stores.items())]
         return pb.NodeInfo(
             node_id=self.node.node_id,
             namespaces=namespaces,
@@ -90,6 +76,31 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
             pid=os.getpid(),
             session_socket=self.node.sessions.socket_name if self.node.sessions else "",
             messenger_address=self.node.config.messenger,
+        )
+
+    def _namespace_info(self, namespace: str, store) -> pb.NamespaceInfo:
+        page = store.layout.page_bytes
+        segs = self.node.segments
+        return pb.NamespaceInfo(
+            namespace=namespace,
+            layout=layout_to_pb(store.layout),
+            shm_name=store.shm_name or "",
+            page_bytes=page,
+            tiers=[usage_to_pb(usage_of(t, page)) for t in store.stats().tiers],
+            shm_socket=segs.socket_name if segs else "",
+            segment_bytes=segs.segment_bytes(namespace) if segs else 0,
+        )
+
+    @observed
+    def RegisterLayout(self, request, context):
+        tenant = self.auth.tenant(context)  # the admin or a tenant; not the service token
+        if not request.HasField("layout"):
+            raise InvalidArgument("RegisterLayout needs a layout")
+        if self.stopping:
+            raise FailedPrecondition("the node is stopping")
+        store, added = self.node.register_layout(layout_from_pb(request.layout), tenant)
+        return pb.RegisterLayoutReply(
+            namespace=self._namespace_info(store.namespace, store), added=added
         )
 
     @observed
@@ -162,7 +173,7 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
         # Blocks, hits and leases of every tenant together: not for a tenant's eyes.
         self.auth.require_admin(context, "Stats")
         out = []
-        for ns, store in self.node.stores.items():
+        for ns, store in list(self.node.stores.items()):
             s = store.stats()
             page = store.layout.page_bytes
             out.append(

@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterLayoutRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.Layout
+    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ...) -> None: ...
+
+class RegisterLayoutReply(_message.Message):
+    __slots__ = ("namespace", "added")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    namespace: NamespaceInfo
+    added: bool
+    def __init__(self, namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., added: bool = ...) -> None: ...
+
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -120,6 +120,11 @@ class NodeServiceStub(object):
                 request_serializer=proto_dot_node__pb2.DrainRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.RegisterLayout = channel.unary_unary(
+                '/kvcache.v1.NodeService/RegisterLayout',
+                request_serializer=proto_dot_node__pb2.RegisterLayoutRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.RegisterLayoutReply.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer(object):
@@ -248,6 +253,16 @@ class NodeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterLayout(self, request, context):
+        """Serve a model layout from now on (the admin or a tenant; a node started without --layout,
+        whose layouts share one DRAM and one SSD budget). A layout served already answers as
+        served (added false); past --max-layouts (a tenant: half of them) RESOURCE_EXHAUSTED; a
+        node started with --layout answers FAILED_PRECONDITION for any layout it was not given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -335,6 +350,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=proto_dot_node__pb2.DrainRequest.FromString,
                     response_serializer=proto_dot_node__pb2.DrainReply.SerializeToString,
+            ),
+            'RegisterLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterLayout,
+                    request_deserializer=proto_dot_node__pb2.RegisterLayoutRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.RegisterLayoutReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -796,6 +816,33 @@ class NodeService(object):
             '/kvcache.v1.NodeService/Drain',
             proto_dot_node__pb2.DrainRequest.SerializeToString,
             proto_dot_node__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.NodeService/RegisterLayout',
+            proto_dot_node__pb2.RegisterLayoutRequest.SerializeToString,
+            proto_dot_node__pb2.RegisterLayoutReply.FromString,
             options,
             channel_credentials,
             insecure,
