@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
@@ -39,7 +40,7 @@ from proto import node_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
-from rpc.wire import layout_from_pb, selector_to_pb, tiers_from_codes
+from rpc.wire import layout_from_pb, layout_to_pb, selector_to_pb, tiers_from_codes
 
 from .node_leases import TIER_OF_PB, Lease, Mapping, commit_request, commit_result, lease_request
 from .node_leases import CommitResult as CommitResult  # re-exported: the leases' types
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+INFO_REFRESH_S = 1.0  # a namespace not in the cached GetInfo: asked again at most this often
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class KVStoreClient:
         self._prefault = prefault_shm
         self._slabs: dict[str, Mapping | None] = {}
         self._info: dict[str, NamespaceInfo] | None = None
+        self._info_at = 0.0  # when _info was asked for
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for *_async calls, made on first use
         self._session_socket = ""  # the node's (GetInfo); this client's session there:
@@ -233,6 +236,7 @@ class KVStoreClient:
     def _namespaces(self) -> dict[str, NamespaceInfo]:
         if self._info is None:
             out: dict[str, NamespaceInfo] = {}
+            self._info_at = time.monotonic()
             info = self.info()
             self._session_socket = info.session_socket
             for n in info.namespaces:
@@ -251,6 +255,10 @@ class KVStoreClient:
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         info = self._namespaces().get(namespace)
+        if info is None and time.monotonic() - self._info_at > INFO_REFRESH_S:
+            # NOTE: a node without --layout serves layouts registered after we asked.
+            self._info = None
+            info = self._namespaces().get(namespace)
         if info is None:
             raise KVCacheRpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -261,6 +269,15 @@ class KVStoreClient:
 
     def layout(self, namespace: str) -> KVLayout:
         return self.namespace_info(namespace).layout
+
+    def register_layout(self, layout: KVLayout) -> bool:
+        """Have the node serve ``layout`` from now on (a node started without ``--layout``
+        serves the layouts its clients register); False when it served it already.
+        FAILED_PRECONDITION from a node started with ``--layout`` that was not given this one;
+        RESOURCE_EXHAUSTED past its ``--max-layouts``."""
+        r = self._call("RegisterLayout", pb.RegisterLayoutRequest(layout=layout_to_pb(layout)))
+        self._info = None  # the namespaces changed: asked again on next use
+        return bool(r.added)
 
     # ---- lookup / leases ------------------------------------------------------------------------
 

@@ -180,9 +180,15 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 log.warning("kvcache node not reachable at start (%s): misses until it is", e)
             return False
         try:
-            self.namespace = sk.choose_namespace(
-                infos, self.format, self.config.model_name or "", self._wanted_ns
-            )
+            try:
+                self.namespace = sk.choose_namespace(
+                    infos, self.format, self.config.model_name or "", self._wanted_ns
+                )
+            except ValueError:
+                registered = None if self._wanted_ns else self._register()
+                if registered is None:
+                    raise
+                self.namespace = registered
         except ValueError as e:
             if at_start:
                 raise
@@ -193,6 +199,25 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             "kvcache HiCache backend: node %s, namespace %s", self.client.address, self.namespace
         )
         return True
+
+    def _register(self) -> str | None:
+        """No layout of the node fits this pool: have it serve one that does (a node started
+        without --layout serves the layouts its clients register); its namespace, or None
+        when the node refuses (started with --layout, or at its --max-layouts)."""
+        assert self.format is not None
+        layout = sk.layout_for(self.format, self.config.model_name or "")
+        try:
+            added = self.breaker.call(lambda: self.client.register_layout(layout))
+        except KVCacheRpcError as e:
+            log.warning("kvcache node %s did not register %s: %s", self.client.address, layout, e)
+            return None
+        log.info(
+            "kvcache node %s serves %s (%s)",
+            self.client.address,
+            layout.namespace,
+            "registered now" if added else "registered already",
+        )
+        return layout.namespace
 
     def _keys(self, names: list[str]) -> list[bytes]:
         return sk.page_keys(self._prefix, names)

@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import xxhash
 
+from kvstore.layout import KVLayout
+
 from .node_client import NamespaceInfo
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,28 @@ def dtype_fits(fmt: PageFormat, info: NamespaceInfo) -> bool:
 
 def _same_model(a: str, b: str) -> bool:
     return bool(a) and a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()
+
+
+def layout_for(fmt: PageFormat, model: str) -> KVLayout:
+    """A node layout whose pages are this host pool's, byte for byte, to register with a node
+    that serves the layouts its clients register: one "layer" of K|V halves per page (SGLang
+    moves a page whole, so the node needs its size and dtype, not its inner shape), named for
+    the model so that other models' pages never mix with it."""
+    itemsize = KVLayout(model="x", num_layers=1, kv_heads=1, head_dim=1, dtype=fmt.dtype).itemsize
+    per_token = 2 * fmt.page_tokens * itemsize
+    if fmt.page_bytes % per_token:
+        raise ValueError(
+            f"kvcache HiCache backend: {fmt.page_bytes}-byte pages of {fmt.page_tokens} tokens "
+            f"do not split into {fmt.dtype} K|V halves; start the node with a --layout for them"
+        )
+    return KVLayout(
+        model=f"sglang:{model or 'unnamed'}",
+        num_layers=1,
+        kv_heads=1,
+        head_dim=fmt.page_bytes // per_token,
+        dtype=fmt.dtype,
+        block_tokens=fmt.page_tokens,
+    )
 
 
 def choose_namespace(

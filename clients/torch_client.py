@@ -273,18 +273,26 @@ class TorchKVClient:
 
 
 def check_layout_served(client: KVStoreClient, layout: KVLayout) -> None:
-    """Raise ``LayoutMismatchError`` naming the differing fields if the node does not serve it."""
+    """Raise ``LayoutMismatchError`` naming the differing fields if the node does not serve it
+    and will not (a node started without --layout registers it)."""
     served = {ns: client.layout(ns) for ns in client.namespaces()}
     if layout.namespace in served:
         return
+    try:
+        client.register_layout(layout)
+        return
+    except KVCacheRpcError as e:
+        if e.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            raise
+        refused = f" ({e.details})"
     mine = layout.to_dict()
     lines = []
     for ns, other in served.items():
         diff = [f"{k} {mine[k]!r} vs {v!r}" for k, v in other.to_dict().items() if mine[k] != v]
         lines.append(f"  {ns}: differs in {', '.join(diff)}")
     raise LayoutMismatchError(
-        f"node {client.address} does not serve the model's KV layout {layout.namespace}; "
-        f"it serves:\n"
+        f"node {client.address} does not serve the model's KV layout {layout.namespace}"
+        f"{refused}; it serves:\n"
         + ("\n".join(lines) or "  (nothing)")
         + "\nstart the node with --layout "
         + ",".join(f"{k}={v}" for k, v in mine.items())

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -177,6 +178,8 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
             ]
             block_tokens = same[0].block_tokens if same else 256
         out = layout(block_tokens)
+        if out.namespace not in served and self._register(out):
+            return out
         if out.namespace not in served:
             raise ValueError(
                 f"kvcache connector: node {self.config.node} does not serve {out.namespace}; "
@@ -185,6 +188,31 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                 f"block_tokens={out.block_tokens} (it serves: {', '.join(served) or 'none'})"
             )
         return out
+
+    def _register(self, layout: KVLayout) -> bool:
+        """Have the node serve this rank's layout (a node started without --layout serves what
+        its clients register); False when it refuses (one started with --layout)."""
+        try:
+            added = self.guard.call(lambda: self.client.register_layout(layout))
+        except KVCacheRpcError as e:
+            if e.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                log.error("kvcache node %s: %s", self.config.node, e.details)
+                return False
+            log.warning(
+                "kvcache node %s did not register %s (%s); computing every prompt until it "
+                "serves it",
+                self.config.node,
+                layout.namespace,
+                e,
+            )
+            return True  # NOTE: a miss until it answers, as when it did not answer GetInfo
+        log.info(
+            "kvcache node %s serves %s (%s)",
+            self.config.node,
+            layout.namespace,
+            "registered now" if added else "registered by another rank or engine",
+        )
+        return True
 
     # NOTE: vLLM calls start_load_kv before the forward only for steps with synchronous loads,
     # otherwise after it; so whichever hook of a step comes first takes the step's leases.
