@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-INFO_REFRESH_S = 1.0  # a namespace not in the cached GetInfo: asked again at most this often
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +102,6 @@ class KVStoreClient:
         self._prefault = prefault_shm
         self._slabs: dict[str, Mapping | None] = {}
         self._info: dict[str, NamespaceInfo] | None = None
-        self._info_at = 0.0  # when _info was asked for
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for *_async calls, made on first use
         self._session_socket = ""  # the node's (GetInfo); this client's session there:
@@ -236,7 +233,6 @@ class KVStoreClient:
     def _namespaces(self) -> dict[str, NamespaceInfo]:
         if self._info is None:
             out: dict[str, NamespaceInfo] = {}
-            self._info_at = time.monotonic()
             info = self.info()
             self._session_socket = info.session_socket
             for n in info.namespaces:
@@ -255,8 +251,9 @@ class KVStoreClient:
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         info = self._namespaces().get(namespace)
-        if info is None and time.monotonic() - self._info_at > INFO_REFRESH_S:
-            # NOTE: a node without --layout serves layouts registered after we asked.
+        if info is None and self._info is not None:
+            # NOTE: a node without --layout serves layouts registered after we asked (one
+            # GetInfo per such call: what a request naming a namespace costs anyway).
             self._info = None
             info = self._namespaces().get(namespace)
         if info is None:

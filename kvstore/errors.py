@@ -22,12 +22,13 @@ class CapacityExhausted(KVStoreError):
 
 
 class BudgetShort(Exception):
-    """Internal: a tier under a shared budget cannot free ``pages`` more pages by itself; the
-    caller, holding no store lock, may reclaim them from the budget's other stores and retry."""
+    """Internal: a tier below an equal share of a budget it shares needs ``pages`` more pages;
+    the caller, holding no store lock, takes them from the budget's other stores first and
+    tries again."""
 
-    def __init__(self, pages: int, then: CapacityExhausted) -> None:
-        super().__init__(str(then))
-        self.pages, self.then = pages, then
+    def __init__(self, pages: int) -> None:
+        super().__init__(f"{pages} pages short")
+        self.pages = pages
 
 
 class StorageError(KVStoreError):

@@ -32,15 +32,20 @@ class TierMovement(BlockStore):
         the budget's unassigned bytes; the pages refused are counted for its rebalancing."""
         if ts.budget is None or n <= 0:
             return
-        got = ts.budget.take(min(n, len(ts.withheld)), self.layout.page_bytes)
+        got = ts.budget.take(self, min(n, len(ts.withheld)), self.layout.page_bytes)
         if got:
             ts.free.extend(ts.withheld[-got:])
             del ts.withheld[-got:]
         ts.refused += n - got
 
-    def _reserve(self, ts: TierState, n: int, grant: bool = True) -> list[int]:
-        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed;
-        under a shared budget, unassigned bytes are taken first (``grant``) before evicting."""
+    def _reserve(
+        self, ts: TierState, n: int, grant: bool = True, reclaim: bool = False
+    ) -> list[int]:
+        """Take ``n`` free slots of a tier, evicting (and demoting) unpinned blocks if needed.
+        Under a shared budget, unassigned bytes are taken first (``grant``); with ``reclaim``,
+        a tier below an equal share of its budget raises ``BudgetShort`` instead of evicting
+        its own blocks, so that the caller (holding no lock) takes pages of the stores above
+        an equal share first, and tries again without ``reclaim``."""
         if n == 0:
             return []
         need = n - len(ts.free)
@@ -48,7 +53,9 @@ class TierMovement(BlockStore):
             self._grant(ts, need)
             need = n - len(ts.free)
         if need > 0:
-            if need > len(ts.policy):
+            short = need > len(ts.policy)
+            full = None
+            if short:
                 held = ts.capacity - len(ts.withheld) - len(ts.free) - len(ts.policy)
                 quarantine = (
                     f" ({ts.quarantined} quarantined after their write lease expired)"
@@ -60,8 +67,9 @@ class TierMovement(BlockStore):
                     f"{len(ts.policy)} evictable; the other {held} are pinned by readers or "
                     f"leased to writers{quarantine}. Release leases or add capacity"
                 )
-                if ts.budget is not None and grant:
-                    raise BudgetShort(need - len(ts.policy), full)
+            if reclaim and ts.budget is not None and ts.budget.below_equal_share(self):
+                raise BudgetShort(need)
+            if full is not None:
                 raise full
             victims: list[int] = []
             tree = self._tree
@@ -125,7 +133,7 @@ class TierMovement(BlockStore):
         slots = self._reserve(ts, pages, grant=False)
         ts.pool.release(slots)
         ts.withheld.extend(slots)
-        ts.budget.give(len(slots), self.layout.page_bytes)
+        ts.budget.give(self, len(slots), self.layout.page_bytes)
         return len(slots)
 
     def _next_tier(self, tier: Tier) -> TierState | None:

@@ -88,13 +88,21 @@ class TierStats:
     # Under a budget shared with other layouts (budget.py): the pages granted now, of the
     # ``capacity_pages`` the whole budget would hold in this layout. Without one: capacity.
     granted_pages: int | None = None
+    grantable_pages: int = 0  # what the budget has unassigned, in this layout's pages
 
     @property
     def free_pages(self) -> int:
-        """Granted pages neither committed, leased to a writer nor quarantined: what an
-        allocation can take now without evicting (or asking its budget)."""
+        """Pages neither committed, leased to a writer nor quarantined: what an allocation can
+        take now without evicting (under a shared budget: of those granted, plus what the
+        budget has unassigned)."""
         granted = self.capacity_pages if self.granted_pages is None else self.granted_pages
-        return granted - self.used_pages - self.leased_pages - self.quarantined_pages
+        return (
+            granted
+            - self.used_pages
+            - self.leased_pages
+            - self.quarantined_pages
+            + self.grantable_pages
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

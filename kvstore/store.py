@@ -131,8 +131,7 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
     def _give_back(self) -> None:
         for ts in getattr(self, "_tiers", {}).values():
             if ts.budget is not None:
-                ts.budget.leave(self)
-                ts.budget.give(ts.capacity - len(ts.withheld), self.layout.page_bytes)
+                ts.budget.leave(self)  # what it held is unassigned again
                 ts.budget = None  # NOTE: given back once; the store is closing
 
     # ---- removal, events, stats ----------------------------------------------------------------
@@ -184,6 +183,7 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
             return self._expire_locked()
 
     def stats(self) -> StoreStats:
+        page = self.layout.page_bytes
         with self._lock:
             tiers = [
                 TierStats(
@@ -195,6 +195,9 @@ class TieredStore(TierSetup, TwoPhaseWrites, PinnedReads):
                     - ts.leased
                     - ts.quarantined,
                     granted_pages=None if ts.budget is None else ts.capacity - len(ts.withheld),
+                    grantable_pages=0
+                    if ts.budget is None
+                    else min(len(ts.withheld), ts.budget.unassigned_bytes // page),
                     leased_pages=ts.leased,
                     quarantined_pages=ts.quarantined,
                     pinned_blocks=ts.pinned,

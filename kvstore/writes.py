@@ -41,20 +41,17 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
         target = self.config.write_tier if tier is None else Tier.parse(tier)
         ttl = self._ttl(ttl_s)
         try:
-            return self._allocate(checked, target, ttl, chained)
+            return self._allocate(checked, target, ttl, chained, reclaim=True)
         except BudgetShort as short:
-            # Under a budget shared with other layouts: they give pages back (each under its
-            # own lock; this store's is not held here), then one more try.
+            # Below an equal share of a budget shared with other layouts: they give pages back
+            # (each under its own lock; this store's is not held here), then one more try.
             budget = self._tier(target).budget
             assert budget is not None
             budget.reclaim(self, short.pages, self.layout.page_bytes)
-            try:
-                return self._allocate(checked, target, ttl, chained)
-            except BudgetShort as again:
-                raise again.then from None
+            return self._allocate(checked, target, ttl, chained, reclaim=False)
 
     def _allocate(
-        self, checked: list[BlockKey], target: Tier, ttl: float, chained: bool
+        self, checked: list[BlockKey], target: Tier, ttl: float, chained: bool, reclaim: bool
     ) -> WriteLease:
         with self._lock:
             ts = self._tier(target)
@@ -68,7 +65,7 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
             for h in own:
                 self._pin(h)
             try:
-                pages = self._reserve(ts, len(missing))
+                pages = self._reserve(ts, len(missing), reclaim=reclaim)
             finally:
                 self._unpin_blocks(own)
             slots = [-1] * len(checked)

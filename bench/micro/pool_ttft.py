@@ -34,16 +34,18 @@ BLOCK_TOKENS = 256
 
 
 def start_pool(
-    start: Callable[..., ServiceProcess], layout: str, node_ids: Sequence[str], dram: str
+    start: Callable[..., ServiceProcess], layout: str | None, node_ids: Sequence[str], dram: str
 ) -> tuple[ServiceProcess, dict[str, ServiceProcess], dict[str, ServiceProcess]]:
     """A conductor and one node per id, each with its messenger and registered with it (their
-    processes through ``start(*args)``): (conductor, nodes, messengers) by node id."""
+    processes through ``start(*args)``): (conductor, nodes, messengers) by node id. ``layout``
+    None: the nodes serve the layouts their clients register."""
     conductor = start("conductor", "--listen", "127.0.0.1:0")
     nodes, messengers = {}, {}
     for node_id in node_ids:
         messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
         nodes[node_id] = start(
-            "node", "--listen", "127.0.0.1:0", "--dram", dram, "--layout", layout,
+            "node", "--listen", "127.0.0.1:0", "--dram", dram,
+            *(["--layout", layout] if layout else []),
             "--node-id", node_id, "--messenger", messenger_at, "--conductor", conductor.address,
         )  # fmt: skip
         messengers[node_id] = start(
