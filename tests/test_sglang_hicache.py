@@ -122,6 +122,26 @@ def test_the_node_layout_must_fit_the_pools_dtype_and_model(start_node):
         rank(two.address, model="c")
 
 
+def test_a_node_without_a_layout_serves_the_layouts_the_backends_register(start_kvcache):
+    """Any model on any node: a node started with no --layout; a backend finds no layout that
+    fits its host pool and has the node serve one for its model (two models, fp16 and bf16
+    pools) side by side on one budget; pages go and come back whole."""
+    node = start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", "16MiB")
+    a = node.address
+    made = (rank(a, model="org/m"), rank(a, model="org/m"), rank(a, dtype=torch.bfloat16))
+    with ranks(*made) as (writer, reader, other):
+        assert writer.backend.namespace == reader.backend.namespace
+        assert writer.backend.namespace.startswith("sglang:org/m|")
+        assert other.backend.namespace.startswith("sglang:test|")
+        assert other.backend.namespace.endswith("|bfloat16|B16")
+        for w, r, salt in ((writer, reader, 0), (other, other, 1)):
+            ts = tokens(3, salt=salt)
+            stored, pages = w.backup(ts, seed=7 + salt)
+            assert stored == 3 * PAGE
+            hits, loaded, got = r.prefetch(ts)
+            assert (hits, loaded) == (3 * PAGE, 3 * PAGE) and same(got, pages)
+
+
 def test_clear_moves_this_engine_to_a_new_key_epoch(start_node):
     """SGLang's /clear_hicache_storage_backend: the engine (weights updated in place, say) must
     not load what it stored before; other engines keep their pages."""

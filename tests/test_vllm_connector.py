@@ -182,3 +182,31 @@ def test_a_refused_merged_call_falls_back_to_the_separate_calls(model, reference
     assert rpc_calls(node, "AcquireAllocate", "RESOURCE_EXHAUSTED") == 1
     assert rpc_calls(node, "Allocate", "RESOURCE_EXHAUSTED") == 1
     assert held(node.address, b, PROMPT, "tok-a") == 3
+
+
+def test_a_node_without_a_layout_serves_two_models_engines_at_once(
+    model, tmp_path_factory, start_kvcache
+):
+    """Any model on any node: a node started with no --layout; two engines of two models (2 and 3
+    layers) register their layouts at start, store on one DRAM budget, and each loads its own
+    prompt back with the tokens of its full computation."""
+    other = str(tmp_path_factory.mktemp("models") / "tiny-3-layers")
+    make_model(other, dict(MODELS["tiny"], num_hidden_layers=3), max_len=1024)
+    node = start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", "16MiB")
+    conn = {"node": node.address, "block_tokens": 64}
+    spaces = []
+    with (
+        Engine(model, conn, prefix_caching=True, log_path=_log()) as a,
+        Engine(other, conn, prefix_caching=True, log_path=_log()) as b,
+    ):
+        for e in (a, b):
+            (first,) = e.generate([PROMPT])
+            e.reset(connector=False)  # vLLM's own cache emptied: the next asks the node
+            (again,) = e.generate([PROMPT])
+            assert first["cached"] == 0 and again["cached"] == 4 * 64
+            assert again["tokens"] == first["tokens"]
+            spaces.append(first["kvcache"]["namespace"])
+    assert spaces[0] != spaces[1] and "|L3|" in spaces[1]
+    with KVStoreClient(node.address) as c:
+        used = {n.namespace: sum(t.used_pages for t in n.tiers) for n in c.stats().namespaces}
+    assert used[spaces[0]] >= 4 and used[spaces[1]] >= 4  # both on the one budget
