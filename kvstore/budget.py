@@ -49,6 +49,14 @@ class Member(Protocol):
     def page_bytes_of(self, tier: Tier) -> int: ...
 
 
+class Room(Protocol):
+    """Room held for the budget's bytes outside the stores (``shm.ShmBallast``)."""
+
+    def take(self, nbytes: int) -> None: ...
+
+    def give(self, nbytes: int) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetStats:
     total_bytes: int
@@ -63,10 +71,11 @@ class SharedBudget:
     An *equal share* is the budget over the stores that hold some of it (and the one asking):
     a layout registered and never used does not shrink the others' shares."""
 
-    def __init__(self, tier: Tier, total_bytes: int) -> None:
+    def __init__(self, tier: Tier, total_bytes: int, room: Room | None = None) -> None:
         if total_bytes <= 0:
             raise ValueError(f"a shared budget needs bytes, got {total_bytes}")
         self.tier = tier
+        self.room = room  # granted bytes leave it, bytes given back return to it
         self.total_bytes = total_bytes
         self._unassigned = total_bytes
         self._held: dict[Member, int] = {}  # bytes each member holds, every member listed
@@ -79,7 +88,10 @@ class SharedBudget:
     def leave(self, member: Member) -> None:
         """``member`` is gone: what it held is unassigned again."""
         with self._lock:
-            self._unassigned += self._held.pop(member, 0)
+            held = self._held.pop(member, 0)
+            self._unassigned += held
+            if self.room is not None and held:
+                self.room.give(held)
 
     def take(self, member: Member, pages: int, page_bytes: int) -> int:
         """Up to ``pages`` pages of ``page_bytes`` from the unassigned bytes; how many."""
@@ -87,6 +99,8 @@ class SharedBudget:
             got = min(pages, self._unassigned // page_bytes)
             self._unassigned -= got * page_bytes
             self._held[member] = self._held.get(member, 0) + got * page_bytes
+            if self.room is not None and got:
+                self.room.take(got * page_bytes)
             return got
 
     def give(self, member: Member, pages: int, page_bytes: int) -> None:
@@ -95,6 +109,8 @@ class SharedBudget:
             assert held >= 0, "more bytes given back than granted"
             self._held[member] = held
             self._unassigned += pages * page_bytes
+            if self.room is not None and pages:
+                self.room.give(pages * page_bytes)
 
     def held_bytes(self, member: Member) -> int:
         with self._lock:

@@ -91,6 +91,7 @@ class SharedDramPool(PagePool):
         reserve: bool = True,
         private: bool = False,
         checksums: bool = True,
+        check_room: bool = True,
     ) -> None:
         self.num_pages, self.page_bytes = num_pages, page_bytes
         self.checksums = checksums
@@ -100,7 +101,9 @@ class SharedDramPool(PagePool):
             self.slab = MemfdSegment(size, label="kvcache-dram", reserve=reserve)
             self.shm_name: str | None = None
         else:
-            self.slab = SharedSlab.create(shm_name or unique_shm_name(), size, reserve=reserve)
+            self.slab = SharedSlab.create(
+                shm_name or unique_shm_name(), size, reserve=reserve, check_room=check_room
+            )
             self.shm_name = self.slab.name
         self._pages = self.slab.array.reshape(num_pages, page_bytes)
         self._sums = np.zeros(num_pages, dtype=np.uint64)

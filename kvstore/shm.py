@@ -114,7 +114,12 @@ class SharedSlab:
     """A read-write mapping of ``/dev/shm/<name>``. The creator owns it and unlinks it."""
 
     def __init__(
-        self, name: str, size: int | None = None, create: bool = False, reserve: bool = False
+        self,
+        name: str,
+        size: int | None = None,
+        create: bool = False,
+        reserve: bool = False,
+        check_room: bool = True,
     ) -> None:
         if not name or "/" in name:
             raise StorageError(f"invalid shared memory name {name!r}: use letters, digits, '-'")
@@ -131,7 +136,8 @@ class SharedSlab:
             if create:
                 if not size or size <= 0:
                     raise StorageError("a new shared memory slab needs a positive size")
-                check_shm_room(size, f"shared memory slab {name!r}")
+                if check_room:  # NOTE: not for a budget's sparse slab: its room is held
+                    check_shm_room(size, f"shared memory slab {name!r}")
                 os.ftruncate(fd, size)
                 if reserve:
                     # NOTE: reserve tmpfs pages now so that a full /dev/shm fails here with a clear
@@ -171,8 +177,10 @@ class SharedSlab:
             self.array[offset : offset + length] = 0  # still wipe what the range held
 
     @classmethod
-    def create(cls, name: str, size: int, reserve: bool = False) -> "SharedSlab":
-        return cls(name, size, create=True, reserve=reserve)
+    def create(
+        cls, name: str, size: int, reserve: bool = False, check_room: bool = True
+    ) -> "SharedSlab":
+        return cls(name, size, create=True, reserve=reserve, check_room=check_room)
 
     @staticmethod
     def remove(name: str) -> None:
@@ -203,6 +211,49 @@ class SharedSlab:
         self.close()
         if self.owner:
             self.unlink()
+
+
+class ShmBallast:
+    """Room in /dev/shm held for sparse slabs that share a budget (``budget.SharedBudget``):
+    a /dev/shm file of the budget's size, reserved at start (``posix_fallocate``), that gives
+    back what a store is granted (a hole punched) and takes back what a store gives up. So the
+    slabs' pages, written long after start, find the room a full /dev/shm would otherwise have
+    taken (a SIGBUS in whichever process writes first), as a reserved slab's do."""
+
+    def __init__(self, size: int) -> None:
+        self.slab = SharedSlab.create(unique_shm_name(), size, reserve=True)
+        self.reserved = size  # bytes [0, reserved) are backed
+        self.failed = False  # taking room back failed once (logged by the caller)
+
+    def take(self, nbytes: int) -> None:
+        """``nbytes`` of the room go to a store's slab."""
+        new = max(0, self.reserved - nbytes)
+        start, end = _page_up(new), _page_up(self.reserved)
+        if end > start:
+            self.slab.punch(start, end - start)
+        self.reserved = new
+
+    def give(self, nbytes: int) -> None:
+        """A store gave ``nbytes`` back (punched out of its slab): hold that room again."""
+        new = min(self.slab.size, self.reserved + nbytes)
+        try:
+            fd = _posixshmem.shm_open("/" + self.slab.name, os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, self.reserved, new - self.reserved)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.failed = True  # another process took the room meanwhile: not held any more
+            return
+        self.reserved = new
+
+    def close(self) -> None:
+        self.slab.close()
+        self.slab.unlink()
+
+
+def _page_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 _ORPHAN = re.compile(r"^kvcache-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$")

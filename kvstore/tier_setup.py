@@ -67,6 +67,8 @@ class TierSetup(TierMovement):
                 reserve=cfg.reserve_shm,
                 private=cfg.private_dram,
                 checksums=cfg.dram_checksums,
+                # NOTE: a budget's slab could hold the whole budget: its room is the budget's
+                check_room=cfg.dram_budget is None,
             )
         if not cfg.ssd_dir:
             raise InvalidArgument("the SSD tier needs ssd_dir (a directory for its lmdb files)")

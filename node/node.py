@@ -24,7 +24,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey, scope_keys, select_keys
 from kvstore.layout import KVLayout
-from kvstore.shm import check_shm_room, sweep_orphans
+from kvstore.shm import ShmBallast, check_shm_room, sweep_orphans
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers import Tier
 
@@ -83,6 +83,7 @@ class Node:
             )
         # With no --layout, every layout's tier draws on one budget (kvstore/budget.py).
         self.budgets: dict[Tier, SharedBudget] = {}
+        self._ballast: ShmBallast | None = None
         self._layouts_lock = threading.Lock()
         self._registrants: dict[str, str] = {}  # namespace -> the tenant that registered it
         self.on_layouts: list[Callable[[], None]] = []  # called after a layout is registered
@@ -105,10 +106,13 @@ class Node:
                 if config.dram <= 0:
                     raise InvalidArgument(f"--dram must be positive, got {config.dram}")
                 slabs = config.dram  # what the shared budget lets the slabs hold together
-                self.budgets[Tier.DRAM] = SharedBudget(Tier.DRAM, config.dram)
+                if not private and config.reserve_shm:
+                    # NOTE: the slabs are sparse; this holds their room in /dev/shm instead.
+                    self._ballast = ShmBallast(config.dram)
+                self.budgets[Tier.DRAM] = SharedBudget(Tier.DRAM, config.dram, self._ballast)
                 if config.ssd:
                     self.budgets[Tier.SSD] = SharedBudget(Tier.SSD, config.ssd)
-            if not private:
+            if not private and self._ballast is None:
                 check_shm_room(slabs, "--dram")
             seen = set()
             for layout in config.start_layouts:
@@ -367,6 +371,8 @@ class Node:
             self.segments.close()
         for store in list(self.stores.values()):
             store.close()
+        if self._ballast is not None:
+            self._ballast.close()
 
 
 def _not_dumpable() -> None:

@@ -5,6 +5,8 @@ loopback, talked to as clients do."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import numpy as np
 
@@ -57,6 +59,33 @@ def test_a_node_without_layouts_serves_two_models_on_one_budget(start_kvcache):
         assert a.lookup(SMALL.namespace, keys=small[0][0]).hit_blocks == 0
         keys, pages = big[-1]
         assert all(np.array_equal(x, y) for x, y in zip(b.get(BIG.namespace, keys=keys), pages))
+
+
+def shm_of(pid: int) -> dict[str, int]:
+    """The node's files in /dev/shm (named with its pid) -> bytes backed by memory."""
+    return {
+        name: os.stat(f"/dev/shm/{name}").st_blocks * 512
+        for name in os.listdir("/dev/shm")
+        if name.startswith("kvcache-") and f"-{pid}-" in name
+    }
+
+
+def test_the_budgets_room_in_dev_shm_is_held_from_the_start(start_kvcache):
+    """The shared budget's slabs are sparse; the node holds their room in /dev/shm instead (a
+    file reserved at start that gives the slabs what they are granted), so what the node holds
+    there stays the budget: written pages cannot find /dev/shm full."""
+    node = start_kvcache("node", "--listen", "127.0.0.1:0", "--dram", "4MiB")
+    assert sum(shm_of(node.proc.pid).values()) == 4 << 20  # all of it held at start
+    with KVStoreClient(node.address) as c:
+        c.register_layout(SMALL)
+        c.register_layout(BIG)
+        for _ in range(3):
+            put_prompt(c, SMALL, 32)  # 1.5 MiB
+        put_prompt(c, BIG, 32)  # 1 MiB
+        assert sum(shm_of(node.proc.pid).values()) == 4 << 20
+        for _ in range(4):
+            put_prompt(c, BIG, 16)  # BIG takes SMALL's pages: given back, taken again
+        assert sum(shm_of(node.proc.pid).values()) == 4 << 20
 
 
 def test_registering_layouts_refuses_what_it_should_with_a_reason(start_kvcache, start_node):
