@@ -329,6 +329,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             # this engine stored from its node's messenger (clients.remote_pool).
             messenger = self._own_messenger()
             if messenger:
+                self._hold_for_decode(st)
                 out.update(
                     do_remote_prefill=True,
                     do_remote_decode=False,
@@ -341,6 +342,24 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             ranks = [r.tag for r in self._ranks if r.tag]
             out["kvcache"] = {"namespace": self.namespace, **salts, "ranks": ranks}
         return False, out or None
+
+    def _hold_for_decode(self, st: _Request) -> None:
+        """Pin the pages a decode engine will pull (vLLM's P/D flow) for ``hold_for_decode_s``:
+        one Acquire per namespace, started and not waited for (never on the scheduler's path),
+        its lease left to lapse (the decode side's pull pins them again while it reads). Pages
+        whose commit is still in flight are not pinned; a node that refuses (a tenant's lease
+        limit) pins nothing: the pages are then evictable as before."""
+        hold = self.config.hold_for_decode_s
+        if not hold or not st.saved_pages or self.guard.breaker.is_open:
+            return
+        assert self._ranks is not None
+        keys = st.keys[: st.saved_pages]
+        for ns in dict.fromkeys(r.namespace for r in self._ranks):
+            tags = [r.tag for r in self._ranks if r.namespace == ns]
+            ranked = [k for t in tags for k in rank_keys(keys, t)]
+            pending = self.client.acquire_async(ns, keys=ranked, ttl_s=hold)
+            pending.add_done_callback(_log_refused_hold)
+        self.stats.decode_holds += 1  # NOTE: here, on the scheduler's thread (see vllm_stats)
 
     def _own_messenger(self) -> str:
         """This engine's node's messenger ('messenger', else the one the node names)."""
@@ -407,3 +426,9 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
                 self._transfer(req_id, st, st.saved_pages * self.ratio, done * self.ratio)
             )
             st.saved_pages = done
+
+
+def _log_refused_hold(pending: Any) -> None:
+    error = pending.exception()
+    if error is not None:
+        log.info("kvcache: the pages for the decode side are not pinned: %s", error)

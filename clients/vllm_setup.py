@@ -59,6 +59,10 @@ class ConnectorConfig:
     messenger: str | None = None
     remote_timeout_ms: float = 100.0
     pull_timeout_s: float = 10.0
+    # vLLM's P/D flow: a prefill engine pins the pages a decode engine will pull from its node
+    # this long (a read lease that lapses by itself), so that writers meanwhile cannot evict
+    # them; 0: no pin.
+    hold_for_decode_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
@@ -97,6 +101,11 @@ class ConnectorConfig:
         if cfg.save not in ("prompt", "none"):
             raise ValueError(
                 f"kvcache connector: save must be 'prompt' or 'none', got {cfg.save!r}"
+            )
+        if not 0 <= cfg.hold_for_decode_s < float("inf"):
+            raise ValueError(
+                "kvcache connector: hold_for_decode_s must be finite seconds >= 0, got "
+                f"{cfg.hold_for_decode_s!r}"
             )
         if not cfg.timeout_ms > 0 or not cfg.min_timeout_ms > 0 or not cfg.retry_s > 0:
             raise ValueError(

@@ -144,6 +144,16 @@ def test_the_deadline_comes_from_the_extra_config_else_the_launchers_environment
         ConnectorConfig.from_extra({"node": "n", "min_timeout_ms": -1})
 
 
+def test_the_hold_for_the_decode_side_is_finite_seconds_or_none():
+    from clients.vllm_setup import ConnectorConfig
+
+    assert ConnectorConfig.from_extra({"node": "n"}).hold_for_decode_s == 30
+    assert ConnectorConfig.from_extra({"node": "n", "hold_for_decode_s": 0}).hold_for_decode_s == 0
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="hold_for_decode_s must be finite seconds >= 0"):
+            ConnectorConfig.from_extra({"node": "n", "hold_for_decode_s": bad})
+
+
 def test_a_token_inline_in_the_config_is_warned_about_and_a_token_file_is_not(tmp_path, caplog):
     """vLLM prints kv_connector_extra_config in its start-up log: an inline token leaks there."""
     from clients.vllm_setup import ConnectorConfig

@@ -9,6 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from test_vllm_connector_cases import BT, LAYOUT_FLAG, MODEL, PROMPT, tokens
 
@@ -122,6 +123,18 @@ def held(cluster: Secured, node: str, kvcache: dict, prompt: list[int], who: str
         return c.lookup(kvcache["namespace"], keys=block_keys(prompt, BT, root)).hit_blocks
 
 
+def flood(cluster: Secured, node: str, nbytes: int) -> None:
+    """The admin's writer (no tenant's share to keep it in check) stores ``nbytes`` of pages on
+    ``node``, evicting whatever is not pinned."""
+    with KVStoreClient(cluster.nodes[node].address, ADMIN, cluster.ca) as c:
+        (ns,) = c.namespaces()
+        page = c.namespace_info(ns).page_bytes
+        rng = np.random.default_rng(3)
+        for _ in range(nbytes // page // 64):
+            keys = [rng.bytes(16) for _ in range(64)]
+            c.put(ns, [np.zeros(page, np.uint8)] * 64, keys=keys)
+
+
 def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(model, cluster, work):
     """Before, an engine saw only its own node: B's engine recomputed what A's had stored.
     Every link speaks TLS and the engines run as tenants: alice's engine on B pulls what
@@ -217,19 +230,26 @@ def test_vllms_own_prefill_decode_flow_moves_the_prompt_through_the_messengers(
     decode request, whose engine pulls those pages into its own node and loads them. No
     conductor, no kvcache router."""
     prompt = tokens(79, 4 * BT + 20)
+    ask = {"do_remote_decode": True, "kvcache_keys": True}
     with Engine(model, cluster.engine("A", pool=False), log_path=str(work / "p.log")) as p:
-        (prefilled,) = p.generate(
-            [{"tokens": prompt, "kv_transfer_params": {"do_remote_decode": True}}], max_tokens=1
-        )
+        (prefilled,) = p.generate([{"tokens": prompt, "kv_transfer_params": ask}], max_tokens=1)
         assert prefilled["cached"] == 0  # computed here, and stored on its node
-    with Engine(model, None, log_path=str(work / "full.log")) as plain:
-        (full,) = plain.generate([prompt], max_tokens=8)  # what a full computation decodes
-    params = prefilled["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True and params["kvcache_pages"] == 4
-    assert params["kvcache_messenger"]  # the node's own (it was started with --messenger)
-    with Engine(model, cluster.engine("B", pool=False), log_path=str(work / "pd.log")) as d:
-        (decoded,) = d.generate([{"tokens": prompt, "kv_transfer_params": params}], max_tokens=8)
-        stats = d.stats()
+        params = dict(prefilled["kv_transfer_params"])
+        kvcache = params.pop("kvcache")
+        assert params["do_remote_prefill"] is True and params["kvcache_pages"] == 4
+        assert params["kvcache_messenger"]  # the node's own (it was started with --messenger)
+        # Until the decode side pulls them, the prefill engine holds the pages pinned: writers
+        # that fill A's pool twice over meanwhile evict everything else.
+        wait_until(lambda: p.stats()["decode_holds"] == 1, 30, "the prefill to pin its pages")
+        flood(cluster, "A", 2 * 32 << 20)
+        assert held(cluster, "A", kvcache, prompt) == 4
+        with Engine(model, None, log_path=str(work / "full.log")) as plain:
+            (full,) = plain.generate([prompt], max_tokens=8)  # what a full computation decodes
+        with Engine(model, cluster.engine("B", pool=False), log_path=str(work / "pd.log")) as d:
+            (decoded,) = d.generate(
+                [{"tokens": prompt, "kv_transfer_params": params}], max_tokens=8
+            )
+            stats = d.stats()
     # NOTE: vLLM's num_cached_tokens of a request loaded asynchronously can read 0 (it is set
     # at its first admission); the connector's counters say what was loaded.
     assert decoded["tokens"] == full["tokens"]
