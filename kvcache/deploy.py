@@ -63,9 +63,6 @@ READY_SERVICE = {
     "conductor": "",
 }
 METRICS = {"node": 9100, "messenger": 9101, "conductor": 9100}
-DEFAULT_LAYOUT = (
-    "model=llama3-8b,num_layers=32,kv_heads=8,head_dim=128,dtype=bfloat16,block_tokens=256"
-)
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
@@ -76,8 +73,13 @@ class Spec:
     decode: int = 1
     conductors: int = 2
     dram: str = "4GiB"
-    layout: str = DEFAULT_LAYOUT
+    layout: str = ""  # none: the nodes serve the layouts their engines register
     policy: str = "global-cache"
+    # On SIGTERM (a scale-down, a drained Kubernetes host) a node hands its hottest blocks to
+    # its peers first: up to this many bytes ("": not) within drain_seconds, while its
+    # messenger, which the peers pull from, waits (preStop) that long before it stops.
+    drain_bytes: str = "1GiB"
+    drain_seconds: int = 20
     etcd: str = ""  # external endpoints; "" deploys one etcd member
     etcd_prefix: str = "/kvcache"
     name: str = "kvcache"
@@ -96,7 +98,7 @@ class Spec:
         return f"$(POD_NAME).{service}.{self.namespace}.svc"
 
 
-def mib(size: str) -> int:
+def mib(size: str, flag: str = "--dram") -> int:
     """'4GiB' -> 4096 (binary units, as the node's --dram takes them)."""
     for unit, mult in UNITS.items():
         if size.endswith(unit):
@@ -106,7 +108,7 @@ def mib(size: str) -> int:
                 break
             if value > 0:
                 return int(-(-value // (1 << 20)))
-    raise SystemExit(f"--dram {size!r}: give a size like 4GiB or 512MiB")
+    raise SystemExit(f"{flag} {size!r}: give a size like 4GiB or 512MiB")
 
 
 def shm_mib(spec: Spec) -> int:
@@ -161,8 +163,11 @@ def conductor_args(spec: Spec, at: Where) -> list[str]:
 
 
 def node_args(spec: Spec, at: Where, node_id: str, role: str) -> list[str]:
+    layout = ["--layout", spec.layout] if spec.layout else []  # none: what engines register
+    drain = (["--drain-bytes", spec.drain_bytes, "--drain-seconds", str(spec.drain_seconds)]
+             if spec.drain_bytes else [])  # fmt: skip
     return ["node", *serve_flags("node", at, "node"), "--node-id", node_id, "--role", role,
-            "--dram", spec.dram, "--layout", spec.layout,
+            "--dram", spec.dram, *layout, *drain,
             "--messenger", f"{at.name}:{PORTS['messenger']}", *etcd_flags(spec, at)]  # fmt: skip
 
 
@@ -275,6 +280,14 @@ def _container(
     }
 
 
+def _outlive(seconds: int) -> dict[str, Any]:
+    """A container that stops ``seconds`` after its pod is told to (preStop runs before its
+    SIGTERM): the messenger, which the draining node's peers pull from."""
+    if not seconds:
+        return {}
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}}
+
+
 def _service(
     spec: Spec, name: str, selector: dict, ports: dict[str, int], headless: bool, notes=None
 ) -> dict[str, Any]:
@@ -374,6 +387,7 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
     })  # fmt: skip
     shm = [{"name": "dshm", "mountPath": "/dev/shm"}]
     node_memory = f"{shm_mib(spec) + 1024}Mi"  # the tmpfs pages count against the pod
+    drain = spec.drain_seconds + 5 if spec.drain_bytes else 0  # the messenger outlives it
     for role in spec.roles:
         name = f"{spec.name}-{role}"
         labels = _labels(spec, "node", role)
@@ -392,20 +406,21 @@ def render_k8s(spec: Spec) -> list[dict[str, Any]]:
                     "metadata": {"labels": labels, "annotations": _scrape(METRICS["node"])},
                     "spec": {
                         "securityContext": POD_SECURITY,
-                        "terminationGracePeriodSeconds": 30,
+                        # The node's drain on SIGTERM, then its own stop, within the grace.
+                        "terminationGracePeriodSeconds": 30 + drain,
                         "containers": [
                             _container(
                                 spec, "node", node_args(spec, at, "$(POD_NAME)", role),
                                 {"grpc": PORTS["node"], "metrics": METRICS["node"]},
                                 node_memory, shm,
                             ),
-                            _container(
+                            {**_container(
                                 spec, "messenger", messenger_args(spec, at),
                                 # NOTE: port names are unique in a pod, not per container
                                 {"msg-grpc": PORTS["messenger"], "msg-data": PORTS["data"],
                                  "msg-metrics": METRICS["messenger"]},
                                 "1Gi", shm,
-                            ),
+                            ), **_outlive(drain)},
                         ],
                         "volumes": [
                             {"name": "tmp", "emptyDir": {}},
@@ -479,6 +494,8 @@ def render_compose(spec: Spec) -> dict[str, Any]:
                 **base, "hostname": host, "command": node_args(spec, at, host, role),
                 "ipc": "shareable", "shm_size": f"{shm_mib(spec)}m",
                 "environment": {"KVCACHE_HEALTH_ADDR": f"{host}:{HEALTH['node']}"}, **after_etcd,
+                # its drain on SIGTERM, then its own stop (docker stop's default is 10 s)
+                "stop_grace_period": f"{30 + spec.drain_seconds if spec.drain_bytes else 10}s",
             }  # fmt: skip
             # The messenger lives in its node's network and IPC namespaces: the same address
             # and the same /dev/shm, as a Kubernetes sidecar does.
@@ -565,7 +582,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dram", default=d.dram, help="each node's DRAM tier; sizes /dev/shm (%(default)s)"
     )
-    parser.add_argument("--layout", default=d.layout, help="the layout the nodes serve")
+    parser.add_argument(
+        "--layout",
+        default=d.layout,
+        help="the one layout the nodes serve (default: the layouts their engines register)",
+    )
+    parser.add_argument(
+        "--drain-bytes",
+        default=d.drain_bytes,
+        help="a node stopped hands up to this much of its hottest cache to its peers first "
+        "('' : not; %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=int,
+        default=d.drain_seconds,
+        help="... within this many seconds (%(default)s)",
+    )
     parser.add_argument("--policy", default=d.policy, help="conductor policy (%(default)s)")
     parser.add_argument(
         "--etcd", default="", metavar="URLS", help="an existing etcd (default: deploy one)"
@@ -581,9 +614,14 @@ def run(args: argparse.Namespace) -> int:
     spec = Spec(
         image=args.image, prefill=args.prefill, decode=args.decode, conductors=args.conductors,
         dram=args.dram, layout=args.layout, policy=args.policy, etcd=args.etcd,
+        drain_bytes=args.drain_bytes, drain_seconds=args.drain_seconds,
         etcd_prefix=args.etcd_prefix, namespace=args.namespace,
     )  # fmt: skip
     mib(spec.dram)
+    if spec.drain_bytes:
+        mib(spec.drain_bytes, "--drain-bytes")
+    if not 0 < spec.drain_seconds <= 600:
+        raise SystemExit("kvcache deploy: --drain-seconds must be 1 to 600")
     if args.what == "secrets" and args.dir:
         write_secret_files(args.dir, make_secrets(spec))
         print(f"wrote {', '.join(SECRET_FILES)} to {args.dir} (0600: chown them to uid 10001)")

@@ -288,10 +288,10 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         )
     if not 0 < cfg.drain_seconds < float("inf"):
         raise KVStoreError("--drain-seconds must be finite seconds > 0")
-    if cfg.drain_bytes and not (cfg.messenger and cfg.conductor):
+    if cfg.drain_bytes and not (cfg.messenger and (cfg.conductor or cfg.etcd)):
         raise KVStoreError(
-            "--drain-bytes needs --messenger (the peers pull through it) and --conductor "
-            "(whose node list names the peers)"
+            "--drain-bytes needs --messenger (the peers pull through it) and --conductor or "
+            "--etcd (whose node list names the peers)"
         )
     if cfg.ssd and not cfg.ssd_dir:
         raise KVStoreError("--ssd needs --ssd-dir (a directory for the lmdb files)")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from plumbing.etcd import EtcdClient
+from plumbing.registration import NodeRecord, nodes_prefix
 from proto import conductor_pb2 as cpb
 from proto import conductor_pb2_grpc as cpbg
 from proto import messenger_pb2 as mpb
@@ -61,12 +63,39 @@ class DrainResult:
     peers: list[Peer]
 
 
+def etcd_peers(config: NodeConfig, node_id: str) -> list[Peer]:
+    """The other nodes registered in etcd with a messenger (a node started with --etcd, as the
+    Kubernetes manifests start them), and the namespaces they serve."""
+    assert config.etcd
+    client = EtcdClient(
+        config.etcd, ca_file=config.etcd_ca, cert_file=config.etcd_cert, key_file=config.etcd_key
+    )
+    try:
+        _, kvs = client.get_prefix(nodes_prefix(config.etcd_prefix))
+    except Exception as e:  # noqa: BLE001 - any failure to read etcd: no peers, said why
+        raise FailedPrecondition(f"etcd at {config.etcd} did not list the peers: {e}") from None
+    finally:
+        client.close()
+    peers = []
+    for kv in kvs:
+        try:
+            d = NodeRecord.decode(kv.value).descriptor
+        except InvalidArgument:
+            continue  # not a node's record: skipped, as the conductors skip it
+        if d.node_id != node_id and d.messenger_address:
+            peers.append(Peer(d.messenger_address, d.node_id, set(d.namespaces)))
+    return peers
+
+
 def conductor_peers(config: NodeConfig, node_id: str) -> list[Peer]:
-    """The other nodes the conductor lists with a messenger, and the namespaces they serve."""
+    """The other nodes the conductor lists with a messenger, and the namespaces they serve
+    (etcd's records instead for a node registered there)."""
+    if not config.conductor and config.etcd:
+        return etcd_peers(config, node_id)
     if not config.conductor:
         raise FailedPrecondition(
             "no peers: name them (kvcache drain --peer MESSENGER) or start the node with "
-            "--conductor, whose node list gives them"
+            "--conductor (or --etcd), whose node list gives them"
         )
     channel = make_channel(config.conductor, config.conductor_token, config.conductor_tls_ca)
     try:

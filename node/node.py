@@ -108,6 +108,7 @@ class Node:
                 slabs = config.dram  # what the shared budget lets the slabs hold together
                 if not private and config.reserve_shm:
                     # NOTE: the slabs are sparse; this holds their room in /dev/shm instead.
+                    check_shm_room(slabs, "--dram")
                     self._ballast = ShmBallast(config.dram)
                 self.budgets[Tier.DRAM] = SharedBudget(Tier.DRAM, config.dram, self._ballast)
                 if config.ssd:

@@ -73,9 +73,11 @@ def check_command_line(argv: list[str], secrets: str | None = None) -> argparse.
     if name == "node":
         from node.config import parse_layout, parse_size
 
-        for spec in args.layout:
+        for spec in args.layout or []:
             parse_layout(spec)
         parse_size(args.dram)
+        if args.drain_bytes:
+            parse_size(args.drain_bytes)
     if getattr(args, "etcd", None):
         from plumbing.registration import DEFAULT_PREFIX, DEFAULT_TTL_S, etcd_settings
 
@@ -183,6 +185,12 @@ def test_nodes_share_memory_backed_dev_shm_with_their_messenger_sidecar():
         assert not any(
             "127.0.0.1" in a or "localhost" in a for a in node["args"] + messenger["args"]
         )
+        # Stopped, the node hands its hottest blocks to its peers (through its messenger,
+        # which outlives it by the drain) before it exits, within the pod's grace period.
+        assert node["args"][node["args"].index("--drain-seconds") + 1] == "20"
+        assert "--drain-bytes" in node["args"] and "--layout" not in node["args"]
+        assert messenger["lifecycle"] == {"preStop": {"sleep": {"seconds": 25}}}
+        assert spec["terminationGracePeriodSeconds"] == 55
     conductors = next(w for w, _ in pods() if w["metadata"]["name"] == "kvcache-conductor")
     assert conductors["kind"] == "StatefulSet" and conductors["spec"]["replicas"] == 2
 
@@ -439,6 +447,8 @@ def test_deploy_refuses_bad_options(capsys):
         (["deploy", "k8s", "--dram", "lots"], "--dram 'lots'"),
         (["deploy", "k8s", "--conductors", "0"], "--conductors"),
         (["deploy", "compose", "--prefill", "0", "--decode", "0"], "at least one node"),
+        (["deploy", "k8s", "--drain-bytes", "some"], "--drain-bytes 'some'"),
+        (["deploy", "k8s", "--drain-seconds", "0"], "--drain-seconds must be 1 to 600"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(argv)

@@ -97,6 +97,24 @@ def test_sigterm_with_drain_bytes_hands_over_before_the_node_exits(services):
     assert set(held(nodes["B"].address, ns, data)) == set(data)  # 512 KiB: all of it
 
 
+def test_a_node_registered_in_etcd_drains_to_the_peers_etcd_lists(services, etcd_server):
+    """As the Kubernetes manifests run nodes: registered in etcd (no --conductor), SIGTERM with
+    --drain-bytes finds its peers in etcd's node records."""
+    etcd = ["--etcd", etcd_server.endpoint, "--etcd-ttl", "2"]
+    node = {}
+    for node_id in ("A", "B"):
+        messenger_at = f"127.0.0.1:{free_port('127.0.0.1')}"
+        drains = ["--drain-bytes", "1MiB", "--drain-seconds", "20"] if node_id == "A" else []
+        node[node_id] = services(
+            "node", "--listen", "127.0.0.1:0", "--dram", "8MiB", "--layout", LAYOUT,
+            "--node-id", node_id, "--messenger", messenger_at, *etcd, *drains,
+        )  # fmt: skip
+        services("messenger", "--node", node[node_id].address, "--listen", messenger_at)
+    ns, chains, data = write_prompts(node["A"].address, 2)
+    assert node["A"].stop(60) == 0
+    assert set(held(node["B"].address, ns, data)) == set(data)
+
+
 def test_bad_drains_get_a_clear_error(services, tmp_path):
     # No messenger: the peers would have nothing to pull from.
     lone = services("node", "--listen", "127.0.0.1:0", "--dram", "4MiB", "--layout", LAYOUT)
