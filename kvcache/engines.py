@@ -434,9 +434,16 @@ class Serving:
             try:
                 e.proc.wait(max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
+                # NOTE: read again what its processes hold now: segments made while it was
+                # shutting down would otherwise be left behind by the SIGKILL.
+                pids |= e.shm()[0]
+                names |= e.seen_shm
                 e.signal(signal.SIGKILL)
                 e.proc.wait(5)
-            e.signal(signal.SIGKILL)  # an engine-core child the server left behind
+            held = e.shm()  # an engine-core child the server left behind, and what it holds
+            pids |= held[0]
+            names |= held[1]
+            e.signal(signal.SIGKILL)
             codes.append(e.proc.returncode)
         self.engines.clear()
         release_shm(pids, names)  # what engines that needed SIGKILL could not unlink

@@ -5,8 +5,10 @@ keeps what its commits sent."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -95,3 +97,24 @@ class CommitLog(KVStoreClient):
         sent = None if checksums is None else np.asarray(checksums, dtype=np.uint64).copy()
         self.commits.append((lease, sent))
         return super().commit(lease, checksums)
+
+
+def full_computation(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy output token ids of a vLLM server at ``url`` for each prompt (token ids), computed
+    in full: each request under a ``cache_salt`` of its own, so neither the engine's prefix
+    cache nor a KV connector (its keys carry the salt) has anything to load. What a
+    connector-less engine computes, without starting one more engine."""
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "cache_salt": f"full-computation-{secrets.token_hex(8)}", "return_token_ids": True,
+        }  # fmt: skip
+        ask = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(ask, timeout=300) as r:
+            out.append(json.loads(r.read())["choices"][0]["token_ids"])
+    return out

@@ -47,6 +47,7 @@ def test_store_benchmark_writes_every_figure(tmp_path, capsys):
     groups = {f["group"] for f in doc["figures"]}
     assert groups == {
         "DRAM tier",
+        "shared budget",
         "SSD tier",
         "hashing",
         "lookup",

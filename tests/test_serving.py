@@ -13,8 +13,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from typing import Iterator
@@ -28,7 +26,7 @@ from bench.engines.models import MODELS, make_model
 from clients.conductor_client import ConductorClient
 from kvcache.cluster import Cluster, load_config
 
-from helpers import wait_until
+from helpers import full_computation, wait_until
 
 pytest.importorskip("vllm")
 # Four vLLM servers start in the first test's setup: three processes each, each importing vLLM
@@ -155,49 +153,24 @@ class Serving:
             return next(s for s in c.list_nodes().nodes if s.node.node_id == node)
 
 
-def _reference(model: str, log_dir: str) -> subprocess.Popen[str]:
-    """A single vLLM engine, no connector, on the prompts the tests send (started at once: it
-    runs while the cluster starts)."""
-    spec = {
-        "model": model,
-        "max_model_len": 2048,
-        "prefix_caching": False,
-        "runs": [{"prompts": [PLAIN, STREAMED, FIRST, SECOND], "max_tokens": MAX_TOKENS}],
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.engines.vllm_engine"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(os.path.join(log_dir, "reference.log"), "w"),
-        text=True,
-    )
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(spec))
-    proc.stdin.close()
-    return proc
-
-
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory):
     work = tmp_path_factory.mktemp("serving")
     model = str(work / MODEL)
     make_model(model, MODELS["tiny"], max_len=2048, tokenizer=True)
-    ref = _reference(model, str(work))
     config = work / "serve.toml"
     config.write_text(CONFIG.format(state=work / "state", model=model, token=ADMIN_TOKEN))
     cluster = Cluster(load_config(str(config)))
     try:
         state = cluster.start()
-        assert ref.stdout is not None
-        out = ref.stdout.read()  # its one line, at its end
-        assert ref.wait(60) == 0, (work / "reference.log").read_text()[-3000:]
-        outputs = json.loads(out.strip().splitlines()[-1])["runs"][0]["outputs"]
-        reference = {
-            name: o["tokens"] for name, o in zip(("plain", "streamed", "first", "second"), outputs)
-        }
+        # What a single engine computes in full (no prefix to load), from one of the cluster's
+        # own engines: no fifth engine to start.
+        url = state["engines"][0]["url"]
+        prompts = [PLAIN, STREAMED, FIRST, SECOND]
+        outputs = full_computation(url, MODEL, prompts, MAX_TOKENS)
+        reference = dict(zip(("plain", "streamed", "first", "second"), outputs))
         yield Serving(cluster, state, reference)
     finally:
-        ref.kill()
         cluster.stop()
 
 

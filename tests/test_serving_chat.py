@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import urllib.request
 
 import openai
@@ -28,7 +26,7 @@ from kvcache.cluster import Cluster, load_config
 from plumbing.launch import start_service
 from rpc.wire import layout_from_pb
 
-from helpers import wait_until
+from helpers import full_computation, wait_until
 
 pytest.importorskip("vllm")
 pytestmark = [
@@ -175,22 +173,6 @@ def serving(tmp_path_factory):
     model = str(work / MODEL)
     make_model(model, MODELS["tiny"], max_len=2048, tokenizer=True)
     ids = {(mode, n): _hf_ids(model, turn) for mode in TURNS for n, turn in enumerate(_turns(mode))}
-    spec = {
-        "model": model,
-        "max_model_len": 2048,
-        "prefix_caching": False,
-        "runs": [{"prompts": list(ids.values()), "max_tokens": MAX_TOKENS}],
-    }
-    ref = subprocess.Popen(
-        [sys.executable, "-m", "bench.engines.vllm_engine"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(os.path.join(work, "reference.log"), "w"),
-        text=True,
-    )
-    assert ref.stdin is not None and ref.stdout is not None
-    ref.stdin.write(json.dumps(spec))
-    ref.stdin.close()
     config = work / "serve.toml"
     config.write_text(
         CONFIG.format(
@@ -201,10 +183,11 @@ def serving(tmp_path_factory):
     router = None
     try:
         state = cluster.start()
-        out = ref.stdout.read()
-        assert ref.wait(120) == 0, (work / "reference.log").read_text()[-3000:]
-        outputs = json.loads(out.strip().splitlines()[-1])["runs"][0]["outputs"]
-        reference = {key: o["tokens"] for key, o in zip(ids, outputs)}
+        # What a single engine computes in full (no prefix to load), from one of the cluster's
+        # own engines: no third engine to start.
+        url = state["engines"][0]["url"]
+        outputs = full_computation(url, MODEL, list(ids.values()), MAX_TOKENS)
+        reference = dict(zip(ids, outputs))
         s = Serving(model, state, reference, ids)
         router = start_service(
             ["router", "--listen", "127.0.0.1:0", "--debug-headers"]
@@ -217,7 +200,6 @@ def serving(tmp_path_factory):
         }
         yield s
     finally:
-        ref.kill()
         if router is not None:
             router.stop()
         cluster.stop()

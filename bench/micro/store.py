@@ -5,6 +5,10 @@
   prefaulted arrays of the same shape. Target >= 0.5.
 - **DRAM read**: ``acquire`` + ``copy_out`` into caller buffers + ``release``, and ``read()``
   (which returns new arrays), against the same memcpy. Target >= 0.5.
+- **shared budget**: ``put`` of two layouts' stores on one DRAM budget (a node without
+  ``--layout``): at equal shares, and a put that takes its pages from the other layout
+  (eviction, the pages punched out of the other's shared memory, first-touch faults), against
+  the same memcpy. Target >= 0.5.
 - **SSD tier**: the lmdb pool's batched checksummed writes and verified reads, MB/s and the
   ratio to memcpy.
 - **hashing**: block keys of a 128k-token prompt (int64 token ids) at 256-token blocks and at
@@ -31,14 +35,15 @@ import os
 import tempfile
 import time
 import tracemalloc
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
 import xxhash
 
 from bench.report import MET, Column, print_table, targets_summary, write_json
-from kvstore import KVLayout, StoreConfig, TieredStore, block_keys, make_policy, root_key
+from kvstore import KVLayout, StoreConfig, Tier, TieredStore, block_keys, make_policy, root_key
+from kvstore.budget import SharedBudget
 from kvstore.index import INDEX_IMPL
 from kvstore.keys import CHAIN_IMPL
 from kvstore.ssd import SsdPool
@@ -247,6 +252,73 @@ def bench_dram(layout: KVLayout, args) -> list[Figure]:
                 None if target is None else ratio >= target,
             )
         )
+    return figs
+
+
+# ---- one budget shared by two layouts (kvstore/budget.py) ----------------------------------------
+
+
+def bench_budget(layout: KVLayout, args) -> list[Figure]:
+    """Puts of two layouts' stores on one DRAM budget of ``--pages`` pages: in the steady state
+    (both write, each holds an equal share: the budget's bookkeeping only), and a put that takes
+    its pages from the other layout (its eviction, the pages punched out of its shared memory,
+    then first-touch faults in the taker's), each against memcpy of the same bytes."""
+    page, n, batch = layout.page_bytes, args.pages, args.batch
+    half = max(batch, n // 2 // batch * batch)
+    src = random_pages(max(min(n, 64), batch), page, seed=2)
+    ref_dst = prefaulted(half, page)
+    budget = SharedBudget(Tier.DRAM, n * page)
+    other = replace(layout, model="bench-store-b")
+
+    def open_store(lay: KVLayout) -> TieredStore:
+        return TieredStore(lay, StoreConfig(dram_pages=n, dram_budget=budget, reserve_shm=False))
+
+    def memcpy_half():
+        for i in range(half):
+            np.copyto(ref_dst[i], src[i % len(src)])
+
+    rnd = [1000]
+
+    def put(store: TieredStore, pages: int) -> None:
+        keys = round_keys(rnd[0], pages)
+        rnd[0] += 1
+        for b in range(0, pages, batch):
+            store.put(keys[b : b + batch], [src[i % len(src)] for i in range(b, b + batch)])
+
+    a, b = open_store(layout), open_store(other)
+    try:
+        put(a, half)
+        put(b, half)  # each holds an equal share from here on
+        memcpy_half()
+
+        def steady():
+            put(a, half)
+
+        ref, t_steady = best_pair(memcpy_half, steady, args.repeats)
+        b.close()
+        put(a, n // batch * batch)  # a alone: the whole budget
+        t_take = float("inf")
+        for _ in range(args.repeats):
+            taker = open_store(other)
+            try:
+                t_take = min(t_take, timed(lambda taker=taker: put(taker, half)))
+            finally:
+                taker.close()  # its pages back to the budget: a takes them again
+            put(a, half)
+    finally:
+        a.close()
+        b.close()
+    ref_g = gbps(half * page, ref)
+    figs = []
+    for name, secs in (
+        ("put, two layouts at equal shares of one budget", t_steady),
+        ("put taking its pages from the other layout", t_take),
+    ):
+        value = gbps(half * page, secs)
+        figs.append(
+            Figure("shared budget", name, value, "GB/s", ref_g, value / ref_g, ">= 0.5 x memcpy",
+                   value / ref_g >= 0.5)
+        )  # fmt: skip
     return figs
 
 
@@ -470,6 +542,7 @@ def run(args: argparse.Namespace) -> int:
     figures: list[Figure] = []
     steps = [
         ("DRAM", lambda: bench_dram(layout, args)),
+        ("shared budget", lambda: bench_budget(layout, args)),
         ("SSD", lambda: bench_ssd(layout, args)),
         ("hashing", lambda: bench_hashing(args)),
         ("lookup", lambda: bench_lookup(args)),
