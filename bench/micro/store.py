@@ -8,7 +8,8 @@
 - **shared budget**: ``put`` of two layouts' stores on one DRAM budget (a node without
   ``--layout``): at equal shares, and a put that takes its pages from the other layout
   (eviction, the pages punched out of the other's shared memory, first-touch faults), against
-  the same memcpy. Target >= 0.5.
+  the same memcpy, and the second against a memcpy into freshly mapped shared memory (memory
+  given back must be faulted in again, whatever writes it). Target >= 0.5.
 - **SSD tier**: the lmdb pool's batched checksummed writes and verified reads, MB/s and the
   ratio to memcpy.
 - **hashing**: block keys of a 128k-token prompt (int64 token ids) at 256-token blocks and at
@@ -46,6 +47,7 @@ from kvstore import KVLayout, StoreConfig, Tier, TieredStore, block_keys, make_p
 from kvstore.budget import SharedBudget
 from kvstore.index import INDEX_IMPL
 from kvstore.keys import CHAIN_IMPL
+from kvstore.shm import SharedSlab, unique_shm_name
 from kvstore.ssd import SsdPool
 
 MIB = 1 << 20
@@ -273,9 +275,12 @@ def bench_budget(layout: KVLayout, args) -> list[Figure]:
     def open_store(lay: KVLayout) -> TieredStore:
         return TieredStore(lay, StoreConfig(dram_pages=n, dram_budget=budget, reserve_shm=False))
 
-    def memcpy_half():
+    def copy_into(dst: np.ndarray) -> None:
         for i in range(half):
-            np.copyto(ref_dst[i], src[i % len(src)])
+            np.copyto(dst[i], src[i % len(src)])
+
+    def memcpy_half():
+        copy_into(ref_dst)
 
     rnd = [1000]
 
@@ -297,8 +302,17 @@ def bench_budget(layout: KVLayout, args) -> list[Figure]:
         ref, t_steady = best_pair(memcpy_half, steady, args.repeats)
         b.close()
         put(a, n // batch * batch)  # a alone: the whole budget
-        t_take = float("inf")
+        t_take = t_touch = float("inf")
         for _ in range(args.repeats):
+            # The reference: memory given back must be faulted in again when written; the same
+            # copy into a fresh shared-memory mapping (first touch) is what any path pays.
+            fresh = SharedSlab.create(unique_shm_name("kvcache-bench"), half * page)
+            try:
+                view = fresh.array.reshape(half, page)
+                t_touch = min(t_touch, timed(lambda view=view: copy_into(view)))
+            finally:
+                fresh.close()
+                fresh.unlink()
             taker = open_store(other)
             try:
                 t_take = min(t_take, timed(lambda taker=taker: put(taker, half)))
@@ -308,16 +322,15 @@ def bench_budget(layout: KVLayout, args) -> list[Figure]:
     finally:
         a.close()
         b.close()
-    ref_g = gbps(half * page, ref)
     figs = []
-    for name, secs in (
-        ("put, two layouts at equal shares of one budget", t_steady),
-        ("put taking its pages from the other layout", t_take),
+    for name, secs, ref_s, what in (
+        ("put, two layouts at equal shares of one budget", t_steady, ref, "memcpy"),
+        ("put taking its pages from the other layout", t_take, t_touch, "first-touch memcpy"),
     ):
-        value = gbps(half * page, secs)
+        value, ref_g = gbps(half * page, secs), gbps(half * page, ref_s)
         figs.append(
-            Figure("shared budget", name, value, "GB/s", ref_g, value / ref_g, ">= 0.5 x memcpy",
-                   value / ref_g >= 0.5)
+            Figure("shared budget", name, value, "GB/s", ref_g, value / ref_g,
+                   f">= 0.5 x {what}", value / ref_g >= 0.5)
         )  # fmt: skip
     return figs
 
