@@ -242,15 +242,21 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     def _lookup(self, keys: list[bytes]) -> int:
         """Leading pages every rank holds: per namespace one Lookup of the ranks' keys
         interleaved (page 0 of every rank, then page 1, ...), so its hit counts whole pages."""
-        assert self._ranks is not None
         hit = len(keys)
-        for ns in dict.fromkeys(r.namespace for r in self._ranks):
-            tags = [r.tag for r in self._ranks if r.namespace == ns]
-            per_rank = [rank_keys(keys, t) for t in tags]
-            mixed = [k for page in zip(*per_rank) for k in page]
+        for ns, ranks, mixed in self._ranks_keys(keys):
             got = self.guard.call(functools.partial(self.client.lookup, ns, keys=mixed))
-            hit = min(hit, got.hit_blocks // len(tags))
+            hit = min(hit, got.hit_blocks // ranks)
         return hit
+
+    def _ranks_keys(self, keys: list[bytes]) -> list[tuple[str, int, list[bytes]]]:
+        """Per namespace: how many ranks key their shares there, and their keys of ``keys``
+        interleaved (page 0 of every rank, then page 1, ...)."""
+        assert self._ranks is not None
+        out = []
+        for ns in dict.fromkeys(r.namespace for r in self._ranks):
+            per_rank = [rank_keys(keys, r.tag) for r in self._ranks if r.namespace == ns]
+            out.append((ns, len(per_rank), [k for page in zip(*per_rank) for k in page]))
+        return out
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -352,11 +358,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         hold = self.config.hold_for_decode_s
         if not hold or not st.saved_pages or self.guard.breaker.is_open:
             return
-        assert self._ranks is not None
-        keys = st.keys[: st.saved_pages]
-        for ns in dict.fromkeys(r.namespace for r in self._ranks):
-            tags = [r.tag for r in self._ranks if r.namespace == ns]
-            ranked = [k for t in tags for k in rank_keys(keys, t)]
+        for ns, _, ranked in self._ranks_keys(st.keys[: st.saved_pages]):
             pending = self.client.acquire_async(ns, keys=ranked, ttl_s=hold)
             pending.add_done_callback(_log_refused_hold)
         self.stats.decode_holds += 1  # NOTE: here, on the scheduler's thread (see vllm_stats)

@@ -31,7 +31,6 @@ lock, and ``rebalance`` takes one store's lock at a time.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Protocol
 
 from .tiers import Tier
@@ -39,8 +38,6 @@ from .tiers import Tier
 
 class Member(Protocol):
     """What the budget needs of a store (``TieredStore``)."""
-
-    namespace: str
 
     def take_refused(self, tier: Tier) -> int: ...
 
@@ -55,13 +52,6 @@ class Room(Protocol):
     def take(self, nbytes: int) -> None: ...
 
     def give(self, nbytes: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetStats:
-    total_bytes: int
-    unassigned_bytes: int
-    members: int
 
 
 class SharedBudget:
@@ -112,10 +102,6 @@ class SharedBudget:
             if self.room is not None and pages:
                 self.room.give(pages * page_bytes)
 
-    def held_bytes(self, member: Member) -> int:
-        with self._lock:
-            return self._held.get(member, 0)
-
     def _equal_share(self, asking: Member | None) -> int:
         """Under the lock."""
         active = sum(1 for m, b in self._held.items() if b > 0 or m is asking)
@@ -134,10 +120,6 @@ class SharedBudget:
     def unassigned_bytes(self) -> int:
         with self._lock:
             return self._unassigned
-
-    def stats(self) -> BudgetStats:
-        with self._lock:
-            return BudgetStats(self.total_bytes, self._unassigned, len(self._held))
 
     def reclaim(self, member: Member, pages: int, page_bytes: int) -> int:
         """Right now, for ``member``, below an equal share and ``pages`` pages short: the

@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from .payload import ByteView, copy_bytes
-from .shm import MemfdSegment, SharedSlab, unique_shm_name
+from .shm import MemfdSegment, SharedSlab, page_up, unique_shm_name
 from .tiers import Tier
 
 
@@ -158,10 +158,9 @@ class SharedDramPool(PagePool):
         # what budgeted stores hold together stays within their budget. Runs of adjacent slots
         # are punched at once; only whole system pages inside a run can go.
         self.drop_pages(slots, [])
-        step = mmap.PAGESIZE
         for first, count in _runs(sorted(slots)):
-            start = -(-first * self.page_bytes // step) * step
-            end = (first + count) * self.page_bytes // step * step
+            start = page_up(first * self.page_bytes)
+            end = (first + count) * self.page_bytes // mmap.PAGESIZE * mmap.PAGESIZE
             if end > start:
                 self.slab.punch(start, end - start)
 

@@ -171,10 +171,7 @@ class SharedSlab:
 
     def punch(self, offset: int, length: int) -> None:
         """Give the pages of ``[offset, offset + length)`` back (they read as zeros after)."""
-        try:
-            self._mmap.madvise(mmap.MADV_REMOVE, offset, length)
-        except (OSError, ValueError):
-            self.array[offset : offset + length] = 0  # still wipe what the range held
+        punch(self._mmap, self.array, offset, length)
 
     @classmethod
     def create(
@@ -228,7 +225,7 @@ class ShmBallast:
     def take(self, nbytes: int) -> None:
         """``nbytes`` of the room go to a store's slab."""
         new = max(0, self.reserved - nbytes)
-        start, end = _page_up(new), _page_up(self.reserved)
+        start, end = page_up(new), page_up(self.reserved)
         if end > start:
             self.slab.punch(start, end - start)
         self.reserved = new
@@ -252,8 +249,18 @@ class ShmBallast:
         self.slab.unlink()
 
 
-def _page_up(n: int) -> int:
+def page_up(n: int) -> int:
+    """``n`` rounded up to a whole number of system pages."""
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def punch(mapping: mmap.mmap, array: np.ndarray, offset: int, length: int) -> None:
+    """Give the system pages of ``[offset, offset + length)`` of a shared mapping back to the
+    system (``MADV_REMOVE``: a hole in its file); they read as zeros after."""
+    try:
+        mapping.madvise(mmap.MADV_REMOVE, offset, length)
+    except (OSError, ValueError):
+        array[offset : offset + length] = 0  # still wipe what the range held
 
 
 _ORPHAN = re.compile(r"^kvcache-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$")
@@ -366,10 +373,7 @@ class MemfdSegment:
 
     def punch(self, offset: int, length: int) -> None:
         """Give the pages of ``[offset, offset + length)`` back (they read as zeros after)."""
-        try:
-            self._mmap.madvise(mmap.MADV_REMOVE, offset, length)
-        except (OSError, ValueError):
-            self.array[offset : offset + length] = 0  # still wipe what the range held
+        punch(self._mmap, self.array, offset, length)
 
     def close(self) -> None:
         self.array = None  # type: ignore[assignment]
