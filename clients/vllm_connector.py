@@ -55,7 +55,9 @@ another node holds more of is pulled into this node and loaded while the request
 ``WAITING_FOR_REMOTE_KVS``; ``clients.remote_pool``), ``messenger`` (this node's messenger;
 default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100),
 ``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
-default 10). Pulls are for single-rank engines (TP = PP = 1) for now.
+default 10), ``pull_max_cost`` (a pull is made when its wait is predicted at most this times
+what computing its tokens would add, both measured as the engine runs: ``clients.pull_gate``;
+default 1, ``inf``: always). Pulls are for single-rank engines (TP = PP = 1) for now.
 
 vLLM's own P/D flow (its disaggregated proxy, llm-d's routing sidecar): a prefill request whose
 ``kv_transfer_params`` carry ``do_remote_decode`` answers with ``do_remote_prefill``, its node's
@@ -82,6 +84,7 @@ from kvstore.layout import KVLayout
 
 from .messenger_client import MessengerClient
 from .node_client import KVStoreClient
+from .pull_gate import PullGate
 from .remote_pool import RemotePool
 from .vllm_guard import NodeGuard
 from .vllm_scheduler import SchedulerSide, _Rank, _Request
@@ -199,6 +202,9 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         # pulls it waits for in the background and the requests whose pages it then loaded
         self._pool: RemotePool | None = None
         self._pool_retry_at = 0.0
+        # vLLM's asynchronous scheduling schedules a step while the one before it runs
+        lag = int(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+        self._gate = PullGate(self.config.pull_max_cost, lag)
         self._messenger_of_node: str | None = None
         self._remote_loads: list[tuple[str, str, str, _Transfer]] = []
         self._pulls: ThreadPoolExecutor | None = None

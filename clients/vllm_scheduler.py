@@ -19,6 +19,7 @@ from kvstore.layout import KVLayout
 
 from .conductor_client import ConductorClient
 from .node_client import KVCacheRpcError, KVStoreClient
+from .pull_gate import PullGate
 from .remote_pool import RemotePool, messengers
 from .vllm_guard import NodeGuard
 from .vllm_identity import engine_salt, rank_keys, request_keys, request_salt
@@ -29,6 +30,7 @@ from .vllm_transfer import KVCacheConnectorMetadata, _Transfer
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("clients.vllm_connector")
@@ -51,6 +53,8 @@ class _Request:
     load: tuple[int, int] | None = None  # (first token, end token) offered to vLLM
     pulling: str = ""  # the messenger batch bringing its pages from another node
     pulled: bool = False  # it had its pull: a request vLLM retries (the pull failed) computes
+    pull_started: float = 0.0  # when its pull was submitted (perf_counter); 0: none pending
+    pull_pages: int = 0
 
 
 class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
@@ -75,6 +79,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _remote_loads: list[tuple[str, str, str, _Transfer]]
     _pool: RemotePool | None
     _pool_retry_at: float
+    _gate: PullGate
     _messenger_of_node: str | None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
@@ -181,6 +186,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.layout is not None
         bt = self.layout.block_tokens
         t0 = time.perf_counter()
+        params_source = source
         try:
             if source:
                 pages = len(st.keys) if not isinstance(stored, int) else min(stored, len(st.keys))
@@ -193,8 +199,14 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             end = min(pages * bt, last)
             if end <= max(computed, hit * bt):
                 return 0
-            st.pulling = pool.pull(self.namespace, st.keys[hit : -(-end // bt)], source)
+            keys = st.keys[hit : -(-end // bt)]
+            # vLLM's P/D flow pulls whatever it costs (its decode engine is not to prefill)
+            if not params_source and not self._gate.worth(len(keys), end - max(computed, hit * bt)):
+                self.stats.remote_skipped += 1
+                return 0
+            st.pulling = pool.pull(self.namespace, keys, source)
             st.pulled = True
+            st.pull_started, st.pull_pages = time.perf_counter(), len(keys)
         except KVCacheRpcError as e:
             log.info("kvcache pool lookup failed (%s); this node's hit only", e)
             return 0
@@ -290,6 +302,11 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         meta = KVCacheConnectorMetadata(remote=self._remote_loads)
         self._remote_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        # the engine's compute per token, for the pool's pulls (a running request continues:
+        # the engine did not idle since the last step)
+        continued = len(cached.req_ids) > len(cached.resumed_req_ids)
+        self._gate.step(time.perf_counter(), scheduler_output.total_num_scheduled_tokens, continued)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -297,7 +314,6 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             st.block_ids = list(new.block_ids[0])
             self._plan_load(meta, new.req_id, st)
             self._plan_save(meta, new.req_id, st, new.num_computed_tokens + scheduled[new.req_id])
-        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
@@ -318,6 +334,15 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
         return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """A pull vLLM hears is done: how long its request waited, for the pool's gate."""
+        now = time.perf_counter()
+        for req_id in connector_output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.pull_started:
+                self._gate.pulled(st.pull_pages, now - st.pull_started)
+                st.pull_started = 0.0
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

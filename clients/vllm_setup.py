@@ -5,6 +5,7 @@ what each worker tells the scheduler at start (``KVCacheHandshake``)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,9 @@ class ConnectorConfig:
     messenger: str | None = None
     remote_timeout_ms: float = 100.0
     pull_timeout_s: float = 10.0
+    # A pull is made when its wait is predicted at most this times the time computing its
+    # tokens would add (both measured in the engine: clients.pull_gate); "inf": every pull.
+    pull_max_cost: float = 1.0
     # vLLM's P/D flow: a prefill engine pins the pages a decode engine will pull from its node
     # this long (a read lease that lapses by itself), so that writers meanwhile cannot evict
     # them; 0: no pin.
@@ -93,6 +97,11 @@ class ConnectorConfig:
         if token_file:
             with open(token_file) as f:
                 values["token"] = f.read().strip()
+        if "pull_max_cost" in values:  # "inf" from JSON or TOML text
+            try:
+                values["pull_max_cost"] = float(values["pull_max_cost"])
+            except (TypeError, ValueError):
+                values["pull_max_cost"] = math.nan
         cfg = cls(**values)
         if cfg.overlap not in ("auto", True, False):
             raise ValueError(
@@ -106,6 +115,11 @@ class ConnectorConfig:
             raise ValueError(
                 "kvcache connector: hold_for_decode_s must be finite seconds >= 0, got "
                 f"{cfg.hold_for_decode_s!r}"
+            )
+        if not cfg.pull_max_cost > 0:
+            raise ValueError(
+                "kvcache connector: pull_max_cost must be a number > 0 ('inf': pull whatever "
+                f"it costs), got {extra['pull_max_cost']!r}"
             )
         if not cfg.timeout_ms > 0 or not cfg.min_timeout_ms > 0 or not cfg.retry_s > 0:
             raise ValueError(

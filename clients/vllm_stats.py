@@ -45,6 +45,7 @@ class ConnectorStats:
     remote_lookup_s: float = 0.0  # the conductor's Locate and the SubmitTransfer
     remote_wait_s: float = 0.0  # worker: waiting for pulls (in the background)
     remote_failed: int = 0  # pulls that did not bring every page in time (the rest recomputed)
+    remote_skipped: int = 0  # pulls not made: computing their tokens was predicted faster
     decode_holds: int = 0  # P/D prefills whose pages were pinned for the decode side
 
 

@@ -138,19 +138,26 @@ def flood(cluster: Secured, node: str, nbytes: int) -> None:
 def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(model, cluster, work):
     """Before, an engine saw only its own node: B's engine recomputed what A's had stored.
     Every link speaks TLS and the engines run as tenants: alice's engine on B pulls what
-    alice's engine on A stored; mallory's engine on B finds none of it."""
+    alice's engine on A stored; mallory's engine on B finds none of it. B's engine is told a
+    pull must cost next to nothing against computing (``pull_max_cost``): its first pull is
+    made (nothing measured yet), the next is not (its tokens are computed)."""
+    later = tokens(79, 4 * BT + 10)
     with Engine(model, cluster.engine("A", pool=False), log_path=str(work / "a.log")) as e:
-        (first,) = e.generate([PROMPT])
+        first, first_later = e.generate([PROMPT, later])
     keys = first["kvcache"]
     assert held(cluster, "A", keys, PROMPT) == 4
     root = root_key(keys["namespace"], bytes.fromhex(keys["salt"]))
     with ConductorClient(cluster.conductor.address, ALICE, cluster.ca) as c:
-        wait_until(
-            lambda: c.locate(keys["namespace"], keys=block_keys(PROMPT, BT, root)).get("A") == 4,
-            30,
-            "the conductor to index A's pages",
-        )
-    with Engine(model, cluster.engine("B"), log_path=str(work / "b.log")) as e:
+        for prompt in (PROMPT, later):
+            wait_until(
+                lambda p=prompt: (
+                    c.locate(keys["namespace"], keys=block_keys(p, BT, root)).get("A") == 4
+                ),
+                30,
+                "the conductor to index A's pages",
+            )
+    engine_b = {**cluster.engine("B"), "pull_max_cost": 1e-9}
+    with Engine(model, engine_b, log_path=str(work / "b.log")) as e:
         (pulled,) = e.generate([PROMPT])
         stats = e.stats()
         assert pulled["tokens"] == first["tokens"]
@@ -163,6 +170,13 @@ def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(mod
         # A prompt nobody holds: no pull, computed in full.
         (fresh,) = e.generate([tokens(77, 3 * BT + 5)])
         assert fresh["cached"] == 0 and e.stats()["remote_pulls"] == 1
+        # The gate has measured a pull and the engine's steps: computing is cheaper than
+        # 1e-9 of a pull's wait, so A's pages of the next prompt are not pulled.
+        (computed,) = e.generate([later])
+        stats = e.stats()
+        assert stats["remote_skipped"] == 1 and stats["remote_pulls"] == 1
+        assert computed["tokens"] == first_later["tokens"]
+        assert held(cluster, "B", keys, later) == 4  # computed and stored on B
     # Another tenant's engine on the same node: alice's pages are neither found nor pulled.
     with Engine(model, cluster.engine("B", "mallory"), log_path=str(work / "m.log")) as e:
         (other,) = e.generate([PROMPT])

@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                 if any(n.indexed_blocks >= pages for n in c.list_nodes().nodes):
                     break
                 time.sleep(0.1)
-        pool = {"node": nodes["B"].address, "conductor": conductor.address}
+        # every pull made: this measures the pull, not the gate that decides whether to make it
+        pool = {"node": nodes["B"].address, "conductor": conductor.address, "pull_max_cost": "inf"}
         runs = one + one + [{"prompts": [p], "max_tokens": 1} for p in fresh]
         out = engine(model, pool, runs)
     finally:
