@@ -119,13 +119,22 @@ class PullGate:
             return sum(s for _, s in samples) / len(samples)
         return got[0] + got[1] * pages
 
-    def worth(self, pages: int, tokens: int) -> bool:
-        """Pull ``pages`` pages that hold ``tokens`` tokens this engine would otherwise compute?"""
+    def pays(self, pages: int, tokens: int) -> bool:
+        """A pull of ``pages`` pages holding ``tokens`` tokens is predicted no slower than
+        ``max_cost`` times computing them (or either side is not measured yet)."""
         if math.isinf(self.max_cost):
             return True
         compute, pull = self.compute_s(tokens), self.pull_s(pages)
-        if compute is None or pull is None or pull <= self.max_cost * compute:
-            return True
+        return compute is None or pull is None or pull <= self.max_cost * compute
+
+    def worth(self, pages: int, tokens: int) -> bool:
+        """Look for (and pull) ``pages`` pages holding ``tokens`` tokens this engine would
+        otherwise compute? ``pays``, or the one refusal in ``EXPLORE`` made anyway."""
+        return self.pays(pages, tokens) or self.explore()
+
+    def explore(self) -> bool:
+        """A pull that does not pay: made anyway once in ``EXPLORE`` (so the pull's side is
+        measured again)."""
         with self._lock:
             self._refused += 1
             return self._refused % EXPLORE == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from rpc.status import KVCacheRpcError
 
@@ -71,7 +72,7 @@ class RemotePool:
         self._nodes: dict[str, str] = {}
         self._nodes_at = 0.0
 
-    def find(self, namespace: str, keys: list[bytes], local: int) -> tuple[int, str] | None:
+    def find(self, namespace: str, keys: Sequence[bytes], local: int) -> tuple[int, str] | None:
         """(pages, source messenger) of the node that holds the most leading pages of ``keys``
         beyond ``local`` (what this engine's node holds); None when no other holds more, or
         without a conductor."""
@@ -98,10 +99,11 @@ class RemotePool:
             self._nodes, self._nodes_at = nodes, time.monotonic()
         return nodes.get(node_id, "")
 
-    def pull(self, namespace: str, keys: list[bytes], source: str) -> str:
-        """Submit the pull of ``keys`` (one chain, in order) from ``source``; the batch id."""
+    def pull(self, namespace: str, keys: list[bytes], source: str, chain: bool = True) -> str:
+        """Submit the pull of ``keys`` (``chain``: one prefix chain, in order) from ``source``;
+        the batch id."""
         # urgent: a request waits on it, it must not queue behind the messenger's bulk jobs
-        batch = self.messenger.submit(namespace, [(k, source) for k in keys], True, True)
+        batch = self.messenger.submit(namespace, [(k, source) for k in keys], chain, True)
         return batch.batch_id
 
     def wait(self, batch_id: str) -> bool:

@@ -57,7 +57,8 @@ default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline
 ``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
 default 10), ``pull_max_cost`` (a pull is made when its wait is predicted at most this times
 what computing its tokens would add, both measured as the engine runs: ``clients.pull_gate``;
-default 1, ``inf``: always). Pulls are for single-rank engines (TP = PP = 1) for now.
+default 1, ``inf``: always). A multi-rank engine (TP, PP) pulls every rank's share, one
+batch per namespace, found by rank 0's keys; each rank loads its own.
 
 vLLM's own P/D flow (its disaggregated proxy, llm-d's routing sidecar): a prefill request whose
 ``kv_transfer_params`` carry ``do_remote_decode`` answers with ``do_remote_prefill``, its node's
@@ -206,7 +207,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         lag = int(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         self._gate = PullGate(self.config.pull_max_cost, lag)
         self._messenger_of_node: str | None = None
-        self._remote_loads: list[tuple[str, str, str, _Transfer]] = []
+        self._remote_loads: list[tuple[str, str, dict[str, str], _Transfer]] = []
         self._pulls: ThreadPoolExecutor | None = None
         self._waiters: dict[str, MessengerClient] = {}
         self._received: dict[str, ConnectorStats] = {}

@@ -51,7 +51,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0
     load: tuple[int, int] | None = None  # (first token, end token) offered to vLLM
-    pulling: str = ""  # the messenger batch bringing its pages from another node
+    pulling: dict[str, str] = field(default_factory=dict)  # namespace -> messenger batch
     pulled: bool = False  # it had its pull: a request vLLM retries (the pull failed) computes
     pull_started: float = 0.0  # when its pull was submitted (perf_counter); 0: none pending
     pull_pages: int = 0
@@ -76,7 +76,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     _epoch: bytes
     _engine_salt: bytes
     _fingerprint: str
-    _remote_loads: list[tuple[str, str, str, _Transfer]]
+    _remote_loads: list[tuple[str, str, dict[str, str], _Transfer]]
     _pool: RemotePool | None
     _pool_retry_at: float
     _gate: PullGate
@@ -132,7 +132,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         # Only a pull started by this call makes the offer asynchronous: one vLLM could not
         # admit last time (no update_state_after_alloc) must not turn a later offer async.
-        st.pulling = ""
+        st.pulling = {}
         t0 = time.perf_counter()
         try:
             hit = self._lookup(st.keys)
@@ -181,18 +181,28 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         if st.pulled:
             return 0  # one pull per request: after a failed one, vLLM computes what it lacks
         pool = self._remote_pool()
-        if pool is None or self._ranks is None or len(self._ranks) != 1:
-            return 0  # NOTE: multi-rank engines load only from their own node for now
+        if pool is None or self._ranks is None:
+            return 0
         assert self.layout is not None
         bt = self.layout.block_tokens
+        # Ask the pool only if the best it could give (every page beyond this node's) pays
+        # (vLLM's P/D flow pulls whatever it costs: its decode engine is not to prefill).
+        gain = last - max(computed, hit * bt)
+        pays = bool(source) or self._gate.pays(-(-gain // bt), gain)
+        if not pays and not self._gate.explore():
+            self.stats.remote_skipped += 1
+            return 0
+        check_found = not source and pays  # an exploring pull is made whatever the pool holds
         t0 = time.perf_counter()
-        params_source = source
         try:
             if source:
                 pages = len(st.keys) if not isinstance(stored, int) else min(stored, len(st.keys))
                 found: tuple[int, str] | None = (pages, source)
             else:
-                found = pool.find(self.namespace, st.keys[: last // bt + 1], hit)
+                # rank 0's share stands for the page (the others' are stored beside it; one
+                # that is not arrives as a load error: recomputed)
+                rank0 = rank_keys(st.keys[: last // bt + 1], self._ranks[0].tag)
+                found = pool.find(self.namespace, rank0, hit)
             if found is None:
                 return 0
             pages, source = found
@@ -200,11 +210,15 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             if end <= max(computed, hit * bt):
                 return 0
             keys = st.keys[hit : -(-end // bt)]
-            # vLLM's P/D flow pulls whatever it costs (its decode engine is not to prefill)
-            if not params_source and not self._gate.worth(len(keys), end - max(computed, hit * bt)):
+            if check_found and not self._gate.pays(len(keys), end - max(computed, hit * bt)):
+                # the pool holds less than the best case: too little to pay
                 self.stats.remote_skipped += 1
                 return 0
-            st.pulling = pool.pull(self.namespace, keys, source)
+            # one pull per namespace of every rank's keys; a lone rank's are one chain
+            st.pulling = {
+                ns: pool.pull(ns, ranked, source, chain=ranks == 1)
+                for ns, ranks, ranked in self._ranks_keys(keys)
+            }
             st.pulled = True
             st.pull_started, st.pull_pages = time.perf_counter(), len(keys)
         except KVCacheRpcError as e:
@@ -296,7 +310,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
             st.saved_pages = max(st.saved_pages, -(-end // self.layout.block_tokens))
             self.stats.hit_tokens += end - first
             st.load = None
-        st.pulling = ""
+        st.pulling = {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCacheConnectorMetadata:
         meta = KVCacheConnectorMetadata(remote=self._remote_loads)

@@ -135,6 +135,22 @@ _PROM = {  # stats key -> (metric name, help)
     "steps": ("vllm:kvcache_steps", "Engine steps with kvcache loads or saves"),
     "step_s": ("vllm:kvcache_step_seconds", "Seconds the kvcache connector took in those steps"),
     "lookup_s": ("vllm:kvcache_lookup_seconds", "Seconds of the scheduler's kvcache lookups"),
+    "remote_pulls": (
+        "vllm:kvcache_remote_pulls",
+        "Requests whose pages were pulled from another kvcache node (the pool)",
+    ),
+    "remote_failed": (
+        "vllm:kvcache_remote_failed",
+        "Pulls from the pool that did not bring every page in time (the rest recomputed)",
+    ),
+    "remote_skipped": (
+        "vllm:kvcache_remote_skipped",
+        "Pulls not made: computing their tokens was predicted faster",
+    ),
+    "remote_wait_s": (
+        "vllm:kvcache_remote_wait_seconds",
+        "Seconds the workers waited for pulled pages (in the background)",
+    ),
     "breaker_trips": (
         "vllm:kvcache_breaker_trips",
         "Times the kvcache node stopped answering (the connector went idle)",

@@ -54,7 +54,8 @@ class KVCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
     # (request, messenger, its batch, pages): loaded in the background once the pull finished
-    remote: list[tuple[str, str, str, _Transfer]] = field(default_factory=list)
+    # (request, this node's messenger, namespace -> its pull's batch, the blocks to load)
+    remote: list[tuple[str, str, dict[str, str], _Transfer]] = field(default_factory=list)
 
 
 class _Pages:

@@ -307,10 +307,12 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ---- the pool's loads (clients.remote_pool) -------------------------------------------------
 
-    def _start_remote_loads(self, loads: list[tuple[str, str, str, _Transfer]]) -> None:
+    def _start_remote_loads(self, loads: list[tuple[str, str, dict[str, str], _Transfer]]) -> None:
         if self._pulls is None:
             self._pulls = ThreadPoolExecutor(4, thread_name_prefix="kvcache-pull")
-        for req_id, messenger, batch_id, transfer in loads:
+        for req_id, messenger, batches, transfer in loads:
+            # this rank's share came in its namespace's batch (with the other ranks' there)
+            batch_id = batches.get(self.namespace, "")
             self._pulls.submit(self._load_remote, req_id, messenger, batch_id, transfer)
 
     def _load_remote(self, req_id: str, messenger: str, batch_id: str, t: _Transfer) -> None:
@@ -328,7 +330,11 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
                     waiter = self._waiters[messenger] = MessengerClient(
                         messenger, self.config.token, self.config.tls_ca_file
                     )
-            done, whole = wait_for_pull(waiter, batch_id, self.config.pull_timeout_s)
+            done, whole = (
+                wait_for_pull(waiter, batch_id, self.config.pull_timeout_s)
+                if batch_id
+                else (False, False)
+            )
             stats.remote_wait_s += time.perf_counter() - t0
             if not whole:
                 stats.remote_failed += 1  # what did arrive is loaded, the rest computed

@@ -22,7 +22,6 @@ from bench.engines.models import (
     make_mtp_model,
 )
 from clients import KVStoreClient
-from clients.vllm_identity import rank_keys
 from kvstore.keys import block_keys, root_key
 from plumbing.launch import start_service
 
@@ -402,34 +401,8 @@ def test_a_sliding_window_model_is_refused_at_start_naming_the_feature(node, wor
 # ---- ranks --------------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_ranks_store_their_own_shares_under_keys_of_their_own(
-    model, node, engine, work
-):
-    """TP=2 (a multi-process engine, one core per rank): each rank stores its KV head under
-    keys of its own in the same namespace, the scheduler offers what both hold, and a later run
-    loads both shares and gets the tokens of a TP=1 full computation."""
-    with Engine(
-        model,
-        {"node": node.address},
-        engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        log_path=str(work / "tp2.log"),
-    ) as e:
-        (full,) = e.generate([PROMPT])
-        (loaded,) = e.generate([PROMPT])
-    (tp1,) = engine.generate([{"tokens": PROMPT, "cache_salt": "tp1"}])  # nothing to load
-    assert full["cached"] == 0 and tp1["cached"] == 0
-    assert loaded["cached"] == 4 * BT and loaded["tokens"] == full["tokens"] == tp1["tokens"]
-    kv = full["kvcache"]
-    assert kv["namespace"].startswith(f"{MODEL}|L2|H1|D32|bfloat16|")
-    assert sorted(kv["ranks"]) == ["tp0/2|pp0/1", "tp1/2|pp0/1"]
-    root = root_key(kv["namespace"], bytes.fromhex(kv["salt"]))
-    chain = block_keys(PROMPT, BT, root)
-    with KVStoreClient(node.address) as c:
-        assert c.lookup(kv["namespace"], keys=chain).hit_blocks == 0  # no rank's own keys
-        for tag in kv["ranks"]:
-            got = c.lookup(kv["namespace"], keys=rank_keys(chain, tag)).hit_blocks
-            assert got == 4, f"rank {tag} holds {got} pages"
+# TP=2: tests/test_vllm_pool.py (each rank's keys, what both hold offered, and a pull of both
+# shares from another node).
 
 
 # ---- reset_cache and stats -------------------------------------------------------------------

@@ -8,8 +8,10 @@ as one request of ``max_tokens`` 1 on a real vLLM CPU engine with a random model
 A conductor and two nodes (A, B) with their messengers run as processes; an engine on A stores
 the prompts; an engine on B with the connector's ``conductor`` set serves them twice, then the
 fresh prompts. Prints the median of each and its ratio to the recompute, the pull's GB/s (pages
-moved / the worker's wait for them) and the connector's time from the scheduler's Locate to the
-load's end per pull. Loopback on one host: the pull's bytes cross no network.
+moved / the worker's wait for them) against one bulk pull of ``--bulk-mib`` between the same
+two nodes' messengers in the same run (the messenger bench's node+messenger figure), and the
+connector's time from the scheduler's Locate to the load's end per pull. Loopback on one host:
+the pull's bytes cross no network.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 
 from bench.engines.models import MODELS, make_model
 from clients.conductor_client import ConductorClient
+from clients.messenger_client import MessengerClient
+from clients.node_client import KVStoreClient
 from plumbing.launch import ServiceProcess, free_port, start_service
 
 BLOCK_TOKENS = 256
@@ -52,6 +56,29 @@ def start_pool(
             "messenger", "--node", nodes[node_id].address, "--listen", messenger_at
         )
     return conductor, nodes, messengers
+
+
+def bulk_pull(source_node: str, messengers: dict[str, ServiceProcess], nbytes: int) -> float:
+    """GB/s of one SubmitTransfer of ``nbytes`` of fresh pages from node A to node B through
+    their messengers (the messenger bench's node+messenger figure, between the same nodes),
+    from the submit to the finished status."""
+    with KVStoreClient(source_node) as a:
+        (ns,) = a.namespaces()
+        page = a.namespace_info(ns).page_bytes
+        rng = np.random.default_rng(1)
+        keys = [rng.bytes(16) for _ in range(max(1, nbytes // page))]
+        for i in range(0, len(keys), 64):
+            chunk = keys[i : i + 64]
+            a.put(ns, [rng.integers(0, 255, page, dtype=np.uint8) for _ in chunk], keys=chunk)
+    source = messengers["A"].address
+    with MessengerClient(messengers["B"].address, timeout_s=60) as m:
+        t0 = time.perf_counter()
+        batch = m.submit(ns, [(k, source) for k in keys])
+        status = m.status(batch.batch_id, wait=True, timeout_s=300)
+        took = time.perf_counter() - t0
+    if not status.finished or status.failed:
+        raise RuntimeError(f"the bulk pull did not finish: {status}")
+    return len(keys) * page / took / 1e9
 
 
 def engine(model: str, connector: dict[str, Any] | None, runs: list[dict[str, Any]]) -> Any:
@@ -79,6 +106,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind")
+    parser.add_argument(
+        "--bulk-mib", type=int, default=256, help="the bulk pull the prompts' are compared with"
+    )
     parser.add_argument("--work", default=None, help="model and logs (default: a temp dir)")
 
 
@@ -114,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return sp
 
     try:
-        conductor, nodes, _ = start_pool(start, layout, ("A", "B"), "2GiB")
+        conductor, nodes, messengers = start_pool(start, layout, ("A", "B"), "2GiB")
         one = [{"prompts": [p], "max_tokens": 1} for p in stored]
         engine(model, {"node": nodes["A"].address}, one)  # A stores them
         pages = args.prompts * ((args.prompt_tokens - 1) // BLOCK_TOKENS)
@@ -128,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         pool = {"node": nodes["B"].address, "conductor": conductor.address, "pull_max_cost": "inf"}
         runs = one + one + [{"prompts": [p], "max_tokens": 1} for p in fresh]
         out = engine(model, pool, runs)
+        bulk = bulk_pull(nodes["A"].address, messengers, args.bulk_mib << 20)
     finally:
         for sp in reversed(procs):
             sp.stop()
@@ -140,14 +171,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.shape} model, {args.prompt_tokens}-token prompts, {n} of each, loopback")
     for name, xs in (("remote hit", remote), ("local hit", local), ("recompute", recompute)):
         med = statistics.median(xs)
-        print(f"  {name:11s} TTFT median {med * 1e3:8.1f} ms  ({med / base:.2f}x recompute)")
+        p99 = float(np.percentile(xs, 99))
+        print(
+            f"  {name:11s} TTFT p50 {med * 1e3:8.1f} ms, p99 {p99 * 1e3:8.1f} ms  "
+            f"({med / base:.2f}x recompute)"
+        )
     pulls = max(1, stats["remote_pulls"])
     moved = stats["loaded_bytes"] / 2  # half the loads were the remote ones, half local
+    pull_gbs = moved / max(stats["remote_wait_s"], 1e-9) / 1e9
     print(
         f"  pulls {stats['remote_pulls']} (failed {stats['remote_failed']}): "
-        f"{moved / max(stats['remote_wait_s'], 1e-9) / 1e9:.2f} GB/s over the worker's wait, "
+        f"{pull_gbs:.2f} GB/s over the worker's wait, "
         f"Locate + submit {stats['remote_lookup_s'] / pulls * 1e3:.1f} ms per pull, "
         f"wait for the pages {stats['remote_wait_s'] / pulls * 1e3:.1f} ms per pull"
+    )
+    print(
+        f"  one bulk pull of {args.bulk_mib} MiB between the same nodes' messengers: "
+        f"{bulk:.2f} GB/s; a prompt's pull {pull_gbs / bulk:.2f}x that"
     )
     return 0
 
