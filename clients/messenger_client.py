@@ -74,6 +74,12 @@ class MessengerClient:
             time.sleep(pause)
             pause = min(2 * pause, 0.5)
 
+    def status_future(self, batch_id: str, timeout_s: float) -> Any:
+        """A TransferStatus(wait) call left in flight (a grpc future: ``done()``, ``result()``
+        once done, ``cancel()``): it answers once the batch finished or ``timeout_s`` passed."""
+        request = pb.TransferStatusRequest(batch_id=batch_id, wait=True, timeout_s=timeout_s)
+        return self._stub.TransferStatus.future(request, timeout=timeout_s + 10)
+
     def pull(
         self,
         namespace: str,

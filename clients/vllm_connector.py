@@ -53,7 +53,8 @@ a node that stopped answering is asked again, default 2), ``model_fingerprint`` 
 identity, instead of sampling the weight files), ``conductor`` (the cluster's conductor: a prefix
 another node holds more of is pulled into this node and loaded while the request waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS``; ``clients.remote_pool``), ``messenger`` (this node's messenger;
-default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100),
+default: the one it registered), ``remote_timeout_ms`` (the conductor's deadline, default 100 or
+``$KVCACHE_CONNECTOR_REMOTE_TIMEOUT_MS``),
 ``pull_timeout_s`` (how long a request waits for pulled pages before vLLM recomputes them,
 default 10), ``pull_max_cost`` (a pull is made when its wait is predicted at most this times
 what computing its tokens would add, both measured as the engine runs: ``clients.pull_gate``;
@@ -72,7 +73,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,7 +106,7 @@ from .vllm_stats import (
     KVCacheConnectorStats,
 )
 from .vllm_transfer import KVCacheConnectorMetadata, _RowMap, _Step, _Transfer, _word_for
-from .vllm_worker import WorkerSide
+from .vllm_worker import WorkerSide, _Pull
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -208,9 +209,8 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         self._gate = PullGate(self.config.pull_max_cost, lag)
         self._messenger_of_node: str | None = None
         self._remote_loads: list[tuple[str, str, dict[str, str], _Transfer]] = []
-        self._pulls: ThreadPoolExecutor | None = None
         self._waiters: dict[str, MessengerClient] = {}
-        self._received: dict[str, ConnectorStats] = {}
+        self._pending_pulls: list[_Pull] = []
         if role == KVConnectorRole.WORKER:
             atexit.register(self._collect, True)  # an engine that exits without shutdown()
         log.info("kvcache connector (%s) on node %s", role.name, self.config.node)
@@ -266,8 +266,9 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         if step is not None:
             step.abort()
         self._collect(wait=True)
-        if self._pulls is not None:
-            self._pulls.shutdown(wait=True)
+        for pull in self._pending_pulls:
+            if pull.call is not None:
+                pull.call.cancel()
         for waiter in self._waiters.values():
             waiter.close()
         if self._pool is not None:

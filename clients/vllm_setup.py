@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 TIMEOUT_ENV = "KVCACHE_CONNECTOR_TIMEOUT_MS"  # timeout_ms when the extra config has none
 MIN_TIMEOUT_ENV = "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS"  # min_timeout_ms, likewise
+REMOTE_TIMEOUT_ENV = "KVCACHE_CONNECTOR_REMOTE_TIMEOUT_MS"  # remote_timeout_ms, likewise
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class ConnectorConfig:
             values["timeout_ms"] = float(os.environ[TIMEOUT_ENV])
         if "min_timeout_ms" not in values and os.environ.get(MIN_TIMEOUT_ENV):
             values["min_timeout_ms"] = float(os.environ[MIN_TIMEOUT_ENV])
+        if "remote_timeout_ms" not in values and os.environ.get(REMOTE_TIMEOUT_ENV):
+            values["remote_timeout_ms"] = float(os.environ[REMOTE_TIMEOUT_ENV])
         if values.get("token"):
             log.warning(
                 "kvcache connector: 'token' in kv_connector_extra_config is printed in vLLM's "

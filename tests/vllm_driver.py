@@ -43,6 +43,9 @@ class Engine:
             **os.environ,
             "KVCACHE_CONNECTOR_TIMEOUT_MS": "10000",
             "KVCACHE_CONNECTOR_MIN_TIMEOUT_MS": "10000",
+            # the conductor's Locate too (100 ms: on two loaded cores a pull was at times
+            # a miss; the test that a dead conductor costs a miss sets its own)
+            "KVCACHE_CONNECTOR_REMOTE_TIMEOUT_MS": "10000",
             **spec.pop("env", {}),
         }
         root = os.path.dirname(HERE)
