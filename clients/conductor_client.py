@@ -38,6 +38,46 @@ def selector(
     return selector_to_pb(namespace, keys, tokens, salt)
 
 
+def schedule_request(
+    namespace: str,
+    keys: Sequence[bytes] | None = None,
+    tokens: Any = None,
+    salt: bytes | str = b"",
+    request_id: str = "",
+    prompt_tokens: int = 0,
+    output_tokens: int = 0,
+    ttft_slo_s: float = 0.0,
+    tbt_slo_s: float = 0.0,
+    exclude_nodes: Sequence[str] = (),
+    aggregated: bool = False,
+    disaggregate_above: int = 0,
+    policy: str = "",
+) -> pb.ScheduleRequest:
+    """What ``ConductorClient.schedule`` sends (for a ``schedule_batch`` too)."""
+    return pb.ScheduleRequest(
+        request_id=request_id,
+        blocks=selector_to_pb(namespace, keys, tokens, salt),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        ttft_slo_s=ttft_slo_s,
+        tbt_slo_s=tbt_slo_s,
+        exclude_nodes=list(exclude_nodes),
+        aggregated=aggregated,
+        disaggregate_above=disaggregate_above,
+        policy=policy,
+    )
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def outcome_error(code: int, message: str, method: str) -> KVCacheRpcError | None:
+    """The error a batch call's outcome stands for (None: OK)."""
+    if code == 0:
+        return None
+    return KVCacheRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, method)
+
+
 class ConductorClient:
     def __init__(
         self,
@@ -98,19 +138,11 @@ class ConductorClient:
     ) -> pb.ScheduleReply:
         reply: pb.ScheduleReply = self._call(
             "Schedule",
-            pb.ScheduleRequest(
-                request_id=request_id,
-                blocks=selector_to_pb(namespace, keys, tokens, salt),
-                prompt_tokens=prompt_tokens,
-                output_tokens=output_tokens,
-                ttft_slo_s=ttft_slo_s,
-                tbt_slo_s=tbt_slo_s,
-                exclude_nodes=list(exclude_nodes),
-                aggregated=aggregated,
-                disaggregate_above=disaggregate_above,
-                policy=policy,
+            schedule_request(
+                namespace, keys, tokens, salt, request_id, prompt_tokens, output_tokens,
+                ttft_slo_s, tbt_slo_s, exclude_nodes, aggregated, disaggregate_above, policy,
             ),
-        )
+        )  # fmt: skip
         return reply
 
     def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]) -> list[pb.ScheduleOutcome]:
@@ -140,6 +172,12 @@ class ConductorClient:
                 phase=pb.COMPLETE_PHASE_FINISHED,
                 transfer_seconds=transfer_seconds,
             ),
+        )
+
+    def complete_batch(self, requests: Sequence[pb.CompleteRequest]) -> list[pb.CompleteOutcome]:
+        """One outcome per Complete, in order (``code`` 0: done)."""
+        return list(
+            self._call("CompleteBatch", pb.CompleteBatchRequest(requests=requests)).outcomes
         )
 
     def list_nodes(self) -> pb.ListNodesReply:

@@ -2,7 +2,7 @@
 
 With etcd (``conductor.membership_watch``, ``conductor.leader``) membership comes from etcd, so the
 registry RPCs answer FAILED_PRECONDITION, and only the elected leader schedules: a standby answers
-Schedule / ScheduleBatch / Complete with FAILED_PRECONDITION naming the leader.
+Schedule / ScheduleBatch / Complete / CompleteBatch with FAILED_PRECONDITION naming the leader.
 
 Security: node membership RPCs (register, heartbeat, unregister) need the admin token (tenant
 ""). Request keys are scoped to the caller's tenant exactly as the node server scopes them
@@ -284,7 +284,34 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     def Complete(self, request, context):
         if not self.leadership.leading:
             self._redirect(context)
+        self._complete(request, self._tenant(context))
+        return pb.CompleteReply()
+
+    @observed
+    def CompleteBatch(self, request, context):
+        if not self.leadership.leading:
+            self._redirect(context)
         tenant = self._tenant(context)
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidArgument(
+                f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
+            )
+        reply = pb.CompleteBatchReply()
+        add = reply.outcomes.add
+        for item in request.requests:
+            try:
+                self._complete(item, tenant)
+                add()
+            except (KVStoreError, ValueError) as e:
+                code = (
+                    status_for(e)
+                    if isinstance(e, KVStoreError)
+                    else grpc.StatusCode.INVALID_ARGUMENT
+                )
+                add(code=code.value[0], message=str(e))
+        return reply
+
+    def _complete(self, request, tenant: str) -> None:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         if len(request.request_id) > MAX_REQUEST_ID:  # longer than Schedule takes: never scheduled
@@ -307,7 +334,6 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             since = time.monotonic() - self.leadership.took_lead_at
             if since > self.conductor.scheduler.config.stale_after_s:
                 raise
-        return pb.CompleteReply()
 
     # ---- queries --------------------------------------------------------------------------
 

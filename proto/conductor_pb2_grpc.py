@@ -65,6 +65,11 @@ class ConductorServiceStub(object):
                 request_serializer=proto_dot_conductor__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=proto_dot_conductor__pb2.CompleteReply.FromString,
                 _registered_method=True)
+        self.CompleteBatch = channel.unary_unary(
+                '/kvcache.v1.ConductorService/CompleteBatch',
+                request_serializer=proto_dot_conductor__pb2.CompleteBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_conductor__pb2.CompleteBatchReply.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/kvcache.v1.ConductorService/ListNodes',
                 request_serializer=proto_dot_conductor__pb2.ListNodesRequest.SerializeToString,
@@ -106,7 +111,7 @@ class ConductorServiceServicer(object):
     def Schedule(self, request, context):
         """Place one request. RESOURCE_EXHAUSTED (message names the SLO) when no choice meets its SLOs;
         FAILED_PRECONDITION when no node serves its namespace. With etcd (several conductors), only
-        the elected leader places requests (also ScheduleBatch and Complete): a standby answers
+        the elected leader places requests (also ScheduleBatch, Complete, CompleteBatch): a standby answers
         FAILED_PRECONDITION naming the leader (trailing metadata `kvcache-leader`: its address), or
         UNAVAILABLE while nobody leads.
         """
@@ -124,6 +129,14 @@ class ConductorServiceServicer(object):
 
     def Complete(self, request, context):
         """The request's prefill finished (phase PREFILLED) or the whole request did (FINISHED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteBatch(self, request, context):
+        """Several Complete calls in one (a front end coalescing its requests' ends): one outcome per
+        call, in order, each OK or the status Complete would have failed with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +187,11 @@ def add_ConductorServiceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=proto_dot_conductor__pb2.CompleteRequest.FromString,
                     response_serializer=proto_dot_conductor__pb2.CompleteReply.SerializeToString,
+            ),
+            'CompleteBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteBatch,
+                    request_deserializer=proto_dot_conductor__pb2.CompleteBatchRequest.FromString,
+                    response_serializer=proto_dot_conductor__pb2.CompleteBatchReply.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -348,6 +366,33 @@ class ConductorService(object):
             '/kvcache.v1.ConductorService/Complete',
             proto_dot_conductor__pb2.CompleteRequest.SerializeToString,
             proto_dot_conductor__pb2.CompleteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.ConductorService/CompleteBatch',
+            proto_dot_conductor__pb2.CompleteBatchRequest.SerializeToString,
+            proto_dot_conductor__pb2.CompleteBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -269,7 +269,27 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
         ]
         assert outcomes[0].reply.request_id == "b1" and outcomes[0].reply.reuse_blocks == 12
         assert "TTFT SLO" in outcomes[1].message and "16 bytes" in outcomes[2].message
-        cc.complete("b1")
+        # Completes in a batch: each done or failed on its own, in order.
+        assert cc.schedule(NS, tokens=prompt, request_id="b5").request_id == "b5"
+        assert cc.list_nodes().pending_requests == 2
+        done = cc.complete_batch(
+            [
+                pb.CompleteRequest(request_id="b1", phase=pb.COMPLETE_PHASE_PREFILLED),
+                pb.CompleteRequest(request_id="b1"),
+                pb.CompleteRequest(request_id=""),
+                pb.CompleteRequest(request_id="b5", prefill_seconds=-1),
+                pb.CompleteRequest(request_id="never-scheduled"),
+                pb.CompleteRequest(request_id="b5", prefill_seconds=0.2),
+            ]
+        )
+        codes = [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+        codes += [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OK]
+        assert [o.code for o in done] == [c.value[0] for c in codes]
+        assert "request_id is required" in done[2].message and ">= 0" in done[3].message
+        assert cc.list_nodes().pending_requests == 0
+        too_many = [pb.CompleteRequest(request_id="x")] * 1025
+        code, msg = rpc_error(lambda: cc.complete_batch(too_many))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 1024" in msg
         code, msg = rpc_error(
             lambda: cc.schedule_batch(
                 [pb.ScheduleRequest(blocks=selector(NS, tokens=prompt))] * 1025
@@ -285,7 +305,7 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
 
     # What happened is visible in the metrics.
     decisions = 'kvcache_conductor_schedule_decisions_total{policy="global-cache",transfer="%s"}'
-    assert scrape(c, decisions % "no") == 3 and scrape(c, decisions % "yes") == 1
+    assert scrape(c, decisions % "no") == 4 and scrape(c, decisions % "yes") == 1
     assert scrape(c, 'kvcache_conductor_schedule_rejections_total{slo="ttft"}') == 2
     assert scrape(c, 'kvcache_conductor_schedule_rejections_total{slo="tbt"}') == 1
     assert scrape(c, 'kvcache_conductor_nodes{role="prefill"}') == 2

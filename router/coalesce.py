@@ -1,0 +1,82 @@
+"""Calls to the conductor from many requests in flight, made as one batch RPC (group commit):
+while a batch is on the wire the calls that arrive wait, then go together in the next. A call
+alone goes at once, so one stream pays what a unary call costs; 128 streams pay a fraction of a
+call each instead of a call each (the router's profile at 128 streams: 60% of its time in
+threads waiting on the conductor's Schedule and Complete, most of it gRPC's per-call cost on
+both sides)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Callable, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+I = TypeVar("I")  # noqa: E741 - an item of a batch
+R = TypeVar("R")
+
+MAX_BATCH = 1024  # the conductor's limit per batch RPC
+
+
+class Coalescer(Generic[I, R]):
+    """``submit(item)`` -> a future of its result. ``send(items)`` makes one batch RPC and
+    returns each item's result or exception, in order; an exception it raises fails them all."""
+
+    def __init__(
+        self,
+        send: Callable[[list[I]], list[R | BaseException]],
+        name: str,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self._send = send
+        self._max = max_batch
+        self._cond = threading.Condition()
+        self._pending: list[tuple[I, Future[R]]] = []
+        self._closed = False
+        self.batches = 0  # batch RPCs made (what the tests and metrics read)
+        self.items = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: I) -> Future[R]:
+        future: Future[R] = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the router is stopping")
+            self._pending.append((item, future))
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Send what is pending, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return  # closed, nothing left
+                batch, self._pending = self._pending[: self._max], self._pending[self._max :]
+            live = [(item, f) for item, f in batch if f.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            try:
+                results = self._send([item for item, _ in live])
+                if len(results) != len(live):
+                    raise RuntimeError(f"{len(results)} results for {len(live)} calls")
+            except BaseException as e:  # noqa: BLE001 - every caller hears of it
+                results = [e] * len(live)
+            self.batches += 1
+            self.items += len(live)
+            for (_, future), result in zip(live, results):
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)

@@ -1,0 +1,74 @@
+"""router.coalesce: the router's conductor calls from requests in flight go as batch RPCs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from router.coalesce import Coalescer
+
+from helpers import wait_until
+
+
+class Wire:
+    """A batch RPC that holds each call until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.go = threading.Semaphore(0)
+        self.fail: BaseException | None = None
+
+    def send(self, items: list[int]) -> list[int | BaseException]:
+        self.batches.append(list(items))
+        self.go.acquire()
+        if self.fail is not None:
+            raise self.fail
+        return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
+
+
+def test_calls_that_arrive_while_a_batch_is_on_the_wire_go_together_in_order():
+    wire = Wire()
+    c = Coalescer(wire.send, "test-coalesce")
+    try:
+        first = c.submit(0)
+        wait_until(lambda: wire.batches == [[0]], 10, "the first call to go at once, alone")
+        rest = [c.submit(i) for i in range(1, 7)]
+        wire.go.release()
+        assert first.result(10) == 0
+        wait_until(lambda: len(wire.batches) == 2, 10, "the next batch")
+        assert wire.batches[1] == [1, 2, 3, 4, 5, 6]  # one RPC for the six, in order
+        wire.go.release()
+        for i, f in enumerate(rest, 1):
+            if i % 2:
+                with pytest.raises(ValueError, match=f"odd {i}"):  # its own outcome
+                    f.result(10)
+            else:
+                assert f.result(10) == i * 10
+        assert (c.batches, c.items) == (2, 7)
+    finally:
+        wire.go.release(10)
+        c.close()
+
+
+def test_a_failed_batch_fails_each_call_a_cancelled_call_is_not_sent_close_flushes():
+    wire = Wire()
+    c = Coalescer(wire.send, "test-coalesce", max_batch=2)
+    holding = c.submit(0)
+    wait_until(lambda: len(wire.batches) == 1, 10, "the first batch")
+    dropped = c.submit(2)
+    assert dropped.cancel()  # the caller left before it went
+    kept = [c.submit(4), c.submit(6), c.submit(8)]
+    wire.fail = ConnectionError("conductor gone")
+    wire.go.release(10)
+    with pytest.raises(ConnectionError):
+        holding.result(10)
+    for f in kept:
+        with pytest.raises(ConnectionError):
+            f.result(10)
+    c.close()  # returns once what was pending went
+    assert [b for b in wire.batches if 2 in b] == []  # the cancelled call never went
+    assert sorted(i for b in wire.batches for i in b) == [0, 4, 6, 8]
+    assert max(len(b) for b in wire.batches) == 2  # at most max_batch per RPC
+    with pytest.raises(RuntimeError, match="stopping"):
+        c.submit(10)
