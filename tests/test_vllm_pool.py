@@ -190,7 +190,6 @@ def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(mod
     assert held(cluster, "A", keys, PROMPT, MALLORY) == 0
 
 
-@pytest.mark.skip(reason="flaky under the full suite's load (a pull at times not done in time); see the closing note")
 def test_a_tensor_parallel_engine_stores_a_share_per_rank_and_pulls_every_ranks_share(model, work):
     """TP=2 (a multi-process engine, one core per rank) on node E of a pool: each rank stores
     its KV head under keys of its own in the same namespace; once only node F holds the prompt,

@@ -6,8 +6,9 @@ CPU time.
     proc = spawn(os.environ | {...}, stdin_fd, stdout_fd, stderr_fd)  # a Popen-like handle
     proc.pid, proc.poll(), proc.wait(timeout), proc.kill()
 
-A forked engine is a process of its own session (its own group, as ``start_new_session``
-gives), with the environment and standard streams it was given, running ``vllm_driver.main``.
+A forked engine is a process group of its own (what ``start_new_session`` gives, but in the
+test's session), with the environment and standard streams it was given, running
+``vllm_driver.main``.
 Its exit status reaches the test process through the server, which reaps it. The server ends
 when the test process does (its stdin closes); it starts no thread, so forking it is safe.
 """
@@ -199,7 +200,12 @@ def _fork(conn: socket.socket, close: list[Any]) -> int:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
+        # NOTE: a group of its own, in the test's session: a session of its own is an
+        # autogroup of its own too (kernel.sched_autogroup_enabled), and a TP engine's two
+        # spinning ranks, pinned one per core, then took both cores from the nodes and
+        # messengers of the test's session for 10 s and more (their leases lapsed, pulls
+        # passed their deadlines) whenever anything else of that session was busy.
+        os.setpgid(0, 0)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             os.close(fd)
