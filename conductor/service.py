@@ -16,6 +16,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -197,24 +199,12 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if not self.leadership.leading:
             self._redirect(context)
         tenant = self._tenant(context)
-        if len(request.requests) > MAX_BATCH:
-            raise InvalidArgument(
-                f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
-            )
-        # NOTE: outcomes are added to the reply in place: a list of messages passed to the
-        # constructor is copied once more, per outcome.
         reply = pb.ScheduleBatchReply()
-        add = reply.outcomes.add
-        for item in request.requests:
-            try:
-                add(reply=self._schedule(item, tenant))
-            except (KVStoreError, ValueError) as e:
-                code = (
-                    status_for(e)
-                    if isinstance(e, KVStoreError)
-                    else grpc.StatusCode.INVALID_ARGUMENT
-                )
-                add(code=code.value[0], message=str(e))
+        _each(
+            request.requests,
+            reply.outcomes.add,
+            lambda item: {"reply": self._schedule(item, tenant)},
+        )
         return reply
 
     def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
@@ -292,23 +282,13 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         if not self.leadership.leading:
             self._redirect(context)
         tenant = self._tenant(context)
-        if len(request.requests) > MAX_BATCH:
-            raise InvalidArgument(
-                f"{len(request.requests)} requests in one batch; the limit is {MAX_BATCH}"
-            )
         reply = pb.CompleteBatchReply()
-        add = reply.outcomes.add
-        for item in request.requests:
-            try:
-                self._complete(item, tenant)
-                add()
-            except (KVStoreError, ValueError) as e:
-                code = (
-                    status_for(e)
-                    if isinstance(e, KVStoreError)
-                    else grpc.StatusCode.INVALID_ARGUMENT
-                )
-                add(code=code.value[0], message=str(e))
+
+        def one(item: pb.CompleteRequest) -> dict[str, Any]:
+            self._complete(item, tenant)
+            return {}  # an empty outcome: done
+
+        _each(request.requests, reply.outcomes.add, one)
         return reply
 
     def _complete(self, request, tenant: str) -> None:
@@ -451,6 +431,24 @@ class ConductorServicer(pbg.ConductorServiceServicer):
                     "%d scheduled requests were never completed; dropped from the ledger",
                     len(report.stale_requests),
                 )
+
+
+def _each(
+    items: Sequence[Any], add: Callable[..., Any], one: Callable[[Any], dict[str, Any]]
+) -> None:
+    """A batch RPC's items, each answered on its own: ``add(**one(item))``, or its error's status
+    code and message (one bad item fails only itself). NOTE: outcomes are added to the reply
+    in place: a list of messages passed to the constructor is copied once more, per outcome."""
+    if len(items) > MAX_BATCH:
+        raise InvalidArgument(f"{len(items)} requests in one batch; the limit is {MAX_BATCH}")
+    for item in items:
+        try:
+            add(**one(item))
+        except (KVStoreError, ValueError) as e:
+            code = (
+                status_for(e) if isinstance(e, KVStoreError) else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            add(code=code.value[0], message=str(e))
 
 
 def _scoped_id(tenant: str, request_id: str) -> str:
