@@ -62,7 +62,7 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 
-from clients.conductor_client import ConductorClient, outcome_error, schedule_request
+from clients.conductor_client import schedule_request
 from clients.messenger_client import MessengerClient
 from clients.vllm_identity import rank_keys, salt_of
 from kvstore.keys import block_keys, root_key
@@ -73,7 +73,7 @@ from rpc.status import KVCacheRpcError
 from rpc.wire import layout_from_pb, transfer_keys
 
 from .catalog import Catalog, ModelInfo
-from .coalesce import MAX_BATCH, Coalescer
+from .conductor_calls import ConductorCalls
 from .engines import Engine, EngineClient, EngineError, EngineStream, EngineTimeouts
 from .metrics import RouterMetrics
 from .protocol import CHAT, COMPLETIONS, Completion, RouterError, check_context
@@ -162,16 +162,8 @@ class Disaggregator:
             raise ValueError(f"mode must be one of {MODES}, got {options.mode!r}")
         self.http = EngineClient(options.timeouts, options.pooled)
         self.catalog = Catalog(self.engines, self.http)
-        self.conductor = ConductorClient(options.conductor, options.token, options.tls_ca)
+        self.conductor = ConductorCalls(options.conductor, options.token, options.tls_ca)
         self._calls = ThreadPoolExecutor(options.call_workers, thread_name_prefix="router-rpc")
-        # Schedule and Complete of the requests in flight go to the conductor in batches
-        # (router.coalesce): one call's cost shared by every request that arrived meanwhile.
-        self._schedules: Coalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = Coalescer(
-            self._schedule_batch, "router-schedule"
-        )
-        self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
-            self._complete_batch, "router-complete"
-        )
         self._pulls = ThreadPoolExecutor(options.pull_workers, thread_name_prefix="router-pull")
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
@@ -188,15 +180,13 @@ class Disaggregator:
 
     async def close(self) -> None:
         await self.http.close()
-        for batches in (self._schedules, self._completes):
-            await asyncio.get_running_loop().run_in_executor(None, batches.close)
+        await asyncio.get_running_loop().run_in_executor(None, self.conductor.close)
         for pool in (self._pulls, self._calls):
             pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             messengers, self._messengers = list(self._messengers.values()), {}
         for m in messengers:
             m.close()
-        self.conductor.close()
 
     async def _run(
         self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None
@@ -222,9 +212,9 @@ class Disaggregator:
         if self._layout is not None:
             return self._layout
         try:
-            reply = await self._run(self.conductor.list_nodes)
+            reply = await self._run(self.conductor.client.list_nodes)
         except KVCacheRpcError as e:
-            raise self._conductor_error(e) from None
+            raise self.conductor.error(e) from None
         layouts = {
             layout.namespace: layout
             for status in reply.nodes
@@ -329,7 +319,9 @@ class Disaggregator:
             served.cached_tokens = _cached_tokens(out)
             served.prefill_cached_tokens = served.cached_tokens or 0
             self.metrics.prefill_cached_tokens.inc(served.prefill_cached_tokens)
-            self._report(served.ledger_id, cpb.COMPLETE_PHASE_PREFILLED, took, served.transfer_s)
+            self.conductor.report(
+                served.ledger_id, cpb.COMPLETE_PHASE_PREFILLED, took, served.transfer_s
+            )
             served.transfer_s = 0.0  # reported
             served.stage = "decode_pull"
             root, ranks = self._keys_of(out, layout)
@@ -438,7 +430,7 @@ class Disaggregator:
         exclude: list[str],
     ) -> cpb.ScheduleReply:
         t = time.perf_counter()
-        future = self._schedules.submit(
+        future = self.conductor.schedule(
             schedule_request(
                 layout.namespace,
                 tokens=tokens,
@@ -457,7 +449,7 @@ class Disaggregator:
         try:
             reply: cpb.ScheduleReply = await asyncio.wrap_future(future)
         except KVCacheRpcError as e:
-            raise self._conductor_error(e) from None
+            raise self.conductor.error(e) from None
         except asyncio.CancelledError:
             # The conductor may enter it in its ledger still: free it when the call returns.
             future.add_done_callback(functools.partial(self._complete_if_scheduled, served))
@@ -559,56 +551,7 @@ class Disaggregator:
     def finish(self, served: Served) -> None:
         """Free the conductor's ledger entry (on the pool: also from a cancelled request), with
         the wait for its transfer plan if not reported yet."""
-        self._report(served.ledger_id, cpb.COMPLETE_PHASE_FINISHED, 0.0, served.transfer_s)
-
-    def _report(self, ledger_id: str, phase: int, prefill_s: float, transfer_s: float) -> None:
-        """A Complete sent without waiting (in the next batch; batches go in order, so a
-        request's PREFILLED reaches the conductor before its FINISHED)."""
-        call = cpb.CompleteRequest(
-            request_id=ledger_id,
-            phase=phase,  # type: ignore[arg-type]
-            prefill_seconds=prefill_s,
-            transfer_seconds=transfer_s,
-        )
-        try:
-            self._completes.submit(call).add_done_callback(
-                functools.partial(_log_failed_complete, ledger_id)
-            )
-        except RuntimeError:  # shutting down: the conductor expires the entry by itself
-            log.info("Complete(%s) not sent: the router is stopping", ledger_id)
-
-    def _schedule_batch(
-        self, calls: list[cpb.ScheduleRequest]
-    ) -> list[cpb.ScheduleReply | BaseException]:
-        out: list[cpb.ScheduleReply | BaseException] = []
-        for i in range(0, len(calls), MAX_BATCH):
-            for o in self.conductor.schedule_batch(calls[i : i + MAX_BATCH]):
-                error = outcome_error(o.code, o.message, "Schedule")
-                out.append(o.reply if error is None else error)
-        return out
-
-    def _complete_batch(self, calls: list[cpb.CompleteRequest]) -> list[None | BaseException]:
-        outcomes = self.conductor.complete_batch(calls)
-        return [outcome_error(o.code, o.message, "Complete") for o in outcomes]
-
-    def _conductor_error(self, e: KVCacheRpcError) -> RouterError:
-        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            # NOTE: the conductor's estimate depends on how much of the prompt is cached, which
-            # is not the caller's to learn (app.py): the reason goes out, the figures to the log.
-            public, sep, _ = e.details.partition(": best estimate")
-            if sep:
-                log.info("conductor refused a request: %s", e.details)
-                public += "; retry later or relax the SLO"
-            return RouterError(429, public, "rate_limit_exceeded")
-        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
-            return RouterError(400, e.details)
-        if e.code == grpc.StatusCode.FAILED_PRECONDITION:
-            return RouterError(503, e.details, "service_unavailable")
-        return RouterError(
-            503,
-            f"conductor at {self.options.conductor}: {e.code.name}: {e.details}",
-            "service_unavailable",
-        )
+        self.conductor.report(served.ledger_id, cpb.COMPLETE_PHASE_FINISHED, 0.0, served.transfer_s)
 
 
 def _cached_tokens(reply: Any) -> int | None:
@@ -635,9 +578,3 @@ def _from_engine(e: EngineError, stage: str) -> RouterError:
     if 400 <= e.status < 500:
         return RouterError(e.status, str(e), body=e.body)
     return RouterError(502, f"{stage} failed: {e}", "bad_gateway")
-
-
-def _log_failed_complete(ledger_id: str, done: concurrent.futures.Future[None]) -> None:
-    error = None if done.cancelled() else done.exception()
-    if error is not None:  # it expires on its own (stale ledger entries)
-        log.info("Complete(%s) failed: %s", ledger_id, error)

@@ -1,0 +1,99 @@
+"""The router's calls to the conductor: ``Schedule`` and ``Complete`` of the requests in flight
+go in batches (``router.coalesce``: one call's cost shared by every request that arrived
+meanwhile), and the conductor's refusals become the HTTP errors a client reads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+
+import grpc
+
+from clients.conductor_client import ConductorClient, outcome_error
+from proto import conductor_pb2 as cpb
+from rpc.status import KVCacheRpcError
+
+from .coalesce import MAX_BATCH, Coalescer
+from .protocol import RouterError
+
+log = logging.getLogger(__name__)
+
+
+class ConductorCalls:
+    def __init__(self, address: str, token: str | None, tls_ca: str | None) -> None:
+        self.address = address
+        self.client = ConductorClient(address, token, tls_ca)
+        self._schedules: Coalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = Coalescer(
+            self._schedule_batch, "router-schedule"
+        )
+        self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
+            self._complete_batch, "router-complete"
+        )
+
+    def schedule(self, call: cpb.ScheduleRequest) -> concurrent.futures.Future[cpb.ScheduleReply]:
+        """The conductor's decision, in the next batch: a future (``KVCacheRpcError`` if
+        refused; ``error`` says it as the client hears it)."""
+        return self._schedules.submit(call)
+
+    def report(self, ledger_id: str, phase: int, prefill_s: float, transfer_s: float) -> None:
+        """A Complete sent without waiting (in the next batch; batches go in order, so a
+        request's PREFILLED reaches the conductor before its FINISHED)."""
+        call = cpb.CompleteRequest(
+            request_id=ledger_id,
+            phase=phase,  # type: ignore[arg-type]
+            prefill_seconds=prefill_s,
+            transfer_seconds=transfer_s,
+        )
+        try:
+            self._completes.submit(call).add_done_callback(
+                functools.partial(_log_failed_complete, ledger_id)
+            )
+        except RuntimeError:  # shutting down: the conductor expires the entry by itself
+            log.info("Complete(%s) not sent: the router is stopping", ledger_id)
+
+    def close(self) -> None:
+        """Send what is pending, then close the channel (blocks: run it off the event loop)."""
+        for batches in (self._schedules, self._completes):
+            batches.close()
+        self.client.close()
+
+    def error(self, e: KVCacheRpcError) -> RouterError:
+        """A conductor's refusal as the client hears it."""
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # NOTE: the conductor's estimate depends on how much of the prompt is cached, which
+            # is not the caller's to learn (app.py): the reason goes out, the figures to the log.
+            public, sep, _ = e.details.partition(": best estimate")
+            if sep:
+                log.info("conductor refused a request: %s", e.details)
+                public += "; retry later or relax the SLO"
+            return RouterError(429, public, "rate_limit_exceeded")
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RouterError(400, e.details)
+        if e.code == grpc.StatusCode.FAILED_PRECONDITION:
+            return RouterError(503, e.details, "service_unavailable")
+        return RouterError(
+            503,
+            f"conductor at {self.address}: {e.code.name}: {e.details}",
+            "service_unavailable",
+        )
+
+    def _schedule_batch(
+        self, calls: list[cpb.ScheduleRequest]
+    ) -> list[cpb.ScheduleReply | BaseException]:
+        out: list[cpb.ScheduleReply | BaseException] = []
+        for i in range(0, len(calls), MAX_BATCH):
+            for o in self.client.schedule_batch(calls[i : i + MAX_BATCH]):
+                error = outcome_error(o.code, o.message, "Schedule")
+                out.append(o.reply if error is None else error)
+        return out
+
+    def _complete_batch(self, calls: list[cpb.CompleteRequest]) -> list[None | BaseException]:
+        outcomes = self.client.complete_batch(calls)
+        return [outcome_error(o.code, o.message, "Complete") for o in outcomes]
+
+
+def _log_failed_complete(ledger_id: str, done: concurrent.futures.Future[None]) -> None:
+    error = None if done.cancelled() else done.exception()
+    if error is not None:  # it expires on its own (stale ledger entries)
+        log.info("Complete(%s) failed: %s", ledger_id, error)
