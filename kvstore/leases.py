@@ -61,6 +61,9 @@ class ReadLease:
 class WriteLeaseState:
     lease: WriteLease
     deadline: float  # ``lease.expires_at`` until ``extend`` moves it
+    # xxh3-64 of pages ``write`` copied whole (by index in the lease), hashed while still in
+    # cache; commit seals them with these instead of reading every page back
+    sums: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -231,7 +231,8 @@ class TierMovement(BlockStore):
                     self._discard(key, h)
                     continue
                 else:
-                    dst.pool.seal(dslot)
+                    # the source's checksum, checked as the page was copied: no second pass
+                    dst.pool.seal(dslot, src.pool.checksum(slot))
             src.pool.drop_pages([slot], [key])
             pins = src.pins[slot]
             src.pins[slot] = 0

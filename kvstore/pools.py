@@ -26,6 +26,7 @@ class PagePool(ABC):
     num_pages: int
     page_bytes: int
     has_data: bool = True
+    checksums: bool = False  # seals its pages with their xxh3-64 (``seal``)
 
     @abstractmethod
     def page_view(self, slot: int) -> ByteView | None:

@@ -307,6 +307,46 @@ def test_checksums_of_dram_pages_are_what_readers_check_against():
         store.release(lease.lease_id)
 
 
+def test_a_page_written_whole_is_sealed_with_the_hash_taken_as_it_was_copied():
+    """``write`` hashes a page as it copies it (commit seals with that, no second pass); a page
+    changed after, by a layer write or in place, is hashed at commit: never a stale seal."""
+    import xxhash
+
+    def digest(i: int) -> int:
+        return xxhash.xxh3_64_intdigest(page(i).view(np.uint8))
+
+    with make_store(dram_pages=8) as store:
+        lease = store.allocate(keys(1, 2, 3))
+        for i in lease.to_write:
+            store.write(lease.lease_id, i, page(i + 1))
+        # page 2 gets page 7's first layer afterwards: its write-time hash is stale
+        store.write_layer(
+            lease.lease_id, 0, np.stack([page(7).view(np.uint8)] * 3)[:, : LAYOUT.layer_bytes]
+        )
+        store.commit(lease.lease_id)
+        got = store.read(keys(1, 2, 3))
+        assert all(p is not None for p in got)  # sealed with what they hold: none dropped
+        want = [page(i).view(np.uint8).copy() for i in (1, 2, 3)]
+        for w in want:
+            w[: LAYOUT.layer_bytes] = page(7).view(np.uint8)[: LAYOUT.layer_bytes]
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+        lease = store.allocate(keys(4, 5))
+        store.write(lease.lease_id, 0, page(4))
+        store.write(lease.lease_id, 1, page(5))
+        view = store.page_view(lease, 1)
+        view[:] = page(6).view(np.uint8)  # in place, after the write: committed as in place
+        store.commit(lease.lease_id, written_in_place=True)
+        read = store.acquire(keys(4, 5))
+        assert store.checksums(read) == [digest(4), digest(6)]
+        store.release(read.lease_id)
+        assert [p.tobytes() for p in store.read(keys(4, 5))] == [
+            page(4).tobytes(),
+            page(6).tobytes(),
+        ]
+        assert store.stats().corrupt_pages == 0
+        store.check_invariants()
+
+
 def test_a_page_demoted_and_promoted_back_keeps_a_checksum(tmp_path):
     with make_store(dram_pages=1, ssd_pages=4, ssd_dir=str(tmp_path)) as store:
         store.put(keys(1), [page(1)])
