@@ -40,10 +40,13 @@ class MessengerClient:
         entries: Iterable[tuple[bytes, str]],
         chain: bool = False,
         urgent: bool = False,
+        hold_s: float = 0.0,
     ) -> pb.SubmitTransferReply:
         """``entries``: (key, source messenger gRPC address) pairs; ``chain``: their keys are
         one prefix chain in order (a prompt's blocks), linked as such on the destination;
-        ``urgent``: a request waits on them (not queued behind bulk jobs)."""
+        ``urgent``: a request waits on them (not queued behind bulk jobs); ``hold_s``: the
+        destination node keeps them pinned that long once they are there (at most 60 s), so
+        the reader this batch's end is for finds them though the node evicts meanwhile."""
         reply: pb.SubmitTransferReply = self._call(
             "SubmitTransfer",
             pb.SubmitTransferRequest(
@@ -51,6 +54,7 @@ class MessengerClient:
                 entries=[pb.TransferEntry(key=k, source=s) for k, s in entries],
                 chain=chain,
                 urgent=urgent,
+                hold_s=hold_s,
             ),
         )
         return reply

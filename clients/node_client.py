@@ -368,14 +368,21 @@ class KVStoreClient:
             self._call(undo, request)
 
     def commit(
-        self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None
+        self,
+        lease: WriteLease,
+        checksums: Sequence[int] | NDArray[Any] | None = None,
+        hold_s: float = 0.0,
     ) -> CommitResult:
         """Publish the lease's pages. ``checksums``: the xxh3-64 of each page as written, one
         per key of the lease in its order (any value where ``offsets`` is -1), for a writer
         that has them already (it verified the pages): the node keeps them instead of hashing
         every page again. A wrong one makes its page read back as corrupt (dropped, not served);
-        a wrong count is ``INVALID_ARGUMENT`` and the lease stays open."""
-        return commit_result(self._call("Commit", commit_request(lease, checksums)))
+        a wrong count is ``INVALID_ARGUMENT`` and the lease stays open. ``hold_s``: the node
+        keeps the lease's pages pinned that long after (a read lease that lapses), for a reader
+        this writer tells they are there."""
+        request = commit_request(lease, checksums)
+        request.hold_s = hold_s
+        return commit_result(self._call("Commit", request))
 
     def commit_async(
         self, lease: WriteLease, checksums: Sequence[int] | NDArray[Any] | None = None

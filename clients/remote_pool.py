@@ -27,6 +27,7 @@ from .messenger_client import MessengerClient
 log = logging.getLogger(__name__)
 
 NODES_TTL_S = 10.0  # how long the cluster's node -> messenger map is trusted
+HOLD_S = 5.0  # pulled pages stay pinned on the engine's node this long (its next steps load them)
 
 
 def messengers(conductor: ConductorClient) -> dict[str, str]:
@@ -68,6 +69,8 @@ class RemotePool:
         self.messenger = MessengerClient(messenger, token, tls_ca_file, timeout_s=timeout_s)
         self.node_id = node_id
         self.pull_timeout_s = pull_timeout_s
+        # as long as the engine may take to load what arrived (by its deadline at the latest)
+        self.hold_s = min(HOLD_S, pull_timeout_s)
         self._lock = threading.Lock()
         self._nodes: dict[str, str] = {}
         self._nodes_at = 0.0
@@ -102,8 +105,12 @@ class RemotePool:
     def pull(self, namespace: str, keys: list[bytes], source: str, chain: bool = True) -> str:
         """Submit the pull of ``keys`` (``chain``: one prefix chain, in order) from ``source``;
         the batch id."""
-        # urgent: a request waits on it, it must not queue behind the messenger's bulk jobs
-        batch = self.messenger.submit(namespace, [(k, source) for k in keys], chain, True)
+        # urgent: a request waits on it, it must not queue behind the messenger's bulk jobs;
+        # held: the pages stay pinned on this engine's node until it has loaded them (it loads
+        # them in the step after it hears the pull is done), whatever the node evicts meanwhile
+        batch = self.messenger.submit(
+            namespace, [(k, source) for k in keys], chain, True, hold_s=self.hold_s
+        )
         return batch.batch_id
 
     def wait(self, batch_id: str) -> bool:

@@ -26,6 +26,11 @@ from .layout import KVLayout
 from .records import StoreConfig
 from .tiers import Tier
 
+# The longest pin a commit may keep for a reader it tells the pages are there (Commit's and
+# SubmitTransfer's hold_s): long enough for a reader's next step, short enough that nobody
+# pins pages for good with it.
+MAX_HOLD_S = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class WriteLease:

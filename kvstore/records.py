@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .budget import SharedBudget
 from .tiers import Tier
+
+if TYPE_CHECKING:
+    from .leases import ReadLease
 
 DEFAULT_LEASE_TTL_S = 30.0
 
@@ -73,6 +76,7 @@ _TIER_OF_CODE = {1: Tier.GPU, 2: Tier.DRAM, 3: Tier.SSD}
 class CommitResult:
     stored: int  # newly published blocks
     duplicates: int  # blocks another writer published first (our pages were freed)
+    hold: ReadLease | None = None  # the pin of ``commit(hold_s=...)``: it lapses, unreleased
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ lookups until the commit.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -14,7 +14,7 @@ import xxhash
 
 from .errors import BudgetShort, FailedPrecondition, InvalidArgument
 from .keys import BlockKey, check_keys
-from .leases import LeaseBook, WriteLease
+from .leases import LeaseBook, ReadLease, WriteLease
 from .movement import TierMovement
 from .payload import as_uint8, as_uint8_rows, copy_bytes
 from .records import CommitResult
@@ -23,6 +23,12 @@ from .tiers import Tier
 
 class TwoPhaseWrites(LeaseBook, TierMovement):
     """A mixin of ``TieredStore``: the writer's side of its API."""
+
+    if TYPE_CHECKING:  # the reader's side (kvstore.reads), which commit's hold uses
+
+        def acquire(
+            self, keys: Sequence[bytes], ttl_s: float | None = None, into: Tier | None | str = ...
+        ) -> ReadLease: ...
 
     def allocate(
         self,
@@ -131,13 +137,19 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
         lease_id: int,
         written_in_place: bool = False,
         checksums: npt.NDArray[np.uint64] | None = None,
+        hold_s: float = 0.0,
     ) -> CommitResult:
         """Publish a lease's pages. Keys another writer published first keep the first copy.
         ``written_in_place``: the pages were filled through ``page_view`` (a same-host client's
         shared memory, a stream), not ``write``: count their bytes as written now.
         ``checksums``: the writer's xxh3-64 of each page, one per key of the lease (a key it had
         nothing to write for: ignored), sealed as they are instead of hashing the pages again. A
-        wrong count raises ``InvalidArgument`` and leaves the lease as it was."""
+        wrong count raises ``InvalidArgument`` and leaves the lease as it was. ``hold_s``: pin
+        the lease's keys that are stored after the commit (its own and the first writers') for
+        that long, in the same locked step (nothing is evicted between): ``CommitResult.hold``,
+        a read lease left to lapse."""
+        if hold_s:
+            self._ttl(hold_s)  # a bad hold refused before anything is published
         with self._lock:
             self._expire_locked()
             live = self._write_leases.get(lease_id)
@@ -203,7 +215,8 @@ class TwoPhaseWrites(LeaseBook, TierMovement):
                 self._touch_prefix(lease.keys)
             if written_in_place:
                 self._n.bytes_written += (stored + dup) * self.layout.page_bytes
-            return CommitResult(stored, dup)
+            hold = self.acquire(lease.keys, hold_s, into=None) if hold_s else None
+            return CommitResult(stored, dup, hold)
 
     def _touch_prefix(self, keys: Sequence[bytes]) -> None:
         """After a commit, its chain's stored blocks count as just used in the tiers whose

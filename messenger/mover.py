@@ -92,6 +92,7 @@ class _Entry:
     cancelled: bool = False
     owner: str = ""  # whom it is fetched for (the first batch's submitter)
     name: bytes = b""  # the key as the owner named it (a tenant's, unscoped); b"": ``key``
+    hold_s: float = 0.0  # pin it on the node that long once committed (the most a batch asked)
     # (batch, position) of every batch waiting on it: its result updates exactly those, not
     # every entry of every open batch.
     waiters: list[tuple["Batch", int]] = field(default_factory=list)
@@ -214,12 +215,14 @@ class Mover:
         names: Sequence[bytes] | None = None,
         chain: bool = False,
         urgent: bool = False,
+        hold_s: float = 0.0,
     ) -> tuple[str, int]:
         """Start a batch; returns (batch id, entries joined to fetches already in flight).
         ``owner``: who may see and cancel it; ``names``: the keys as the owner named them,
         shown in its status instead of the keys as stored; ``chain``: the keys are one prefix
         chain in order (see ``_Pipeline``); ``urgent``: a request waits on it (see
-        ``MoverConfig.urgent_workers``)."""
+        ``MoverConfig.urgent_workers``); ``hold_s``: the node pins the pages that long once
+        committed (Commit's ``hold_s``), for a reader the batch's end tells they are there."""
         if not requests:
             raise InvalidArgument("a transfer batch needs at least one entry")
         if len(requests) > MAX_BATCH_ENTRIES:
@@ -262,6 +265,7 @@ class Mover:
                     new.setdefault((r.source, r.source_data), []).append(entry)
                 else:
                     joined += 1
+                entry.hold_s = max(entry.hold_s, hold_s)  # read at its commit
                 entry.refs += 1
                 entries.append(entry)
             batch = Batch(
@@ -529,13 +533,14 @@ class Mover:
         todo: list[int],
         results: dict[int, EntryResult],
         namespace: str,
+        hold_s: float = 0.0,
     ) -> dict[int, EntryResult]:
         """Commit the verified pages of ``lease``; returns results that changed."""
         good = [i for i in todo if results[i].ok]
         client = self.node.client
         if len(good) == len(todo):
             try:
-                client.commit(lease)
+                client.commit(lease, hold_s=hold_s)
                 return {}
             except KVCacheRpcError as e:
                 return self._commit_failed(lease, good, e)
@@ -564,7 +569,7 @@ class Mover:
                 np.copyto(second.page(j), lease.page(i))
         self._abort(lease)
         try:
-            client.commit(second)
+            client.commit(second, hold_s=hold_s)
         except KVCacheRpcError as e:
             return self._commit_failed(second, good, e)
         return {}
@@ -730,12 +735,13 @@ class _Pipeline:
                     results[i] = _CANCELLED
             if all(results[i].ok for i in todo):
                 sums = self._verified_sums(lease, todo, group.checksums)
-                future = self.mover._rpc.submit(self.client.commit, lease, sums)
+                hold = _hold(chunk)
+                future = self.mover._rpc.submit(self.client.commit, lease, sums, hold)
                 with self._lock:
                     self._committing += 1  # the callback (maybe at once, here) counts it down
                 future.add_done_callback(lambda f: self._committed(f, lease, chunk, results))
                 return
-            results.update(self.mover._publish(lease, todo, results, self.namespace))
+            results.update(self.mover._publish(lease, todo, results, self.namespace, _hold(chunk)))
         except Exception as e:  # noqa: BLE001 - every entry of the group gets a result
             log.exception("publishing a transfer group failed")
             results = {i: EntryResult(Outcome.INTERNAL, f"internal error: {e!r}") for i in todo}
@@ -789,3 +795,8 @@ class _Pipeline:
         with self._lock:
             while self._committing:
                 self._lock.wait()
+
+
+def _hold(entries: list[_Entry]) -> float:
+    """How long the node pins a group's pages once committed: the most any of them was asked."""
+    return max((e.hold_s for e in entries), default=0.0)

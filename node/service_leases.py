@@ -5,6 +5,7 @@ then a Release)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import CapacityExhausted, InvalidArgument, KVStoreError, NotFound
+from kvstore.leases import MAX_HOLD_S
 from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
@@ -152,6 +154,12 @@ class LeaseRpcs:
     def _commit(self, request, context) -> pb.CommitReply:
         segs = self.node.segments
         sums = self._checksums(request.checksums)
+        hold_s = request.hold_s
+        if not 0 <= hold_s <= MAX_HOLD_S:  # NaN too
+            raise InvalidArgument(
+                f"hold_s must be within [0, {MAX_HOLD_S:g}] seconds (0: no pin), got {hold_s!r}"
+            )
+        tenant = self.auth.tenant(context)
 
         def commit(store: TieredStore, lease_id: int):
             if segs is not None:
@@ -163,13 +171,40 @@ class LeaseRpcs:
                     except KVStoreError:
                         pass  # expired already
                     raise
-            # Written by the client or by fill; a length mismatch leaves the lease as it was.
-            result = store.commit(lease_id, written_in_place=True, checksums=sums)
+            with contextlib.ExitStack() as stack:
+                held = None
+                if hold_s:
+                    try:  # the pin is a read lease of the tenant's, within its share
+                        held = stack.enter_context(
+                            self.node.quotas.reserve(tenant, store.namespace, 0)
+                        )
+                    except CapacityExhausted as e:
+                        log.info("commit without its hold: %s", e)
+                # Written by the client or by fill; a length mismatch leaves the lease as it was.
+                result = store.commit(
+                    lease_id,
+                    written_in_place=True,
+                    checksums=sums,
+                    hold_s=hold_s if held is not None else 0.0,
+                )
+                if result.hold is not None:
+                    self._hold(store, held, result.hold, tenant)
             self.node.quotas.committed(store.namespace, lease_id)
             return result
 
         res = self._end_lease(request, context, commit)
         return pb.CommitReply(stored=res.stored, duplicates=res.duplicates)
+
+    def _hold(self, store: TieredStore, held, lease: ReadLease, tenant: str) -> None:
+        """Count a commit's pin against its tenant's share like any read lease; over the share
+        there is no pin (the commit stands: the pin only spares its reader a miss)."""
+        try:
+            self._bind_read(store, held, lease)
+        except CapacityExhausted as e:
+            log.info("commit's hold of %d pages not kept: %s", lease.found, e)
+            return
+        # no session: nobody's exit ends it; it lapses at its deadline (the node's reaper)
+        self.node.own(store.namespace, lease.lease_id, tenant, lease.expires_at)
 
     @observed
     def Abort(self, request, context):

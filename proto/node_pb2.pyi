@@ -103,16 +103,18 @@ class AllocateReply(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., node_epoch: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id", "checksums", "node_epoch")
+    __slots__ = ("namespace", "lease_id", "checksums", "node_epoch", "hold_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     NODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     lease_id: int
     checksums: bytes
     node_epoch: int
-    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., node_epoch: _Optional[int] = ...) -> None: ...
+    hold_s: float
+    def __init__(self, namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., node_epoch: _Optional[int] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("stored", "duplicates")

@@ -64,6 +64,7 @@ import grpc
 
 from clients.conductor_client import schedule_request
 from clients.messenger_client import MessengerClient
+from clients.remote_pool import HOLD_S
 from clients.vllm_identity import rank_keys, salt_of
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
@@ -493,8 +494,9 @@ class Disaggregator:
         messenger = self._messenger(dst)
         timeout_s = self.options.transfer_timeout_s
         try:
+            # held: the pages stay pinned on the engine's node until its first steps load them
             submitted = self._calls.submit(
-                messenger.submit, layout.namespace, [(k, src) for k in keys], chain, True
+                messenger.submit, layout.namespace, [(k, src) for k in keys], chain, True, HOLD_S
             )
             try:
                 batch: mpb.SubmitTransferReply = await asyncio.wrap_future(submitted)

@@ -93,10 +93,10 @@ class CommitLog(KVStoreClient):
         super().__init__(*args, **kwargs)
         self.commits: list[tuple[WriteLease, np.ndarray | None]] = []
 
-    def commit(self, lease: WriteLease, checksums: Any = None) -> CommitResult:
+    def commit(self, lease: WriteLease, checksums: Any = None, hold_s: float = 0.0) -> CommitResult:
         sent = None if checksums is None else np.asarray(checksums, dtype=np.uint64).copy()
         self.commits.append((lease, sent))
-        return super().commit(lease, checksums)
+        return super().commit(lease, checksums, hold_s)
 
 
 def full_computation(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:

@@ -410,6 +410,33 @@ def test_an_expired_read_lease_unpins_its_blocks():
             store.extend(lease.lease_id)
 
 
+def test_a_commits_hold_pins_its_pages_until_it_lapses():
+    """``commit(hold_s=...)``: the lease's pages (its own and a first writer's) are pinned in
+    the commit's locked step, under a read lease nobody releases, until its deadline."""
+    clock = FakeClock()
+    with make_store(dram_pages=2, clock=clock) as store:
+        store.put([key(2)], [page(2)])  # another writer stored 2 first
+        lease = store.allocate(keys(1, 2))
+        store.write_pages(lease.lease_id, [page(1), page(2)])
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(InvalidArgument, match="ttl"):
+                store.commit(lease.lease_id, hold_s=bad)  # refused, nothing published
+        assert store.contains(keys(1)) == [False]
+        result = store.commit(lease.lease_id, hold_s=5)
+        assert (result.stored, result.duplicates) == (1, 0)  # 2 was there at Allocate
+        assert result.hold is not None and result.hold.found == 2
+        assert store.stats().tiers[0].pinned_blocks == 2
+        with pytest.raises(CapacityExhausted):
+            store.put([key(3)], [page(3)])  # 1 and 2 are held: nothing to evict
+        clock.advance(5)
+        store.put([key(3)], [page(3)])  # the hold lapsed: now they can go
+        assert store.stats().tiers[0].pinned_blocks == 0
+        lease = store.allocate([key(4)])
+        store.write_pages(lease.lease_id, [page(4)])
+        assert store.commit(lease.lease_id).hold is None  # no hold asked
+        store.check_invariants()
+
+
 def test_removing_a_pinned_block_frees_it_on_release(store):
     store.put([key(1)], [page(1)])
     lease = store.acquire([key(1)])

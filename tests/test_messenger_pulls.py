@@ -174,11 +174,11 @@ class _LosesFirstCommit(KVStoreClient):
 
     lost = 0
 
-    def commit(self, lease, checksums=None):
+    def commit(self, lease, checksums=None, hold_s=0.0):
         if not self.lost:
             self.lost += 1
             raise KVCacheRpcError(grpc.StatusCode.UNAVAILABLE, "connection lost (test)")
-        return super().commit(lease, checksums)
+        return super().commit(lease, checksums, hold_s)
 
 
 def test_a_failed_commit_gives_its_pages_back_at_once(procs, tmp_path):
@@ -394,3 +394,49 @@ def test_an_urgent_pull_does_not_queue_behind_bulk_jobs(procs, tmp_path):
         release.touch()
         assert m.status(stuck, wait=True, timeout_s=60).done == 8
         assert m.status(queued, wait=True, timeout_s=60).done == 2
+
+
+def flood(node: str, start: int, pages: int) -> None:
+    """Other writers fill the node: ``pages`` new blocks, evicting what nothing pins."""
+    with KVStoreClient(node) as c:
+        for s in range(0, pages, 64):
+            try:
+                c.put(NS, list(make_pages(64, seed=start + s)), keys=make_keys(64, start + s))
+            except KVCacheRpcError as e:  # everything left is pinned: nothing more fits
+                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                return
+
+
+def test_pulled_pages_stay_pinned_on_the_destination_while_their_hold_lasts(procs, tmp_path):
+    """A pull with ``hold_s``: its pages are committed pinned, so a flood of other writes on the
+    destination between the pull's end and its reader's Acquire evicts other blocks, not them;
+    the pin lapses by itself. Without a hold the same flood evicts them (the reader's miss)."""
+    src = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
+    procs.append(src)
+    messenger_a = start_service(["messenger", "--node", src.address], log_dir=str(tmp_path))
+    procs.append(messenger_a)
+    dst = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
+    procs.append(dst)
+    messenger_b = start_service(["messenger", "--node", dst.address], log_dir=str(tmp_path))
+    procs.append(messenger_b)
+    capacity = (4 << 20) // PB
+    held, plain = make_keys(8, start=500), make_keys(8, start=600)
+    pages = make_pages(16, seed=7)
+    with KVStoreClient(src.address) as a:
+        a.put(NS, list(pages), keys=held + plain)
+    with MessengerClient(messenger_b.address) as m:
+        for keys, hold in ((held, 30.0), (plain, 0.0)):
+            batch = m.submit(NS, [(k, messenger_a.address) for k in keys], hold_s=hold).batch_id
+            status = m.status(batch, wait=True, timeout_s=60)
+            assert (status.done, status.failed) == (8, 0), status
+        for bad in (60.5, -1.0, float("nan")):
+            with pytest.raises(KVCacheRpcError) as e:
+                m.submit(NS, [(held[0], messenger_a.address)], hold_s=bad)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "hold_s" in e.value.details
+    flood(dst.address, 10_000, 2 * capacity)
+    with KVStoreClient(dst.address, use_shm=False) as b:
+        got = b.get(NS, keys=held)
+        assert all(np.array_equal(g, p) for g, p in zip(got, pages[:8]))  # held: all there
+        assert b.lookup(NS, keys=plain).hit_blocks == 0  # not held: evicted by the flood
+        assert b.stats().namespaces[0].read_leases >= 1  # the hold (nobody releases it)

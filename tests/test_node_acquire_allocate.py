@@ -365,3 +365,30 @@ def test_bad_commit_release_requests_end_nothing_and_no_tenant_ends_anothers(sta
         reply = alice_stub.CommitRelease(good)
         assert reply.commit.stored == 2 and reply.released
         assert leases_of(admin, "alice") == (0, 0) and held(admin) == (0, 0, 0)
+
+
+def test_a_commits_hold_pins_within_the_tenants_share_and_bad_holds_are_refused(start_node):
+    """Commit's ``hold_s``: the pages stay pinned under a read lease of the committer's tenant,
+    counted in its share, that nobody releases; a tenant at its lease count gets its commit
+    (only no pin); a hold out of [0, 60] s is INVALID_ARGUMENT and the lease stays open."""
+    node = start_node(*TENANTS, "--tenant-max-leases", "2")
+    with (
+        KVStoreClient(node.address, token=ALICE) as alice,
+        KVStoreClient(node.address, token=ADMIN) as admin,
+    ):
+        lease = alice.allocate(NS, keys=keys(2, 700), ttl_s=600)
+        for i, p in enumerate(pages(2, 9)):
+            np.copyto(lease.page(i), p)
+        for bad in (60.5, -1.0, float("nan")):
+            code, details = rpc_error(lambda b=bad: alice.commit(lease, hold_s=b))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "hold_s" in details
+        assert leases_of(admin, "alice") == (1, 2)  # still open
+        assert alice.commit(lease, hold_s=30).stored == 2
+        assert pinned(admin) == 2 and leases_of(admin, "alice") == (1, 2)  # the hold
+        # alice holds 2 leases now (the hold and this one): the next commit's hold has no room
+        other = alice.allocate(NS, keys=keys(1, 710), ttl_s=600)
+        np.copyto(other.page(0), pages(1, 10)[0])
+        assert alice.commit(other, hold_s=30).stored == 1  # committed, not pinned
+        assert pinned(admin) == 2 and leases_of(admin, "alice") == (1, 2)
+        got = alice.get(NS, keys=keys(2, 700) + keys(1, 710))
+        assert all(np.array_equal(g, p) for g, p in zip(got, pages(2, 9) + pages(1, 10)))
