@@ -322,7 +322,7 @@ class Serving:
         goes into cluster.json."""
         for spec in self.config.engines:
             self.engines.append(
-                self._launch(spec, nodes[spec.node], log_dir, token_file, tls_ca, conductor)
+                self._launch(spec, nodes[spec.node], log_dir, token_file, tls_ca, conductor, detach)
             )
         deadline = time.monotonic() + self.config.start_timeout_s
         for engine in self.engines:
@@ -373,6 +373,7 @@ class Serving:
         token_file: str | None,
         tls_ca: str | None,
         conductor: str = "",
+        detach: bool = False,
     ) -> EngineProcess:
         transfer = kv_transfer_config(spec, node, token_file, tls_ca, conductor)
         port, host = self.ports[spec.node], self.host_of(spec.node)
@@ -404,7 +405,14 @@ class Serving:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**child_environ(), **dict(spec.env)},
-                start_new_session=True,  # its own group: stopped (or killed) with its children
+                # Its own process group: stopped (or killed) with its children. Detached, a
+                # session of its own too (it outlives this terminal); in the foreground it stays
+                # in the cluster's session: a session is a scheduling group of its own where
+                # the kernel groups by session (sched_autogroup), and a TP engine's ranks,
+                # spinning pinned one per core, then starved the nodes and messengers of the
+                # other group for seconds on a 2-core host (the test harness's TP=2 pool test).
+                start_new_session=detach,
+                process_group=None if detach else 0,
             )
         return EngineProcess(spec, f"http://{host}:{port}", proc, log_path)
 

@@ -207,7 +207,8 @@ def serving(tmp_path_factory):
 
 def test_each_engine_serves_beside_its_node_in_that_hosts_network_namespace(serving):
     """``kvcache up --hosts 2``: an engine listens on its node's host address, in that host's
-    network namespace (not the test's), and the routers outside reach it over the bridge."""
+    network namespace (not the test's), and the routers outside reach it over the bridge; in
+    the foreground it stays in the cluster's session."""
     nodes = {n["id"]: n for n in serving.state["nodes"]}
     own = os.readlink("/proc/self/ns/net")
     for engine in serving.state["engines"]:
@@ -215,6 +216,10 @@ def test_each_engine_serves_beside_its_node_in_that_hosts_network_namespace(serv
         host = node["address"].rsplit(":", 1)[0]
         assert engine["url"].startswith(f"http://{host}:") and host != "127.0.0.1"
         assert os.readlink(f"/proc/{engine['pid']}/ns/net") != own
+        # a process group of its own (stopped with its children) in the cluster's session: not
+        # a scheduling group of its own where the kernel groups by session (sched_autogroup)
+        assert os.getpgid(engine["pid"]) == engine["pid"]
+        assert os.getsid(engine["pid"]) == os.getsid(0)
 
 
 @pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
