@@ -32,6 +32,15 @@ from .tiers import Tier
 MAX_HOLD_S = 60.0
 
 
+def check_hold(hold_s: float) -> float:
+    """A request's ``hold_s``, or ``InvalidArgument`` naming it (NaN too)."""
+    if not 0 <= hold_s <= MAX_HOLD_S:
+        raise InvalidArgument(
+            f"hold_s must be within [0, {MAX_HOLD_S:g}] seconds (0: no pin), got {hold_s!r}"
+        )
+    return hold_s
+
+
 @dataclass(frozen=True, slots=True)
 class WriteLease:
     lease_id: int

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import check_keys, scope_keys
-from kvstore.leases import MAX_HOLD_S
+from kvstore.leases import check_hold
 from proto import common_pb2 as cpb
 from proto import messenger_pb2 as pb
 from proto import messenger_pb2_grpc as pbg
@@ -227,11 +227,7 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             )
         if not request.namespace:
             raise InvalidArgument("namespace is required")
-        if not 0 <= request.hold_s <= MAX_HOLD_S:  # NaN too
-            raise InvalidArgument(
-                f"hold_s must be within [0, {MAX_HOLD_S:g}] seconds (0: no pin), "
-                f"got {request.hold_s!r}"
-            )
+        check_hold(request.hold_s)
         names = [e.key for e in request.entries]
         tenant = who not in ("", SERVICE)
         keys = scope_keys(check_keys(names), who) if tenant else names

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import CapacityExhausted, InvalidArgument, KVStoreError, NotFound
-from kvstore.leases import MAX_HOLD_S
+from kvstore.leases import check_hold
 from kvstore.store import ReadLease, TieredStore
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
@@ -154,11 +154,7 @@ class LeaseRpcs:
     def _commit(self, request, context) -> pb.CommitReply:
         segs = self.node.segments
         sums = self._checksums(request.checksums)
-        hold_s = request.hold_s
-        if not 0 <= hold_s <= MAX_HOLD_S:  # NaN too
-            raise InvalidArgument(
-                f"hold_s must be within [0, {MAX_HOLD_S:g}] seconds (0: no pin), got {hold_s!r}"
-            )
+        hold_s = check_hold(request.hold_s)
         tenant = self.auth.tenant(context)
 
         def commit(store: TieredStore, lease_id: int):
