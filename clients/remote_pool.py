@@ -35,19 +35,6 @@ def messengers(conductor: ConductorClient) -> dict[str, str]:
     return {s.node.node_id: str(s.node.messenger_address) for s in conductor.list_nodes().nodes}
 
 
-def wait_for_pull(messenger: MessengerClient, batch_id: str, timeout_s: float) -> tuple[bool, bool]:
-    """Wait for a pull at most ``timeout_s``: (it finished, every page arrived). One that did
-    not finish in time is cancelled; what did not arrive is the engine's to compute."""
-    try:
-        status = messenger.status(batch_id, wait=True, timeout_s=timeout_s)
-        if not status.finished:
-            messenger.cancel(batch_id)
-        return bool(status.finished), bool(status.finished and not status.failed)
-    except KVCacheRpcError as e:
-        log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
-        return False, False
-
-
 class RemotePool:
     """The conductor's index and this engine's messenger, with deadlines."""
 
@@ -114,8 +101,16 @@ class RemotePool:
         return batch.batch_id
 
     def wait(self, batch_id: str) -> bool:
-        """``wait_for_pull`` on this engine's messenger: True once the pull finished."""
-        return wait_for_pull(self.messenger, batch_id, self.pull_timeout_s)[0]
+        """Wait for a pull at most ``pull_timeout_s``: True once it finished. One that did not
+        finish in time is cancelled; what did not arrive is the engine's to compute."""
+        try:
+            status = self.messenger.status(batch_id, wait=True, timeout_s=self.pull_timeout_s)
+            if not status.finished:
+                self.messenger.cancel(batch_id)
+            return bool(status.finished)
+        except KVCacheRpcError as e:
+            log.warning("kvcache pull %s: %s; its pages are recomputed", batch_id, e)
+            return False
 
     def close(self) -> None:
         if self.conductor is not None:
