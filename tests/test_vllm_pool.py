@@ -125,6 +125,15 @@ def held(cluster: Secured, node: str, kvcache: dict, prompt: list[int], who: str
         return c.lookup(kvcache["namespace"], keys=block_keys(prompt, BT, root)).hit_blocks
 
 
+def stored(cluster: Secured, node: str, kvcache: dict, prompt: list[int], who: str = ALICE) -> int:
+    """``held`` once the engine's commits landed: a worker sends its step's Commit and goes on
+    (the answer is collected at a later step), so a request's answer can reach the test
+    before its pages are on the node."""
+    pages = (len(prompt) - 1) // BT
+    wait_until(lambda: held(cluster, node, kvcache, prompt, who) >= pages, 60, f"{node}'s commit")
+    return held(cluster, node, kvcache, prompt, who)
+
+
 def flood(cluster: Secured, node: str, nbytes: int) -> None:
     """The admin's writer (no tenant's share to keep it in check) stores ``nbytes`` of pages on
     ``node``, evicting whatever is not pinned."""
@@ -165,7 +174,7 @@ def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(mod
         assert pulled["tokens"] == first["tokens"]
         assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 0
         assert stats["loaded_pages"] == 4 and stats["load_failed_blocks"] == 0
-        assert held(cluster, "B", keys, PROMPT) == 4  # on B now: the next request hits there
+        assert stored(cluster, "B", keys, PROMPT) == 4  # on B now: the next request hits there
         (again,) = e.generate([PROMPT])
         assert again["cached"] == 4 * BT and again["tokens"] == first["tokens"]
         assert e.stats()["remote_pulls"] == 1  # B's own hit, no second pull
@@ -179,14 +188,14 @@ def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(mod
         stats = e.stats()
         assert stats["remote_skipped"] == skipped + 1 and stats["remote_pulls"] == 1
         assert computed["tokens"] == first_later["tokens"]
-        assert held(cluster, "B", keys, later) == 4  # computed and stored on B
+        assert stored(cluster, "B", keys, later) == 4  # computed and stored on B
     # Another tenant's engine on the same node: alice's pages are neither found nor pulled.
     with Engine(model, cluster.engine("B", "mallory"), log_path=str(work / "m.log")) as e:
         (other,) = e.generate([PROMPT])
         stats = e.stats()
     assert other["cached"] == 0 and other["tokens"] == first["tokens"]
     assert stats["remote_pulls"] == 0 and stats["loaded_pages"] == 0
-    assert held(cluster, "B", keys, PROMPT, MALLORY) == 4  # mallory's own, computed
+    assert stored(cluster, "B", keys, PROMPT, MALLORY) == 4  # mallory's own, computed
     assert held(cluster, "A", keys, PROMPT, MALLORY) == 0
 
 
@@ -225,8 +234,8 @@ def test_a_tensor_parallel_engine_stores_a_share_per_rank_and_pulls_every_ranks_
             # The pages move to F and E forgets them: only F holds the prompt now.
             with KVStoreClient(nodes["E"].address) as on_e, KVStoreClient(nodes["F"].address) as f:
                 assert on_e.lookup(ns, keys=chain).hit_blocks == 0  # no rank's own keys
-                for keys in ranked:
-                    assert on_e.lookup(ns, keys=keys).hit_blocks == 4
+                for keys in ranked:  # each rank's Commit is answered after its step ended
+                    wait_until(lambda k=keys: on_e.lookup(ns, keys=k).hit_blocks == 4, 60, "E")
                     f.put(ns, on_e.get(ns, keys=keys), keys=keys)
                     assert on_e.remove(ns, keys=keys) == 4
             with ConductorClient(conductor.address) as c:
