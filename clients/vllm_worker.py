@@ -75,6 +75,7 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
         contiguous, the same size in every layer."""
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
+        _allow_amx()
         pc = self._vllm_config.parallel_config
         self.rank = rank_tag(
             get_tp_group().rank_in_group,
@@ -368,6 +369,18 @@ class WorkerSide(KVConnectorBase_V1):  # type: ignore[misc]
     def _failed(self, vblocks: list[int]) -> None:
         with self._lock:
             self._load_errors.update(vblocks)
+
+
+def _allow_amx() -> None:
+    """Ask Linux for AMX in this process (a no-op where the CPU has none). vLLM's CPU attention
+    runs AMX tile instructions on such CPUs but never asks: oneDNN does, in the first matmul big
+    enough for its AMX path, which an engine without a cache always has first. With a load, an
+    engine's first forward can compute a token or two, and the attention's first tile
+    instruction was a SIGILL that killed the engine."""
+    cpu = getattr(torch, "cpu", None)
+    if cpu is not None and getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        if not cpu._init_amx():
+            log.warning("kvcache connector: Linux refused AMX to this process")
 
 
 class _Pull:

@@ -245,6 +245,20 @@ def test_a_model_of_the_same_name_shares_no_pages(engine, engine_b):
     assert again["cached"] == 4 * BT and again["tokens"] == b["tokens"]
 
 
+def test_a_fresh_engines_first_step_after_a_load_computes_a_token_or_two(model, node, engine, work):
+    """A fresh engine's first request finds all but its last 2 tokens on the node: its first
+    forward computes 2 tokens. On a CPU with AMX, vLLM's AMX attention kernel then ran before
+    anything had asked the kernel for AMX (oneDNN asks when a matmul is big enough, which the
+    first forward of an engine without a cache always is): SIGILL, the engine dead (kvcache up's
+    P/D decode engines died at their first request). The connector asks at start."""
+    prompt = tokens(14, 4 * BT + 2)
+    (stored,) = engine.generate([prompt])
+    assert held(node, stored["kvcache"], prompt) == 4
+    with Engine(model, {"node": node.address}, log_path=str(work / "fresh.log")) as e:
+        (loaded,) = e.generate([prompt])
+    assert loaded["cached"] == 4 * BT and loaded["tokens"] == stored["tokens"]
+
+
 def test_preempted_requests_get_their_load_when_they_resume(engine_b):
     """Four requests whose KV outgrows the cache: vLLM preempts some and resumes them later
     (``scheduled_cached_reqs``, ``resumed_req_ids``), offering the node's pages of their prompt
