@@ -99,6 +99,8 @@ from .vllm_setup import (
     vllm_layout,
 )
 from .vllm_stats import (
+    REMOTE_LOAD,
+    REMOTE_LOAD_S,
     STATS,
     ConnectorStats,
     Intervals,
@@ -166,6 +168,7 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
         )
         self.model_name = self.config.model or served_name(vllm_config)
         self.stats = ConnectorStats()
+        self.remote_load_s = []
         self._intervals = Intervals()
         self._lock = threading.Lock()
         # layout of this worker's rank; on the scheduler side, rank 0's (set at the handshake)
@@ -259,6 +262,9 @@ class KVCacheConnector(SchedulerSide, WorkerSide):
             if k != "breaker_open":
                 setattr(STATS, k, getattr(STATS, k) + v)
         STATS.breaker_open = d["breaker_open"]
+        if self.remote_load_s:
+            d[REMOTE_LOAD_S], self.remote_load_s = self.remote_load_s, []
+            REMOTE_LOAD.extend(d[REMOTE_LOAD_S])
         return KVCacheConnectorStats(data=d)
 
     def shutdown(self) -> None:

@@ -55,6 +55,7 @@ class _Request:
     pulled: bool = False  # it had its pull: a request vLLM retries (the pull failed) computes
     pull_started: float = 0.0  # when its pull was submitted (perf_counter); 0: none pending
     pull_pages: int = 0
+    looked_up: float = 0.0  # when the lookup that made its pull began (perf_counter)
 
 
 class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
@@ -64,6 +65,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
     client: KVStoreClient
     guard: NodeGuard
     stats: ConnectorStats
+    remote_load_s: list[float]  # per pull since the last stats: Lookup to vLLM told it is done
     loads: bool
     saves: bool
     vblock_tokens: int
@@ -133,7 +135,7 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         # Only a pull started by this call makes the offer asynchronous: one vLLM could not
         # admit last time (no update_state_after_alloc) must not turn a later offer async.
         st.pulling = {}
-        t0 = time.perf_counter()
+        t0 = st.looked_up = time.perf_counter()
         try:
             hit = self._lookup(st.keys)
         except KVCacheRpcError as e:
@@ -350,12 +352,14 @@ class SchedulerSide(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """A pull vLLM hears is done: how long its request waited, for the pool's gate."""
+        """A pull vLLM hears is done (its pages loaded, or load errors): how long its request
+        waited, for the pool's gate, and how long from its Lookup, for the histogram."""
         now = time.perf_counter()
         for req_id in connector_output.finished_recving or ():
             st = self._reqs.get(req_id)
             if st is not None and st.pull_started:
                 self._gate.pulled(st.pull_pages, now - st.pull_started)
+                self.remote_load_s.append(now - st.looked_up)
                 st.pull_started = 0.0
 
     def request_finished(

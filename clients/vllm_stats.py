@@ -51,6 +51,16 @@ class ConnectorStats:
 
 STATS = ConnectorStats()
 _COUNTERS = [f.name for f in fields(ConnectorStats) if f.name != "breaker_open"]
+# Per pull from the pool: seconds from the scheduler's Lookup to vLLM told the load is done (the
+# pages in the request's blocks, or load errors). An interval's data carries them as a list
+# under REMOTE_LOAD_S; REMOTE_LOAD has every one of this process (read by the benchmarks).
+REMOTE_LOAD_S = "remote_load_s"
+REMOTE_LOAD: list[float] = []
+# From a local hit's cost to a pull's deadline (pull_timeout_s, 5 s by default).
+REMOTE_LOAD_BUCKETS = (
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+    5.0, 7.5, 10.0,
+)  # fmt: skip
 
 
 def delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +102,15 @@ class KVCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]
             self.reset()
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in _COUNTERS}
+        self.data: dict[str, Any] = {k: 0 for k in _COUNTERS}
         self.data["breaker_open"] = 0
 
     def aggregate(self, other: KVConnectorStats) -> "KVCacheConnectorStats":
         for k, v in (other.data or {}).items():
             if k == "breaker_open":
                 self.data[k] = max(self.data.get(k, 0), v)
+            elif k == REMOTE_LOAD_S:
+                self.data[k] = [*self.data.get(k, ()), *v]
             else:
                 self.data[k] = self.data.get(k, 0) + v
         return self
@@ -177,6 +189,14 @@ class KVCacheConnectorPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             labelnames=labelnames,
         )
         self.breaker = _per_engine(gauge, per_engine_labelvalues)
+        histogram = self._histogram_cls(
+            name="vllm:kvcache_remote_load_seconds",
+            documentation="Seconds from a request's kvcache Lookup to its pull from the pool "
+            "loaded (or failed: recomputed)",
+            labelnames=labelnames,
+            buckets=REMOTE_LOAD_BUCKETS,
+        )
+        self.remote_load = _per_engine(histogram, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, children in self.counters.items():
@@ -184,6 +204,8 @@ class KVCacheConnectorPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             if value:
                 children[engine_idx].inc(value)
         self.breaker[engine_idx].set(transfer_stats_data.get("breaker_open", 0))
+        for seconds in transfer_stats_data.get(REMOTE_LOAD_S, ()):
+            self.remote_load[engine_idx].observe(seconds)
 
 
 def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, Any]:

@@ -12,6 +12,7 @@ import pytest
 
 from bench.replay.serve import (
     arrival_times,
+    bucket_quantile,
     global_cache_checks,
     ideal_hit_tokens,
     output_tokens,
@@ -113,3 +114,29 @@ def test_option_mistakes_say_what_to_fix(args, says):
         timeout=120,
     )
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_pull_quantiles_come_from_the_engines_histogram_buckets():
+    """What bench serve reads of the engines' Lookup-to-load histogram: quantiles interpolated
+    within a bucket as Prometheus does, from a real prometheus_client histogram's exposition."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from clients.vllm_stats import REMOTE_LOAD_BUCKETS
+
+    registry = CollectorRegistry()
+    h = Histogram("loads", "", buckets=REMOTE_LOAD_BUCKETS, registry=registry)
+    for seconds in [0.04] * 50 + [0.12] * 49 + [20.0]:  # one past the last bound
+        h.observe(seconds)
+    text = generate_latest(registry).decode()
+    buckets = {
+        float(s.labels["le"]): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "loads_bucket"
+    }
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(0.05)  # the 50th of 50 in (0.03, 0.05]
+    assert 0.1 < bucket_quantile(buckets, 0.9) <= 0.15
+    assert bucket_quantile(buckets, 1.0) == 10.0  # past every bound: the largest one
+    assert bucket_quantile({}, 0.5) is None
+    assert bucket_quantile({0.1: 0.0, float("inf"): 0.0}, 0.99) is None

@@ -174,6 +174,7 @@ def test_an_engine_loads_a_prefix_another_node_holds_and_keeps_it_on_its_own(mod
         assert pulled["tokens"] == first["tokens"]
         assert stats["remote_pulls"] == 1 and stats["remote_failed"] == 0
         assert stats["loaded_pages"] == 4 and stats["load_failed_blocks"] == 0
+        assert stats["remote_loads"] == 1  # its Lookup-to-load seconds, for the histogram
         assert stored(cluster, "B", keys, PROMPT) == 4  # on B now: the next request hits there
         (again,) = e.generate([PROMPT])
         assert again["cached"] == 4 * BT and again["tokens"] == first["tokens"]
@@ -249,6 +250,7 @@ def test_a_tensor_parallel_engine_stores_a_share_per_rank_and_pulls_every_ranks_
             pulled_entries = m.stats().entries_done
         assert metrics["vllm:kvcache_remote_pulls"] == 1, (metrics, pulled_entries)
         assert metrics["vllm:kvcache_remote_failed"] == 0
+        assert metrics["vllm:kvcache_remote_load_seconds_count"] == 1  # Lookup to load
         assert metrics["vllm:kvcache_loaded_pages"] == 8  # 4 pages, a share of each per rank
         assert metrics["vllm:kvcache_load_failed_blocks"] == 0
         with MessengerClient(messengers["E"].address) as m:

@@ -266,13 +266,16 @@ def main() -> None:
             elif cmd["op"] == "reset":
                 _reply({"ok": llm.reset_prefix_cache(reset_connector=cmd.get("connector", True))})
             elif cmd["op"] == "stats":
-                from clients.vllm_connector import STATS
+                from clients.vllm_stats import REMOTE_LOAD, STATS
 
-                _reply({"stats": asdict(STATS)})
+                _reply({"stats": {**asdict(STATS), "remote_loads": len(REMOTE_LOAD)}})
             elif cmd["op"] == "metrics":
                 sums: dict[str, float] = {}
                 for m in llm.get_metrics():
-                    if m.name.startswith("vllm:kvcache_"):
+                    if m.name.startswith("vllm:kvcache_") and hasattr(m, "count"):  # histogram
+                        name = m.name + "_count"
+                        sums[name] = sums.get(name, 0.0) + float(m.count)
+                    elif m.name.startswith("vllm:kvcache_"):
                         sums[m.name] = sums.get(m.name, 0.0) + float(getattr(m, "value", 0))
                 _reply({"metrics": sums})
             else:

@@ -225,10 +225,14 @@ def router_metrics(url: str) -> dict[tuple[str, str], float]:
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+REMOTE_LOAD = "vllm:kvcache_remote_load_seconds_bucket"
+
+
 def engine_sources(urls: list[str]) -> dict[str, float]:
     """The engines' prompt tokens by where they came from (vLLM's
-    ``vllm:prompt_tokens_by_source``), summed. The usage's ``cached_tokens`` misses what an
-    engine loaded asynchronously (the pool's pulls): these counters have it."""
+    ``vllm:prompt_tokens_by_source``), summed, and the buckets of their pulls' Lookup-to-load
+    seconds (``le=...`` keys, summed). The usage's ``cached_tokens`` misses what an engine
+    loaded asynchronously (the pool's pulls): these counters have it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = dict.fromkeys(SOURCES, 0.0)
@@ -239,24 +243,56 @@ def engine_sources(urls: list[str]) -> dict[str, float]:
             for s in fam.samples:
                 if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") in out:
                     out[s.labels["source"]] += s.value
+                elif s.name == REMOTE_LOAD:
+                    le = "le=" + s.labels["le"]
+                    out[le] = out.get(le, 0.0) + s.value
     return out
 
 
-def _engine_figures(urls: list[str], before: dict[str, float], prompt: int) -> dict[str, float]:
-    """Hit rates from the engines' own counters over a run: any cache, and kvcache's part."""
+def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile of a Prometheus histogram's cumulative ``buckets`` (upper bound ->
+    count), interpolated within its bucket as Prometheus' histogram_quantile does; None for
+    no observations; the largest finite bound for one past it."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return (
+                lower + (bound - lower) * (rank - below) / (count - below)
+                if count > below
+                else bound
+            )
+        lower, below = bound, count
+    return lower
+
+
+def _engine_figures(urls: list[str], before: dict[str, float], prompt: int) -> dict[str, Any]:
+    """Hit rates from the engines' own counters over a run (any cache, and kvcache's part), and
+    the pool's pulls: how many, and their Lookup-to-load milliseconds p50/p99."""
     deadline = time.monotonic() + 10
     while True:  # recorded beside each response: wait until every prompt token is counted
         after = engine_sources(urls)
-        delta = {k: after[k] - before[k] for k in SOURCES}
-        total = sum(delta.values())
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
+        total = sum(delta[k] for k in SOURCES)
         if total >= prompt or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    buckets = {float(k[3:]): v for k, v in delta.items() if k.startswith("le=")}
+    p50, p99 = bucket_quantile(buckets, 0.5), bucket_quantile(buckets, 0.99)
     return {
         "engine_hit_rate": (delta["local_cache_hit"] + delta["external_kv_transfer"]) / total
         if total
         else 0.0,
         "kvcache_hit_rate": delta["external_kv_transfer"] / total if total else 0.0,
+        "pool_pulls": int(buckets.get(float("inf"), 0)),
+        "pool_load_p50_ms": None if p50 is None else p50 * 1e3,
+        "pool_load_p99_ms": None if p99 is None else p99 * 1e3,
     }
 
 
@@ -327,6 +363,9 @@ COLUMNS = [
     Column("engine_hit_rate", "engines' hit", "{:.1%}"),
     Column("kvcache_hit_rate", "from kvcache", "{:.1%}"),
     Column("engine_vs_ideal", "vs infinite", "{:.2f}x"),
+    Column("pool_pulls", "pulls"),
+    Column("pool_load_p50_ms", "Lookup->load p50 ms", "{:.0f}"),
+    Column("pool_load_p99_ms", "p99 ms", "{:.0f}"),
     Column("goodput_req_s", "goodput req/s", "{:.2f}"),
     Column("slo_attainment", "in SLO", "{:.0%}"),
     Column("decode_pull_mib", "KV to decode MiB", "{:.1f}"),
