@@ -705,9 +705,16 @@ class _Pipeline:
             return None
         # Keys the node holds already (offset -1) are done at once; nothing moves for them.
         present = {i for i, off in enumerate(lease.offsets) if off < 0}
+        todo = [i for i in range(len(chunk)) if i not in present]
+        hold = _hold(chunk)
+        if not todo and hold:
+            # Nothing to move, but a reader was promised them pinned (a group's Commit pins every
+            # key of its lease, present ones too): this empty lease's Commit pins them, and they
+            # are done once it answered (the batch's end tells the reader they are there).
+            self._commit_present(lease, chunk, present, hold)
+            return None
         if present:
             self.mover._resolve(chunk, dict.fromkeys(present, OK), self.page_bytes, present)
-        todo = [i for i in range(len(chunk)) if i not in present]
         if not todo:
             self.mover._abort(lease)
             return None
@@ -719,6 +726,30 @@ class _Pipeline:
         keys = [chunk[i].name or chunk[i].key for i in todo]
         region = lease.slab.array if lease.slab is not None else None  # RDMA registers it
         return FetchGroup(keys, views, (lease, chunk, todo), identity=self.identity, region=region)
+
+    def _commit_present(
+        self, lease: WriteLease, chunk: list[_Entry], present: set[int], hold: float
+    ) -> None:
+        def pinned(f: Future[Any]) -> None:
+            try:
+                e = f.exception()
+                if e is not None:  # the pages are there all the same: only the pin is missing
+                    log.info("pin of %d pages already on the node: %s", len(present), e)
+                    if not isinstance(e, KVCacheRpcError) or e.code not in (
+                        grpc.StatusCode.NOT_FOUND,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    ):
+                        self.mover._abort(lease)
+                self.mover._resolve(chunk, dict.fromkeys(present, OK), self.page_bytes, present)
+            finally:
+                with self._lock:
+                    self._committing -= 1
+                    self._lock.notify_all()
+
+        future = self.mover._rpc.submit(self.client.commit, lease, None, hold)
+        with self._lock:
+            self._committing += 1
+        future.add_done_callback(pinned)
 
     def done(self, group: FetchGroup, fetched: list[EntryResult]) -> None:
         """A group landed (or failed): commit it in the background when every page is good,

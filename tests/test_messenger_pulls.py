@@ -410,7 +410,9 @@ def flood(node: str, start: int, pages: int) -> None:
 def test_pulled_pages_stay_pinned_on_the_destination_while_their_hold_lasts(procs, tmp_path):
     """A pull with ``hold_s``: its pages are committed pinned, so a flood of other writes on the
     destination between the pull's end and its reader's Acquire evicts other blocks, not them;
-    the pin lapses by itself. Without a hold the same flood evicts them (the reader's miss)."""
+    the pin lapses by itself. Without a hold the same flood evicts them (the reader's miss).
+    Pages the destination held already when the pull came are pinned as well (before, only
+    the pages that moved were: a reader's prefix found there was evicted under it)."""
     src = start_service(["node", "--dram", "4MiB", "--layout", TEST_LAYOUT], log_dir=str(tmp_path))
     procs.append(src)
     messenger_a = start_service(["messenger", "--node", src.address], log_dir=str(tmp_path))
@@ -421,11 +423,14 @@ def test_pulled_pages_stay_pinned_on_the_destination_while_their_hold_lasts(proc
     procs.append(messenger_b)
     capacity = (4 << 20) // PB
     held, plain = make_keys(8, start=500), make_keys(8, start=600)
-    pages = make_pages(16, seed=7)
+    there = make_keys(8, start=700)  # on the destination before the pull
+    pages = make_pages(24, seed=7)
     with KVStoreClient(src.address) as a:
-        a.put(NS, list(pages), keys=held + plain)
+        a.put(NS, list(pages), keys=held + plain + there)
+    with KVStoreClient(dst.address, use_shm=False) as b:
+        b.put(NS, list(pages[16:]), keys=there)
     with MessengerClient(messenger_b.address) as m:
-        for keys, hold in ((held, 30.0), (plain, 0.0)):
+        for keys, hold in ((held, 30.0), (plain, 0.0), (there, 30.0)):
             batch = m.submit(NS, [(k, messenger_a.address) for k in keys], hold_s=hold).batch_id
             status = m.status(batch, wait=True, timeout_s=60)
             assert (status.done, status.failed) == (8, 0), status
@@ -438,5 +443,7 @@ def test_pulled_pages_stay_pinned_on_the_destination_while_their_hold_lasts(proc
     with KVStoreClient(dst.address, use_shm=False) as b:
         got = b.get(NS, keys=held)
         assert all(np.array_equal(g, p) for g, p in zip(got, pages[:8]))  # held: all there
+        got = b.get(NS, keys=there)
+        assert all(np.array_equal(g, p) for g, p in zip(got, pages[16:]))  # there, and held
         assert b.lookup(NS, keys=plain).hit_blocks == 0  # not held: evicted by the flood
         assert b.stats().namespaces[0].read_leases >= 1  # the hold (nobody releases it)
