@@ -62,10 +62,19 @@ def _size(value: Any) -> None:
     parse_size(value)
 
 
+def _block_tokens(value: Any) -> None:
+    if value < 0:
+        raise ValueError(f"must be a number of tokens (0: the connector's), got {value}")
+
+
+NO_LAYOUT = "none"  # a node that serves the layouts its clients register (an engine's at start)
+
+
 def _layout(value: Any) -> None:
     from node.config import parse_layout
 
-    parse_layout(value)
+    if value != NO_LAYOUT:
+        parse_layout(value)
 
 
 def _replicas(value: Any) -> None:
@@ -206,7 +215,13 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "etcd_peer_port": Key(int, 2380, "etcd's peer port", check=_fixed_port),
     },
     "defaults": {
-        "layout": Key(str, DEMO_LAYOUT, "a node's layout unless it names one", check=_layout),
+        "layout": Key(
+            str,
+            DEMO_LAYOUT,
+            "a node's layout unless it names one; 'none': what its clients register (the default "
+            "of a cluster with [[engines]]: each engine's connector registers its model's)",
+            check=_layout,
+        ),
         "dram": Key(str, "1GiB", "a node's DRAM tier unless it names one", check=_size),
         "ssd": Key(str, "0", "a node's SSD tier unless it names one (0: none)", check=_size),
     },
@@ -231,6 +246,13 @@ SECTIONS: dict[str, dict[str, Key]] = {
             False,
             "engines load prefixes cached on any node: found in the conductor's index, pulled "
             "into their node by its messenger (the connector's 'conductor')",
+        ),
+        "block_tokens": Key(
+            int,
+            0,
+            "tokens per kvcache page of an engine on a node without a layout (0: the "
+            "connector's, 256; a node's layout sets its own)",
+            check=_block_tokens,
         ),
     },
     "router": {
@@ -272,6 +294,7 @@ TABLES: dict[str, dict[str, Key]] = {
         "args": Key(list, None, ""),
         "env": Key(list, None, ""),
         "pool": Key(bool, None, ""),
+        "block_tokens": Key(int, None, "", check=_block_tokens),
     },
 }
 
@@ -295,7 +318,7 @@ def env_name(section: str, key: str) -> str:
 class NodeSpec:
     id: str
     role: str
-    layout: str
+    layout: str  # "": none (it serves what its clients register)
     dram: str
     ssd: str = "0"
     settings: dict[str, Any] = field(default_factory=dict)  # every key of its [[node]] table
@@ -498,9 +521,19 @@ def load_config(
     resolved = {
         name: _check_table(name, rows, settings, where, text) for name, rows in tables.items()
     }
+    if resolved.get("engines") and sources["defaults.layout"] == "default":
+        # engines register their own layouts: a node names one only if its table does
+        for raw, n in zip(tables["node"], resolved["node"]):
+            if "layout" not in raw:
+                n["layout"] = NO_LAYOUT
     nodes = [
         NodeSpec(
-            id=n["id"], role=n["role"], layout=n["layout"], dram=n["dram"], ssd=n["ssd"], settings=n
+            id=n["id"],
+            role=n["role"],
+            layout="" if n["layout"] == NO_LAYOUT else n["layout"],
+            dram=n["dram"],
+            ssd=n["ssd"],
+            settings=n,
         )
         for n in resolved["node"]
     ]

@@ -72,6 +72,7 @@ class EngineSpec:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     pool: bool = False  # loads from any node (the connector's 'conductor')
+    block_tokens: int = 0  # its pages' tokens on a node without a layout (0: the connector's)
 
 
 def kv_transfer_config(
@@ -82,16 +83,17 @@ def kv_transfer_config(
     conductor: str = "",
 ) -> dict[str, Any]:
     """The engine's ``--kv-transfer-config``: our connector on its node, the node layout's model
-    and block size, the cluster's token and CA, and with ``pool`` the conductor."""
-    try:
-        layout = parse_layout(node["layout"])
-    except KVStoreError as e:
-        raise ConfigError(f"node {spec.node}: {e}") from None
-    extra: dict[str, Any] = {
-        "node": node["address"],
-        "model": layout.model,
-        "block_tokens": layout.block_tokens,
-    }
+    and block size (a node without one: the connector registers its model's), the cluster's
+    token and CA, and with ``pool`` the conductor."""
+    extra: dict[str, Any] = {"node": node["address"]}
+    if node["layout"]:  # else the connector registers its model's (served name, 256 tokens)
+        try:
+            layout = parse_layout(node["layout"])
+        except KVStoreError as e:
+            raise ConfigError(f"node {spec.node}: {e}") from None
+        extra.update(model=layout.model, block_tokens=layout.block_tokens)
+    elif spec.block_tokens:
+        extra["block_tokens"] = spec.block_tokens
     if token_file:
         extra["token_file"] = token_file
     if tls_ca:
@@ -159,6 +161,7 @@ def serving_config(cfg: ClusterConfig) -> ServingConfig | None:
                 args=tuple(value["args"]),
                 env=tuple(env),
                 pool=bool(value["pool"]),
+                block_tokens=int(value["block_tokens"] or 0),
             )
         )
     nodes = [s.node for s in specs]
@@ -329,6 +332,11 @@ class Serving:
             _wait_healthy(engine, deadline, self.config.start_timeout_s)
             self._release(engine.spec.node)
             engine.shm()
+        # Nodes without a layout serve what their engines registered: the router (which finds
+        # the namespace through the conductor) starts once the conductor lists them.
+        unnamed = {s.node for s in self.config.engines if not nodes[s.node]["layout"]}
+        if unnamed:
+            _wait_layouts(conductor, unnamed, token_file, tls_ca, deadline)
         state: dict[str, Any] = {
             "engines": [
                 {
@@ -471,6 +479,31 @@ def _signal_pid(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _wait_layouts(
+    conductor: str, nodes: set[str], token_file: str | None, tls_ca: str | None, deadline: float
+) -> None:
+    """Until the conductor lists a layout for each of ``nodes`` (their engines' connectors
+    registered one at start; the node's agent tells the conductor)."""
+    from clients.conductor_client import ConductorClient
+
+    token = None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    with ConductorClient(conductor, token, tls_ca) as c:
+        while True:
+            served = {s.node.node_id for s in c.list_nodes().nodes if s.node.layouts}
+            if nodes <= served:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the conductor lists no layout for node(s) {sorted(nodes - served)} after "
+                    "their engines started: their connectors registered none (see the engines' "
+                    "logs), or the nodes did not tell the conductor"
+                )
+            time.sleep(0.2)  # another process registers it; no event to wait on
 
 
 def _wait_healthy(engine: EngineProcess, deadline: float, timeout_s: float) -> None:

@@ -93,6 +93,34 @@ def test_pool_gives_an_engines_connector_the_conductor(tmp_path):
     assert extras[0]["node"] == "127.0.0.1:7000" and extras[0]["model"] == "m"
 
 
+def test_nodes_of_a_cluster_with_engines_serve_what_the_engines_register(tmp_path):
+    """With [[engines]] a node has no layout unless one is named (for it, or in [defaults]):
+    it starts without --layout and its engine's connector registers the model's at start, in
+    pages of ``block_tokens`` (else the connector's). Without engines the demo's layout stays."""
+    text = ENGINES.replace("port = 8200", "port = 8200\nblock_tokens = 64")
+    cfg = load_config(_config(tmp_path, text))
+    assert [n.layout for n in cfg.nodes] == ["", ""]
+    serving = serving_config(cfg)
+    assert serving is not None
+    extras = [
+        kv_transfer_config(e, {"address": "127.0.0.1:7000", "layout": ""}, None, None)
+        for e in serving.engines
+    ]
+    p0, d0 = (x["kv_connector_extra_config"] for x in extras)
+    assert p0 == {"node": "127.0.0.1:7000"}  # model and block size: the connector's own
+    assert d0 == {"node": "127.0.0.1:7000", "block_tokens": 64}
+    named = "model=m,num_layers=2,kv_heads=2,head_dim=32"
+    one = NODES.replace('role = "decode"', f'role = "decode"\nlayout = "{named}"')
+    path = tmp_path / "one.toml"
+    path.write_text(one + ENGINES)
+    assert [n.layout for n in load_config(str(path)).nodes] == ["", named]
+    every = load_config(_config(tmp_path, f'[defaults]\nlayout = "{named}"\n' + ENGINES))
+    assert [n.layout for n in every.nodes] == [named, named]
+    none = load_config(_config(tmp_path, '[defaults]\nlayout = "none"\n'))
+    assert [n.layout for n in none.nodes] == ["", ""]
+    assert all(n.layout for n in load_config(_config(tmp_path, "")).nodes)  # the demo's
+
+
 def test_the_embedded_default_has_no_engines():
     assert serving_config(load_config(None)) is None
 
@@ -108,6 +136,7 @@ def test_the_embedded_default_has_no_engines():
         (ENGINES.replace("port = 8200", "port = 99999"), "a port is 0..65535"),
         (ENGINES.replace('["--block-size", "32"]', '"--enforce-eager"'), "list of strings"),
         (ENGINES.replace("port = 8200", 'env = ["NOEQUALS"]'), "NAME=VALUE"),
+        (ENGINES.replace("port = 8200", "block_tokens = -64"), "a number of tokens"),
         (ENGINES + "[router]\nport = 1\n", "unknown key 'port'"),
         ('[router]\nlisten = "127.0.0.1:8000"\n', "needs [[engines]]"),
         (

@@ -75,8 +75,8 @@ count = 2
 prefix = "{prefix}"
 subnet = "{subnet}"
 
+# No layout: each node serves the one its engine's connector registers at start.
 [defaults]
-layout = "model=tiny-llama,num_layers=2,kv_heads=2,head_dim=32,dtype=bfloat16,block_tokens=64"
 dram = "64MiB"
 
 [[node]]
@@ -95,6 +95,7 @@ args = ["--block-size", "32", "--max-model-len", "2048", "--max-num-batched-toke
         "--kv-cache-memory-bytes", "67108864", "--disable-uvicorn-access-log",
         "--trust-request-chat-template"]
 start_timeout_s = 900
+block_tokens = 64
 
 [[engines]]
 node = "node-0"
@@ -220,6 +221,14 @@ def test_each_engine_serves_beside_its_node_in_that_hosts_network_namespace(serv
         # a scheduling group of its own where the kernel groups by session (sched_autogroup)
         assert os.getpgid(engine["pid"]) == engine["pid"]
         assert os.getsid(engine["pid"]) == os.getsid(0)
+    # The nodes were started without a layout: each serves the one its engine registered.
+    for node in nodes.values():
+        with open(f"/proc/{node['pids'][0]}/cmdline", "rb") as f:
+            assert b"--layout" not in f.read().split(b"\0")
+    with ConductorClient(serving.state["conductor"]["address"], serving.state.get("token")) as c:
+        for status in c.list_nodes().nodes:
+            (layout,) = [layout_from_pb(x) for x in status.node.layouts]
+            assert (layout.model, layout.block_tokens, layout.kv_heads) == (MODEL, BLOCK, 2)
 
 
 @pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
