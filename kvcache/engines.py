@@ -336,7 +336,8 @@ class Serving:
         # the namespace through the conductor) starts once the conductor lists them.
         unnamed = {s.node for s in self.config.engines if not nodes[s.node]["layout"]}
         if unnamed:
-            _wait_layouts(conductor, unnamed, token_file, tls_ca, deadline)
+            model = self.config.engines[0].served_model_name  # one for all (checked)
+            _wait_layouts(conductor, unnamed, model, token_file, tls_ca, deadline)
         state: dict[str, Any] = {
             "engines": [
                 {
@@ -482,11 +483,18 @@ def _signal_pid(pid: int, signum: int) -> None:
 
 
 def _wait_layouts(
-    conductor: str, nodes: set[str], token_file: str | None, tls_ca: str | None, deadline: float
+    conductor: str,
+    nodes: set[str],
+    model: str,
+    token_file: str | None,
+    tls_ca: str | None,
+    deadline: float,
 ) -> None:
-    """Until the conductor lists a layout for each of ``nodes`` (their engines' connectors
-    registered one at start; the node's agent tells the conductor)."""
+    """Until the conductor lists, for each of ``nodes``, a layout of ``model`` (their engines'
+    connectors registered it at start; the node's agent tells the conductor; the router routes
+    on the namespace of the model its engines serve)."""
     from clients.conductor_client import ConductorClient
+    from rpc.wire import layout_from_pb
 
     token = None
     if token_file:
@@ -494,14 +502,20 @@ def _wait_layouts(
             token = f.read().strip()
     with ConductorClient(conductor, token, tls_ca) as c:
         while True:
-            served = {s.node.node_id for s in c.list_nodes().nodes if s.node.layouts}
+            served = {
+                s.node.node_id
+                for s in c.list_nodes().nodes
+                for layout in map(layout_from_pb, s.node.layouts)
+                if layout.model == model
+            }
             if nodes <= served:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"the conductor lists no layout for node(s) {sorted(nodes - served)} after "
-                    "their engines started: their connectors registered none (see the engines' "
-                    "logs), or the nodes did not tell the conductor"
+                    f"the conductor lists no layout of {model!r} for node(s) "
+                    f"{sorted(nodes - served)} after their engines started: their connectors "
+                    "registered none (see the engines' logs), or the nodes did not tell the "
+                    "conductor"
                 )
             time.sleep(0.2)  # another process registers it; no event to wait on
 

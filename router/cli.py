@@ -82,7 +82,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "is cached, so other users' prompts could be recovered block by block",
     )
     parser.add_argument(
-        "--namespace", default=None, help="the layout namespace (default: the one nodes serve)"
+        "--namespace",
+        default=None,
+        help="the layout namespace (default: the one nodes serve; of several, the one of the "
+        "model the engines serve)",
     )
     parser.add_argument(
         "--mode",

@@ -168,7 +168,7 @@ class Disaggregator:
         self._pulls = ThreadPoolExecutor(options.pull_workers, thread_name_prefix="router-pull")
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
-        self._layout: KVLayout | None = None
+        self._layouts: dict[str, KVLayout] = {}  # by the model the engines serve
         # The salt of the engines' keys (model, page format; docs/api.md), learned from the
         # prefill engines' answers: what the conductor needs to find the prompt's pages.
         self._salt = b""
@@ -207,11 +207,13 @@ class Disaggregator:
 
     # ---- what the cluster serves ------------------------------------------------------------
 
-    async def layout(self) -> KVLayout:
+    async def layout(self, model: str) -> KVLayout:
         """The layout whose block keys the engines' connectors store under: the namespace the
-        nodes registered with the conductor (``--namespace`` when they serve several)."""
-        if self._layout is not None:
-            return self._layout
+        nodes registered with the conductor (``--namespace`` when they serve several; else the
+        one of ``model``, the model the engines serve, as a connector registers it)."""
+        known = self._layouts.get(model)
+        if known is not None:
+            return known
         try:
             reply = await self._run(self.conductor.client.list_nodes)
         except KVCacheRpcError as e:
@@ -226,15 +228,22 @@ class Disaggregator:
             raise RouterError(
                 503, f"no node serves namespace {wanted!r} (served: {sorted(layouts)})"
             )
-        if wanted is None and len(layouts) != 1:
-            raise RouterError(
-                503,
-                f"the nodes serve {len(layouts)} namespaces {sorted(layouts)}: start the "
-                "router with --namespace",
-                "service_unavailable",
-            )
-        self._layout = layouts[wanted] if wanted else next(iter(layouts.values()))
-        return self._layout
+        if wanted is None and len(layouts) > 1:
+            # nodes without a layout serve the demo's beside what their engines registered
+            mine = [ns for ns, layout in layouts.items() if layout.model == model]
+            wanted = mine[0] if len(mine) == 1 else None
+            if wanted is None:
+                raise RouterError(
+                    503,
+                    f"the nodes serve {len(layouts)} namespaces {sorted(layouts)}, "
+                    f"{len(mine)} of model {model!r}: start the router with --namespace",
+                    "service_unavailable",
+                )
+        if not layouts:
+            raise RouterError(503, "no node serves a layout yet", "service_unavailable")
+        layout = layouts[wanted] if wanted else next(iter(layouts.values()))
+        self._layouts[model] = layout
+        return layout
 
     # ---- a request --------------------------------------------------------------------------
 
@@ -282,7 +291,7 @@ class Disaggregator:
         output_tokens: int,
         exclude: list[str],
     ) -> dict[str, Any] | EngineStream:
-        layout = await self.layout()
+        layout = await self.layout(model.name)
         reply = await self._schedule(tokens, output_tokens, call, layout, served, exclude)
         try:
             prefill, decode = self._engine(reply.prefill_node), self._engine(reply.decode_node)
@@ -290,7 +299,9 @@ class Disaggregator:
             t = time.perf_counter()
             for plan in reply.transfers:
                 keys = transfer_keys(plan)
-                await self._pull("plan", plan.dst_messenger, plan.src_messenger, keys, served)
+                await self._pull(
+                    "plan", layout, plan.dst_messenger, plan.src_messenger, keys, served
+                )
             if reply.transfers:
                 served.transfer_s = time.perf_counter() - t
                 self.metrics.stage.labels("plan_wait").observe(served.transfer_s)
@@ -334,6 +345,7 @@ class Disaggregator:
                 *(
                     self._pull(
                         "decode_pull",
+                        layout,
                         reply.decode_messenger,
                         reply.prefill_messenger,
                         rank_keys(chain, tag),
@@ -363,12 +375,9 @@ class Disaggregator:
             body["prompt"] = tokens
         # Served by one engine before any prefill told the engines' key salt: this answer tells
         # it (the conductor finds no prompt's pages without it), and is not the client's to see.
-        learn = (
-            served.mode == "aggregated"
-            and not self._salt
-            and not call.stream
-            and self._layout is not None
-        )
+        layout = self._layouts.get(model.name)
+        learn = served.mode == "aggregated" and not self._salt and not call.stream
+        learn = learn and layout is not None
         if learn:
             params["kvcache_keys"] = True
         if params:
@@ -383,8 +392,8 @@ class Disaggregator:
             whole_s=self.options.timeouts.decode_s,
         )
         self.finish(served)
-        if learn and self._layout is not None:
-            self._keys_of(result, self._layout)
+        if learn and layout is not None:
+            self._keys_of(result, layout)
             result.pop("kv_transfer_params", None)
         if served.cached_tokens is not None:
             with_cached_tokens(result, served.cached_tokens)
@@ -482,7 +491,14 @@ class Disaggregator:
         return engine
 
     async def _pull(
-        self, kind: str, dst: str, src: str, keys: Any, served: Served, chain: bool = False
+        self,
+        kind: str,
+        layout: KVLayout,
+        dst: str,
+        src: str,
+        keys: Any,
+        served: Served,
+        chain: bool = False,
     ) -> None:
         """``dst``'s messenger fetches ``keys`` from ``src``'s (``chain``: a prompt's whole
         chain, in order). A failure is not the request's: the engine computes what did not
@@ -490,7 +506,6 @@ class Disaggregator:
         keys = list(keys)
         if not keys or not dst or not src:
             return
-        layout = await self.layout()
         messenger = self._messenger(dst)
         timeout_s = self.options.transfer_timeout_s
         try:
