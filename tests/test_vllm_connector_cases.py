@@ -166,8 +166,20 @@ def test_a_page_gone_between_lookup_and_acquire_is_recomputed_and_never_stored_w
     assert hit["tokens"] == loaded["tokens"] == full["tokens"]
     got, want = pages(node, hit["kvcache"], EXTENDED), pages(node, full["kvcache"], EXTENDED)
     assert all(p is not None for p in got + want)
-    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not np.array_equal(g, w)]
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not same_kv(g, w)]
     assert wrong == [], f"pages {wrong} were stored from blocks a failed load left unfilled"
+    assert not same_kv(got[0], want[1]), "the comparison tells one page's KV from another's"
+
+
+def same_kv(page: np.ndarray, full: np.ndarray) -> bool:
+    """``page`` holds the KV ``full`` (another computation of the same tokens) holds, up to the
+    rounding of bf16 sums taken in another order: on CPUs with AMX two computations of the same
+    prefix in batches of other sizes differ in the last bits (seen in a full-suite run: every
+    page of two full computations differed), so bytes cannot be compared. A page from blocks
+    nobody filled holds other tokens' KV (or zeros): far outside this."""
+    a, b = (np.frombuffer(p.tobytes(), np.uint16).astype(np.uint32) << 16 for p in (page, full))
+    x, y = a.view(np.float32), b.view(np.float32)
+    return bool(np.allclose(x, y, rtol=0.05, atol=0.05 * float(np.abs(y).max())))
 
 
 def test_cache_salts_and_lora_adapters_never_share_pages(node, engine):
