@@ -56,7 +56,7 @@ _COUNTERS = [f.name for f in fields(ConnectorStats) if f.name != "breaker_open"]
 # under REMOTE_LOAD_S; REMOTE_LOAD has every one of this process (read by the benchmarks).
 REMOTE_LOAD_S = "remote_load_s"
 REMOTE_LOAD: list[float] = []
-# From a local hit's cost to a pull's deadline (pull_timeout_s, 5 s by default).
+# From a local hit's cost to a pull's deadline (pull_timeout_s, 10 s by default).
 REMOTE_LOAD_BUCKETS = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
     5.0, 7.5, 10.0,
