@@ -322,7 +322,7 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         if not keys or not self._resolve():
             return [False] * len(keys)
-        ns, pool = self.namespace, self.mem_pool_host
+        ns = self.namespace
         assert ns is not None
         starts, node_keys, t0 = (
             self._starts(host_indices, len(keys)),
@@ -331,35 +331,49 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
         found = [False] * len(keys)
         try:
-            if not self._call(lambda: self.client.shm_available(ns)):
-                self._stream_into(ns, list(range(len(keys))), node_keys, starts, found)
-            else:
-                lease = self._call(lambda: self.client.acquire(ns, keys=node_keys))
-                try:
-                    region = lease.slab.array if lease.slab is not None else None
-                    size, elsewhere = lease.page_bytes, []
-                    for i, start in enumerate(starts):
-                        off = lease.offsets[i]
-                        if off >= 0 and region is not None:
-                            pool.set_from_flat_data_page(
-                                start, self._as_pool(region[off : off + size])
-                            )
-                            found[i] = True
-                        elif lease.tiers[i] is not None:  # stored, but not in shared memory
-                            elsewhere.append(i)
-                finally:
-                    with contextlib.suppress(KVCacheRpcError):
-                        self.client.release(lease)  # else it expires by itself
-                if elsewhere:
-                    self._stream_into(ns, elsewhere, node_keys, starts, found)
+            shared = self._call(lambda: self.client.shm_available(ns))
+            self._load_into(ns, shared, list(range(len(keys))), node_keys, starts, found)
             if not all(found) and self._pool_args is not None:
                 pulled = self._pull(ns, node_keys, found)
-                if pulled:  # now on this node: the streamed path reads them wherever they are
-                    self._stream_into(ns, pulled, node_keys, starts, found)
+                if pulled:  # now on this node: read as its own pages are
+                    self._load_into(ns, shared, pulled, node_keys, starts, found)
         except Exception as e:  # noqa: BLE001 - a miss, never an error in SGLang's threads
             self._failed(f"load of {len(keys)} pages", e)
         self._metric("prefetch", sum(found), t0)
         return found
+
+    def _load_into(
+        self,
+        ns: str,
+        shared: bool,
+        which: list[int],
+        node_keys: list[bytes],
+        starts: list[int],
+        found: list[bool],
+    ) -> None:
+        """Pages ``which`` of ``node_keys`` into the host pool at ``starts``: out of the node's
+        shared memory under one read lease (``shared``), streamed where they are not in it."""
+        if not shared:
+            self._stream_into(ns, which, node_keys, starts, found)
+            return
+        pool = self.mem_pool_host
+        lease = self._call(lambda: self.client.acquire(ns, keys=[node_keys[i] for i in which]))
+        elsewhere = []
+        try:
+            region = lease.slab.array if lease.slab is not None else None
+            size = lease.page_bytes
+            for j, i in enumerate(which):
+                off = lease.offsets[j]
+                if off >= 0 and region is not None:
+                    pool.set_from_flat_data_page(starts[i], self._as_pool(region[off : off + size]))
+                    found[i] = True
+                elif lease.tiers[j] is not None:  # stored, but not in shared memory
+                    elsewhere.append(i)
+        finally:
+            with contextlib.suppress(KVCacheRpcError):
+                self.client.release(lease)  # else it expires by itself
+        if elsewhere:
+            self._stream_into(ns, elsewhere, node_keys, starts, found)
 
     def _stream_into(
         self,
