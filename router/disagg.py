@@ -376,8 +376,12 @@ class Disaggregator:
         # Served by one engine before any prefill told the engines' key salt: this answer tells
         # it (the conductor finds no prompt's pages without it), and is not the client's to see.
         layout = self._layouts.get(model.name)
-        learn = served.mode == "aggregated" and not self._salt and not call.stream
-        learn = learn and layout is not None
+        learn = (
+            served.mode == "aggregated"
+            and not self._salt
+            and not call.stream
+            and layout is not None
+        )
         if learn:
             params["kvcache_keys"] = True
         if params:
