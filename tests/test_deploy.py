@@ -522,7 +522,7 @@ def test_the_manifests_command_lines_run_as_pods_on_namespaced_hosts(tmp_path):
     from test_hosts_netns import REASON, free_subnet, unique_prefix
 
     from clients.conductor_client import ConductorClient
-    from kvcache.cluster_config import DEMO_LAYOUT
+    from kvcache.cluster_schema import DEMO_LAYOUT
     from kvcache.deploy import render_k8s
     from kvcache.etcd_server import start_etcd
     from plumbing.launch import start_service
