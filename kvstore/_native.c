@@ -9,6 +9,9 @@
  *   Positions come from a seeded hash of the key, so clients that choose their keys cannot
  *   choose collisions. Memory comes from PyMem_Raw*, which tracemalloc sees.
  *
+ * copy_hash(): a page copied and its XXH3-64 checksum taken in one pass over memory
+ *   (_copy_hash.h; SSE2, AVX2 or AVX-512 picked at run time).
+ *
  * xxhash.h is compiled in (XXH_INLINE_ALL): nothing to link at run time.
  */
 #define PY_SSIZE_T_CLEAN
@@ -16,6 +19,9 @@
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#define COPY_HASH_NAME kv_copy_hash_base
+#include "_copy_hash.h"
 
 #define KEY_BYTES 16
 
@@ -487,11 +493,59 @@ done:
     return ret;
 }
 
+/* ---- pages: copy and checksum in one pass ------------------------------------------------ */
+
+typedef unsigned long long (*copy_hash_fn)(void *, const void *, size_t);
+static copy_hash_fn copy_hash_impl = kv_copy_hash_base;
+static const char *copy_hash_isa = "baseline";
+
+/* The widest the CPU runs; KVSTORE_COPY_HASH_ISA=sse2|avx2 caps it (the tests run each). */
+static void pick_copy_hash(void) {
+#if COPY_HASH_X86
+    const char *cap = getenv("KVSTORE_COPY_HASH_ISA");
+    int most = cap == NULL ? 3 : strcmp(cap, "sse2") == 0 ? 1 : strcmp(cap, "avx2") == 0 ? 2 : 3;
+    __builtin_cpu_init();
+    if (most >= 3 && __builtin_cpu_supports("avx512f")) {
+        copy_hash_impl = kv_copy_hash_avx512;
+        copy_hash_isa = "avx512";
+    } else if (most >= 2 && __builtin_cpu_supports("avx2")) {
+        copy_hash_impl = kv_copy_hash_avx2;
+        copy_hash_isa = "avx2";
+    } else {
+        copy_hash_isa = "sse2";
+    }
+#endif
+}
+
+/* copy_hash(dst, src) -> int: copy `src` into `dst` (C-contiguous buffers of one length) and
+ * return XXH3-64 of the bytes, the value python-xxhash's xxh3_64_intdigest gives; the GIL is
+ * released meanwhile. */
+static PyObject *copy_hash(PyObject *self, PyObject *args) {
+    Py_buffer db, sb;
+    if (!PyArg_ParseTuple(args, "w*y*", &db, &sb)) return NULL;
+    PyObject *ret = NULL;
+    if (db.len != sb.len) {
+        PyErr_Format(PyExc_ValueError, "copy_hash: %zd bytes into a buffer of %zd", sb.len,
+                     db.len);
+    } else {
+        unsigned long long h;
+        Py_BEGIN_ALLOW_THREADS;
+        h = copy_hash_impl(db.buf, sb.buf, (size_t)db.len);
+        Py_END_ALLOW_THREADS;
+        ret = PyLong_FromUnsignedLongLong(h);
+    }
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&sb);
+    return ret;
+}
+
 /* ---- module ------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
     {"lru_touch", lru_touch, METH_VARARGS,
      "lru_touch(prev, next, head, slots): move linked slots to the list's tail, in order"},
+    {"copy_hash", copy_hash, METH_VARARGS,
+     "copy_hash(dst, src) -> xxh3_64 of src, copied into dst in the same pass"},
     {"split", split, METH_VARARGS, "split(data, size) -> list of size-byte pieces"},
     {"scope", scope, METH_VARARGS, "scope(keys, prefix) -> xxh3_128(prefix || key) of each key"},
     {"chain", chain, METH_VARARGS,
@@ -505,7 +559,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&KeyIndexType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
+    pick_copy_hash();
+    if (PyModule_AddStringConstant(m, "COPY_HASH_ISA", copy_hash_isa) < 0 ||
+        PyModule_AddObjectRef(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

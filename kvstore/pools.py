@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from .payload import ByteView, copy_bytes
+from .payload import ByteView, copy_bytes, copy_checksum
 from .shm import MemfdSegment, SharedSlab, page_up, unique_shm_name
 from .tiers import Tier
 
@@ -48,7 +48,8 @@ class PagePool(ABC):
                 copy_bytes(view[offset : offset + size], row)
 
     def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
-        """Copy a page into ``out``; False when the page is gone or corrupt (SSD)."""
+        """Copy a page into ``out``; False when the page is gone or corrupt (its checksum): then
+        ``out`` may hold any bytes, and the caller treats the page as missing."""
         copy_bytes(out, self.page_view(slot))
         return True
 
@@ -145,7 +146,14 @@ class SharedDramPool(PagePool):
 
     def read_page_into(self, slot: int, key: bytes, out: ByteView) -> bool:
         page = self._pages[slot]
-        if self._sealed[slot] and xxhash.xxh3_64_intdigest(page) != int(self._sums[slot]):
+        if not self._sealed[slot]:
+            copy_bytes(out, page)
+            return True
+        if isinstance(out, np.ndarray):
+            # NOTE: checked as it is copied, one pass; a page that fails leaves ``out`` holding
+            # its bytes, which every caller then treats as missing (read_page_into's contract).
+            return copy_checksum(out, page) == int(self._sums[slot])
+        if xxhash.xxh3_64_intdigest(page) != int(self._sums[slot]):
             return False
         copy_bytes(out, page)
         return True

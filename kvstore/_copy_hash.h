@@ -1,0 +1,52 @@
+/* The loop of kvstore._native.copy_hash, built once per instruction set: _native.c builds it
+ * with the compiler's baseline (SSE2 on x86-64), _native_avx2.c and _native_avx512.c with
+ * theirs, and _native.c picks the widest the CPU runs. A file that includes this names the
+ * function (COPY_HASH_NAME) and sets xxhash's vector code (XXH_VECTOR) and the target first.
+ *
+ * Each 16 KiB chunk is hashed from the destination right after it is copied, while it is in L1:
+ * one pass over memory. Measured here on 1 MiB pages (vs memcpy): copy then hash 0.75-0.80x;
+ * in chunks of 4 / 16 / 64 KiB, SSE2 0.71-0.83 / 0.80-0.84 / 0.73-0.76x, AVX2 0.87-0.92x and
+ * AVX-512 0.90-0.99x at 16 KiB. */
+#ifndef KVSTORE_COPY_HASH_H
+#define KVSTORE_COPY_HASH_H
+
+#include <stddef.h>
+#include <string.h>
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
+
+/* x86-64 with GCC: the SIMD variants are built (#pragma GCC target). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define COPY_HASH_X86 1
+#else
+#define COPY_HASH_X86 0
+#endif
+
+#define COPY_HASH_CHUNK ((size_t)16 * 1024)
+
+unsigned long long kv_copy_hash_base(void *dst, const void *src, size_t n);
+#if COPY_HASH_X86
+unsigned long long kv_copy_hash_avx2(void *dst, const void *src, size_t n);
+unsigned long long kv_copy_hash_avx512(void *dst, const void *src, size_t n);
+#endif
+
+#endif /* KVSTORE_COPY_HASH_H */
+
+#ifdef COPY_HASH_NAME
+/* Copy n bytes and return their XXH3-64 (seed 0), python-xxhash's xxh3_64_intdigest. */
+unsigned long long COPY_HASH_NAME(void *dst, const void *src, size_t n) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    char *d = dst;
+    const char *s = src;
+    for (size_t off = 0; off < n; off += COPY_HASH_CHUNK) {
+        size_t k = n - off < COPY_HASH_CHUNK ? n - off : COPY_HASH_CHUNK;
+        memcpy(d + off, s + off, k);
+        XXH3_64bits_update(&state, d + off, k);
+    }
+    return XXH3_64bits_digest(&state);
+}
+#undef COPY_HASH_NAME
+#endif

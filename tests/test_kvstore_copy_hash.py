@@ -1,0 +1,101 @@
+"""Pages copied and checksummed in one pass (kvstore/_copy_hash.h): each instruction set's loop
+gives python-xxhash's xxh3-64 of the bytes and copies them exactly, at every length around its
+chunk size; the store's puts and reads keep the checksums readers check against."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import payload
+from kvstore.errors import InvalidArgument
+from kvstore.payload import copy_checksum
+from kvstore.shm import SharedSlab
+
+from kvstore_helpers import LAYOUT, key, make_store, page
+
+CHUNK = 16 * 1024
+needs_c = pytest.mark.skipif(
+    payload._copy_hash_c is None,
+    reason="kvstore._native is not built (pip install -e . builds it where xxhash.h is installed)",
+)
+LENGTHS = [0, 1, 63, 64, 255, 256, 4096, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 1 << 20]
+
+
+@given(data=st.binary(max_size=3 * CHUNK + 300))
+@settings(max_examples=60, deadline=None)
+def test_copy_checksum_copies_and_gives_the_xxh3_of_the_bytes(data):
+    src = np.frombuffer(data, dtype=np.uint8)
+    dst = np.full(len(data), 0xA5, dtype=np.uint8)
+    assert copy_checksum(dst, src) == xxhash.xxh3_64_intdigest(data)
+    assert dst.tobytes() == data
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ["sse2", "avx2", "avx512"])
+def test_each_instruction_sets_loop_gives_the_python_twins_checksum(isa):
+    """In a process whose loop is capped at ``isa`` (KVSTORE_COPY_HASH_ISA): every length around
+    the chunk size, copied exactly, the checksum python-xxhash gives; and the Python twin agrees."""
+    script = f"""
+import numpy as np, xxhash
+from kvstore import _native, payload
+rng = np.random.default_rng(5)
+for n in {LENGTHS}:
+    src = rng.integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    h = _native.copy_hash(dst, src)
+    assert h == xxhash.xxh3_64_intdigest(src), n
+    assert np.array_equal(dst, src), n
+    payload._copy_hash_c = None  # the Python twin, on the same bytes
+    assert payload.copy_checksum(np.zeros(n, np.uint8), src) == h, n
+    payload._copy_hash_c = _native.copy_hash
+print(_native.COPY_HASH_ISA)
+"""
+    env = {**os.environ, "KVSTORE_COPY_HASH_ISA": isa}
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    # The loop that ran: the one asked for, or a narrower one where this CPU lacks it.
+    widths = ["baseline", "sse2", "avx2", "avx512"]
+    assert widths.index(r.stdout.strip()) <= widths.index(isa)
+
+
+@needs_c
+def test_bad_buffers_get_a_clear_error():
+    with pytest.raises(InvalidArgument, match="copy of"):
+        copy_checksum(np.zeros(8, np.uint8), np.zeros(9, np.uint8))
+    with pytest.raises(ValueError, match="9 bytes into a buffer of 8"):
+        payload._copy_hash_c(np.zeros(8, np.uint8), np.zeros(9, np.uint8))
+    with pytest.raises(TypeError):  # read-only destination
+        payload._copy_hash_c(b"12345678", np.zeros(8, np.uint8))
+    # Strided views take the copy-then-hash path, with the same result.
+    src = np.arange(64, dtype=np.uint8)[::2]
+    assert copy_checksum(np.zeros(32, np.uint8), src) == xxhash.xxh3_64_intdigest(src.tobytes())
+
+
+def test_puts_and_reads_keep_the_checksums_readers_check():
+    """A page put through the store carries the xxh3 of its bytes; a read copies it out whole;
+    a page scribbled on after its commit fails its read (and is dropped), whichever path ran."""
+    with make_store(dram_pages=4) as store:
+        pages = [page(i) for i in range(3)]
+        store.put([key(i) for i in range(3)], pages)
+        lease = store.acquire([key(i) for i in range(3)])
+        try:
+            assert store.checksums(lease) == [xxhash.xxh3_64_intdigest(p) for p in pages]
+            out = np.zeros(LAYOUT.page_bytes, np.uint8)
+            assert store.copy_out(lease, 1, out) and out.tobytes() == pages[1].tobytes()
+            slab = SharedSlab.attach(store.shm_name)  # a writer that kept its view scribbles
+            slab.array[lease.slots[2] * LAYOUT.page_bytes + 100] ^= 0xFF
+            slab.close()
+            assert not store.copy_out(lease, 2, out)
+        finally:
+            store.release(lease.lease_id)
+        assert store.contains([key(0), key(1), key(2)]) == [True, True, False]
