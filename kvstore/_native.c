@@ -20,7 +20,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#define COPY_HASH_NAME kv_copy_hash_base
+#define COPY_HASH_ISA base
 #include "_copy_hash.h"
 
 #define KEY_BYTES 16
@@ -496,7 +496,9 @@ done:
 /* ---- pages: copy and checksum in one pass ------------------------------------------------ */
 
 typedef unsigned long long (*copy_hash_fn)(void *, const void *, size_t);
+typedef void (*hash_update_fn)(XXH3_state_t *, const void *, size_t);
 static copy_hash_fn copy_hash_impl = kv_copy_hash_base;
+static hash_update_fn hash_update_impl = kv_hash_update_base;
 static const char *copy_hash_isa = "baseline";
 
 /* The widest the CPU runs; KVSTORE_COPY_HASH_ISA=sse2|avx2 caps it (the tests run each). */
@@ -507,9 +509,11 @@ static void pick_copy_hash(void) {
     __builtin_cpu_init();
     if (most >= 3 && __builtin_cpu_supports("avx512f")) {
         copy_hash_impl = kv_copy_hash_avx512;
+        hash_update_impl = kv_hash_update_avx512;
         copy_hash_isa = "avx512";
     } else if (most >= 2 && __builtin_cpu_supports("avx2")) {
         copy_hash_impl = kv_copy_hash_avx2;
+        hash_update_impl = kv_hash_update_avx2;
         copy_hash_isa = "avx2";
     } else {
         copy_hash_isa = "sse2";
@@ -539,6 +543,120 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
     return ret;
 }
 
+/* PageHasher(n): n streaming XXH3-64 states, one per page of a layer-wise write. A writer that
+ * fills pages a layer at a time (layer-major pages: layer l is bytes [l*size, (l+1)*size)) feeds
+ * each layer's slices right after copying them, from cache, and commits the digests: the node
+ * does not read the pages back to hash them. Slices must come in page order. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;
+    XXH3_state_t *states; /* 64-byte aligned: XXH3's accumulators are loaded aligned */
+} PageHasher;
+
+static int PageHasher_init(PageHasher *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n", NULL};
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", names, &n)) return -1;
+    if (n < 0 || n > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "PageHasher: n must be in [0, 2**24]");
+        return -1;
+    }
+    free(self->states);
+    self->states = aligned_alloc(64, (size_t)(n ? n : 1) * sizeof(XXH3_state_t));
+    if (self->states == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->n = n;
+    for (Py_ssize_t i = 0; i < n; i++) XXH3_64bits_reset(&self->states[i]);
+    return 0;
+}
+
+static void PageHasher_dealloc(PageHasher *self) {
+    free(self->states);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* update(pages, offset, size): feed bytes [offset, offset + size) of each page in `pages` (a
+ * sequence of n buffers, page i to state i). The GIL is released while hashing. */
+static PyObject *PageHasher_update(PageHasher *self, PyObject *args) {
+    PyObject *pages;
+    Py_ssize_t offset, size;
+    if (!PyArg_ParseTuple(args, "Onn", &pages, &offset, &size)) return NULL;
+    PyObject *seq = PySequence_Fast(pages, "PageHasher.update: pages must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *ret = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t got = 0;
+    if (n != self->n || offset < 0 || size < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "PageHasher.update: %zd pages for %zd states, offset %zd, size %zd", n,
+                     self->n, offset, size);
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (offset + size > views[got].len) {
+            PyErr_Format(PyExc_ValueError, "PageHasher.update: page #%zd has %zd bytes, not %zd",
+                         got, views[got].len, offset + size);
+            got++;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++)
+        hash_update_impl(&self->states[i], (const char *)views[i].buf + offset, (size_t)size);
+    Py_END_ALLOW_THREADS;
+    ret = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    return ret;
+}
+
+/* digests() -> list[int]: each page's XXH3-64 of what was fed (its checksum, when whole). */
+static PyObject *PageHasher_digests(PageHasher *self, PyObject *unused) {
+    PyObject *out = PyList_New(self->n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&self->states[i]));
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyMethodDef PageHasher_methods[] = {
+    {"update", (PyCFunction)PageHasher_update, METH_VARARGS,
+     "update(pages, offset, size): feed bytes [offset, offset+size) of page i to state i"},
+    {"digests", (PyCFunction)PageHasher_digests, METH_NOARGS,
+     "digests() -> list of each page's xxh3_64 of what was fed"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PageHasherType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstore._native.PageHasher",
+    .tp_basicsize = sizeof(PageHasher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "n streaming xxh3_64 states, one per page of a layer-wise write",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)PageHasher_init,
+    .tp_dealloc = (destructor)PageHasher_dealloc,
+    .tp_methods = PageHasher_methods,
+};
+
 /* ---- module ------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -556,12 +674,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore._native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&KeyIndexType) < 0) return NULL;
+    if (PyType_Ready(&KeyIndexType) < 0 || PyType_Ready(&PageHasherType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     pick_copy_hash();
     if (PyModule_AddStringConstant(m, "COPY_HASH_ISA", copy_hash_isa) < 0 ||
-        PyModule_AddObjectRef(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
+        PyModule_AddObjectRef(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0 ||
+        PyModule_AddObjectRef(m, "PageHasher", (PyObject *)&PageHasherType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

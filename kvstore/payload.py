@@ -11,17 +11,22 @@ import xxhash
 from .errors import InvalidArgument
 
 _copy_hash_c: Callable[[Any, Any], int] | None
+# PageHasher(n): a streaming xxh3-64 per page, for writers that fill pages a layer at a time and
+# send the checksums with their Commit (None without the C module: the node hashes at commit).
+PageHasher: type[_PageHasher] | None
 try:  # copy and checksum in one pass (kvstore/_native.c), built where a compiler is
-    from ._native import COPY_HASH_ISA
+    from ._native import COPY_HASH_ISA, PageHasher
     from ._native import copy_hash as _copy_hash_c
 except ImportError:  # pragma: no cover - depends on the build
-    _copy_hash_c, COPY_HASH_ISA = None, ""
+    _copy_hash_c, COPY_HASH_ISA, PageHasher = None, "", None
 # What copy_checksum runs, for benchmarks to print.
 COPY_HASH_IMPL = f"C, {COPY_HASH_ISA}" if _copy_hash_c is not None else "Python"
 
 
 if TYPE_CHECKING:
     import torch
+
+    from ._native import PageHasher as _PageHasher
 
 # A page's bytes as a flat uint8 view: numpy on the host, a torch tensor on its own device.
 ByteView: TypeAlias = "npt.NDArray[np.uint8] | torch.Tensor"

@@ -8,12 +8,15 @@ import threading
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from clients import KVStoreClient
+from clients.node_leases import WriteLease
 from clients.torch_client import LayoutMismatchError, LoadProgress, TorchKVClient
 from clients.torch_layout import PagedLayout
 from clients.torch_transfer import PinnedRing
 from kvstore.layout import KVLayout
+from kvstore.payload import PageHasher
 
 from torch_helpers import BLOCK_TOKENS, layout_spec, prompt, start_node_for
 
@@ -147,6 +150,46 @@ def test_store_after_a_cached_prefix_writes_only_new_blocks(connect, use_shm):
     with kv.load(req) as load:
         for l, k, _v in load:
             torch.testing.assert_close(k, layers[l][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order", ["in order", "out of order"])
+def test_layers_put_in_order_are_committed_with_their_checksums(connect, monkeypatch, order):
+    """Each layer's slices are hashed as the worker copies them, and the Commit carries every
+    page's xxh3-64 (the node keeps them instead of reading the pages back); layers put out of
+    order commit none, and the node hashes. The node's checksums are the pages' either way."""
+    sent: list[object] = []
+    commit = WriteLease.commit
+
+    def spy(self, checksums=None):
+        sent.append(checksums)
+        return commit(self, checksums)
+
+    monkeypatch.setattr(WriteLease, "commit", spy)
+    kv = connect(True)
+    tokens = prompt(4 * BT, seed=31)
+    layers = hf_kv(tokens.numel(), seed=32)
+    with kv.store(kv.request(tokens[:BT])) as first:  # block 0 stored already: its sum is 0
+        for l, (k, v) in enumerate(layers):
+            first.put_layer(l, k[:, :, :BT], v[:, :, :BT])
+        first.finish()
+    sent.clear()
+    with kv.store(tokens) as store:
+        ls = list(enumerate(layers))
+        for l, (k, v) in ls if order == "in order" else ls[::-1]:
+            store.put_layer(l, k, v)
+        assert store.finish().stored == 3
+    with KVStoreClient(kv.client.address, use_shm=False) as raw:
+        pages = raw.get(LAYOUT.namespace, tokens=tokens.numpy())
+        lease = raw.acquire(LAYOUT.namespace, tokens=tokens.numpy())
+        try:
+            kept = list(lease.checksums)
+        finally:
+            raw.release(lease)
+    assert kept == [xxhash.xxh3_64_intdigest(p.tobytes()) for p in pages]
+    if order == "in order" and PageHasher is not None:
+        assert list(sent[0]) == [0, *kept[1:]]
+    else:
+        assert sent == [None]
 
 
 def test_abort_and_incomplete_stores_publish_nothing(connect):
