@@ -8,8 +8,8 @@ writes 32 KiB of each page) between torch tensors and the node:
   Commit), from tensors in the Hugging Face layout ``[1, kv_heads, seq, head_dim]`` (a transpose
   per block) and in vLLM's paged layout ``[blocks, block_tokens, kv_heads, head_dim]``. Reference:
   ``np.copyto`` of the same bytes between prefaulted page arrays. Target >= 0.8. The copies alone
-  (the client's worker time) and the publish (Commit, with the checksums the worker took as it copied) are
-  shown beside it.
+  (the client's worker time, which hashes each layer as it copies it) and the publish (Commit,
+  carrying those checksums) are shown beside it.
 - **load**: ``load()`` (Acquire) + ``layer(l)`` for every layer + ``close()`` (Release), into new
   HF tensors (allocated by the load, as for a prefill) or the caller's paged caches. Same
   reference.
@@ -343,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
         "pinned memory and one pinned copy_ to the device, or back (cuda); vs ref = reference "
         "time / ours (medians).\n"
         "copies vs ref: the client's worker time copying layers alone (it overlaps the "
-        "caller's compute); Commit ms: the publish, which carries the checksums the worker took as it copied."
+        "caller's compute; it checksums each layer as it copies it); Commit ms: the publish, "
+        "which carries those checksums."
     )
     missed = [f"{r.device} {r.op} {r.layout}" for r in rows if r.met is False]
     elapsed = time.perf_counter() - started
