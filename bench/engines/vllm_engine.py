@@ -4,7 +4,8 @@
 
 SPEC: ``model`` (path), ``runs`` (a list of ``{"prompts": [[token ids]...], "max_tokens": n}``,
 each one ``LLM.generate`` call, timed; ``"connector_attrs": {name: value}`` sets attributes of
-the worker's connector first, e.g. ``merge_calls``), and optionally ``connector`` (the
+the worker's connector first, e.g. ``merge_calls``; ``"scheduler_attrs"`` those of the scheduler's,
+e.g. ``saves``, for that run and the next ones), and optionally ``connector`` (the
 ``kv_connector_extra_config`` of ``clients.vllm_connector.KVCacheConnector``; ``kv_role``, default
 ``kv_both``), ``prefix_caching``
 (default true), ``max_model_len`` (default 1024). Prints one line: ``{"runs": [{"outputs":
@@ -67,6 +68,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             worker = get_kv_transfer_group()  # in this process: no engine-core processes
             for name, value in r["connector_attrs"].items():
                 setattr(worker, name, value)
+        if r.get("scheduler_attrs") and spec.get("connector") is not None:
+            # the scheduler's connector (in this process): e.g. ``saves`` and ``loads`` off for
+            # a run that measures the same engine with its connector idle
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            for name, value in r["scheduler_attrs"].items():
+                setattr(scheduler, name, value)
         params = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0)
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in r["prompts"]], params, use_tqdm=False)

@@ -4,9 +4,12 @@ stored in kvcache, against recomputing it, and against LMCache's connector in th
 For each model (random weights, made here): a node serving its layout; engine A stores a prompt;
 a fresh engine B (prefix caching off, so every request asks the connector) generates one token
 for it ``--reps`` times, loading the prefix from kvcache each time; a plain engine recomputes it
-``--reps`` times. Then both engines prefill ``--reps`` fresh prompts: the store's overhead on a
-cold prefill. Last, ``2 * --reps`` prompts whose first half is the stored prompt's and whose rest
-is new: engine B loads the half and stores the rest in the same engine step, in turn with the
+``--reps`` times. Then engine B prefills ``2 * --reps`` fresh prompts, in turn with its connector
+saving and idle (the scheduler's ``saves`` and ``loads`` off): the store's overhead on a cold
+prefill, from one engine with machine noise on both alike (engines started one after the other
+differed by up to 1.5x here on the same prompts); the plain engine's own cold prefills are
+printed beside it. Last, ``2 * --reps`` prompts whose first half is the stored prompt's and whose
+rest is new: engine B loads the half and stores the rest in the same engine step, in turn with the
 connector's merged node calls (``AcquireAllocate``, ``CommitRelease``) and the separate ones
 (``merge_calls`` off: ``Acquire``, ``Allocate``, ``Commit``, ``Release``); the plain engine
 computes all of it. Each phase also reports the connector's time per engine step
@@ -108,6 +111,14 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     fresh = [prompt() for _ in range(args.reps)]
     one = [{"prompts": [shared], "max_tokens": 1}] * args.reps
     cold = [{"prompts": [p], "max_tokens": 1} for p in fresh]
+    # Engine B's cold prefills in turn with its connector saving and idle (the scheduler's saves
+    # and loads off): the store's overhead measured in one engine, machine noise on both alike.
+    on, off = {"saves": True, "loads": True}, {"saves": False, "loads": False}
+    cold_turns = [
+        {"prompts": [p], "max_tokens": 1, "scheduler_attrs": attrs}
+        for p in fresh
+        for attrs, p in ((on, p), (off, prompt()))
+    ]
     # The stored prompt's first half (whole blocks), then new tokens: a load and a save in one
     # step, alternately with the connector's merged node calls (AcquireAllocate, CommitRelease)
     # and the separate ones: machine noise hits both alike.
@@ -117,6 +128,7 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
             "prompts": [shared[:half] + prompt()[half:]],
             "max_tokens": 1,
             "connector_attrs": {"merge_calls": merged},
+            "scheduler_attrs": on,
         }
         for _ in fresh
         for merged in (True, False)
@@ -147,7 +159,7 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
             flush=True,
         )
         hit = _engine(
-            {**base, "connector": conn, "runs": warmup + one + cold + mixed},
+            {**base, "connector": conn, "runs": warmup + one + cold_turns + mixed},
             os.path.join(work, f"{name}-B.log"),
         )
         print(
@@ -165,8 +177,9 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     finally:
         node.stop()
     r = args.reps
-    hit_runs, hit_cold = hit["runs"][1 : 1 + r], hit["runs"][1 + r : 1 + 2 * r]
-    hit_mixed = hit["runs"][1 + 2 * r :]
+    hit_runs = hit["runs"][1 : 1 + r]
+    hit_cold, hit_idle = hit["runs"][1 + r : 1 + 3 * r : 2], hit["runs"][2 + r : 1 + 3 * r : 2]
+    hit_mixed = hit["runs"][1 + 3 * r :]
     plain_runs, plain_cold = plain["runs"][1 : 1 + r], plain["runs"][1 + r : 1 + 2 * r]
     plain_mixed = plain["runs"][1 + 2 * r : 1 + 4 * r]
     # each run with the stats before it: the interleaved phases are told apart by position
@@ -178,10 +191,10 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     def per_hit(field: str) -> float:
         return (after_hits[field] - before_hits[field]) / n_loads * 1e3
 
-    after_cold = hit_cold[-1]["stats"]
+    cold_pairs = pairs[r : 3 * r : 2]  # (the run before, a cold run with the store)
 
     def per_cold(field: str) -> float:
-        return (after_cold[field] - after_hits[field]) / r * 1e3
+        return sum(b["stats"][field] - a["stats"][field] for a, b in cold_pairs) / r * 1e3
 
     def per_step(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
         """The connector's worker time per engine step (ms), and what it spent on the node: the
@@ -197,11 +210,12 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
     hit_s = statistics.median(x["seconds"] for x in hit_runs)
     rec_s = statistics.median(x["seconds"] for x in plain_runs)
     cold_store = statistics.median(x["seconds"] for x in hit_cold)
+    cold_idle = statistics.median(x["seconds"] for x in hit_idle)
     cold_plain = statistics.median(x["seconds"] for x in plain_cold)
     mixed_store = statistics.median(x["seconds"] for x in hit_mixed[0::2])
     mixed_separate = statistics.median(x["seconds"] for x in hit_mixed[1::2])
     mixed_plain = statistics.median(x["seconds"] for x in plain_mixed)
-    mixed_pairs = pairs[2 * r :]
+    mixed_pairs = pairs[3 * r :]
     return {
         "model": name,
         "params_m": _params(shape) / 1e6,
@@ -213,8 +227,10 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "hit_ratio": hit_s / rec_s,
         "hit_target": TARGETS[name],
         "cold_store_ms": cold_store * 1e3,
+        "cold_idle_ms": cold_idle * 1e3,
         "cold_plain_ms": cold_plain * 1e3,
-        "store_ratio": cold_store / cold_plain,
+        "store_ratio": cold_store / cold_idle,
+        "store_vs_plain_engine": cold_store / cold_plain,
         "mixed_loaded_tokens": hit_mixed[0]["outputs"][0]["cached"],
         "mixed_store_ms": mixed_store * 1e3,
         "mixed_separate_ms": mixed_separate * 1e3,
@@ -222,7 +238,7 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "mixed_ratio": mixed_store / mixed_plain,
         "step_ms": {
             "hit": per_step(pairs[:r]),
-            "cold": per_step(pairs[r : 2 * r]),
+            "cold": per_step(cold_pairs),
             "half hit": per_step(mixed_pairs[0::2]),
             "half hit (separate calls)": per_step(mixed_pairs[1::2]),
         },
@@ -240,6 +256,7 @@ def _bench_model(name: str, args: argparse.Namespace, work: str) -> dict[str, An
         "hit_runs_ms": [x["seconds"] * 1e3 for x in hit_runs],
         "recompute_runs_ms": [x["seconds"] * 1e3 for x in plain_runs],
         "cold_store_runs_ms": [x["seconds"] * 1e3 for x in hit_cold],
+        "cold_idle_runs_ms": [x["seconds"] * 1e3 for x in hit_idle],
         "cold_plain_runs_ms": [x["seconds"] * 1e3 for x in plain_cold],
         "mixed_store_runs_ms": [x["seconds"] * 1e3 for x in hit_mixed[0::2]],
         "mixed_separate_runs_ms": [x["seconds"] * 1e3 for x in hit_mixed[1::2]],
@@ -330,8 +347,10 @@ def run(args: argparse.Namespace) -> int:
         s = r["store_breakdown_ms"]
         print(
             f"[{r['model']}] one cold prefill with the store: allocate {s['allocate']:.2f} ms, "
-            f"copy out of vLLM blocks {s['copy']:.2f} ms, commit {s['commit']:.2f} ms "
-            f"(the cold prefill alone: {r['cold_plain_ms']:.1f} ms)"
+            f"copy out of vLLM blocks {s['copy']:.2f} ms, commit {s['commit']:.2f} ms; "
+            f"{r['cold_store_ms']:.1f} ms vs {r['cold_idle_ms']:.1f} ms with the connector idle "
+            f"in turn (the plain engine, run after: {r['cold_plain_ms']:.1f} ms, "
+            f"{r['store_vs_plain_engine']:.3f}x)"
         )
         print(
             f"[{r['model']}] half hit (load {r['mixed_loaded_tokens']} tokens, store the rest): "
