@@ -74,8 +74,12 @@ class LookupResult:
     total_blocks: int
 
 
-def _commit_release(write: WriteLease, read: ReadLease) -> pb.CommitReleaseRequest:
-    return pb.CommitReleaseRequest(commit=commit_request(write, None), release=lease_request(read))
+def _commit_release(
+    write: WriteLease, read: ReadLease, checksums: Sequence[int] | NDArray[Any] | None
+) -> pb.CommitReleaseRequest:
+    return pb.CommitReleaseRequest(
+        commit=commit_request(write, checksums), release=lease_request(read)
+    )
 
 
 class KVStoreClient:
@@ -389,14 +393,27 @@ class KVStoreClient:
     ) -> Future[CommitResult]:
         return self._call_async("Commit", commit_request(lease, checksums), commit_result)
 
-    def commit_release(self, write: WriteLease, read: ReadLease) -> CommitResult:
-        """``commit(write)`` and ``release(read)`` in one round trip (the node's CommitRelease):
-        the read lease ends even when the commit fails (whose error is raised)."""
-        return commit_result(self._call("CommitRelease", _commit_release(write, read)).commit)
+    def commit_release(
+        self,
+        write: WriteLease,
+        read: ReadLease,
+        checksums: Sequence[int] | NDArray[Any] | None = None,
+    ) -> CommitResult:
+        """``commit(write, checksums)`` and ``release(read)`` in one round trip (the node's
+        CommitRelease): the read lease ends even when the commit fails (whose error is raised)."""
+        request = _commit_release(write, read, checksums)
+        return commit_result(self._call("CommitRelease", request).commit)
 
-    def commit_release_async(self, write: WriteLease, read: ReadLease) -> Future[CommitResult]:
+    def commit_release_async(
+        self,
+        write: WriteLease,
+        read: ReadLease,
+        checksums: Sequence[int] | NDArray[Any] | None = None,
+    ) -> Future[CommitResult]:
         return self._call_async(
-            "CommitRelease", _commit_release(write, read), lambda r: commit_result(r.commit)
+            "CommitRelease",
+            _commit_release(write, read, checksums),
+            lambda r: commit_result(r.commit),
         )
 
     def abort(self, lease: WriteLease) -> None:

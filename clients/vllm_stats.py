@@ -30,6 +30,7 @@ class ConnectorStats:
     saved_pages: int = 0
     saved_bytes: int = 0
     saves_dropped: int = 0  # pages not committed because a load of their step failed
+    checksummed_pages: int = 0  # saved pages committed with the checksums the worker took
     acquire_s: float = 0.0  # Acquire / streamed Get of the pages to load (AcquireAllocate too)
     allocate_s: float = 0.0  # waiting for the Allocate of the pages to save
     load_copy_s: float = 0.0  # shared memory -> vLLM blocks, all layers

@@ -23,12 +23,16 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.payload import PageHasher
+
 from .node_client import KVCacheRpcError, ReadLease, WriteLease
 from .node_guard import BreakerOpen, node_gone
 from .vllm_identity import rank_keys
 from .vllm_stats import ConnectorStats
 
 if TYPE_CHECKING:
+    from kvstore._native import PageHasher as PageHasherType
+
     from .vllm_connector import KVCacheConnector
 
 log = logging.getLogger("clients.vllm_connector")
@@ -152,6 +156,10 @@ class _Step:
         self.streamed_out: np.ndarray | None = None
         self._allocating: Future[WriteLease] | None = None
         self.saves: list[_Transfer] = []
+        # Each saved layer's slices hashed right after their copy (from cache); the Commit
+        # carries the checksums, so the node does not read the pages back to hash them.
+        self._hasher: tuple[PageHasherType, list[np.ndarray], list[int]] | None = None
+        self._hashed_layers = 0
         self.load_failed = False
         if meta.loads and meta.saves and self._start_both(meta.loads, meta.saves):
             return
@@ -380,6 +388,11 @@ class _Step:
         pages = _Pages(self.write.slab.array, self.vblock_bytes, self.conn._word)
         offsets = self.write.offsets
         self._plan_saves(pages, [offsets[j] if j >= 0 else -1 for j in self._slots])
+        written = [j for j, o in enumerate(offsets) if o >= 0]
+        if PageHasher is not None and written:
+            pb, slab = self.layout.page_bytes, self.write.slab.array
+            views = [slab[offsets[j] : offsets[j] + pb] for j in written]
+            self._hasher = (PageHasher(len(written)), views, written)
 
     def _plan_saves(self, pages: _Pages, offsets: list[int]) -> None:
         src: list[int] = []
@@ -424,28 +437,49 @@ class _Step:
         pages, rows = self.save_plan
         t0 = time.perf_counter()
         rows.to_pages(self.conn._layers[layer], pages.rows_view, layer * self.layer_rows)
+        if self._hasher is not None:
+            if layer == self._hashed_layers:  # a page's layers are its bytes in order
+                lb = self.layout.layer_bytes
+                self._hasher[0].update(self._hasher[1], layer * lb, lb)
+                self._hashed_layers += 1
+            else:
+                self._hasher = None
         self.stats.save_copy_s += time.perf_counter() - t0
+
+    def _checksums(self) -> np.ndarray | None:
+        """The write lease's checksums, one per key (0: a key it had nothing to write for);
+        None unless every layer was hashed, in order (the node then hashes the pages)."""
+        hasher, self._hasher = self._hasher, None
+        if hasher is None or self.write is None:
+            return None
+        if self._hashed_layers != self.layout.num_layers:
+            return None
+        sums = np.zeros(len(self.write.keys), dtype=np.uint64)
+        sums[hasher[2]] = hasher[0].digests()
+        self.stats.checksummed_pages += len(hasher[2])
+        return sums
 
     def finish(self) -> None:
         conn = self.conn
         for layer in range(self.layout.num_layers):  # layers no save_kv_layer call reached
             self.save_layer(layer)
         t0 = time.perf_counter()
+        sums = self._checksums()
         try:
             if self.write is not None and self.read is not None and conn.merge_calls:
                 # One round trip ends both leases (the read one whatever the commit's outcome).
                 write, read, self.read = self.write, self.read, None
                 if conn.overlap:
-                    conn._send("commit", conn.client.commit_release_async(write, read))
+                    conn._send("commit", conn.client.commit_release_async(write, read, sums))
                 else:
-                    conn.guard.call(lambda: conn.client.commit_release(write, read))
+                    conn.guard.call(lambda: conn.client.commit_release(write, read, sums))
             elif self.write is not None and conn.overlap:
                 # The pages are written: vLLM may reuse its blocks; the commit needs no waiting.
                 write = self.write
-                conn._send("commit", conn.client.commit_async(write))
+                conn._send("commit", conn.client.commit_async(write, sums))
             elif self.write is not None:
                 write = self.write
-                conn.guard.call(write.commit)
+                conn.guard.call(lambda: write.commit(sums))
             elif self.streamed_out is not None and self.save_plan is not None:
                 out, keys = list(self.streamed_out), self.save_keys
                 wait = conn.bulk_timeout(len(out) * self.layout.page_bytes)

@@ -9,6 +9,7 @@ import tempfile
 import lmdb
 import numpy as np
 import pytest
+import xxhash
 
 from bench.engines.models import MODELS, make_model
 from clients import KVStoreClient
@@ -71,9 +72,21 @@ def reference(model) -> list[int]:
 def test_a_fresh_engine_loads_what_another_stored(model, reference, start_node):
     node = start_node(dram="16MiB", layout=LAYOUT_FLAG)
     conn = {"node": node.address}
-    (a,) = generate(model, [PROMPT], conn)
+    with Engine(model, conn, prefix_caching=True, log_path=_log()) as e:
+        (a,) = e.generate([PROMPT])
+        stats = e.stats()
     assert a["tokens"] == reference and a["cached"] == 0
     assert held(node.address, a, PROMPT) == 4
+    # The worker hashed each layer as it copied it and the Commit carried the checksums: the
+    # node kept them (they are the pages' own; a wrong one would fail the load below).
+    assert stats["saved_pages"] == stats["checksummed_pages"] == 4
+    kv = a["kvcache"]
+    keys = block_keys(PROMPT, 64, root_key(kv["namespace"], bytes.fromhex(kv["salt"])))
+    with KVStoreClient(node.address, use_shm=False) as c:
+        pages = c.get(kv["namespace"], keys=keys)
+        lease = c.acquire(kv["namespace"], keys=keys)
+        c.release(lease)
+    assert list(lease.checksums) == [xxhash.xxh3_64_intdigest(p.tobytes()) for p in pages]
     # vLLM's pages hold its attention backend's bytes: the torch client, same layout and
     # tokens, finds none of them.
     with TorchKVClient.connect(node.address, LAYOUT) as kv:
