@@ -528,9 +528,12 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
     Py_buffer db, sb;
     if (!PyArg_ParseTuple(args, "w*y*", &db, &sb)) return NULL;
     PyObject *ret = NULL;
+    const char *d = db.buf, *s = sb.buf;
     if (db.len != sb.len) {
         PyErr_Format(PyExc_ValueError, "copy_hash: %zd bytes into a buffer of %zd", sb.len,
                      db.len);
+    } else if (db.len && d < s + sb.len && s < d + db.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_hash: the buffers overlap");
     } else {
         unsigned long long h;
         Py_BEGIN_ALLOW_THREADS;
@@ -551,12 +554,20 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
     XXH3_state_t *states; /* 64-byte aligned: XXH3's accumulators are loaded aligned */
+    int busy;             /* an update runs without the GIL: a second thread is refused */
 } PageHasher;
+
+static int PageHasher_idle(PageHasher *self) {
+    if (!self->busy) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "PageHasher: in use by another thread (one at a time)");
+    return 0;
+}
 
 static int PageHasher_init(PageHasher *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", NULL};
     Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", names, &n)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", names, &n) || !PageHasher_idle(self))
+        return -1;
     if (n < 0 || n > (1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "PageHasher: n must be in [0, 2**24]");
         return -1;
@@ -582,7 +593,8 @@ static void PageHasher_dealloc(PageHasher *self) {
 static PyObject *PageHasher_update(PageHasher *self, PyObject *args) {
     PyObject *pages;
     Py_ssize_t offset, size;
-    if (!PyArg_ParseTuple(args, "Onn", &pages, &offset, &size)) return NULL;
+    if (!PyArg_ParseTuple(args, "Onn", &pages, &offset, &size) || !PageHasher_idle(self))
+        return NULL;
     PyObject *seq = PySequence_Fast(pages, "PageHasher.update: pages must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -604,17 +616,20 @@ static PyObject *PageHasher_update(PageHasher *self, PyObject *args) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
                                PyBUF_C_CONTIGUOUS) < 0)
             goto done;
-        if (offset + size > views[got].len) {
-            PyErr_Format(PyExc_ValueError, "PageHasher.update: page #%zd has %zd bytes, not %zd",
-                         got, views[got].len, offset + size);
+        if (offset > views[got].len || size > views[got].len - offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "PageHasher.update: page #%zd has %zd bytes, not %zd + %zd", got,
+                         views[got].len, offset, size);
             got++;
             goto done;
         }
     }
+    self->busy = 1;
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t i = 0; i < n; i++)
         hash_update_impl(&self->states[i], (const char *)views[i].buf + offset, (size_t)size);
     Py_END_ALLOW_THREADS;
+    self->busy = 0;
     ret = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
@@ -625,6 +640,7 @@ done:
 
 /* digests() -> list[int]: each page's XXH3-64 of what was fed (its checksum, when whole). */
 static PyObject *PageHasher_digests(PageHasher *self, PyObject *unused) {
+    if (!PageHasher_idle(self)) return NULL;
     PyObject *out = PyList_New(self->n);
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < self->n; i++) {

@@ -1,6 +1,7 @@
 """Pages copied and checksummed in one pass (kvstore/_copy_hash.h): each instruction set's loop
 gives python-xxhash's xxh3-64 of the bytes and copies them exactly, at every length around its
-chunk size; the store's puts and reads keep the checksums readers check against."""
+chunk size; a page hashed a layer at a time (PageHasher) gets the same checksum; the store's puts
+and reads keep the checksums readers check against."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvstore import payload
 from kvstore.errors import InvalidArgument
-from kvstore.payload import copy_checksum
+from kvstore.payload import PageHasher, copy_checksum
 from kvstore.shm import SharedSlab
 
 from kvstore_helpers import LAYOUT, key, make_store, page
@@ -56,6 +57,11 @@ for n in {LENGTHS}:
     payload._copy_hash_c = None  # the Python twin, on the same bytes
     assert payload.copy_checksum(np.zeros(n, np.uint8), src) == h, n
     payload._copy_hash_c = _native.copy_hash
+pages = [rng.integers(0, 256, 32 * 1024, dtype=np.uint8) for _ in range(3)]
+hasher = _native.PageHasher(3)
+for layer in range(8):  # a layer-wise write's slices, in page order
+    hasher.update(pages, layer * 4096, 4096)
+assert hasher.digests() == [xxhash.xxh3_64_intdigest(p) for p in pages]
 print(_native.COPY_HASH_ISA)
 """
     env = {**os.environ, "KVSTORE_COPY_HASH_ISA": isa}
@@ -76,6 +82,16 @@ def test_bad_buffers_get_a_clear_error():
         payload._copy_hash_c(np.zeros(8, np.uint8), np.zeros(9, np.uint8))
     with pytest.raises(TypeError):  # read-only destination
         payload._copy_hash_c(b"12345678", np.zeros(8, np.uint8))
+    both = np.zeros(16, np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        payload._copy_hash_c(both[:8], both[4:12])
+    hasher = PageHasher(2)
+    with pytest.raises(ValueError, match="1 pages for 2 states"):
+        hasher.update([b"ab"], 0, 1)
+    with pytest.raises(ValueError, match="page #1 has 1 bytes"):
+        hasher.update([b"ab", b"c"], 1, 1)
+    with pytest.raises(ValueError, match="n must be"):
+        PageHasher(-1)
     # Strided views take the copy-then-hash path, with the same result.
     src = np.arange(64, dtype=np.uint8)[::2]
     assert copy_checksum(np.zeros(32, np.uint8), src) == xxhash.xxh3_64_intdigest(src.tobytes())
