@@ -36,6 +36,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -415,15 +416,19 @@ class KVCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     if region is None:
                         raise KVStoreError("the node's shared memory is not mapped")
                     size = lease.page_bytes
+                    sums = np.zeros(len(lease.keys), dtype=np.uint64)
                     for i in lease.to_write:  # one copy: host pool -> the node's page
                         src = pool.get_data_page(starts[i], flat=False)
                         off = lease.offsets[i]
                         self._as_pool(region[off : off + size]).view(src.shape).copy_(src)
+                        # hashed while the copy left it in cache: the node keeps the checksum
+                        # instead of reading the page back at commit
+                        sums[i] = xxhash.xxh3_64_intdigest(region[off : off + size].data)
                 except BaseException:
                     with contextlib.suppress(KVCacheRpcError):
                         self.client.abort(lease)
                     raise
-                self._call(lambda: self.client.commit(lease))
+                self._call(lambda: self.client.commit(lease, sums))
         except Exception as e:  # noqa: BLE001 - a failed write, never an error in SGLang's threads
             self._failed(f"save of {len(keys)} pages", e)
             return [False] * len(keys)

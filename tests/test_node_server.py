@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -61,6 +62,31 @@ def test_round_trip_bytes_identical(start_node, use_shm):
         assert got[6:] == [None, None]
         for want, have in zip(pages, got[:6]):
             np.testing.assert_array_equal(want, have)
+
+
+def test_a_put_through_shared_memory_commits_the_checksums_it_took_as_it_copied(
+    start_node, monkeypatch
+):
+    """The client hashes each page as it copies it into the node's shared memory and the
+    Commit carries the checksums (a page stored already: 0, ignored); the node keeps them, and
+    they are the pages' own."""
+    sent = []
+    commit = KVStoreClient.commit
+
+    def spy(self, lease, checksums=None):
+        sent.append(None if checksums is None else list(checksums))
+        return commit(self, lease, checksums)
+
+    monkeypatch.setattr(KVStoreClient, "commit", spy)
+    node = start_node()
+    pages = pages_for(4, seed=9)
+    with KVStoreClient(node.address) as c:
+        c.put(NS, pages[:1], tokens=tokens(1))
+        assert c.put(NS, pages, tokens=tokens(4)).stored == 3
+        with c.acquire(NS, tokens=tokens(4)) as pinned:
+            kept = list(pinned.checksums)
+    assert kept == [xxhash.xxh3_64_intdigest(p) for p in pages]
+    assert sent == [kept[:1], [0, *kept[1:]]]
 
 
 def test_shared_memory_writer_and_streamed_reader_agree(start_node):
