@@ -14,6 +14,7 @@ before (only redirects are followed).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -151,6 +152,10 @@ class ConductorClient:
             self._call("ScheduleBatch", pb.ScheduleBatchRequest(requests=requests)).outcomes
         )
 
+    def schedule_stream(self) -> "ScheduleStream":
+        """ScheduleBatch over one long-lived ScheduleStream call (``ScheduleStream``)."""
+        return ScheduleStream(self)
+
     def prefilled(
         self, request_id: str, prefill_seconds: float = 0.0, transfer_seconds: float = 0.0
     ) -> None:
@@ -285,6 +290,117 @@ class ConductorClient:
         return self.addresses[(i + 1) % len(self.addresses)]
 
     def __enter__(self) -> "ConductorClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ScheduleStream:
+    """``schedule_batch`` over one ScheduleStream call of ``client``'s, opened at the first and
+    kept for the next: the gRPC call's own cost (about half of a unary Schedule's here) is paid
+    once per stream. One message in flight (a lock): its answer is the next reply, read by the
+    stream's own thread, and waited for at most the client's ``timeout_s`` (then the stream is
+    cancelled and DEADLINE_EXCEEDED raised: never a hang). A stream that a standby ends
+    (redirect) or that finds no conductor (UNAVAILABLE) is dropped and that batch goes as a
+    unary ScheduleBatch, which follows redirects and failovers as every call of the client does;
+    the next batch opens a new stream to wherever the client then points. Any other failure
+    ends the stream too and raises ``KVCacheRpcError``. A conductor that refuses the stream (its
+    ``--max-streams`` are taken, or it predates ScheduleStream) gets unary ScheduleBatch calls
+    for ``REFUSED_S`` before the next try. Thread-safe; ``close()`` ends the call."""
+
+    _ENDED = object()  # the server closed the stream with OK (not something it does)
+    REFUSED_S = 30.0  # after a refused stream, unary calls this long before asking again
+
+    def __init__(self, client: ConductorClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._sent: queue.SimpleQueue[pb.ScheduleBatchRequest | None] | None = None
+        self._got: queue.SimpleQueue[Any] | None = None  # replies, an RpcError, or _ENDED
+        self._call: Any = None
+        self._unary_until = 0.0
+        self.opened = 0  # streams opened (the tests and the bench read it)
+
+    def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]) -> list[pb.ScheduleOutcome]:
+        """One outcome per request, in order (``code`` 0: ``reply`` is set)."""
+        message = pb.ScheduleBatchRequest(requests=requests)
+        with self._lock:
+            if self._call is None and (time.monotonic() < self._unary_until or not self._open()):
+                return self.client.schedule_batch(requests)  # it finds a conductor or says why
+            assert self._sent is not None and self._got is not None
+            self._sent.put(message)
+            try:
+                got = self._got.get(timeout=self.client.timeout_s)
+            except queue.Empty:
+                self._end()
+                raise KVCacheRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no answer on the stream within {self.client.timeout_s:g} s",
+                    "ScheduleStream",
+                ) from None
+            if isinstance(got, pb.ScheduleBatchReply):
+                return list(got.outcomes)
+            self._end()
+            if isinstance(got, grpc.RpcError):
+                refused = got.code() in (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,  # the conductor's streams are all taken
+                    grpc.StatusCode.UNIMPLEMENTED,  # a conductor that predates ScheduleStream
+                )
+                if refused:
+                    self._unary_until = time.monotonic() + self.REFUSED_S
+                retry = (
+                    refused
+                    or _redirect(got) is not None
+                    or got.code() == grpc.StatusCode.UNAVAILABLE
+                )
+                if not retry:
+                    raise KVCacheRpcError.of(got, "ScheduleStream") from None
+        return self.client.schedule_batch(requests)
+
+    @property
+    def streaming(self) -> bool:
+        """A stream is open (False before the first batch, after a failure, and while the
+        conductor's refusal sends batches unary)."""
+        return self._call is not None
+
+    def _open(self) -> bool:
+        if self.client.stub is None:  # no call made yet (only etcd given): find the leader
+            self.client.health()
+        if self.client.stub is None:
+            return False
+        sent: queue.SimpleQueue[pb.ScheduleBatchRequest | None] = queue.SimpleQueue()
+        got: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # NOTE: no deadline on the call: the stream lives as long as its front end; each
+        # message's answer is waited for with the client's timeout instead.
+        call = self.client.stub.ScheduleStream(iter(sent.get, None))
+        threading.Thread(
+            target=self._read, args=(call, got), name="schedule-stream", daemon=True
+        ).start()
+        self._sent, self._got, self._call = sent, got, call
+        self.opened += 1
+        return True
+
+    @classmethod
+    def _read(cls, call: Any, got: "queue.SimpleQueue[Any]") -> None:
+        try:
+            for reply in call:
+                got.put(reply)
+            got.put(cls._ENDED)
+        except grpc.RpcError as e:  # the call's end: its status (CANCELLED after _end)
+            got.put(e)
+
+    def _end(self) -> None:
+        if self._sent is not None:
+            self._sent.put(None)  # ends the request iterator: the call half-closes
+        if self._call is not None:
+            self._call.cancel()
+        self._sent = self._got = self._call = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._end()
+
+    def __enter__(self) -> "ScheduleStream":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -169,6 +169,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "more threads mostly add GIL hand-offs); calls beyond them wait, up to "
         f"{MAX_CONCURRENT_RPCS} in flight",
     )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=None,
+        help="ScheduleStream calls served at once (default half of --workers: each holds a "
+        "handler thread while open; past it a stream is refused and its client goes unary; 0: "
+        "none)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     parser.add_argument(
         "--vllm-events",
@@ -247,6 +255,11 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SystemExit("kvcache conductor: --workers must be >= 1")
+    if args.max_streams is not None and not 0 <= args.max_streams < args.workers:
+        raise SystemExit(
+            f"kvcache conductor: --max-streams must be in [0, --workers) = [0, {args.workers}): "
+            "each open stream holds a handler thread, and unary calls need one left"
+        )
     if args.lease <= 0:
         raise SystemExit("kvcache conductor: --lease must be positive")
     if not 0 <= args.min_transfer_gain < 1:
@@ -291,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         leadership=etcd.leadership if etcd else None,
         membership_source=etcd.source if etcd else "",
         max_context_tokens=args.max_context_tokens,
+        max_streams=args.max_streams if args.max_streams is not None else args.workers // 2,
     )
     health: list[Any] = []
 

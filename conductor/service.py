@@ -2,7 +2,8 @@
 
 With etcd (``conductor.membership_watch``, ``conductor.leader``) membership comes from etcd, so the
 registry RPCs answer FAILED_PRECONDITION, and only the elected leader schedules: a standby answers
-Schedule / ScheduleBatch / Complete / CompleteBatch with FAILED_PRECONDITION naming the leader.
+Schedule / ScheduleBatch / ScheduleStream / Complete / CompleteBatch with FAILED_PRECONDITION naming
+the leader.
 
 Security: node membership RPCs (register, heartbeat, unregister) need the admin token (tenant
 ""). Request keys are scoped to the caller's tenant exactly as the node server scopes them
@@ -29,7 +30,7 @@ from proto import conductor_pb2 as pb
 from proto import conductor_pb2_grpc as pbg
 from rpc.cluster import check_node_id
 from rpc.server import Auth
-from rpc.status import observed, status_for
+from rpc.status import observed, observed_stream, status_for
 from rpc.wire import descriptor_from_pb, descriptor_to_pb, load_from_pb, load_to_pb
 
 from .convert import decision_to_pb
@@ -69,8 +70,14 @@ class ConductorServicer(pbg.ConductorServiceServicer):
         leadership: Leadership | None = None,
         membership_source: str = "",
         max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+        max_streams: int = 1,
     ) -> None:
         self.conductor = conductor
+        # NOTE: a ScheduleStream holds one of the server's few handler threads for its whole
+        # life: past this many, a stream is refused (RESOURCE_EXHAUSTED: the client goes unary)
+        # rather than let streams starve every unary call.
+        self.max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams) if max_streams > 0 else None
         self.max_context_tokens = max_context_tokens
         # NOTE: read per Schedule call; a plain attribute (Leadership.leading) costs nothing.
         self.leadership = leadership or Leadership()
@@ -206,6 +213,35 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             lambda item: {"reply": self._schedule(item, tenant)},
         )
         return reply
+
+    @observed_stream
+    def ScheduleStream(self, requests, context):
+        """ScheduleBatch for each message of one long-lived stream, answered in order: a front
+        end pays the call's own cost (a new call, its metadata and auth, a worker thread's
+        hand-offs) once per stream, not per decision. Leadership is checked per message: it can
+        move while the stream is open (a standby ends it as it answers Schedule)."""
+        tenant = self._tenant(context)
+        slots = self._streams
+        if slots is None or not slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this conductor serves at most {self.max_streams} ScheduleStream calls at once "
+                "(--max-streams: each holds a handler thread); use ScheduleBatch",
+            )
+            return
+        try:
+            for request in requests:
+                if not self.leadership.leading:
+                    self._redirect(context)
+                reply = pb.ScheduleBatchReply()
+                _each(
+                    request.requests,
+                    reply.outcomes.add,
+                    lambda item: {"reply": self._schedule(item, tenant)},
+                )
+                yield reply
+        finally:
+            slots.release()
 
     def _schedule(self, request, tenant: str) -> pb.ScheduleReply:
         if len(request.request_id) > MAX_REQUEST_ID:

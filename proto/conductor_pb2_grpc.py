@@ -60,6 +60,11 @@ class ConductorServiceStub(object):
                 request_serializer=proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
                 response_deserializer=proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
                 _registered_method=True)
+        self.ScheduleStream = channel.stream_stream(
+                '/kvcache.v1.ConductorService/ScheduleStream',
+                request_serializer=proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
+                _registered_method=True)
         self.Complete = channel.unary_unary(
                 '/kvcache.v1.ConductorService/Complete',
                 request_serializer=proto_dot_conductor__pb2.CompleteRequest.SerializeToString,
@@ -127,6 +132,15 @@ class ConductorServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScheduleStream(self, request_iterator, context):
+        """ScheduleBatch over one long-lived stream (a front end's): each message answered by one
+        reply, in order, so the call's own cost is paid once per stream instead of once per
+        decision. A standby ends the stream as it answers Schedule; so does a batch over the limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Complete(self, request, context):
         """The request's prefill finished (phase PREFILLED) or the whole request did (FINISHED).
         """
@@ -180,6 +194,11 @@ def add_ConductorServiceServicer_to_server(servicer, server):
             ),
             'ScheduleBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.ScheduleBatch,
+                    request_deserializer=proto_dot_conductor__pb2.ScheduleBatchRequest.FromString,
+                    response_serializer=proto_dot_conductor__pb2.ScheduleBatchReply.SerializeToString,
+            ),
+            'ScheduleStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScheduleStream,
                     request_deserializer=proto_dot_conductor__pb2.ScheduleBatchRequest.FromString,
                     response_serializer=proto_dot_conductor__pb2.ScheduleBatchReply.SerializeToString,
             ),
@@ -337,6 +356,33 @@ class ConductorService(object):
             request,
             target,
             '/kvcache.v1.ConductorService/ScheduleBatch',
+            proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
+            proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScheduleStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvcache.v1.ConductorService/ScheduleStream',
             proto_dot_conductor__pb2.ScheduleBatchRequest.SerializeToString,
             proto_dot_conductor__pb2.ScheduleBatchReply.FromString,
             options,

@@ -1,6 +1,8 @@
 """The router's calls to the conductor: ``Schedule`` and ``Complete`` of the requests in flight
 go in batches (``router.coalesce``: one call's cost shared by every request that arrived
-meanwhile), and the conductor's refusals become the HTTP errors a client reads."""
+meanwhile), the schedules over one long-lived ``ScheduleStream`` (unary ``ScheduleBatch`` where
+the conductor refuses streams), and the conductor's refusals become the HTTP errors a client
+reads."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class ConductorCalls:
     def __init__(self, address: str, token: str | None, tls_ca: str | None) -> None:
         self.address = address
         self.client = ConductorClient(address, token, tls_ca)
+        self.stream = self.client.schedule_stream()  # opened by the first batch
         self._schedules: Coalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = Coalescer(
             self._schedule_batch, "router-schedule"
         )
@@ -56,6 +59,7 @@ class ConductorCalls:
         """Send what is pending, then close the channel (blocks: run it off the event loop)."""
         for batches in (self._schedules, self._completes):
             batches.close()
+        self.stream.close()
         self.client.close()
 
     def error(self, e: KVCacheRpcError) -> RouterError:
@@ -83,7 +87,7 @@ class ConductorCalls:
     ) -> list[cpb.ScheduleReply | BaseException]:
         out: list[cpb.ScheduleReply | BaseException] = []
         for i in range(0, len(calls), MAX_BATCH):
-            for o in self.client.schedule_batch(calls[i : i + MAX_BATCH]):
+            for o in self.stream.schedule_batch(calls[i : i + MAX_BATCH]):
                 error = outcome_error(o.code, o.message, "Schedule")
                 out.append(o.reply if error is None else error)
         return out

@@ -213,6 +213,12 @@ def test_text_logs_keep_a_traceback_on_one_line(tmp_path):
     assert "ZeroDivisionError" in lines[0]
 
 
+def test_more_conductor_streams_than_handler_threads_are_refused():
+    r = kvcache_cli("conductor", "--workers", "4", "--max-streams", "4")
+    assert r.returncode != 0 and "--max-streams must be in [0, --workers) = [0, 4)" in r.stderr
+    no_traceback(r)
+
+
 def test_bad_log_format_is_a_usage_error():
     r = kvcache_cli("conductor", "--log-format", "yaml")
     assert r.returncode == 2 and "argument --log-format: invalid choice: 'yaml'" in r.stderr

@@ -77,11 +77,14 @@ def test_conductor_benchmark_writes_every_figure(tmp_path):
     ):
         assert math.isfinite(g[key]) and g[key] > 0, key
     assert len(g["rate_vs_empty_rpc_runs"]) == 2
-    # The conductor's empty RPC, Schedule, ScheduleBatch, and the bare sync and aio servers.
-    assert len(g["phases"]) == 5 and "aio" in g["phases"][-1]["phase"]
+    # The conductor's empty RPC, Schedule, Schedule on a stream, ScheduleBatch, and the bare
+    # sync and aio servers.
+    assert len(g["phases"]) == 6 and "aio" in g["phases"][-1]["phase"]
+    assert g["stream_per_s"] > 0 and len(g["stream_vs_empty_rpc_runs"]) == 2
     for row in g["phases"]:
         assert len(row["runs_per_s"]) == 2 and row["per_s"] > 0 and row["p50_ms"] > 0, row
     assert "Schedule / empty RPC" in out.stdout and "p99/2ms" in out.stdout
+    assert "Schedule on a stream (ScheduleStream)" in out.stdout
     assert "ScheduleBatch (8 per call)" in out.stdout
 
 

@@ -4,7 +4,9 @@ library writing blocks, and raw gRPC for the bad inputs."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import urllib.request
 from concurrent import futures
@@ -311,6 +313,118 @@ def test_registration_event_fed_index_and_scheduling(start_conductor, start_memb
     assert scrape(c, 'kvcache_conductor_nodes{role="prefill"}') == 2
     assert scrape(c, 'kvcache_conductor_resyncs_total{reason="register"}') == 3
     assert scrape(c, "kvcache_conductor_events_total") >= 12 + 3 + 32 + 4
+
+
+def test_a_stream_answers_each_batch_in_order_and_never_hangs(start_conductor, start_member):
+    """ScheduleStream: every batch on one call, answered in order with ScheduleBatch's outcomes
+    (one bad item fails only itself); a batch over the limit ends the stream with its status and
+    the next batch opens another; a conductor that stops answering costs the client's timeout,
+    then DEADLINE_EXCEEDED; a token the conductor does not know is refused on the stream."""
+    c = start_conductor()
+    start_member(c, "p0", "prefill")
+    start_member(c, "d0", "decode")
+    ok, bad = grpc.StatusCode.OK.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    with ConductorClient(c.address, timeout_s=3) as cc:
+        wait_until(lambda: node_ids(cc) == {"p0", "d0"}, what="two registrations")
+        with cc.schedule_stream() as stream:
+            for i in range(3):
+                outcomes = stream.schedule_batch(
+                    [
+                        pb.ScheduleRequest(
+                            request_id=f"s{i}a", blocks=selector(NS, tokens=tokens(2))
+                        ),
+                        pb.ScheduleRequest(
+                            request_id=f"s{i}b", blocks=selector(NS, keys=[b"short"])
+                        ),
+                        pb.ScheduleRequest(
+                            request_id=f"s{i}c", blocks=selector(NS, tokens=tokens(3))
+                        ),
+                    ]
+                )
+                assert [o.code for o in outcomes] == [ok, bad, ok]
+                assert [outcomes[0].reply.request_id, outcomes[2].reply.request_id] == [
+                    f"s{i}a",
+                    f"s{i}c",
+                ]
+                assert (outcomes[0].reply.prefill_node, outcomes[0].reply.decode_node) == (
+                    "p0",
+                    "d0",
+                )
+                assert "16 bytes" in outcomes[1].message
+            assert stream.opened == 1
+            assert cc.list_nodes().pending_requests == 6  # in the ledger, as a unary call's
+            over = [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))] * 1025
+            code, msg = rpc_error(lambda: stream.schedule_batch(over))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 1024" in msg
+            (again,) = stream.schedule_batch(
+                [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
+            )
+            assert again.code == ok and stream.opened == 2
+            os.kill(c.pid, signal.SIGSTOP)
+            try:
+                code, msg = rpc_error(
+                    lambda: stream.schedule_batch(
+                        [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
+                    )
+                )
+            finally:
+                os.kill(c.pid, signal.SIGCONT)
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "within 3 s" in msg
+            (after,) = stream.schedule_batch(
+                [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
+            )
+            assert after.code == ok and stream.opened == 3
+    guarded = start_conductor("--token", "admin-secret", "--tenant-token", "t1=alice")
+    with ConductorClient(guarded.address, token="nobody", timeout_s=3) as stranger:
+        with stranger.schedule_stream() as stream:
+            code, _ = rpc_error(
+                lambda: stream.schedule_batch(
+                    [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
+                )
+            )
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_streams_past_the_cap_are_refused_and_their_clients_go_unary(start_conductor, start_member):
+    """Each open ScheduleStream holds a handler thread: past ``--max-streams`` a stream is
+    refused (RESOURCE_EXHAUSTED) and its client's batches go unary, answered all the same; a
+    closed stream gives its slot back."""
+    c = start_conductor("--workers", "3", "--max-streams", "1")
+    start_member(c, "p0", "prefill")
+    start_member(c, "d0", "decode")
+    one = [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
+    ok = grpc.StatusCode.OK.value[0]
+    clients = [ConductorClient(c.address, timeout_s=5) for _ in range(3)]
+    try:
+        wait_until(lambda: node_ids(clients[0]) == {"p0", "d0"}, what="two registrations")
+        first, second = clients[0].schedule_stream(), clients[1].schedule_stream()
+        assert [o.code for o in first.schedule_batch(one)] == [ok] and first.streaming
+        assert [o.code for o in second.schedule_batch(one)] == [ok] and not second.streaming
+        assert [o.code for o in second.schedule_batch(one)] == [ok] and second.opened == 1
+        code, msg = rpc_error(
+            lambda: next(
+                pbg.ConductorServiceStub(make_channel(c.address)).ScheduleStream(
+                    iter([pb.ScheduleBatchRequest(requests=one)])
+                )
+            )
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 1 ScheduleStream" in msg
+        # Unary calls are served while the stream holds its thread.
+        assert clients[2].schedule(NS, tokens=tokens(2)).prefill_node == "p0"
+        first.close()
+
+        def streams():  # a new stream each try: a refused one goes unary for a while
+            stream = clients[2].schedule_stream()
+            assert [o.code for o in stream.schedule_batch(one)] == [ok]
+            if stream.streaming:
+                return stream
+            stream.close()
+            return None
+
+        wait_until(streams, what="the closed stream's slot to come back").close()
+    finally:
+        for cc in clients:
+            cc.close()
 
 
 def test_index_matches_the_node_after_evictions(start_conductor, start_member):

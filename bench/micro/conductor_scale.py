@@ -12,8 +12,11 @@
    target. Then ``--reps`` interleaved runs, each closed loops of ``--threads`` client threads
    (one channel each, shared by every call kind) issuing ``--grpc-requests`` calls in all: an
    empty RPC (health ``Check``) on the conductor, the reference; ``Schedule`` (goal >= 0.8x the
-   empty RPC's rate); ``ScheduleBatch`` with ``--batch`` requests per call (a front end batching
-   its arrivals; goal >= 10,000 decisions/s); and the empty RPC on a bare sync server and a bare
+   empty RPC's rate); ``Schedule`` on a stream (``ScheduleStream``, one per client thread
+   through ``ConductorClient.schedule_stream``, a request per message: the conductor gets a
+   handler thread per stream and one more, ``--workers`` and ``--max-streams``);
+   ``ScheduleBatch`` with ``--batch`` requests per call (a front end batching its arrivals;
+   goal >= 10,000 decisions/s); and the empty RPC on a bare sync server and a bare
    ``grpc.aio`` server (``bench.micro.rpc_floor``), the floor of each server kind. Figures are
    medians over the runs; ratios pair runs of the same repetition. The server's CPU time per call
    (from /proc) is printed next to each: on a shared machine it moves less than the rates do. The
@@ -45,6 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.micro.rpc_floor import KINDS as FLOOR_KINDS
 from bench.report import Column, Progress, parse_count, print_table, write_json
+from clients.conductor_client import ConductorClient, ScheduleStream
 from conductor.cli import DEFAULT_WORKERS
 from conductor.index import GlobalIndex
 from conductor.registry import NodeDescriptor, Registry, Role
@@ -451,7 +455,9 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
             "--policy",
             args.grpc_policy,
             "--workers",
-            str(args.workers),
+            str(max(args.workers, args.threads + 1)),
+            "--max-streams",
+            str(args.threads),
             "--transfer-hook",
             "record",
             # the bench measures Schedule alone: its requests are never completed, and more of
@@ -465,6 +471,8 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
     floors: dict[str, ServiceProcess] = {}
     servers, agents = [], []
     channels: list[grpc.Channel] = []
+    clients: list[ConductorClient] = []
+    streams: list[ScheduleStream] = []
     try:
         for kind in FLOOR_KINDS:
             floors[kind] = start_service(
@@ -505,6 +513,7 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
             ]
 
         unary = [requests(f"u{r}") for r in range(args.reps)]
+        streamed = [requests(f"s{r}") for r in range(args.reps)]
         batches = [[batched(mine) for mine in requests(f"b{r}")] for r in range(args.reps)]
         n_batches = len(batches[0][0])
         warm = selector_to_pb(LAYOUT.namespace, keys=w.request_keys(rng))
@@ -543,14 +552,37 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
 
             return [make(stubs[t], batches[rep][t]) for t in range(threads)]
 
+        # Schedule on a stream: one ScheduleStream per client thread, through ConductorClient's
+        # ScheduleStream (its reader thread and hand-off included), one request per message.
+        clients += [ConductorClient(conductor.address) for _ in range(threads)]
+        streams += [c.schedule_stream() for c in clients]
+
+        def stream_calls(rep: int) -> list[Callable[[int], object]]:
+            def make(stream, mine):
+                def call(i: int) -> object:
+                    if i < 0:  # the stream opens in the warm-up (a Schedule of its own)
+                        warm_id = f"warm-{id(stream)}-{stream.opened}-{rep}"
+                        return stream.schedule_batch(
+                            [pb.ScheduleRequest(request_id=warm_id, blocks=warm)]
+                        )
+                    (outcome,) = stream.schedule_batch([mine[i]])
+                    if outcome.code:
+                        raise RuntimeError(f"ScheduleStream: {outcome.code} {outcome.message}")
+                    return outcome
+
+                return call
+
+            return [make(streams[t], streamed[rep][t]) for t in range(threads)]
+
         # Interleaved, so that the ratios compare runs under the same machine load.
         phases: dict[str, list[Phase]] = {
-            k: [] for k in ("empty", "schedule", "batch", *FLOOR_KINDS)
+            k: [] for k in ("empty", "schedule", "stream", "batch", *FLOOR_KINDS)
         }
         empty_calls = _health_calls(channels[:threads])
         for rep in range(args.reps):
             phases["empty"].append(_closed_loop(empty_calls, per, conductor.pid, calls))
             phases["schedule"].append(_closed_loop(schedule_calls(rep), per, conductor.pid, calls))
+            phases["stream"].append(_closed_loop(stream_calls(rep), per, conductor.pid, calls))
             phases["batch"].append(_closed_loop(batch_calls(rep), n_batches, conductor.pid, calls))
             for kind, p in floors.items():
                 phases[kind].append(
@@ -560,6 +592,10 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
     finally:
         for c in channels:
             c.close()
+        for stream in streams:
+            stream.close()
+        for client in clients:
+            client.close()
         for agent in agents:
             agent.stop(unregister=False)
         conductor.stop()
@@ -570,11 +606,13 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
 
     empty, sched, batch = phases["empty"], phases["schedule"], phases["batch"]
     ratios = [s.rate / e.rate for s, e in zip(sched, empty)]
+    stream_ratios = [s.rate / e.rate for s, e in zip(phases["stream"], empty)]
     rate = _median(sched, lambda p: p.rate)
     b_rate = _median(batch, lambda p: p.rate)
     rows = [
         _phase_row("empty RPC (health Check), conductor", empty, empty),
         _phase_row("Schedule", sched, empty),
+        _phase_row("Schedule on a stream (ScheduleStream)", phases["stream"], empty),
         _phase_row(f"ScheduleBatch, {args.batch} per call (decisions)", batch, empty),
         *(_phase_row(f"empty RPC, bare {k} server", phases[k], empty) for k in FLOOR_KINDS),
     ]
@@ -598,6 +636,9 @@ def bench_grpc(w: Workload, args: argparse.Namespace) -> dict:
         "empty_rpc_p50_ms": _median(empty, lambda p: p.p50_ms),
         "rate_vs_empty_rpc": float(statistics.median(ratios)),
         "rate_vs_empty_rpc_runs": ratios,
+        "stream_per_s": _median(phases["stream"], lambda p: p.rate),
+        "stream_vs_empty_rpc": float(statistics.median(stream_ratios)),
+        "stream_vs_empty_rpc_runs": stream_ratios,
         "ratio_target": RATIO_TARGET,
         "phases": rows,
         "indexed_keys": int(indexed_keys),
@@ -702,6 +743,10 @@ def print_grpc(g: dict) -> None:
     print(
         f"\nreference, empty RPC (health Check) on the conductor: {g['empty_rpc_per_s']:,.0f} "
         f"calls/s, p50 {g['empty_rpc_p50_ms']:.2f} ms"
+    )
+    print(
+        f"Schedule on a stream (ScheduleStream): {g['stream_per_s']:,.0f} decisions/s = "
+        f"{g['stream_vs_empty_rpc']:.2f} x the empty RPC (goal >= {RATIO_TARGET})"
     )
     print(
         f"Schedule: {g['decisions_per_s']:,.0f} calls/s, p50 {g['p50_ms']:.2f} ms; "
