@@ -3,7 +3,8 @@ measured in the same run.
 
 Same-host pages (1 MiB, batches of ``--batch``), each figure a ratio to the in-process
 ``TieredStore`` and to numpy memcpy, and to the peers run beside it:
-- write: allocate + copy into the leased shared-memory pages + commit;
+- write: allocate + copy into the leased shared-memory pages, each checksummed as it is copied
+  (``kvstore.payload.copy_checksum``, as the clients do) + commit carrying the checksums;
 - read: acquire (pin) + copy out of shared memory + release;
 - streamed: the gRPC Put/Get fallback for remote clients, for scale;
 - Mooncake's store, zero-copy batch put/get (``batch_put_from`` / ``batch_get_into``), and
@@ -20,11 +21,12 @@ Every figure is the median of ``--runs`` repetitions (after a warm-up run).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from bench.micro import peers
 from bench.report import Column, print_table, write_json
 from kvstore.keys import block_keys, root_key
 from kvstore.layout import KVLayout
+from kvstore.payload import copy_checksum
 from kvstore.store import StoreConfig, TieredStore
 from plumbing.launch import start_service
 
@@ -87,9 +90,8 @@ class InProcess:
         t0 = time.perf_counter()
         for b in range(0, pages, batch):
             lease = store.allocate(keys[b : b + batch])
-            for i in lease.to_write:
-                np.copyto(store.page_view(lease, i), src[(b + i) % len(src)])
-            store.commit(lease.lease_id, written_in_place=True)
+            sums = _written(lease, functools.partial(store.page_view, lease), src, b)
+            store.commit(lease.lease_id, written_in_place=True, checksums=sums)
         t1 = time.perf_counter()
         for b in range(0, pages, batch):
             lease = store.acquire(keys[b : b + batch])
@@ -102,6 +104,15 @@ class InProcess:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _written(lease: Any, page: Callable[[int], Any], src: np.ndarray, first: int) -> np.ndarray:
+    """Copy a lease's pages in, each checksummed as it is copied (as the clients do): the
+    checksums its commit carries, so the node does not read the pages back to hash them."""
+    sums = np.zeros(len(lease.keys), dtype=np.uint64)
+    for i in lease.to_write:
+        sums[i] = copy_checksum(page(i), src[(first + i) % len(src)])
+    return sums
 
 
 class Client:
@@ -122,9 +133,7 @@ class Client:
             chunk = keys[b : b + batch]
             if self.use_shm:
                 lease = c.allocate(ns, keys=chunk)
-                for i in lease.to_write:
-                    np.copyto(lease.page(i), src[(b + i) % len(src)])
-                lease.commit()
+                lease.commit(_written(lease, lease.page, src, b))
             else:
                 c.put(ns, [src[(b + i) % len(src)] for i in range(len(chunk))], keys=chunk)
         t1 = time.perf_counter()
@@ -159,9 +168,7 @@ class PipelinedClient(Client):
             lease = nxt.result()
             if j + 1 < len(chunks):
                 nxt = c.allocate_async(ns, keys=chunks[j + 1])
-            for i in lease.to_write:
-                np.copyto(lease.page(i), src[(j * batch + i) % len(src)])
-            commits.append(c.commit_async(lease))
+            commits.append(c.commit_async(lease, _written(lease, lease.page, src, j * batch)))
         for f in commits:
             f.result()
         t1 = time.perf_counter()
