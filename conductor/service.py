@@ -205,7 +205,9 @@ class ConductorServicer(pbg.ConductorServiceServicer):
     def ScheduleBatch(self, request, context):
         if not self.leadership.leading:
             self._redirect(context)
-        tenant = self._tenant(context)
+        return self._schedule_batch(request, self._tenant(context))
+
+    def _schedule_batch(self, request, tenant: str) -> pb.ScheduleBatchReply:
         reply = pb.ScheduleBatchReply()
         _each(
             request.requests,
@@ -233,13 +235,7 @@ class ConductorServicer(pbg.ConductorServiceServicer):
             for request in requests:
                 if not self.leadership.leading:
                     self._redirect(context)
-                reply = pb.ScheduleBatchReply()
-                _each(
-                    request.requests,
-                    reply.outcomes.add,
-                    lambda item: {"reply": self._schedule(item, tenant)},
-                )
-                yield reply
+                yield self._schedule_batch(request, tenant)
         finally:
             slots.release()
 
