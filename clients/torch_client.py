@@ -49,7 +49,7 @@ from numpy.typing import NDArray
 
 from kvstore.keys import BlockKey, block_keys, root_key, tokens_as_array
 from kvstore.layout import KVLayout
-from kvstore.payload import PageHasher
+from kvstore.payload import LayerChecksums
 
 from .node_client import KVCacheRpcError, KVStoreClient, ReadLease, WriteLease
 from .torch_layout import HFLayout, KVTensorLayout, PagedLayout, PageRun, page_runs
@@ -545,10 +545,9 @@ class LayerwiseStore:
         # NOTE: each layer's slices are hashed right after the worker copies them (from cache),
         # and the Commit carries the checksums: the node would read every page back to hash it
         # (bench layerwise: 10 ms of a 64 MiB put's ~30). Layers put out of order: no checksums.
-        self._hasher = None
-        if PageHasher is not None and self._lease is not None:
-            self._hasher = PageHasher(self._written)
-        self._hashed_layers = 0
+        self._sums: LayerChecksums | None = None
+        if self._lease is not None:
+            self._sums = LayerChecksums.make(self._targets[1], self._layout.layer_bytes)
 
     @property
     def blocks(self) -> int:
@@ -585,13 +584,8 @@ class LayerwiseStore:
         self._copier.store_layer(
             self._runs, layer, self._tensor_layout, k, v, ready, self.first_block, self.blocks
         )
-        if self._hasher is not None:  # the one worker thread: layers in the order put
-            if layer == self._hashed_layers:
-                L = self._layout
-                self._hasher.update(self._targets[1], L.layer_offset(layer), L.layer_bytes)
-                self._hashed_layers += 1
-            else:
-                self._hasher = None
+        if self._sums is not None:  # the one worker thread: layers in the order put
+            self._sums.layer(layer)
         self.copy_s += time.perf_counter() - t0
 
     def finish(self) -> StoreResult:
@@ -616,7 +610,9 @@ class LayerwiseStore:
         t1 = time.perf_counter()
         try:
             if lease is not None:
-                r = lease.commit(self._checksums(lease))
+                sums, self._sums = self._sums, None
+                n, layers = len(lease.keys), self._layout.num_layers
+                r = lease.commit(sums.sums(n, lease.to_write, layers) if sums is not None else None)
             elif buffer is not None:
                 r = self._kv.client.put(self._kv.namespace, list(buffer), keys=self._keys)
             else:
@@ -625,16 +621,6 @@ class LayerwiseStore:
             t2 = time.perf_counter()
             self.finish_s, self.publish_s = t2 - t0, t2 - t1
         return StoreResult(self.blocks, written, r.stored, r.duplicates)
-
-    def _checksums(self, lease: WriteLease) -> NDArray[np.uint64] | None:
-        """Each written page's xxh3-64, one per key of the lease (0 where nothing was written);
-        None unless every layer was hashed, in order."""
-        hasher, self._hasher = self._hasher, None
-        if hasher is None or self._hashed_layers != self._layout.num_layers:
-            return None
-        sums = np.zeros(len(lease.keys), dtype=np.uint64)
-        sums[lease.to_write] = hasher.digests()
-        return sums
 
     def abort(self) -> None:
         """Drop the pages (idempotent); a lost node is logged, its lease expires there."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvstore.payload import PageHasher
+from kvstore.payload import LayerChecksums
 
 from .node_client import KVCacheRpcError, ReadLease, WriteLease
 from .node_guard import BreakerOpen, node_gone
@@ -31,8 +31,6 @@ from .vllm_identity import rank_keys
 from .vllm_stats import ConnectorStats
 
 if TYPE_CHECKING:
-    from kvstore._native import PageHasher as PageHasherType
-
     from .vllm_connector import KVCacheConnector
 
 log = logging.getLogger("clients.vllm_connector")
@@ -158,8 +156,8 @@ class _Step:
         self.saves: list[_Transfer] = []
         # Each saved layer's slices hashed right after their copy (from cache); the Commit
         # carries the checksums, so the node does not read the pages back to hash them.
-        self._hasher: tuple[PageHasherType, list[np.ndarray], list[int]] | None = None
-        self._hashed_layers = 0
+        self._sums: LayerChecksums | None = None
+        self._written: list[int] = []  # the write lease's keys with a page to write
         self.load_failed = False
         if meta.loads and meta.saves and self._start_both(meta.loads, meta.saves):
             return
@@ -388,11 +386,11 @@ class _Step:
         pages = _Pages(self.write.slab.array, self.vblock_bytes, self.conn._word)
         offsets = self.write.offsets
         self._plan_saves(pages, [offsets[j] if j >= 0 else -1 for j in self._slots])
-        written = [j for j, o in enumerate(offsets) if o >= 0]
-        if PageHasher is not None and written:
+        self._written = [j for j, o in enumerate(offsets) if o >= 0]
+        if self._written:
             pb, slab = self.layout.page_bytes, self.write.slab.array
-            views = [slab[offsets[j] : offsets[j] + pb] for j in written]
-            self._hasher = (PageHasher(len(written)), views, written)
+            views = [slab[offsets[j] : offsets[j] + pb] for j in self._written]
+            self._sums = LayerChecksums.make(views, self.layout.layer_bytes)
 
     def _plan_saves(self, pages: _Pages, offsets: list[int]) -> None:
         src: list[int] = []
@@ -437,26 +435,19 @@ class _Step:
         pages, rows = self.save_plan
         t0 = time.perf_counter()
         rows.to_pages(self.conn._layers[layer], pages.rows_view, layer * self.layer_rows)
-        if self._hasher is not None:
-            if layer == self._hashed_layers:  # a page's layers are its bytes in order
-                lb = self.layout.layer_bytes
-                self._hasher[0].update(self._hasher[1], layer * lb, lb)
-                self._hashed_layers += 1
-            else:
-                self._hasher = None
+        if self._sums is not None:
+            self._sums.layer(layer)
         self.stats.save_copy_s += time.perf_counter() - t0
 
     def _checksums(self) -> np.ndarray | None:
         """The write lease's checksums, one per key (0: a key it had nothing to write for);
         None unless every layer was hashed, in order (the node then hashes the pages)."""
-        hasher, self._hasher = self._hasher, None
-        if hasher is None or self.write is None:
+        taken, self._sums = self._sums, None
+        if taken is None or self.write is None:
             return None
-        if self._hashed_layers != self.layout.num_layers:
-            return None
-        sums = np.zeros(len(self.write.keys), dtype=np.uint64)
-        sums[hasher[2]] = hasher[0].digests()
-        self.stats.checksummed_pages += len(hasher[2])
+        sums = taken.sums(len(self.write.keys), self._written, self.layout.num_layers)
+        if sums is not None:
+            self.stats.checksummed_pages += len(self._written)
         return sums
 
     def finish(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeAlias
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -147,3 +147,45 @@ def copy_checksum(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> int
         return _copy_hash_c(dst, src)
     np.copyto(dst, src, casting="no")
     return xxhash.xxh3_64_intdigest(dst.data)
+
+
+class LayerChecksums:
+    """The checksums of pages written a layer at a time (layer-major pages: layer ``l`` is bytes
+    ``[l * layer_bytes, (l + 1) * layer_bytes)``), taken as the writer goes: ``layer(l)`` right
+    after layer ``l``'s slices were copied into ``pages`` hashes them from cache (a ``PageHasher``
+    state per page). Layers must come in order; one out of order gives the checksums up, and the
+    node then hashes the pages at commit. One writer thread at a time."""
+
+    def __init__(self, pages: Sequence[npt.NDArray[np.uint8]], layer_bytes: int) -> None:
+        assert PageHasher is not None  # make() says when there is none
+        self._hasher: _PageHasher | None = PageHasher(len(pages))
+        self._pages, self._layer_bytes = list(pages), layer_bytes
+        self._layers = 0  # layers hashed so far
+
+    @classmethod
+    def make(
+        cls, pages: Sequence[npt.NDArray[np.uint8]], layer_bytes: int
+    ) -> LayerChecksums | None:
+        """None without the C module (the node hashes the pages at commit)."""
+        return cls(pages, layer_bytes) if PageHasher is not None else None
+
+    def layer(self, layer: int) -> None:
+        if self._hasher is None:
+            return
+        if layer != self._layers:
+            self._hasher = None
+            return
+        self._hasher.update(self._pages, layer * self._layer_bytes, self._layer_bytes)
+        self._layers += 1
+
+    def sums(
+        self, keys: int, index: Sequence[int], num_layers: int
+    ) -> npt.NDArray[np.uint64] | None:
+        """A commit's checksums, one per key of its lease: page ``i`` of ``pages`` is key
+        ``index[i]``'s, 0 for the keys written by no one; None unless all ``num_layers`` layers
+        were hashed, in order."""
+        if self._hasher is None or self._layers != num_layers:
+            return None
+        out = np.zeros(keys, dtype=np.uint64)
+        out[list(index)] = self._hasher.digests()
+        return out

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvstore import payload
 from kvstore.errors import InvalidArgument
-from kvstore.payload import PageHasher, copy_checksum
+from kvstore.payload import LayerChecksums, PageHasher, copy_checksum
 from kvstore.shm import SharedSlab
 
 from kvstore_helpers import LAYOUT, key, make_store, page
@@ -115,3 +115,19 @@ def test_puts_and_reads_keep_the_checksums_readers_check():
         finally:
             store.release(lease.lease_id)
         assert store.contains([key(0), key(1), key(2)]) == [True, True, False]
+
+
+@needs_c
+def test_layer_checksums_are_the_pages_own_in_order_and_none_out_of_order():
+    rng = np.random.default_rng(3)
+    pages = [rng.integers(0, 256, 4 * 1024, dtype=np.uint8) for _ in range(2)]
+    sums = LayerChecksums.make(pages, 1024)
+    for layer in range(4):
+        sums.layer(layer)
+    want = [0, xxhash.xxh3_64_intdigest(pages[0]), 0, xxhash.xxh3_64_intdigest(pages[1])]
+    assert list(sums.sums(4, [1, 3], 4)) == want
+    assert sums.sums(4, [1, 3], 5) is None  # a layer never hashed
+    skipped = LayerChecksums.make(pages, 1024)
+    for layer in (0, 2, 1, 3):
+        skipped.layer(layer)
+    assert skipped.sums(4, [1, 3], 4) is None
