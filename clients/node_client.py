@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 
 from kvstore.errors import StorageError, echo
 from kvstore.layout import KVLayout
-from kvstore.payload import as_uint8, copy_bytes, copy_checksum
+from kvstore.payload import as_uint8
 from kvstore.shm import MemfdSegment, SharedSlab, prefault, recv_segment
 from kvstore.tiers import Tier
 from proto import common_pb2 as cpb
@@ -557,17 +557,8 @@ class KVStoreClient:
         if len(lease.keys) != len(srcs):
             self.abort(lease)
             raise ValueError(f"{len(srcs)} pages for {len(lease.keys)} full blocks")
-        # Each page hashed as it is copied (one pass; the node keeps the checksums instead of
-        # reading the pages back at commit); a device tensor's page is copied and not hashed.
-        sums: NDArray[np.uint64] | None = np.zeros(len(lease.keys), dtype=np.uint64)
         try:
-            for i in lease.to_write:
-                dst, src = lease.page(i), srcs[i]
-                if sums is not None and isinstance(src, np.ndarray):
-                    sums[i] = copy_checksum(dst, src)
-                else:
-                    copy_bytes(dst, src)
-                    sums = None
+            sums = lease.write(srcs)
         except BaseException:
             self.abort(lease)
             raise

@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
+from kvstore.payload import copy_bytes, copy_checksum
 from kvstore.shm import MemfdSegment, SharedSlab
 from kvstore.tiers import Tier
 from proto import node_pb2 as pb
@@ -68,6 +69,21 @@ class WriteLease(Lease):
     @property
     def to_write(self) -> list[int]:
         return [i for i, off in enumerate(self.offsets) if off >= 0]
+
+    def write(self, pages: Sequence[Any]) -> NDArray[np.uint64] | None:
+        """Copy ``pages[i]`` (flat uint8, one per key) into ``page(i)`` for each key to write,
+        each hashed as it is copied: the checksums for ``commit`` (one per key, 0 where nothing
+        was written), so the node does not read the pages back; None if a page is a device
+        tensor (copied, not hashed: the node hashes them)."""
+        sums: NDArray[np.uint64] | None = np.zeros(len(self.keys), dtype=np.uint64)
+        for i in self.to_write:
+            dst, src = self.page(i), pages[i]
+            if sums is not None and isinstance(src, np.ndarray):
+                sums[i] = copy_checksum(dst, src)
+            else:
+                copy_bytes(dst, src)
+                sums = None
+        return sums
 
     def commit(self, checksums: Sequence[int] | NDArray[Any] | None = None) -> CommitResult:
         return self.client.commit(self, checksums)

@@ -4,7 +4,7 @@ measured in the same run.
 Same-host pages (1 MiB, batches of ``--batch``), each figure a ratio to the in-process
 ``TieredStore`` and to numpy memcpy, and to the peers run beside it:
 - write: allocate + copy into the leased shared-memory pages, each checksummed as it is copied
-  (``kvstore.payload.copy_checksum``, as the clients do) + commit carrying the checksums;
+  (``copy_checksum``; the client's ``WriteLease.write``) + commit carrying the checksums;
 - read: acquire (pin) + copy out of shared memory + release;
 - streamed: the gRPC Put/Get fallback for remote clients, for scale;
 - Mooncake's store, zero-copy batch put/get (``batch_put_from`` / ``batch_get_into``), and
@@ -21,12 +21,11 @@ Every figure is the median of ``--runs`` repetitions (after a warm-up run).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -90,7 +89,9 @@ class InProcess:
         t0 = time.perf_counter()
         for b in range(0, pages, batch):
             lease = store.allocate(keys[b : b + batch])
-            sums = _written(lease, functools.partial(store.page_view, lease), src, b)
+            sums = np.zeros(len(lease.keys), dtype=np.uint64)
+            for i in lease.to_write:  # each page checksummed as it is copied, as the clients do
+                sums[i] = copy_checksum(store.page_view(lease, i), src[(b + i) % len(src)])
             store.commit(lease.lease_id, written_in_place=True, checksums=sums)
         t1 = time.perf_counter()
         for b in range(0, pages, batch):
@@ -106,13 +107,9 @@ class InProcess:
         self.store.close()
 
 
-def _written(lease: Any, page: Callable[[int], Any], src: np.ndarray, first: int) -> np.ndarray:
-    """Copy a lease's pages in, each checksummed as it is copied (as the clients do): the
-    checksums its commit carries, so the node does not read the pages back to hash them."""
-    sums = np.zeros(len(lease.keys), dtype=np.uint64)
-    for i in lease.to_write:
-        sums[i] = copy_checksum(page(i), src[(first + i) % len(src)])
-    return sums
+def _sources(src: np.ndarray, first: int, n: int) -> list[np.ndarray]:
+    """The source pages of a batch of ``n`` keys starting at key ``first``, cycling ``src``."""
+    return [src[(first + i) % len(src)] for i in range(n)]
 
 
 class Client:
@@ -133,7 +130,7 @@ class Client:
             chunk = keys[b : b + batch]
             if self.use_shm:
                 lease = c.allocate(ns, keys=chunk)
-                lease.commit(_written(lease, lease.page, src, b))
+                lease.commit(lease.write(_sources(src, b, len(lease.keys))))
             else:
                 c.put(ns, [src[(b + i) % len(src)] for i in range(len(chunk))], keys=chunk)
         t1 = time.perf_counter()
@@ -168,7 +165,8 @@ class PipelinedClient(Client):
             lease = nxt.result()
             if j + 1 < len(chunks):
                 nxt = c.allocate_async(ns, keys=chunks[j + 1])
-            commits.append(c.commit_async(lease, _written(lease, lease.page, src, j * batch)))
+            sums = lease.write(_sources(src, j * batch, len(lease.keys)))
+            commits.append(c.commit_async(lease, sums))
         for f in commits:
             f.result()
         t1 = time.perf_counter()
