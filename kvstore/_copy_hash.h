@@ -1,7 +1,8 @@
-/* The loop of kvstore._native.copy_hash, built once per instruction set: _native.c builds it
- * with the compiler's baseline (SSE2 on x86-64), _native_avx2.c and _native_avx512.c with
- * theirs, and _native.c picks the widest the CPU runs. A file that includes this names its
- * instruction set (COPY_HASH_ISA, the functions' suffix) and sets xxhash's vector code (XXH_VECTOR) and the target first.
+/* The loops of kvstore._native's copy_hash and PageHasher, built once per instruction set:
+ * _native.c builds them with the compiler's baseline (SSE2 on x86-64), _native_avx2.c and
+ * _native_avx512.c with theirs, and _native.c picks the widest the CPU runs. A file that
+ * includes this names its instruction set (COPY_HASH_ISA, the functions' suffix) and sets
+ * xxhash's vector code (XXH_VECTOR) and the compiler's target first.
  *
  * Each 16 KiB chunk is hashed from the destination right after it is copied, while it is in L1:
  * one pass over memory. Measured here on 1 MiB pages (vs memcpy): copy then hash 0.75-0.80x;
