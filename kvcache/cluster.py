@@ -328,8 +328,10 @@ class Cluster:
         return path
 
     def _start(self, args: list[str], log_dir: str, site: Site) -> ServiceProcess:
+        # A service that fails exits at once with its reason; the deadline only bounds one that
+        # hangs, and a busy 2-core machine (engines importing vLLM) took a conductor past 60 s.
         sp = start_service(
-            args, timeout_s=60, log_dir=log_dir, new_session=self.detach, wrap=site.wrap
+            args, timeout_s=120, log_dir=log_dir, new_session=self.detach, wrap=site.wrap
         )
         self.procs.append(sp)
         return sp

@@ -1,7 +1,7 @@
-"""The router's HTTP API (FastAPI): OpenAI's ``/v1/completions`` (token ids or text) and
-``/v1/chat/completions`` (messages, rendered with the model's chat template by the engines),
-streamed with server-sent events or not, and ``/v1/models`` (every model the engines serve),
-plus ``/health`` and Prometheus ``/metrics``. Each request is served, aggregated or
+"""The router's HTTP API (ASGI, served by uvicorn): OpenAI's ``/v1/completions`` (token ids or
+text) and ``/v1/chat/completions`` (messages, rendered with the model's chat template by the
+engines), streamed with server-sent events or not, and ``/v1/models`` (every model the engines
+serve), plus ``/health`` and Prometheus ``/metrics``. Each request is served, aggregated or
 disaggregated, by ``disagg.Disaggregator``; the response carries ``x-kvcache-*`` headers saying
 where it ran and what moved (``Served.headers``). Its ``usage`` (streamed: when the client asks
 with ``stream_options.include_usage``, as OpenAI's) counts the prompt tokens served from a cache
@@ -18,25 +18,25 @@ Every completion has a request id: the client's ``X-Request-Id``, or one the rou
 is sent to the engines as their ``X-Request-Id`` (vLLM names the request after it in its logs
 and its response ``id``), and comes back in the ``x-request-id`` header and in every error body
 (``error.request_id``). At most ``max_inflight`` completions are served at once; more are
-answered 429 at once. A client that leaves before its answer stops the work in flight
-(``Disaggregator.serve`` is cancelled).
+answered 429 at once. A client that leaves before its answer ends stops the work in flight
+(``Disaggregator.serve``, or the engine's stream, is cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
 import time
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
 
+from . import asgi
+from .asgi import Receive, Scope, Send
 from .catalog import ModelInfo
 from .chat import parse_chat
 from .disagg import Disaggregator, RouterOptions, Served, with_cached_tokens
@@ -48,137 +48,167 @@ log = logging.getLogger(__name__)
 
 _OUTCOME = {429: "rejected", 503: "unavailable"}
 MAX_REQUEST_ID = 256
+_SSE = b"text/event-stream; charset=utf-8"
 
 
-def create_app(
-    options: RouterOptions,
-    api_key: str | None = None,
-    admin_key: str | None = None,
-    debug_headers: bool = False,
-) -> FastAPI:
-    metrics = RouterMetrics()
-    metrics.max_inflight.set(options.max_inflight)
-    disagg = Disaggregator(options, metrics)
-    inflight = [0]  # completions being served (the bound; the gauge mirrors it)
+class RouterApp:
+    """The ASGI application of ``kvcache router`` (``__call__``)."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await disagg.close()
+    def __init__(
+        self,
+        options: RouterOptions,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        debug_headers: bool = False,
+    ) -> None:
+        self.options = options
+        self.metrics = RouterMetrics()
+        self.metrics.max_inflight.set(options.max_inflight)
+        self.disagg = Disaggregator(options, self.metrics)
+        self.inflight = 0  # completions being served (the bound; the gauge mirrors it)
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.operator = f"Bearer {admin_key}".encode() if admin_key else None
+        self.debug_headers = debug_headers
+        self.routes: dict[str, tuple[str, asgi.Handler]] = {
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._prometheus),
+            "/v1/models": ("GET", self._models),
+            COMPLETIONS: ("POST", functools.partial(self._completion, parse_completion)),
+            CHAT: ("POST", functools.partial(self._completion, parse_chat)),
+        }
 
-    app = FastAPI(title="kvcache router", lifespan=lifespan)
-    app.state.disagg = disagg
-    expected = f"Bearer {api_key}".encode() if api_key else None
-    operator = f"Bearer {admin_key}".encode() if admin_key else None
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await asgi.lifespan(receive, send, [self.disagg.close])
+            return
+        if scope["type"] != "http":
+            return  # websockets: not served (the server refuses them)
+        route = self.routes.get(scope["path"])
+        try:
+            if route is None:
+                raise RouterError(
+                    404,
+                    f"no such path {scope['path']!r}: the router serves {sorted(self.routes)}",
+                    "not_found_error",
+                )
+            method, handler = route
+            if scope["method"] != method and (method, scope["method"]) != ("GET", "HEAD"):
+                raise RouterError(405, f"{scope['path']} takes {method} requests only")
+            await handler(scope, receive, send)
+        except RouterError as e:
+            await self._error(send, e)
+        except Exception as e:  # noqa: BLE001 - a clear 500, never a dropped connection
+            log.exception("unexpected error serving %s", scope["path"])
+            await self._error(
+                send, RouterError(500, f"router error: {type(e).__name__}: {e}", "internal_error")
+            )
 
-    def is_operator(request: Request) -> bool:
-        given = request.headers.get("authorization", "").encode()
-        return operator is not None and secrets.compare_digest(given, operator)
+    # ---- who is asking ----------------------------------------------------------------------
 
-    def reveal(request: Request) -> bool:
-        """Whether this caller sees what the cache did (``debug_headers``, operator only)."""
-        if not debug_headers:
-            return False
-        if operator is None and expected is None:
-            return True  # no keys at all: every caller is the operator (a local demo)
-        return is_operator(request)
+    def _is_operator(self, scope: Scope) -> bool:
+        given = asgi.header(scope, b"authorization").encode("latin-1")
+        return self.operator is not None and secrets.compare_digest(given, self.operator)
 
-    # A dependency of the /v1 routes rather than an HTTP middleware (which wraps the request's
-    # receive channel): a completion watches that channel, as uvicorn gives it, for its client
-    # leaving.
-    async def authorize(request: Request) -> None:  # async: no thread hop per request
-        given = request.headers.get("authorization", "").encode()
+    def _authorize(self, scope: Scope) -> None:
+        given = asgi.header(scope, b"authorization").encode("latin-1")
         if (
-            expected is not None
-            and not secrets.compare_digest(given, expected)
-            and not is_operator(request)
+            self.expected is not None
+            and not secrets.compare_digest(given, self.expected)
+            and not self._is_operator(scope)
         ):
             raise RouterError(
                 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
             )
 
-    def error_response(request: Request, e: RouterError) -> JSONResponse:
-        rid = getattr(request.state, "request_id", None)
+    def _reveal(self, scope: Scope) -> bool:
+        """Whether this caller sees what the cache did (``debug_headers``, operator only)."""
+        if not self.debug_headers:
+            return False
+        if self.operator is None and self.expected is None:
+            return True  # no keys at all: every caller is the operator (a local demo)
+        return self._is_operator(scope)
+
+    # ---- the small routes -------------------------------------------------------------------
+
+    async def _error(self, send: Send, e: RouterError, rid: str | None = None) -> None:
         headers = {"x-request-id": rid} if rid else None
-        return JSONResponse(e.body(rid), status_code=e.status, headers=headers)
+        await asgi.send_json(send, e.status, e.body(rid), headers)
 
-    @app.exception_handler(RouterError)
-    async def _router_error(request: Request, e: RouterError) -> JSONResponse:
-        return error_response(request, e)
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engines = {e.node: e.url for e in self.options.engines}
+        await asgi.send_json(send, 200, {"status": "ok", "engines": engines})
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error serving %s", request.url.path)
-        error = RouterError(500, f"router error: {type(e).__name__}: {e}", "internal_error")
-        return error_response(request, error)
+    async def _prometheus(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = generate_latest(self.metrics.registry)
+        await asgi.send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "engines": {e.node: e.url for e in options.engines}}
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._authorize(scope)
+        listing = await self.disagg.catalog.listing()
+        await asgi.send_json(send, 200, {"object": "list", "data": listing})
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # ---- completions ------------------------------------------------------------------------
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": await disagg.catalog.listing()}
-
-    def done() -> None:
-        inflight[0] -= 1
-        metrics.inflight.dec()
-
-    @app.post(COMPLETIONS, dependencies=[Depends(authorize)])
-    async def completions(request: Request) -> Response:
-        return await _served(request, parse_completion)
-
-    @app.post(CHAT, dependencies=[Depends(authorize)])
-    async def chat_completions(request: Request) -> Response:
-        return await _served(request, parse_chat)
-
-    async def _served(request: Request, parse: Callable[..., Completion]) -> Response:
-        given = request.headers.get("x-request-id", "")
+    async def _completion(
+        self, parse: Callable[..., Completion], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self._authorize(scope)
+        given = asgi.header(scope, b"x-request-id")
         own = not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable())
-        rid = request.state.request_id = disagg.new_request_id() if own else given
-        if inflight[0] >= options.max_inflight:
-            metrics.requests.labels("busy").inc()
-            raise RouterError(
-                429,
-                f"the router is serving {inflight[0]} requests, its limit (--max-inflight): "
-                "retry later",
-                "rate_limit_exceeded",
-            )
-        inflight[0] += 1
-        metrics.inflight.inc()
-        streaming = False
+        rid = self.disagg.new_request_id() if own else given
+        metrics = self.metrics
         try:
-            response = await _complete(request, rid, own, parse)
-            streaming = isinstance(response, StreamingResponse)
-            return response
+            if self.inflight >= self.options.max_inflight:
+                metrics.requests.labels("busy").inc()
+                raise RouterError(
+                    429,
+                    f"the router is serving {self.inflight} requests, its limit "
+                    "(--max-inflight): retry later",
+                    "rate_limit_exceeded",
+                )
+            self.inflight += 1
+            metrics.inflight.inc()
+            try:
+                await self._complete(scope, receive, send, rid, own, parse)
+            except RouterError as e:
+                metrics.requests.labels(_OUTCOME.get(e.status, _outcome(e.status))).inc()
+                raise
+            except Exception:
+                metrics.requests.labels("failed").inc()
+                raise
+            finally:
+                self.inflight -= 1
+                metrics.inflight.dec()
         except RouterError as e:
-            metrics.requests.labels(_OUTCOME.get(e.status, _outcome(e.status))).inc()
-            raise
-        except Exception:
-            metrics.requests.labels("failed").inc()
-            raise
-        finally:
-            if not streaming:  # a stream counts itself out when it ends
-                done()
+            await self._error(send, e, rid)
+        except Exception as e:  # noqa: BLE001
+            log.exception("unexpected error serving request %s", rid)
+            error = RouterError(500, f"router error: {type(e).__name__}: {e}", "internal_error")
+            await self._error(send, error, rid)
 
     async def _complete(
-        request: Request, rid: str, own: bool, parse: Callable[..., Completion]
-    ) -> Response:
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rid: str,
+        own: bool,
+        parse: Callable[..., Completion],
+    ) -> None:
         t0 = time.perf_counter()
         try:
-            body = await request.json()
+            body = json.loads(await asgi.read_body(receive))
+        except asgi.BodyTooLarge as e:
+            raise RouterError(413, f"{e}: send a shorter prompt") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RouterError(400, "the request body is not JSON") from None
-        call = parse(body, options.ttft_slo_s, options.tbt_slo_s)
-        model = await disagg.catalog.model(call.model)
-        # Until the answer (or a stream's headers) is ready, a client that leaves cancels it,
-        # as vLLM's own endpoint does; a stream then watches for that itself.
-        work = asyncio.ensure_future(_serve(call, model, rid, own))
-        left = asyncio.ensure_future(_disconnected(request))
+        call = parse(body, self.options.ttft_slo_s, self.options.tbt_slo_s)
+        model = await self.disagg.catalog.model(call.model)
+        # Until the answer has been sent whole, a client that leaves cancels the work (as
+        # vLLM's own endpoint does): the schedule, the engines' requests, or the stream.
+        answer = _Answer(self, send, rid, t0, self._reveal(scope))
+        work = asyncio.ensure_future(answer.run(call, model, own))
+        left = asyncio.ensure_future(asgi.disconnected(receive))
         try:
             await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -189,79 +219,83 @@ def create_app(
                     await work  # its cleanup (ledger entry, transfers) is under way when it ends
         if work.cancelled():
             log.info("request %s: the client left; its work was cancelled", rid)
-            metrics.cancelled.labels("request").inc()
-            metrics.requests.labels("cut").inc()
-            return Response(status_code=499, headers={"x-request-id": rid})
-        served, result = work.result()
-        shown = reveal(request)
-        headers = served.headers() if shown else {"x-request-id": rid}
-        if isinstance(result, EngineStream):
-            relay = _Relay(result, served, t0, shown)
-            return StreamingResponse(
-                relay.events(),
-                media_type="text/event-stream",
-                headers=headers,
-                background=BackgroundTask(relay.close),
-            )
-        metrics.requests.labels("ok").inc()
-        metrics.stage.labels("total").observe(time.perf_counter() - t0)
-        return JSONResponse(result if shown else _private(result), headers=headers)
+            self.metrics.cancelled.labels("request").inc()
+            if not answer.started:  # a stream counted itself out
+                self.metrics.requests.labels("cut").inc()
+            return
+        work.result()  # its error, if it failed before answering
 
-    async def _serve(
-        call: Completion, model: ModelInfo, rid: str, own: bool
-    ) -> tuple[Served, dict[str, Any] | EngineStream]:
+
+class _Answer:
+    """One completion's answer: the engine's reply, or its stream relayed event by event."""
+
+    def __init__(self, app: RouterApp, send: Send, rid: str, t0: float, shown: bool) -> None:
+        self.app, self.send, self.rid, self.t0, self.shown = app, send, rid, t0, shown
+        self.started = False  # a stream's headers were sent
+
+    async def run(self, call: Completion, model: ModelInfo, own: bool) -> None:
+        disagg, metrics = self.app.disagg, self.app.metrics
         tokens = await disagg.catalog.tokens(call, model)
-        return await disagg.serve(call, tokens, model, rid, own)
+        served, result = await disagg.serve(call, tokens, model, self.rid, own)
+        headers = served.headers() if self.shown else {"x-request-id": self.rid}
+        if isinstance(result, EngineStream):
+            await self._relay(result, served, headers)
+            return
+        metrics.requests.labels("ok").inc()
+        metrics.stage.labels("total").observe(time.perf_counter() - self.t0)
+        await asgi.send_json(self.send, 200, result if self.shown else _private(result), headers)
 
-    class _Relay:
+    async def _relay(self, stream: EngineStream, served: Served, headers: dict[str, str]) -> None:
         """The decode engine's events as they come; any failure to read them ends the stream
         with an error event (OpenAI's clients raise it) and ``[DONE]``, never a stream that
-        ends as if whole. ``close`` runs once: when the stream ends, or after the response if
-        it never began (the client left first)."""
-
-        def __init__(self, stream: EngineStream, served: Served, t0: float, shown: bool) -> None:
-            self.stream, self.served, self.t0, self.shown = stream, served, t0, shown
-            self.closed = False
-
-        async def events(self) -> AsyncIterator[bytes]:
-            outcome = "cut"  # the client went away: the generator is closed or cancelled
-            t = time.perf_counter()
-            first = True
-            try:
-                cached = self.served.cached_tokens
-                async for batch in self.stream.batches():
-                    if first:
-                        metrics.stage.labels("first_token").observe(time.perf_counter() - t)
-                        first = False
-                    if not self.shown:  # what the cache did is the operator's to see
-                        batch = [
-                            _private_event(d) if b"prompt_tokens_details" in d else d for d in batch
-                        ]
-                    elif cached is not None:
-                        batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
-                    yield b"".join(b"data: " + data + b"\n\n" for data in batch)
-                outcome = "ok"
-            except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
-                outcome = "failed"
-                rid = self.served.request_id
-                log.warning("request %s: decode failed mid-stream: %s", rid, e)
-                error = RouterError(502, f"decode failed mid-stream: {e}", "bad_gateway")
-                yield b"data: " + json.dumps(error.body(rid)).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                await self.close(outcome)
-
-        async def close(self, outcome: str = "cut") -> None:
-            if self.closed:
-                return
-            self.closed = True
-            self.stream.close()
-            disagg.finish(self.served)
+        ends as if whole."""
+        metrics = self.app.metrics
+        outcome = "cut"  # the client went away: this is cancelled
+        try:
+            await asgi.start_stream(self.send, 200, _SSE, headers)
+            self.started = True
+            async for chunk in self._events(stream, served):
+                await asgi.send_chunk(self.send, chunk)
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
+            outcome = "failed"
+            if not self.started:
+                raise  # answered as an error whole
+            log.warning("request %s: decode failed mid-stream: %s", self.rid, e)
+            error = RouterError(502, f"decode failed mid-stream: {e}", "bad_gateway")
+            await asgi.send_chunk(
+                self.send, b"data: " + json.dumps(error.body(self.rid)).encode() + b"\n\n"
+            )
+            await asgi.send_chunk(self.send, b"data: [DONE]\n\n")
+        finally:
+            stream.close()
+            self.app.disagg.finish(served)
             metrics.requests.labels(outcome).inc()
             metrics.stage.labels("total").observe(time.perf_counter() - self.t0)
-            done()
+        await asgi.send_chunk(self.send, b"", more=False)
 
-    return app
+    async def _events(self, stream: EngineStream, served: Served) -> AsyncIterator[bytes]:
+        t = time.perf_counter()
+        first = True
+        cached = served.cached_tokens
+        async for batch in stream.batches():
+            if first:
+                self.app.metrics.stage.labels("first_token").observe(time.perf_counter() - t)
+                first = False
+            if not self.shown:  # what the cache did is the operator's to see
+                batch = [_private_event(d) if b"prompt_tokens_details" in d else d for d in batch]
+            elif cached is not None:
+                batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
+            yield b"".join(b"data: " + data + b"\n\n" for data in batch)
+
+
+def create_app(
+    options: RouterOptions,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    debug_headers: bool = False,
+) -> RouterApp:
+    return RouterApp(options, api_key, admin_key, debug_headers)
 
 
 def _with_cached(data: bytes, cached: int) -> bytes:
@@ -269,14 +303,6 @@ def _with_cached(data: bytes, cached: int) -> bytes:
     event = json.loads(data)
     with_cached_tokens(event, cached)
     return json.dumps(event, separators=(",", ":")).encode()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes its connection (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _private(reply: dict[str, Any]) -> dict[str, Any]:

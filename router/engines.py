@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
+import orjson
 
 from .protocol import COMPLETIONS
 
@@ -317,7 +318,11 @@ class EngineStream:
 
 
 def _is_json_object(data: bytes) -> bool:
-    try:
+    try:  # C, several times json's speed: every event of every stream
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # what only Python's json reads (NaN, Infinity, integers past 64 bits)
         return isinstance(json.loads(data), dict)
     except ValueError:
         return False
@@ -325,6 +330,8 @@ def _is_json_object(data: bytes) -> bool:
 
 def _data(raw: bytes) -> bytes | None:
     """The ``data`` field of one server-sent event (its lines joined), None without one."""
+    if raw.startswith(b"data: ") and b"\n" not in raw and b"\r" not in raw:
+        return raw[6:]  # one line, as vLLM writes every event
     lines = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     values = []
     for line in lines:
