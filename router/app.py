@@ -31,7 +31,7 @@ import logging
 import secrets
 import time
 from contextlib import suppress
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -249,13 +249,25 @@ class _Answer:
         """The decode engine's events as they come; any failure to read them ends the stream
         with an error event (OpenAI's clients raise it) and ``[DONE]``, never a stream that
         ends as if whole."""
-        metrics = self.app.metrics
+        metrics, send = self.app.metrics, self.send
         outcome = "cut"  # the client went away: this is cancelled
+        cached = served.cached_tokens
         try:
-            await asgi.start_stream(self.send, 200, _SSE, headers)
+            await asgi.start_stream(send, 200, _SSE, headers)
             self.started = True
-            async for chunk in self._events(stream, served):
-                await asgi.send_chunk(self.send, chunk)
+            t = time.perf_counter()
+            first = True
+            async for batch in stream.batches():
+                if first:
+                    metrics.stage.labels("first_token").observe(time.perf_counter() - t)
+                    first = False
+                if not self.shown:  # what the cache did is the operator's to see
+                    batch = [
+                        _private_event(d) if b"prompt_tokens_details" in d else d for d in batch
+                    ]
+                elif cached is not None:
+                    batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
+                await asgi.send_chunk(send, b"".join(b"data: " + d + b"\n\n" for d in batch))
             outcome = "ok"
         except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen
             outcome = "failed"
@@ -264,29 +276,15 @@ class _Answer:
             log.warning("request %s: decode failed mid-stream: %s", self.rid, e)
             error = RouterError(502, f"decode failed mid-stream: {e}", "bad_gateway")
             await asgi.send_chunk(
-                self.send, b"data: " + json.dumps(error.body(self.rid)).encode() + b"\n\n"
+                send, b"data: " + json.dumps(error.body(self.rid)).encode() + b"\n\n"
             )
-            await asgi.send_chunk(self.send, b"data: [DONE]\n\n")
+            await asgi.send_chunk(send, b"data: [DONE]\n\n")
         finally:
             stream.close()
             self.app.disagg.finish(served)
             metrics.requests.labels(outcome).inc()
             metrics.stage.labels("total").observe(time.perf_counter() - self.t0)
-        await asgi.send_chunk(self.send, b"", more=False)
-
-    async def _events(self, stream: EngineStream, served: Served) -> AsyncIterator[bytes]:
-        t = time.perf_counter()
-        first = True
-        cached = served.cached_tokens
-        async for batch in stream.batches():
-            if first:
-                self.app.metrics.stage.labels("first_token").observe(time.perf_counter() - t)
-                first = False
-            if not self.shown:  # what the cache did is the operator's to see
-                batch = [_private_event(d) if b"prompt_tokens_details" in d else d for d in batch]
-            elif cached is not None:
-                batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
-            yield b"".join(b"data: " + data + b"\n\n" for data in batch)
+        await asgi.send_chunk(send, b"", more=False)
 
 
 def create_app(

@@ -253,12 +253,62 @@ class EngineStream:
         relayed in one write). ``EngineError`` for any failure to read the stream: the
         connection cut or closed before ``[DONE]``, no whole event within ``read_s``, an event
         over ``max_event_bytes`` or not JSON (the events before it are yielded first)."""
+        content = self._response.content
+        loop = asyncio.get_running_loop()
+        buf = bytearray()
+        scanned = 0  # bytes of buf searched for an event's end already
+        # A stall fails the read itself (no timer context per read: one per event cost a
+        # measured share of the router's time), and only while this waits for the engine: the
+        # client's own pace does not count.
+        waiting = [loop.time()]  # since when this waits for an event; [] while it yields
+
+        def watch() -> None:
+            now = loop.time()
+            due = waiting[0] + self.read_s if waiting else now + self.read_s
+            if waiting and now >= due:
+                content.set_exception(TimeoutError())
+            else:
+                timer[0] = loop.call_at(due, watch)
+
+        timer = [loop.call_at(waiting[0] + self.read_s, watch)]
         try:
-            async for batch in self._batches():
-                self.whole = batch[-1] == b"[DONE]"
-                yield batch
-                if self.whole:
-                    return
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break  # the end of the response: whole only if [DONE] came
+                buf += chunk
+                batch: list[bytes] = []
+                while True:
+                    end = _EVENT_END.search(buf, max(scanned - 3, 0))
+                    if end is None:
+                        scanned = len(buf)
+                        break
+                    raw = bytes(buf[: end.start()])
+                    del buf[: end.end()]
+                    scanned = 0
+                    data = _data(raw)
+                    if data is None:
+                        continue  # a comment (keep-alive) or an event without data
+                    if data != b"[DONE]" and not _is_json_object(data):
+                        if batch:
+                            yield batch
+                        raise EngineError(
+                            self.engine, f"an event that is not a JSON object: {data[:200]!r}"
+                        )
+                    batch.append(data)
+                    if data == b"[DONE]":
+                        self.whole = True
+                        break
+                if batch:
+                    waiting.clear()
+                    yield batch
+                    if self.whole:
+                        return
+                    waiting.append(loop.time())
+                if len(buf) > self.max_event_bytes:
+                    raise EngineError(
+                        self.engine, f"an event longer than {self.max_event_bytes} bytes"
+                    )
         except EngineError:
             raise
         except TimeoutError:
@@ -267,46 +317,9 @@ class EngineStream:
             ) from None
         except Exception as e:  # noqa: BLE001 - every failure ends the stream the same way
             raise EngineError(self.engine, f"stream cut: {_describe(e)}") from None
+        finally:
+            timer[0].cancel()
         raise EngineError(self.engine, "stream ended without [DONE]")
-
-    async def _batches(self) -> AsyncIterator[list[bytes]]:
-        content = self._response.content
-        loop = asyncio.get_running_loop()
-        buf = bytearray()
-        scanned = 0  # bytes of buf searched for an event's end already
-        deadline = loop.time() + self.read_s
-        while True:
-            async with asyncio.timeout_at(deadline):
-                chunk = await content.readany()
-            if not chunk:
-                return  # the end of the response (batches() says whether it was whole)
-            buf += chunk
-            batch: list[bytes] = []
-            while True:
-                end = _EVENT_END.search(buf, max(scanned - 3, 0))
-                if end is None:
-                    scanned = len(buf)
-                    break
-                raw = bytes(buf[: end.start()])
-                del buf[: end.end()]
-                scanned = 0
-                data = _data(raw)
-                if data is None:
-                    continue  # a comment (keep-alive) or an event without data
-                if data != b"[DONE]" and not _is_json_object(data):
-                    if batch:
-                        yield batch
-                    raise EngineError(
-                        self.engine, f"an event that is not a JSON object: {data[:200]!r}"
-                    )
-                batch.append(data)
-                if data == b"[DONE]":
-                    break
-            if batch:
-                yield batch
-                deadline = loop.time() + self.read_s  # the client's own pace does not count
-            if len(buf) > self.max_event_bytes:
-                raise EngineError(self.engine, f"an event longer than {self.max_event_bytes} bytes")
 
     def close(self) -> None:
         """A whole stream's connection goes back to the pool; any other is dropped (an engine
