@@ -200,6 +200,14 @@ class ConductorClient:
         reply = self._call("Locate", selector_to_pb(namespace, keys, tokens, salt))
         return {n.node_id: n.blocks for n in reply.nodes}
 
+    @property
+    def token(self) -> str | None:
+        return self._token
+
+    @property
+    def tls_ca_file(self) -> str | None:
+        return self._tls_ca_file
+
     def health(self) -> str:
         """gRPC health: "SERVING", "NOT_SERVING", or why the check failed ("UNAVAILABLE")."""
         if self._channel is None:  # only etcd given, no call made yet: find the leader
@@ -251,7 +259,7 @@ class ConductorClient:
                     return getattr(self.stub, name)(request, timeout=self.timeout_s)
                 except grpc.RpcError as e:
                     failed = e
-            leader = _redirect(failed)
+            leader = redirect_of(failed)
             fail_over = failed is None or (
                 failed.code() == grpc.StatusCode.UNAVAILABLE
                 and (self._etcd is not None or len(self.addresses) > 1)
@@ -350,7 +358,7 @@ class ScheduleStream:
                     self._unary_until = time.monotonic() + self.REFUSED_S
                 retry = (
                     refused
-                    or _redirect(got) is not None
+                    or redirect_of(got) is not None
                     or got.code() == grpc.StatusCode.UNAVAILABLE
                 )
                 if not retry:
@@ -407,7 +415,7 @@ class ScheduleStream:
         self.close()
 
 
-def _redirect(error: grpc.RpcError | None) -> str | None:
+def redirect_of(error: grpc.RpcError | None) -> str | None:
     """The leader a standby named in its FAILED_PRECONDITION, else None."""
     if error is None or error.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return None

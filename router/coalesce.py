@@ -7,10 +7,11 @@ both sides)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Callable, Generic, TypeVar
+from typing import Awaitable, Callable, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +81,62 @@ class Coalescer(Generic[I, R]):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+
+class AsyncCoalescer(Generic[I, R]):
+    """The same group commit on an event loop: ``submit(item)`` -> an asyncio future of its
+    result; ``send(items)`` is awaited, one batch at a time (a task runs while calls wait).
+    A future cancelled before its batch goes is left out of it."""
+
+    def __init__(
+        self,
+        send: Callable[[list[I]], Awaitable[list[R | BaseException]]],
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self._send = send
+        self._max = max_batch
+        self._pending: list[tuple[I, asyncio.Future[R]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.batches = 0
+        self.items = 0
+
+    def submit(self, item: I) -> asyncio.Future[R]:
+        if self._closed:
+            raise RuntimeError("the router is stopping")
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        return future
+
+    async def aclose(self) -> None:
+        """Send what is pending, then take no more."""
+        self._closed = True
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def _run(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending[: self._max], self._pending[self._max :]
+                live = [(item, f) for item, f in batch if not f.done()]
+                if not live:
+                    continue
+                try:
+                    results = await self._send([item for item, _ in live])
+                    if len(results) != len(live):
+                        raise RuntimeError(f"{len(results)} results for {len(live)} calls")
+                except Exception as e:  # noqa: BLE001 - every caller hears of it
+                    results = [e] * len(live)
+                self.batches += 1
+                self.items += len(live)
+                for (_, future), result in zip(live, results):
+                    if future.done():
+                        continue  # its caller was cancelled meanwhile (and handles that)
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._task = None

@@ -1,22 +1,25 @@
 """The router's calls to the conductor: ``Schedule`` and ``Complete`` of the requests in flight
 go in batches (``router.coalesce``: one call's cost shared by every request that arrived
-meanwhile), the schedules over one long-lived ``ScheduleStream`` (unary ``ScheduleBatch`` where
-the conductor refuses streams), and the conductor's refusals become the HTTP errors a client
-reads."""
+meanwhile); the schedules, which a request waits on, over one long-lived ``ScheduleStream``
+written and read on the event loop (``clients.conductor_aio``; unary ``ScheduleBatch`` where the
+conductor refuses streams), the completes, which nobody waits on, from a thread. The
+conductor's refusals become the HTTP errors a client reads."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
 
 import grpc
 
+from clients.conductor_aio import AsyncScheduleStream
 from clients.conductor_client import ConductorClient, outcome_error
 from proto import conductor_pb2 as cpb
 from rpc.status import KVCacheRpcError
 
-from .coalesce import MAX_BATCH, Coalescer
+from .coalesce import MAX_BATCH, AsyncCoalescer, Coalescer
 from .protocol import RouterError
 
 log = logging.getLogger(__name__)
@@ -26,17 +29,19 @@ class ConductorCalls:
     def __init__(self, address: str, token: str | None, tls_ca: str | None) -> None:
         self.address = address
         self.client = ConductorClient(address, token, tls_ca)
-        self.stream = self.client.schedule_stream()  # opened by the first batch
-        self._schedules: Coalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = Coalescer(
-            self._schedule_batch, "router-schedule"
+        # its unary fallback and leader lookups block: a thread of their own, off the loop's
+        self._unary = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-sched")
+        self.stream = AsyncScheduleStream(self.client, self._unary)  # opened by the first batch
+        self._schedules: AsyncCoalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = AsyncCoalescer(
+            self._schedule_batch
         )
         self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
             self._complete_batch, "router-complete"
         )
 
-    def schedule(self, call: cpb.ScheduleRequest) -> concurrent.futures.Future[cpb.ScheduleReply]:
-        """The conductor's decision, in the next batch: a future (``KVCacheRpcError`` if
-        refused; ``error`` says it as the client hears it)."""
+    def schedule(self, call: cpb.ScheduleRequest) -> asyncio.Future[cpb.ScheduleReply]:
+        """The conductor's decision, in the next batch: a future of the event loop's
+        (``KVCacheRpcError`` if refused; ``error`` says it as the client hears it)."""
         return self._schedules.submit(call)
 
     def report(self, ledger_id: str, phase: int, prefill_s: float, transfer_s: float) -> None:
@@ -55,12 +60,14 @@ class ConductorCalls:
         except RuntimeError:  # shutting down: the conductor expires the entry by itself
             log.info("Complete(%s) not sent: the router is stopping", ledger_id)
 
-    def close(self) -> None:
-        """Send what is pending, then close the channel (blocks: run it off the event loop)."""
-        for batches in (self._schedules, self._completes):
-            batches.close()
-        self.stream.close()
-        self.client.close()
+    async def aclose(self) -> None:
+        """Send what is pending, then close the channels."""
+        await self._schedules.aclose()
+        await self.stream.aclose()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._completes.close)
+        self._unary.shutdown(wait=False, cancel_futures=True)
+        await loop.run_in_executor(None, self.client.close)
 
     def error(self, e: KVCacheRpcError) -> RouterError:
         """A conductor's refusal as the client hears it."""
@@ -82,12 +89,12 @@ class ConductorCalls:
             "service_unavailable",
         )
 
-    def _schedule_batch(
+    async def _schedule_batch(
         self, calls: list[cpb.ScheduleRequest]
     ) -> list[cpb.ScheduleReply | BaseException]:
         out: list[cpb.ScheduleReply | BaseException] = []
         for i in range(0, len(calls), MAX_BATCH):
-            for o in self.stream.schedule_batch(calls[i : i + MAX_BATCH]):
+            for o in await self.stream.schedule_batch(calls[i : i + MAX_BATCH]):
                 error = outcome_error(o.code, o.message, "Schedule")
                 out.append(o.reply if error is None else error)
         return out

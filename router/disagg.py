@@ -181,7 +181,7 @@ class Disaggregator:
 
     async def close(self) -> None:
         await self.http.close()
-        await asyncio.get_running_loop().run_in_executor(None, self.conductor.close)
+        await self.conductor.aclose()
         for pool in (self._pulls, self._calls):
             pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -461,7 +461,7 @@ class Disaggregator:
             )
         )
         try:
-            reply: cpb.ScheduleReply = await asyncio.wrap_future(future)
+            reply: cpb.ScheduleReply = await asyncio.shield(future)
         except KVCacheRpcError as e:
             raise self.conductor.error(e) from None
         except asyncio.CancelledError:
@@ -477,9 +477,7 @@ class Disaggregator:
         self.metrics.prompt_tokens.inc(len(tokens))
         return reply
 
-    def _complete_if_scheduled(
-        self, served: Served, future: concurrent.futures.Future[Any]
-    ) -> None:
+    def _complete_if_scheduled(self, served: Served, future: asyncio.Future[Any]) -> None:
         if not future.cancelled() and future.exception() is None:
             self.finish(served)
 

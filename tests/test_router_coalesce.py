@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
-from router.coalesce import Coalescer
+from router.coalesce import AsyncCoalescer, Coalescer
 
 from helpers import wait_until
 
@@ -72,3 +73,60 @@ def test_a_failed_batch_fails_each_call_a_cancelled_call_is_not_sent_close_flush
     assert max(len(b) for b in wire.batches) == 2  # at most max_batch per RPC
     with pytest.raises(RuntimeError, match="stopping"):
         c.submit(10)
+
+
+class AsyncWire:
+    """The same batch RPC, awaited on an event loop."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.go = asyncio.Semaphore(0)
+        self.fail: BaseException | None = None
+
+    async def send(self, items: list[int]) -> list[int | BaseException]:
+        self.batches.append(list(items))
+        await self.go.acquire()
+        if self.fail is not None:
+            raise self.fail
+        return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
+
+
+async def settled() -> None:
+    for _ in range(10):  # let the coalescer's task run up to its next wait
+        await asyncio.sleep(0)
+
+
+def test_on_an_event_loop_calls_wait_for_the_batch_on_the_wire_then_go_together():
+    async def run() -> None:
+        wire = AsyncWire()
+        c = AsyncCoalescer(wire.send, max_batch=4)
+        first = c.submit(0)
+        await settled()
+        assert wire.batches == [[0]]  # alone, at once
+        rest = [c.submit(i) for i in range(1, 7)]
+        dropped = c.submit(8)
+        dropped.cancel()  # its caller left before the batch went: not sent
+        wire.go.release()
+        assert await first == 0
+        await settled()
+        assert wire.batches[1] == [1, 2, 3, 4]  # in order, at most max_batch per RPC
+        wire.go.release()
+        await settled()
+        assert wire.batches[2] == [5, 6]
+        wire.fail = ConnectionError("conductor gone")
+        wire.go.release()
+        for i, f in enumerate(rest, 1):
+            if i >= 5:
+                with pytest.raises(ConnectionError):  # a failed batch fails each of its calls
+                    await f
+            elif i % 2:
+                with pytest.raises(ValueError, match=f"odd {i}"):  # its own outcome
+                    await f
+            else:
+                assert await f == i * 10
+        await c.aclose()
+        assert (c.batches, c.items) == (3, 7)
+        with pytest.raises(RuntimeError, match="stopping"):
+            c.submit(10)
+
+    asyncio.run(run())
