@@ -6,8 +6,8 @@ The thread-based stream hands every message across four threads of the caller's 
 executor, gRPC's request-iterator thread, the stream's reader, back to the loop); each hand-off
 wakes a sleeping thread, which after an idle moment costs this VM a few hundred microseconds,
 and under load each takes the GIL from the event loop. Here the loop writes the message and
-gRPC's completion wakes the loop once (``kvcache bench router``: the Schedule stage after
-180 ms idle, 2.2 -> 1.6 ms).
+gRPC's completion wakes the loop once (measured here, one Schedule after 180 ms idle: 2.2 ->
+1.6 ms; ``kvcache bench router`` at 1 stream: +3.4-3.9 -> +2.9-3.3 ms over direct).
 
 Everything but the stream itself stays with the synchronous ``ConductorClient`` (run in an
 executor): finding the leader, and the unary ``ScheduleBatch`` a batch falls back to when the
