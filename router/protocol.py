@@ -417,9 +417,10 @@ def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("'prompt' is an empty list of token ids", "prompt")
-        # NOTE: type() is int leaves out bools; min and max loop in C (a prompt is thousands)
+        # NOTE: type() is int leaves out bools; the set of types, min and max loop in C (a
+        # prompt is thousands of ids)
         if not (
-            all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) <= MAX_TOKEN_ID
+            set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) <= MAX_TOKEN_ID
         ):
             raise invalid("'prompt' token ids must be integers in [0, 2**32)", "prompt")
         return prompt, None

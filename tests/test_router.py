@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from plumbing.launch import start_service
+from router.engines import _dumps
 
 
 def _closed_port() -> int:
@@ -87,6 +88,45 @@ def test_engines_that_do_not_answer_are_a_fast_503_not_a_hang(routers):
     assert status == 503 and "prefill-0" in json.loads(text)["error"]["message"]
     status, text = _call(address, "/metrics")
     assert 'kvcache_router_requests_total{outcome="unavailable"} 1.0' in text
+
+
+def test_unknown_paths_wrong_methods_and_oversized_bodies_get_a_clear_error(routers):
+    address = routers[0]
+    status, text = _call(address, "/v1/embeddings", {"model": "m"})
+    error = json.loads(text)["error"]
+    assert (
+        status == 404
+        and "/v1/embeddings" in error["message"]
+        and "/v1/completions" in (error["message"])
+    )
+    status, text = _call(address, "/v1/completions")  # a GET
+    assert status == 405 and "POST" in json.loads(text)["error"]["message"]
+    status, text = _call(address, "/v1/completions", b"[" + b"1," * (33 << 20) + b"1]")
+    assert status == 413 and "shorter prompt" in json.loads(text)["error"]["message"]
+    assert _call(address, "/health")[0] == 200  # and it serves on
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "prompt": [1, 2, 3], "stream": True, "temperature": 0.5},
+        {"model": "m", "prompt": "d\u00e9j\u00e0 vu", "stop": None, "seed": 2**63},
+        {"model": "m", "prompt": [1], "logit_bias": {"5": float("nan")}, "x": -float("inf")},
+        {"model": "m", "prompt": [1], "seed": 2**70},
+    ],
+)
+def test_what_the_router_sends_an_engine_means_what_the_client_sent(body):
+    import math
+
+    sent = json.loads(_dumps(body))
+    assert sent.keys() == body.keys()
+    for key, value in body.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert math.isnan(sent[key])
+        elif key == "logit_bias":
+            assert math.isnan(sent[key]["5"])
+        else:
+            assert sent[key] == value and type(sent[key]) is type(value)
 
 
 def test_an_api_key_is_required_when_set(routers):
