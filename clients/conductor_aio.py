@@ -27,7 +27,7 @@ from proto import conductor_pb2_grpc as pbg
 from rpc.channel import make_aio_channel, token_metadata
 from rpc.status import KVCacheRpcError
 
-from .conductor_client import ConductorClient, ScheduleStream, redirect_of
+from .conductor_client import ConductorClient, ScheduleStream, stream_refused
 
 T = TypeVar("T")
 _EOF: Any = getattr(grpc.aio, "EOF")  # noqa: B009 - what read() returns at a stream's end (untyped)
@@ -84,20 +84,8 @@ class AsyncScheduleStream:
             if got is _EOF:
                 got = await self._status()
             await self._end()
-            if isinstance(got, grpc.RpcError):
-                refused = got.code() in (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,  # the conductor's streams are all taken
-                    grpc.StatusCode.UNIMPLEMENTED,  # a conductor that predates ScheduleStream
-                )
-                if refused:
-                    self._unary_until = time.monotonic() + self.REFUSED_S
-                retry = (
-                    refused
-                    or redirect_of(got) is not None
-                    or got.code() == grpc.StatusCode.UNAVAILABLE
-                )
-                if not retry:
-                    raise KVCacheRpcError.of(got, "ScheduleStream") from None
+            if isinstance(got, grpc.RpcError) and stream_refused(got, "ScheduleStream"):
+                self._unary_until = time.monotonic() + self.REFUSED_S
         return await self._unary(requests)
 
     @property

@@ -349,20 +349,8 @@ class ScheduleStream:
             if isinstance(got, pb.ScheduleBatchReply):
                 return list(got.outcomes)
             self._end()
-            if isinstance(got, grpc.RpcError):
-                refused = got.code() in (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,  # the conductor's streams are all taken
-                    grpc.StatusCode.UNIMPLEMENTED,  # a conductor that predates ScheduleStream
-                )
-                if refused:
-                    self._unary_until = time.monotonic() + self.REFUSED_S
-                retry = (
-                    refused
-                    or redirect_of(got) is not None
-                    or got.code() == grpc.StatusCode.UNAVAILABLE
-                )
-                if not retry:
-                    raise KVCacheRpcError.of(got, "ScheduleStream") from None
+            if isinstance(got, grpc.RpcError) and stream_refused(got, "ScheduleStream"):
+                self._unary_until = time.monotonic() + self.REFUSED_S
         return self.client.schedule_batch(requests)
 
     @property
@@ -413,6 +401,19 @@ class ScheduleStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stream_refused(error: grpc.RpcError, method: str) -> bool:
+    """What ends a ScheduleStream with ``error`` means for its batch, which then goes unary:
+    True where the conductor refuses streams (its ``--max-streams`` are taken, or it predates
+    ScheduleStream: ask again later), False for a redirect or no conductor (a unary call
+    follows the one and fails over from the other). Anything else is the batch's own failure:
+    raised as ``KVCacheRpcError``."""
+    if error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED):
+        return True
+    if redirect_of(error) is None and error.code() != grpc.StatusCode.UNAVAILABLE:
+        raise KVCacheRpcError.of(error, method) from None
+    return False
 
 
 def redirect_of(error: grpc.RpcError | None) -> str | None:

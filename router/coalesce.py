@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,7 @@ class Coalescer(Generic[I, R]):
                 results = [e] * len(live)
             self.batches += 1
             self.items += len(live)
-            for (_, future), result in zip(live, results):
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            _deliver([f for _, f in live], results)
 
 
 class AsyncCoalescer(Generic[I, R]):
@@ -131,12 +127,18 @@ class AsyncCoalescer(Generic[I, R]):
                     results = [e] * len(live)
                 self.batches += 1
                 self.items += len(live)
-                for (_, future), result in zip(live, results):
-                    if future.done():
-                        continue  # its caller was cancelled meanwhile (and handles that)
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+                _deliver([f for _, f in live], results)
         finally:
             self._task = None
+
+
+def _deliver(futures: Sequence[Future[Any] | asyncio.Future[Any]], results: Sequence[Any]) -> None:
+    """Each call's own result or exception (a future cancelled meanwhile: its caller left, and
+    handles that)."""
+    for future, result in zip(futures, results):
+        if future.done():
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

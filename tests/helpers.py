@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -118,3 +119,23 @@ def full_computation(url: str, model: str, prompts: list[list[int]], max_tokens:
         with urllib.request.urlopen(ask, timeout=300) as r:
             out.append(json.loads(r.read())["choices"][0]["token_ids"])
     return out
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal takes effect
+    as each thread next runs, and a thread of a busy machine's process could still answer a
+    message sent at once."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue  # a thread that ended
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    wait_until(all_stopped, 10, f"process {pid} to stop")

@@ -30,7 +30,7 @@ from rpc.channel import make_channel
 from rpc.wire import transfer_keys
 
 from conftest import TEST_BLOCK_TOKENS, TEST_LAYOUT, TEST_NAMESPACE, TEST_PAGE_BYTES
-from helpers import rpc_error, wait_until
+from helpers import rpc_error, sigstop, wait_until
 
 NS = TEST_NAMESPACE
 BT = TEST_BLOCK_TOKENS
@@ -360,7 +360,7 @@ def test_a_stream_answers_each_batch_in_order_and_never_hangs(start_conductor, s
                 [pb.ScheduleRequest(blocks=selector(NS, tokens=tokens(1)))]
             )
             assert again.code == ok and stream.opened == 2
-            os.kill(c.pid, signal.SIGSTOP)
+            sigstop(c.pid)
             try:
                 code, msg = rpc_error(
                     lambda: stream.schedule_batch(

@@ -17,7 +17,7 @@ from proto import conductor_pb2 as pb
 from rpc.status import KVCacheRpcError
 
 from conftest import TEST_BLOCK_TOKENS, TEST_NAMESPACE
-from helpers import wait_until
+from helpers import sigstop, wait_until
 
 NS = TEST_NAMESPACE
 OK = grpc.StatusCode.OK.value[0]
@@ -95,7 +95,7 @@ def test_a_stream_answers_each_batch_in_order_and_never_hangs(cluster, start_kvc
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 1024" in msg
                 assert (await stream.schedule_batch(one()))[0].code == OK
                 assert stream.opened == 2
-                os.kill(c.pid, signal.SIGSTOP)
+                sigstop(c.pid)
                 try:
                     code, msg = await failure(stream, one())
                 finally:
