@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from helpers import wait_until
+from helpers import sigstop, wait_until
 
 pytest.importorskip("sglang.srt.mem_cache.storage")
 from sglang_rig import PAGE, Rank, get_storage_hash_str, layout_spec, rank, tokens  # noqa: E402
@@ -39,7 +39,7 @@ def ranks(*made: Rank) -> Iterator[tuple[Rank, ...]]:
 @contextmanager
 def hung(node) -> Iterator[None]:
     """The node process stopped (SIGSTOP): it accepts connections and answers nothing."""
-    node.proc.send_signal(signal.SIGSTOP)
+    sigstop(node.proc.pid)
     try:
         yield
     finally:

@@ -25,7 +25,7 @@ from clients import KVStoreClient
 from kvstore.keys import block_keys, root_key
 from plumbing.launch import start_service
 
-from helpers import rpc_calls, wait_until
+from helpers import rpc_calls, sigstop, wait_until
 from vllm_driver import Engine
 
 pytest.importorskip("vllm")
@@ -297,7 +297,7 @@ def test_a_node_that_stops_answering_costs_nothing_and_is_found_again(model, wor
         log_dir=str(work),
     )
     try:
-        os.kill(sp.pid, signal.SIGSTOP)
+        sigstop(sp.pid)
         conn = {"node": sp.address, "block_tokens": BT, "timeout_ms": 500, "retry_s": 0.5}
         with Engine(model, conn, log_path=str(work / "stalled.log")) as e:
             outs = e.generate([PROMPT, STORED])  # full computations: the reference

@@ -22,7 +22,7 @@ from kvstore.keys import block_keys, root_key
 from rpc.status import KVCacheRpcError
 
 from conftest import TEST_NAMESPACE
-from helpers import wait_until
+from helpers import sigstop, wait_until
 
 BT = 64
 LAYOUT_H1 = "model=tiny-llama,num_layers=2,kv_heads=1,head_dim=32,dtype=bfloat16,block_tokens=64"
@@ -33,22 +33,12 @@ TOKENS = [int(x) for x in np.random.default_rng(3).integers(1, 500, 6 * BT + 7)]
 # ---- the breaker: no vLLM needed ----------------------------------------------------------------
 
 
-def stopped(pid: int) -> bool:
-    """Every thread of the process is stopped (state T): a signal's delivery is asynchronous."""
-    tasks = os.listdir(f"/proc/{pid}/task")
-    states = []
-    for tid in tasks:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return all(s == "T" for s in states)
-
-
 def test_a_node_that_hangs_costs_one_deadline_then_no_calls_until_it_answers(start_node):
     node = start_node()
     clients = [KVStoreClient(node.address, timeout_s=0.3, use_shm=False) for _ in range(2)]
     scheduler, worker = (NodeGuard(c, retry_s=0.2) for c in clients)
     lookup = lambda: clients[0].lookup(TEST_NAMESPACE, tokens=TOKENS)  # noqa: E731
-    os.kill(node.pid, signal.SIGSTOP)
+    sigstop(node.pid)
     try:
         with pytest.raises(KVCacheRpcError) as e:
             scheduler.call(lookup)
@@ -82,8 +72,7 @@ def test_a_node_that_answered_fast_and_then_hangs_is_given_up_on_long_before_the
             for _ in range(20):
                 guard.call(lookup)
             assert guard.breaker.latency.deadline() < 60
-            os.kill(node.pid, signal.SIGSTOP)
-            wait_until(lambda: stopped(node.pid), 10, "the node to be stopped")
+            sigstop(node.pid)
             t0 = time.monotonic()
             with pytest.raises(KVCacheRpcError) as e:
                 guard.call(lookup)

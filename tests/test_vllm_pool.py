@@ -23,7 +23,7 @@ from kvstore.keys import block_keys, root_key
 from plumbing.launch import ServiceProcess, free_port, start_service
 from rpc.tls import make_local_ca
 
-from helpers import wait_until
+from helpers import sigstop, wait_until
 from vllm_driver import Engine
 
 pytest.importorskip("vllm")
@@ -296,7 +296,7 @@ def test_a_pull_that_does_not_arrive_in_time_is_recomputed_never_waited_for(mode
             wait_until(
                 lambda: c.locate(keys["namespace"], keys=chain).get("C") == 4, 30, "the index"
             )
-        os.kill(messengers["C"].pid, signal.SIGSTOP)
+        sigstop(messengers["C"].pid)
         pool = {"node": nodes["D"].address, "conductor": conductor.address, "pull_timeout_s": 1}
         with Engine(model, pool, log_path=str(work / "d.log")) as e:
             (out,) = e.generate([PROMPT])
