@@ -267,6 +267,8 @@ class _Answer:
                     ]
                 elif cached is not None:
                     batch = [_with_cached(d, cached) if b'"usage"' in d else d for d in batch]
+                if stream.whole:  # the conductor hears the request is done before the client
+                    await self.app.disagg.finished(served)
                 await asgi.send_chunk(send, b"".join(b"data: " + d + b"\n\n" for d in batch))
             outcome = "ok"
         except Exception as e:  # noqa: BLE001 - EngineError, or anything unforeseen

@@ -44,9 +44,12 @@ class ConductorCalls:
         (``KVCacheRpcError`` if refused; ``error`` says it as the client hears it)."""
         return self._schedules.submit(call)
 
-    def report(self, ledger_id: str, phase: int, prefill_s: float, transfer_s: float) -> None:
-        """A Complete sent without waiting (in the next batch; batches go in order, so a
-        request's PREFILLED reaches the conductor before its FINISHED)."""
+    def report(
+        self, ledger_id: str, phase: int, prefill_s: float, transfer_s: float
+    ) -> concurrent.futures.Future[None] | None:
+        """A Complete, in the next batch (batches go in order, so a request's PREFILLED reaches
+        the conductor before its FINISHED); its future, to wait on or not (None: the router is
+        stopping)."""
         call = cpb.CompleteRequest(
             request_id=ledger_id,
             phase=phase,  # type: ignore[arg-type]
@@ -54,11 +57,12 @@ class ConductorCalls:
             transfer_seconds=transfer_s,
         )
         try:
-            self._completes.submit(call).add_done_callback(
-                functools.partial(_log_failed_complete, ledger_id)
-            )
+            future = self._completes.submit(call)
         except RuntimeError:  # shutting down: the conductor expires the entry by itself
             log.info("Complete(%s) not sent: the router is stopping", ledger_id)
+            return None
+        future.add_done_callback(functools.partial(_log_failed_complete, ledger_id))
+        return future
 
     async def aclose(self) -> None:
         """Send what is pending, then close the channels."""

@@ -57,6 +57,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -106,6 +107,9 @@ class RouterOptions:
 
 
 MODES = ("aggregated", "disaggregated")
+# How long an answer's end waits for the conductor to have its FINISHED (``finished``): a
+# batch RPC's time normally, bounded for a conductor that is slow or gone.
+REPORT_WAIT_S = 1.0
 # The most ranks of one engine whose pages a decode pull moves (a pull per rank); the decode
 # engine loads only what all of its ranks hold, so a report of more is pulled in part, never wrong.
 MAX_RANKS = 64
@@ -132,6 +136,7 @@ class Served:
     pulled_bytes: int = 0
     held_pages: int = 0  # already on the decode node
     failed_pages: int = 0
+    finished: bool = False  # its FINISHED is on its way to the conductor
     started: float = field(default_factory=time.perf_counter)
 
     def headers(self) -> dict[str, str]:
@@ -395,7 +400,7 @@ class Disaggregator:
             request_id=served.request_id,
             whole_s=self.options.timeouts.decode_s,
         )
-        self.finish(served)
+        await self.finished(served)
         if learn and layout is not None:
             self._keys_of(result, layout)
             result.pop("kv_transfer_params", None)
@@ -567,10 +572,26 @@ class Disaggregator:
         except KVCacheRpcError as e:  # it times out on its own (transfer_timeout_s)
             log.info("Cancel(%s) at %s failed: %s", batch_id, messenger.address, e)
 
-    def finish(self, served: Served) -> None:
+    def finish(self, served: Served) -> concurrent.futures.Future[None] | None:
         """Free the conductor's ledger entry (on the pool: also from a cancelled request), with
-        the wait for its transfer plan if not reported yet."""
-        self.conductor.report(served.ledger_id, cpb.COMPLETE_PHASE_FINISHED, 0.0, served.transfer_s)
+        the wait for its transfer plan if not reported yet; once per request."""
+        if served.finished:
+            return None
+        served.finished = True
+        return self.conductor.report(
+            served.ledger_id, cpb.COMPLETE_PHASE_FINISHED, 0.0, served.transfer_s
+        )
+
+    async def finished(self, served: Served) -> None:
+        """``finish``, and wait (at most ``REPORT_WAIT_S``) until the conductor has it: called
+        before a request's answer ends, so that the client's next request (a conversation's
+        next turn) is scheduled with this one gone from its node's queue, not counted there
+        still (it would be sent elsewhere, its prefix moved or recomputed). Never fails."""
+        future = self.finish(served)
+        if future is None:
+            return
+        with suppress(Exception):  # a failed Complete is logged; the entry expires by itself
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), REPORT_WAIT_S)
 
 
 def _cached_tokens(reply: Any) -> int | None:

@@ -1,4 +1,5 @@
-"""router.coalesce: the router's conductor calls from requests in flight go as batch RPCs."""
+"""router.coalesce: the router's conductor calls from requests in flight go as batch RPCs; a
+request's end reaches the conductor before its client sees it."""
 
 from __future__ import annotations
 
@@ -128,5 +129,47 @@ def test_on_an_event_loop_calls_wait_for_the_batch_on_the_wire_then_go_together(
         assert (c.batches, c.items) == (3, 7)
         with pytest.raises(RuntimeError, match="stopping"):
             c.submit(10)
+
+    asyncio.run(run())
+
+
+def test_an_answer_ends_only_once_the_conductor_has_its_finished(monkeypatch):
+    """``Disaggregator.finished`` (awaited before a completion's last bytes): it returns once
+    the request's FINISHED is answered, so a conversation's next turn is scheduled with this
+    one gone from its node's queue; at most ``REPORT_WAIT_S`` for a conductor that does not
+    answer; one FINISHED per request."""
+    from concurrent.futures import Future
+
+    from router import disagg
+    from router.engines import Engine
+    from router.metrics import RouterMetrics
+
+    sent: list[tuple[str, Future]] = []
+
+    def report(ledger_id, phase, prefill_s, transfer_s):
+        sent.append((ledger_id, Future()))
+        return sent[-1][1]
+
+    async def run() -> None:
+        options = disagg.RouterOptions(conductor="127.0.0.1:1", engines=(Engine("n0", "http://x"),))
+        d = disagg.Disaggregator(options, RouterMetrics())
+        monkeypatch.setattr(d.conductor, "report", report)
+        monkeypatch.setattr(disagg, "REPORT_WAIT_S", 0.2)
+        try:
+            served = disagg.Served(request_id="r", ledger_id="r.1")
+            waiting = asyncio.ensure_future(d.finished(served))
+            await asyncio.sleep(0.05)
+            assert [i for i, _ in sent] == ["r.1"] and not waiting.done()
+            sent[0][1].set_result(None)  # the conductor answered
+            await asyncio.wait_for(waiting, 1)
+            await d.finished(served)  # once per request
+            assert d.finish(served) is None and len(sent) == 1
+            silent = disagg.Served(request_id="s", ledger_id="s.1")
+            t = asyncio.get_running_loop().time()
+            await d.finished(silent)  # never answered: the answer ends anyway, soon
+            assert 0.15 < asyncio.get_running_loop().time() - t < 1.0
+            assert not sent[1][1].cancelled()  # still sent (the entry is freed when it goes)
+        finally:
+            await d.close()
 
     asyncio.run(run())
