@@ -105,28 +105,28 @@ class RouterApp:
 
     # ---- who is asking ----------------------------------------------------------------------
 
-    def _is_operator(self, scope: Scope) -> bool:
-        given = asgi.header(scope, b"authorization").encode("latin-1")
-        return self.operator is not None and secrets.compare_digest(given, self.operator)
+    # ``key``: the request's Authorization header, as sent (asgi.header)
 
-    def _authorize(self, scope: Scope) -> None:
-        given = asgi.header(scope, b"authorization").encode("latin-1")
+    def _is_operator(self, key: bytes) -> bool:
+        return self.operator is not None and secrets.compare_digest(key, self.operator)
+
+    def _authorize(self, key: bytes) -> None:
         if (
             self.expected is not None
-            and not secrets.compare_digest(given, self.expected)
-            and not self._is_operator(scope)
+            and not secrets.compare_digest(key, self.expected)
+            and not self._is_operator(key)
         ):
             raise RouterError(
                 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
             )
 
-    def _reveal(self, scope: Scope) -> bool:
+    def _reveal(self, key: bytes) -> bool:
         """Whether this caller sees what the cache did (``debug_headers``, operator only)."""
         if not self.debug_headers:
             return False
         if self.operator is None and self.expected is None:
             return True  # no keys at all: every caller is the operator (a local demo)
-        return self._is_operator(scope)
+        return self._is_operator(key)
 
     # ---- the small routes -------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class RouterApp:
         await asgi.send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._authorize(scope)
+        self._authorize(asgi.header(scope, b"authorization"))
         listing = await self.disagg.catalog.listing()
         await asgi.send_json(send, 200, {"object": "list", "data": listing})
 
@@ -152,8 +152,9 @@ class RouterApp:
     async def _completion(
         self, parse: Callable[..., Completion], scope: Scope, receive: Receive, send: Send
     ) -> None:
-        self._authorize(scope)
-        given = asgi.header(scope, b"x-request-id")
+        key = asgi.header(scope, b"authorization")
+        self._authorize(key)
+        given = asgi.header(scope, b"x-request-id").decode("latin-1")
         own = not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable())
         rid = self.disagg.new_request_id() if own else given
         metrics = self.metrics
@@ -169,7 +170,7 @@ class RouterApp:
             self.inflight += 1
             metrics.inflight.inc()
             try:
-                await self._complete(scope, receive, send, rid, own, parse)
+                await self._complete(receive, send, rid, own, parse, self._reveal(key))
             except RouterError as e:
                 metrics.requests.labels(_OUTCOME.get(e.status, _outcome(e.status))).inc()
                 raise
@@ -188,12 +189,12 @@ class RouterApp:
 
     async def _complete(
         self,
-        scope: Scope,
         receive: Receive,
         send: Send,
         rid: str,
         own: bool,
         parse: Callable[..., Completion],
+        shown: bool,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -206,7 +207,7 @@ class RouterApp:
         model = await self.disagg.catalog.model(call.model)
         # Until the answer has been sent whole, a client that leaves cancels the work (as
         # vLLM's own endpoint does): the schedule, the engines' requests, or the stream.
-        answer = _Answer(self, send, rid, t0, self._reveal(scope))
+        answer = _Answer(self, send, rid, t0, shown)
         work = asyncio.ensure_future(answer.run(call, model, own))
         left = asyncio.ensure_future(asgi.disconnected(receive))
         try:

@@ -28,12 +28,12 @@ class BodyTooLarge(Exception):
     pass
 
 
-def header(scope: Scope, name: bytes) -> str:
-    """The request header ``name`` (lower case), as sent (latin-1, as HTTP/1.1's); "" if none."""
+def header(scope: Scope, name: bytes) -> bytes:
+    """The request header ``name`` (lower case), as sent; b"" if none."""
     for key, value in scope["headers"]:
         if key == name:
-            return str(value.decode("latin-1"))
-    return ""
+            return bytes(value)
+    return b""
 
 
 async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
