@@ -290,15 +290,6 @@ class _Answer:
         await asgi.send_chunk(send, b"", more=False)
 
 
-def create_app(
-    options: RouterOptions,
-    api_key: str | None = None,
-    admin_key: str | None = None,
-    debug_headers: bool = False,
-) -> RouterApp:
-    return RouterApp(options, api_key, admin_key, debug_headers)
-
-
 def _with_cached(data: bytes, cached: int) -> bytes:
     """A stream event whose usage reports ``cached`` prompt tokens from a cache."""
     event = json.loads(data)

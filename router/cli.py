@@ -253,7 +253,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import create_app
+    from .app import RouterApp
 
     options = options_from_args(args)
     host, port = _listen(args.listen)
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             "kvcache router: --debug-headers needs --admin-key-file when --api-key is set: the "
             "headers are the operator's, not every API client's"
         )
-    app = create_app(
+    app = RouterApp(
         options, api_key=args.api_key, admin_key=args.admin_key, debug_headers=args.debug_headers
     )
 

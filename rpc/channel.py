@@ -25,7 +25,7 @@ class _TokenInterceptor(
     """Adds the bearer token to every call's metadata."""
 
     def __init__(self, token: str) -> None:
-        self._md = ("authorization", f"Bearer {token}")
+        (self._md,) = token_metadata(token)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         md = list(details.metadata or [])
