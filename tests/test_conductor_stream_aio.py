@@ -40,6 +40,18 @@ async def failure(stream: AsyncScheduleStream, requests) -> tuple[grpc.StatusCod
     raise AssertionError("the batch did not fail")
 
 
+async def first_batch_failure(
+    address: str, token: str | None = None
+) -> tuple[grpc.StatusCode, str]:
+    """How a new client's first batch on a stream to ``address`` fails."""
+    with ConductorClient(address, token=token, timeout_s=3) as cc:
+        stream = AsyncScheduleStream(cc)
+        try:
+            return await failure(stream, one())
+        finally:
+            await stream.aclose()
+
+
 @pytest.fixture
 def cluster(start_kvcache, start_node):
     """A conductor with a prefill and a decode node registered; its start_kvcache starter for
@@ -113,15 +125,7 @@ def test_a_stream_answers_each_batch_in_order_and_never_hangs(cluster, start_kvc
         "t1=alice",
     )  # fmt: skip
 
-    async def stranger() -> tuple[grpc.StatusCode, str]:
-        with ConductorClient(guarded.address, token="nobody", timeout_s=3) as cc:
-            stream = AsyncScheduleStream(cc)
-            try:
-                return await failure(stream, one())
-            finally:
-                await stream.aclose()
-
-    code, _ = asyncio.run(stranger())
+    code, _ = asyncio.run(first_batch_failure(guarded.address, token="nobody"))
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -147,13 +151,5 @@ def test_a_refused_stream_goes_unary_and_a_stopped_conductor_is_unavailable(clus
     asyncio.run(run())
     c.stop()
 
-    async def gone() -> tuple[grpc.StatusCode, str]:
-        with ConductorClient(c.address, timeout_s=3) as cc:
-            stream = AsyncScheduleStream(cc)
-            try:
-                return await failure(stream, one())
-            finally:
-                await stream.aclose()
-
-    code, _ = asyncio.run(gone())
+    code, _ = asyncio.run(first_batch_failure(c.address))
     assert code == grpc.StatusCode.UNAVAILABLE
