@@ -59,10 +59,13 @@ def open_idle_streams(address: str, ca: str, never: threading.Event) -> tuple[li
         yield reflection_pb2.ServerReflectionRequest(list_services="")
         never.wait(120)
 
-    channels, reflections, watches = [], [], []
-    for _ in range(STREAMS):
-        channel = stranger_channel(address, ca)
-        channels.append(channel)
+    # Connected first (a TLS handshake each): opened while others handshake, the first
+    # streams could be cut idle before the last arrive, and a later one take a freed slot.
+    channels = [stranger_channel(address, ca) for _ in range(STREAMS)]
+    for channel in channels:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    reflections, watches = [], []
+    for channel in channels:
         reflections.append(
             reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 one_then_silence()
