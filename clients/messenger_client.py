@@ -91,13 +91,14 @@ class MessengerClient:
         source: str,
         timeout_s: float = 30.0,
         chain: bool = False,
+        urgent: bool = False,
     ) -> pb.TransferStatusReply:
         """Have this messenger fetch ``keys`` from the messenger at ``source`` and wait for the
         batch (keys its node holds already count as done, keys in flight are joined). A batch
         not finished after ``timeout_s`` is cancelled: ``KVCacheRpcError`` DEADLINE_EXCEEDED.
         Entries that failed (e.g. evicted on the source) are in the reply, not raised.
-        ``chain``: as in ``submit``."""
-        batch = self.submit(namespace, [(k, source) for k in keys], chain)
+        ``chain``, ``urgent``: as in ``submit``."""
+        batch = self.submit(namespace, [(k, source) for k in keys], chain, urgent)
         status = self.status(batch.batch_id, wait=True, timeout_s=timeout_s)
         if not status.finished:
             self.cancel(batch.batch_id)

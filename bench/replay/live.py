@@ -452,6 +452,7 @@ def summarize(
         "load": lat([o.load_s for o in scheduled]),
         "store": lat([o.store_s for o in scheduled]),
         "decode_pull": lat([o.decode_s for o in scheduled]),
+        "decode_pull_messenger": lat([o.decode_messenger_s for o in scheduled]),
         "queueing": lat([max(o.start_s - o.arrival_s, 0.0) for o in outcomes]),
         "end_to_end": lat([o.end_s - o.arrival_s for o in scheduled]),
     }
@@ -579,7 +580,8 @@ def report_rows(s: LiveSummary) -> list[dict]:
             "detail": "-"
             if s.decode_gbps is None
             else f"{s.decode_gbps:.2f} GB/s while pulls ran ({s.decode_busy_s:.1f} s); pull p50 "
-            f"{_ms(lat['decode_pull']['p50'])}, p99 {_ms(lat['decode_pull']['p99'])}; "
+            f"{_ms(lat['decode_pull']['p50'])}, p99 {_ms(lat['decode_pull']['p99'])} "
+            f"(in the messenger p50 {_ms(lat['decode_pull_messenger']['p50'])}); "
             f"{s.decode_held} pages already on the decode node",
         },
         {

@@ -226,6 +226,7 @@ class RequestOutcome:
     store_s: float | None = None
     decode_at_s: float = 0.0  # when the pull was submitted (run clock)
     decode_s: float | None = None  # the decode messenger's pull, submit to finished
+    decode_messenger_s: float | None = None  # the same batch as its messenger timed it
     decode_held: int = 0  # pages the decode node held already (not pulled)
     decode_moved_bytes: int = 0  # bytes the pull moved
     verified_pages: int = 0
@@ -457,7 +458,10 @@ class Engine:
         out.decode_at_s = self.now()
         t = time.perf_counter()
         try:
-            status = messenger.pull(self.options.namespace, keys, reply.prefill_messenger, timeout)
+            # urgent: the decode of a request waits on it (the messenger's lane for such pulls)
+            status = messenger.pull(
+                self.options.namespace, keys, reply.prefill_messenger, timeout, urgent=True
+            )
         except KVCacheRpcError as e:
             if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
@@ -468,6 +472,7 @@ class Engine:
         finally:
             out.decode_s = time.perf_counter() - t
         out.decode_moved_bytes = status.bytes_moved
+        out.decode_messenger_s = status.elapsed_s
         if status.failed:
             bad = next(e for e in status.entries if e.state == mpb.ENTRY_FAILED)
             raise LiveError(
