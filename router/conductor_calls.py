@@ -1,5 +1,5 @@
 """The router's calls to the conductor: ``Schedule`` and ``Complete`` of the requests in flight
-go in batches (``router.coalesce``: one call's cost shared by every request that arrived
+go in batches (``clients.coalesce``: one call's cost shared by every request that arrived
 meanwhile); the schedules, which a request waits on, over one long-lived ``ScheduleStream``
 written and read on the event loop (``clients.conductor_aio``; unary ``ScheduleBatch`` where the
 conductor refuses streams), the completes, which nobody waits on, from a thread. The
@@ -14,12 +14,12 @@ import logging
 
 import grpc
 
+from clients.coalesce import MAX_BATCH, AsyncCoalescer, Coalescer
 from clients.conductor_aio import AsyncScheduleStream
 from clients.conductor_client import ConductorClient, outcome_error
 from proto import conductor_pb2 as cpb
 from rpc.status import KVCacheRpcError
 
-from .coalesce import MAX_BATCH, AsyncCoalescer, Coalescer
 from .protocol import RouterError
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""router.coalesce: the router's conductor calls from requests in flight go as batch RPCs; a
-request's end reaches the conductor before its client sees it."""
+"""clients.coalesce, as the router uses it: the router's conductor calls from requests in
+flight go as batch RPCs; a request's end reaches the conductor before its client sees it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from router.coalesce import AsyncCoalescer, Coalescer
+from clients.coalesce import AsyncCoalescer, Coalescer
 
 from helpers import wait_until
 
