@@ -141,6 +141,10 @@ def test_demo_path_hits_verified_pages_and_clean_shutdown(tmp_path):
         summary, requests = result["summary"], result["requests"]
         assert summary["requests"] == summary["scheduled"] == summary["ok"] == len(SESSIONS)
         assert summary["failed"] == summary["rejected"] == 0 and summary["errors"] == {}
+        # Scheduled as a front end does: over one ScheduleStream call, in batches.
+        calls = summary["schedule_calls"]
+        assert calls["streams"] == 1 and calls["requests"] == len(SESSIONS)
+        assert 1 <= calls["batches"] <= len(SESSIONS)
         want = expected_hits()
         assert [r["reused_blocks"] for r in requests] == want
         assert [r["total_blocks"] for r in requests] == [n // BLOCK for _, n in SESSIONS]

@@ -419,6 +419,7 @@ class LiveSummary:
     reference_pair: str = ""
     reference_bytes: int = 0
     decode_vs_reference: float | None = None
+    schedule_calls: dict[str, int] = field(default_factory=dict)  # LiveEngine.schedule_calls
 
 
 def summarize(
@@ -536,6 +537,15 @@ def _pct_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
+def _schedule_calls(calls: dict[str, int]) -> str:
+    if not calls:
+        return "not counted"
+    return (
+        f"{calls['requests']} schedules in {calls['batches']} batches over "
+        f"{calls['streams']} ScheduleStream call(s)"
+    )
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
 
@@ -565,7 +575,7 @@ def report_rows(s: LiveSummary) -> list[dict]:
             "value": f"p50 {_ms(lat['schedule']['p50'])}",
             "detail": f"p99 {_ms(lat['schedule']['p99'])}; p50 = "
             f"{(lat['schedule']['p50'] or 0) / s.conductor_rtt_ms:.1f}x a bare gRPC "
-            f"round trip ({_ms(s.conductor_rtt_ms)})",
+            f"round trip ({_ms(s.conductor_rtt_ms)}); " + _schedule_calls(s.schedule_calls),
         },
         {
             "what": "lookup latency",
@@ -763,6 +773,7 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         outcomes = replay(engine, requests, args.speedup, args.concurrency, progress)
         wall = time.perf_counter() - t
+        schedule_calls = engine.schedule_calls()
         progress.finish()
         after = received_bytes(cluster)
         if reference is not None:
@@ -788,6 +799,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(
         outcomes, ideal, cluster, layout.page_bytes, wall, rtts, before, after, reference
     )
+    summary.schedule_calls = schedule_calls
     print(
         f"\nlive replay against {cluster.source} (bytes between nodes from {summary.bytes_source})"
     )

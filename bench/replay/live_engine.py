@@ -32,7 +32,8 @@ from typing import Iterable
 import grpc
 import numpy as np
 
-from clients.conductor_client import ConductorClient
+from clients.coalesce import Coalescer
+from clients.conductor_client import ConductorClient, outcome_error, schedule_request
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
 from kvstore.layout import KVLayout
@@ -259,6 +260,16 @@ class Engine:
         self.options = options
         self.kv = SyntheticKV(layout)
         self.conductor = cluster.conductor_client(timeout_s=30.0)
+        # As a front end calls the conductor (kvcache router does the same): the schedules of
+        # requests in flight go together over one long-lived ScheduleStream, their Completes
+        # together in CompleteBatch calls.
+        self._stream = self.conductor.schedule_stream()
+        self._schedules: Coalescer[cpb.ScheduleRequest, cpb.ScheduleReply] = Coalescer(
+            self._schedule_batch, "live-schedule"
+        )
+        self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
+            self._complete_batch, "live-complete"
+        )
         self._nodes: dict[str, KVStoreClient] = {}
         self._messengers: dict[str, MessengerClient] = {}
         self._lock = threading.Lock()
@@ -288,12 +299,40 @@ class Engine:
             return client
 
     def close(self) -> None:
+        self._schedules.close()
+        self._completes.close()
+        self._stream.close()
         with self._lock:
             clients = [*self._nodes.values(), *self._messengers.values()]
             self._nodes, self._messengers = {}, {}
         for c in clients:
             c.close()
         self.conductor.close()
+
+    def schedule_calls(self) -> dict[str, int]:
+        """How the schedules went: streams opened, batches sent, requests in them."""
+        return {
+            "streams": self._stream.opened,
+            "batches": self._schedules.batches,
+            "requests": self._schedules.items,
+        }
+
+    def _schedule_batch(
+        self, calls: list[cpb.ScheduleRequest]
+    ) -> list[cpb.ScheduleReply | BaseException]:
+        outcomes = self._stream.schedule_batch(calls)
+        return [
+            o.reply if (e := outcome_error(o.code, o.message, "Schedule")) is None else e
+            for o in outcomes
+        ]
+
+    def _complete_batch(self, calls: list[cpb.CompleteRequest]) -> list[None | BaseException]:
+        outcomes = self.conductor.complete_batch(calls)
+        return [outcome_error(o.code, o.message, "Complete") for o in outcomes]
+
+    def _complete(self, request_id: str, phase: int) -> None:
+        call = cpb.CompleteRequest(request_id=request_id, phase=phase)  # type: ignore[arg-type]
+        self._completes.submit(call).result()
 
     # ---- a request ---------------------------------------------------------------------------
 
@@ -309,7 +348,7 @@ class Engine:
         )
         t = time.perf_counter()
         try:
-            reply = self.conductor.schedule(
+            call = schedule_request(
                 opts.namespace,
                 tokens=tokens,
                 salt=opts.salt,
@@ -319,6 +358,7 @@ class Engine:
                 ttft_slo_s=opts.ttft_slo_s,
                 tbt_slo_s=opts.tbt_slo_s,
             )
+            reply = self._schedules.submit(call).result()
         except KVCacheRpcError as e:
             out.schedule_s = time.perf_counter() - t
             if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -333,7 +373,7 @@ class Engine:
         out.planned_local, out.planned_reuse = reply.local_blocks, reply.reuse_blocks
         try:
             keys = self._prefill(reply, tokens, out)
-            self.conductor.prefilled(out.request_id)
+            self._complete(out.request_id, cpb.COMPLETE_PHASE_PREFILLED)
             self._decode(reply, keys, out)
             out.status = "ok" if not out.verify_failures else "failed"
             if out.verify_failures:
@@ -343,7 +383,7 @@ class Engine:
             out.error = _describe(e)
         finally:
             try:  # free the conductor's ledger entry whatever happened
-                self.conductor.complete(out.request_id)
+                self._complete(out.request_id, cpb.COMPLETE_PHASE_FINISHED)
             except KVCacheRpcError as e:
                 if out.status == "ok":
                     out.status, out.error = "failed", f"Complete: {_describe(e)}"
