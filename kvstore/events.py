@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .keys import BlockKey
 from .tiers import Tier
@@ -16,8 +15,7 @@ class EventKind(IntEnum):
     EVICTED = 2  # the node no longer holds the key (``tier`` is where it was last)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockEvent:
+class BlockEvent(NamedTuple):  # NOTE: a tuple: one is built per block stored or evicted
     seq: int
     kind: EventKind
     key: BlockKey
