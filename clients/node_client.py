@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
@@ -37,10 +38,12 @@ from proto import common_pb2 as cpb
 from proto import node_pb2 as pb
 from proto import node_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
+from rpc.control import METHOD_IDS
 from rpc.status import KVCacheRpcError as KVCacheRpcError  # re-exported: clients' one error
 from rpc.status import call
 from rpc.wire import layout_from_pb, layout_to_pb, selector_to_pb, tiers_from_codes
 
+from .node_control import ControlChannel
 from .node_leases import TIER_OF_PB, Lease, Mapping, commit_request, commit_result, lease_request
 from .node_leases import CommitResult as CommitResult  # re-exported: the leases' types
 from .node_leases import ReadLease as ReadLease
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+CONTROL_RETRY_S = 1.0  # a gone control socket: GetInfo asked again at most this often
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +97,18 @@ class KVStoreClient:
         use_shm: bool = True,
         timeout_s: float = 30.0,
         prefault_shm: bool = False,
+        use_control: bool = True,
     ) -> None:
         """``prefault_shm``: map every page of the node's shared memory in the background as
         soon as it is mapped (``kvstore.shm.prefault``), for long-lived clients that move many
-        pages through it (the messenger, an engine): their copies then take no page faults."""
+        pages through it (the messenger, an engine): their copies then take no page faults.
+        ``use_control``: a same-host client (``use_shm``) makes the node's lease calls on its
+        control socket (``clients.node_control``) where it can reach it, else over gRPC."""
         self.address = address
+        self._token = token
+        self._use_control = use_control and use_shm
+        self._control: ControlChannel | None = None
+        self._control_asked = 0.0  # when GetInfo last told us the control socket
         self.timeout_s = timeout_s
         self._channel = make_channel(address, token, tls_ca_file)
         # NOTE: the generated *_pb2_grpc.py stubs carry no annotations (replies are Any).
@@ -114,6 +125,12 @@ class KVStoreClient:
     # ---- plumbing -----------------------------------------------------------------------------
 
     def _call(self, name: str, request: Any, **kw: Any) -> Any:
+        if self._use_control and name in METHOD_IDS:
+            channel = self._control_channel()
+            if channel is not None:
+                reply = channel.call(name, request, kw.get("timeout", self.timeout_s))
+                if reply is not None:
+                    return reply
         return call(
             getattr(self._stub, name),
             name,
@@ -121,6 +138,25 @@ class KVStoreClient:
             timeout=kw.pop("timeout", self.timeout_s),
             **kw,
         )
+
+    def _control_channel(self) -> ControlChannel | None:
+        """The node's control socket, learnt from GetInfo (asked again, at most once a second,
+        when the node behind it is gone); None: none to use."""
+        channel = self._control
+        if channel is not None and not channel.stale:
+            return None if channel.broken else channel
+        now = time.monotonic()
+        if self._control_asked and (channel is None or now - self._control_asked < CONTROL_RETRY_S):
+            return None  # the node has none, or was asked a moment ago
+        self._control_asked = now
+        with self._lock:
+            self._info = None  # GetInfo again: the control socket (and all) may have changed
+        try:
+            self._namespaces()
+        except KVCacheRpcError:
+            return None  # the gRPC call that follows says why
+        channel = self._control
+        return None if channel is None or channel.broken or channel.stale else channel
 
     def _call_async(self, name: str, request: Any, convert: Callable[[Any], T]) -> Future[T]:
         """The call made on the client's background thread; ``result()`` raises
@@ -239,6 +275,17 @@ class KVStoreClient:
             out: dict[str, NamespaceInfo] = {}
             info = self.info()
             self._session_socket = info.session_socket
+            if self._use_control and (
+                self._control is None or self._control.name != info.control_socket
+            ):
+                old, self._control = (
+                    self._control,
+                    ControlChannel(info.control_socket, self._token)
+                    if info.control_socket
+                    else None,
+                )
+                if old is not None:
+                    old.close()
             for n in info.namespaces:
                 dram = next((t.capacity_pages for t in n.tiers if t.tier == cpb.TIER_DRAM), 0)
                 out[n.namespace] = NamespaceInfo(
@@ -688,6 +735,8 @@ class KVStoreClient:
                     slab.close()
             self._slabs.clear()
         self._session.close()
+        if self._control is not None:
+            self._control.close()
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":

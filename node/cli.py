@@ -30,6 +30,7 @@ from rpc.server import (
 
 from .agent import NodeAgent, start_etcd_registration, start_node_agent
 from .config import NodeConfig, load_toml, parse_layout, parse_size
+from .control import ControlServer
 from .drain import drain
 from .metrics import NodeMetrics
 from .node import Node
@@ -322,8 +323,18 @@ def run(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=cfg.stream_idle_timeout_s,
         max_streams_per_tenant=cfg.max_streams_per_tenant,
     )
+    try:
+        control = ControlServer(servicer, auth)  # same-host lease calls without gRPC's cost
+    except OSError as e:
+        node.close()
+        raise SystemExit(f"kvcache node: cannot open its control socket: {e}") from None
+    servicer.control_socket = control.socket_name
     agent: NodeAgent | None = None
     registration: Registration | None = None
+
+    def close() -> None:
+        control.close()
+        node.close()
 
     def add(server: grpc.Server) -> list[str]:
         pbg.add_NodeServiceServicer_to_server(servicer, server)
@@ -371,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
             registry=metrics.registry,
             on_serving=on_serving,
             on_stopping=on_stopping,
-            close=node.close,
+            close=close,
             workers=WORKERS,
             open_stream_timeout_s=args.open_stream_timeout,
             health_listen=args.health_listen,

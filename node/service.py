@@ -47,6 +47,7 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
         self.auth = auth
         self.metrics = metrics
         self.stopping = False
+        self.control_socket = ""  # node.control.ControlServer's, once it serves (GetInfo)
         # NOTE: every open stream holds a worker of the server's pool for its whole life: cap them
         # below the pool's size (Get/Put apart from the long-lived Events feeds) so unary calls
         # always find a worker, and cut streams whose client stopped sending or reading.
@@ -76,6 +77,7 @@ class NodeServicer(LeaseRpcs, pbg.NodeServiceServicer):
             pid=os.getpid(),
             session_socket=self.node.sessions.socket_name if self.node.sessions else "",
             messenger_address=self.node.config.messenger,
+            control_socket=self.control_socket,
         )
 
     def _namespace_info(self, namespace: str, store) -> pb.NamespaceInfo:

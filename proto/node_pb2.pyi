@@ -47,20 +47,22 @@ class NamespaceInfo(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., shm_name: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., shm_socket: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "namespaces", "hostname", "pid", "session_socket", "messenger_address")
+    __slots__ = ("node_id", "namespaces", "hostname", "pid", "session_socket", "messenger_address", "control_socket")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MESSENGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
     hostname: str
     pid: int
     session_socket: str
     messenger_address: str
-    def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., session_socket: _Optional[str] = ..., messenger_address: _Optional[str] = ...) -> None: ...
+    control_socket: str
+    def __init__(self, node_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., session_socket: _Optional[str] = ..., messenger_address: _Optional[str] = ..., control_socket: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("hit_blocks", "total_blocks", "tier_codes")
