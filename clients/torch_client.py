@@ -581,10 +581,19 @@ class LayerwiseStore:
         t0 = time.perf_counter()
         # put_layer sets both before it queues a copy
         assert self._copier is not None and self._runs is not None
-        self._copier.store_layer(
-            self._runs, layer, self._tensor_layout, k, v, ready, self.first_block, self.blocks
+        # the one worker thread: layers hashed in the order put
+        hashed = self._copier.store_layer(
+            self._runs,
+            layer,
+            self._tensor_layout,
+            k,
+            v,
+            ready,
+            self.first_block,
+            self.blocks,
+            self._sums,
         )
-        if self._sums is not None:  # the one worker thread: layers in the order put
+        if self._sums is not None and not hashed:
             self._sums.layer(layer)
         self.copy_s += time.perf_counter() - t0
 

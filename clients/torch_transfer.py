@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvstore.layout import KVLayout
+from kvstore.payload import LayerChecksums
 
 from .torch_layout import KVTensorLayout, PageRun, host_array, torch_dtype
 
@@ -79,15 +80,27 @@ class CpuCopier:
         ready: torch.cuda.Event | None,
         first_block: int,
         blocks: int,
-    ) -> None:
+        sums: LayerChecksums | None = None,
+    ) -> bool:
         """Copy layer ``layer`` of request blocks ``[first_block, first_block + blocks)`` from
-        the caller's ``k``/``v`` into the runs' pages (which cover those blocks, or some)."""
+        the caller's ``k``/``v`` into the runs' pages (which cover those blocks, or some).
+        ``sums``: the pages' checksums, fed in the same pass where the blocks' rows are
+        contiguous (a paged KV cache); returns whether they were (else the caller feeds them)."""
         bt = self.layout.block_tokens
         kn, vn = host_array(k), host_array(v)
-        for run in runs:
-            dst = run.pages[:, layer]
-            np.copyto(dst[:, 0], src.blocks(kn, run, bt, bt))
-            np.copyto(dst[:, 1], src.blocks(vn, run, bt, bt))
+        parts = [
+            (
+                (run.pages[:, layer, 0], src.blocks(kn, run, bt, bt)),
+                (run.pages[:, layer, 1], src.blocks(vn, run, bt, bt)),
+            )
+            for run in runs
+        ]
+        if sums is not None and sums.copies(layer, parts):
+            return True
+        for (kd, ks), (vd, vs) in parts:
+            np.copyto(kd, ks)
+            np.copyto(vd, vs)
+        return False
 
 
 class PinnedRing:
@@ -192,7 +205,8 @@ class CudaCopier(CpuCopier):
         ready: torch.cuda.Event | None,
         first_block: int,
         blocks: int,
-    ) -> None:
+        sums: LayerChecksums | None = None,
+    ) -> bool:
         bt = self.layout.block_tokens
         slot, staging = self._stores.take(blocks)
         with torch.cuda.stream(self.side):
@@ -211,6 +225,7 @@ class CudaCopier(CpuCopier):
         for run in runs:
             a, n = run.first - first_block, len(run)
             np.copyto(run.pages[:, layer], st[a : a + n])
+        return False  # NOTE: the caller hashes the layer from the pages
 
 
 def make_copier(layout: KVLayout, device: torch.device) -> CpuCopier:

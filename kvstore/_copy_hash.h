@@ -29,11 +29,14 @@
 
 unsigned long long kv_copy_hash_base(void *dst, const void *src, size_t n);
 void kv_hash_update_base(XXH3_state_t *state, const void *data, size_t n);
+void kv_copy_update_base(XXH3_state_t *state, void *dst, const void *src, size_t n);
 #if COPY_HASH_X86
 unsigned long long kv_copy_hash_avx2(void *dst, const void *src, size_t n);
 void kv_hash_update_avx2(XXH3_state_t *state, const void *data, size_t n);
+void kv_copy_update_avx2(XXH3_state_t *state, void *dst, const void *src, size_t n);
 unsigned long long kv_copy_hash_avx512(void *dst, const void *src, size_t n);
 void kv_hash_update_avx512(XXH3_state_t *state, const void *data, size_t n);
+void kv_copy_update_avx512(XXH3_state_t *state, void *dst, const void *src, size_t n);
 #endif
 
 #endif /* KVSTORE_COPY_HASH_H */
@@ -46,6 +49,19 @@ void kv_hash_update_avx512(XXH3_state_t *state, const void *data, size_t n);
 void COPY_HASH_CAT(kv_hash_update_, COPY_HASH_ISA)(XXH3_state_t *state, const void *data,
                                                    size_t n) {
     XXH3_64bits_update(state, data, n);
+}
+
+/* Copy n bytes and feed them to a streaming XXH3-64, each chunk from L1 right after its copy
+ * (a layer-wise writer's slice of a page: PageHasher.copy_update). */
+void COPY_HASH_CAT(kv_copy_update_, COPY_HASH_ISA)(XXH3_state_t *state, void *dst,
+                                                   const void *src, size_t n) {
+    char *d = dst;
+    const char *s = src;
+    for (size_t off = 0; off < n; off += COPY_HASH_CHUNK) {
+        size_t k = n - off < COPY_HASH_CHUNK ? n - off : COPY_HASH_CHUNK;
+        memcpy(d + off, s + off, k);
+        XXH3_64bits_update(state, d + off, k);
+    }
 }
 
 /* Copy n bytes and return their XXH3-64 (seed 0), python-xxhash's xxh3_64_intdigest. */

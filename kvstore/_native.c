@@ -497,8 +497,10 @@ done:
 
 typedef unsigned long long (*copy_hash_fn)(void *, const void *, size_t);
 typedef void (*hash_update_fn)(XXH3_state_t *, const void *, size_t);
+typedef void (*copy_update_fn)(XXH3_state_t *, void *, const void *, size_t);
 static copy_hash_fn copy_hash_impl = kv_copy_hash_base;
 static hash_update_fn hash_update_impl = kv_hash_update_base;
+static copy_update_fn copy_update_impl = kv_copy_update_base;
 static const char *copy_hash_isa = "baseline";
 
 /* The widest the CPU runs; KVSTORE_COPY_HASH_ISA=sse2|avx2 caps it (the tests run each). */
@@ -510,10 +512,12 @@ static void pick_copy_hash(void) {
     if (most >= 3 && __builtin_cpu_supports("avx512f")) {
         copy_hash_impl = kv_copy_hash_avx512;
         hash_update_impl = kv_hash_update_avx512;
+        copy_update_impl = kv_copy_update_avx512;
         copy_hash_isa = "avx512";
     } else if (most >= 2 && __builtin_cpu_supports("avx2")) {
         copy_hash_impl = kv_copy_hash_avx2;
         hash_update_impl = kv_hash_update_avx2;
+        copy_update_impl = kv_copy_update_avx2;
         copy_hash_isa = "avx2";
     } else {
         copy_hash_isa = "sse2";
@@ -638,6 +642,79 @@ done:
     return ret;
 }
 
+/* The bytes of one row of an n-D buffer whose rows (index 0) are each C-contiguous, or -1. */
+static Py_ssize_t row_bytes(const Py_buffer *b) {
+    if (b->ndim < 1 || b->strides == NULL) return -1;
+    Py_ssize_t expect = b->itemsize;
+    for (int d = b->ndim - 1; d >= 1; d--) {
+        if (b->shape[d] > 1 && b->strides[d] != expect) return -1;
+        expect *= b->shape[d];
+    }
+    return expect;
+}
+
+/* The byte span [lo, hi) a buffer's rows cover (the row stride may be negative). */
+static void row_span(const Py_buffer *b, Py_ssize_t row, const char **lo, const char **hi) {
+    const char *first = b->buf;
+    Py_ssize_t reach = (b->shape[0] - 1) * b->strides[0];
+    *lo = reach < 0 ? first + reach : first;
+    *hi = (reach < 0 ? first : first + reach) + row;
+}
+
+/* copy_update(first, dst, src): copy row i of `src` into row i of `dst` and feed those bytes
+ * to state first + i, each chunk hashed from L1 right after its copy: a layer-wise writer's
+ * slices of n pages in one pass over memory (update after a copy reads them back). `dst` and
+ * `src`: arrays of n rows (their first index) of one byte size, each row C-contiguous, any
+ * row stride (pages of a run; blocks of a KV tensor). The GIL is released meanwhile. */
+static PyObject *PageHasher_copy_update(PageHasher *self, PyObject *args) {
+    Py_ssize_t first;
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "nOO", &first, &dst_obj, &src_obj) || !PageHasher_idle(self))
+        return NULL;
+    Py_buffer db, sb;
+    if (PyObject_GetBuffer(dst_obj, &db, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(src_obj, &sb, PyBUF_STRIDES) < 0) {
+        PyBuffer_Release(&db);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t size = row_bytes(&db);
+    if (size < 0 || row_bytes(&sb) != size || db.shape[0] != sb.shape[0]) {
+        PyErr_SetString(PyExc_ValueError,
+                         "PageHasher.copy_update: dst and src must have as many rows, of one "
+                         "byte size, each contiguous");
+        goto done;
+    }
+    Py_ssize_t n = db.shape[0];
+    if (first < 0 || n > self->n - first) {
+        PyErr_Format(PyExc_ValueError,
+                     "PageHasher.copy_update: rows [%zd, %zd + %zd) of %zd states", first, first,
+                     n, self->n);
+        goto done;
+    }
+    if (n && size) {
+        const char *dlo, *dhi, *slo, *shi;
+        row_span(&db, size, &dlo, &dhi);
+        row_span(&sb, size, &slo, &shi);
+        if (dlo < shi && slo < dhi) {
+            PyErr_SetString(PyExc_ValueError, "PageHasher.copy_update: the buffers overlap");
+            goto done;
+        }
+    }
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++)
+        copy_update_impl(&self->states[first + i], (char *)db.buf + i * db.strides[0],
+                         (const char *)sb.buf + i * sb.strides[0], (size_t)size);
+    Py_END_ALLOW_THREADS;
+    self->busy = 0;
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&sb);
+    return ret;
+}
+
 /* digests() -> list[int]: each page's XXH3-64 of what was fed (its checksum, when whole). */
 static PyObject *PageHasher_digests(PageHasher *self, PyObject *unused) {
     if (!PageHasher_idle(self)) return NULL;
@@ -657,6 +734,8 @@ static PyObject *PageHasher_digests(PageHasher *self, PyObject *unused) {
 static PyMethodDef PageHasher_methods[] = {
     {"update", (PyCFunction)PageHasher_update, METH_VARARGS,
      "update(pages, offset, size): feed bytes [offset, offset+size) of page i to state i"},
+    {"copy_update", (PyCFunction)PageHasher_copy_update, METH_VARARGS,
+     "copy_update(first, dst, src): copy row i of src into row i of dst, feeding state first+i"},
     {"digests", (PyCFunction)PageHasher_digests, METH_NOARGS,
      "digests() -> list of each page's xxh3_64 of what was fed"},
     {NULL, NULL, 0, NULL},

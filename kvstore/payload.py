@@ -178,6 +178,39 @@ class LayerChecksums:
         self._hasher.update(self._pages, layer * self._layer_bytes, self._layer_bytes)
         self._layers += 1
 
+    def copies(
+        self, layer: int, runs: Sequence[Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]]
+    ) -> bool:
+        """Copy layer ``layer`` into the pages and hash it in the same pass (``PageHasher.
+        copy_update``: each chunk hashed from L1 right after its copy, where ``layer`` would
+        read the layer back). ``runs``: per run of pages, in the pages' order and covering
+        them all, its (dst, src) parts in the pages' byte order (K slices, then V), each
+        ``[pages of the run, ...]`` with every ``[i]`` contiguous. False, with nothing copied,
+        when it cannot (a layer out of order, or rows that are not contiguous: an HF tensor's
+        blocks): the caller copies, then calls ``layer``."""
+        if self._hasher is None or layer != self._layers:
+            return False
+        pages = 0
+        for parts in runs:
+            n = len(parts[0][0]) if parts else 0
+            if not n or sum(d[0].nbytes for d, _ in parts) != self._layer_bytes:
+                return False
+            for d, s in parts:
+                if len(d) != n or len(s) != n or d[0].nbytes != s[0].nbytes:
+                    return False
+                if not (d[0].flags.c_contiguous and s[0].flags.c_contiguous):
+                    return False
+            pages += n
+        if pages != len(self._pages):
+            return False
+        first = 0
+        for parts in runs:
+            for d, s in parts:
+                self._hasher.copy_update(first, d, s)
+            first += len(parts[0][0])
+        self._layers += 1
+        return True
+
     def sums(
         self, keys: int, index: Sequence[int], num_layers: int
     ) -> npt.NDArray[np.uint64] | None:

@@ -62,6 +62,18 @@ hasher = _native.PageHasher(3)
 for layer in range(8):  # a layer-wise write's slices, in page order
     hasher.update(pages, layer * 4096, 4096)
 assert hasher.digests() == [xxhash.xxh3_64_intdigest(p) for p in pages]
+# The same slices copied and hashed in one pass, from strided rows (pages a stride apart in
+# one buffer, walked backwards; sources rows of a tensor): same bytes, same digests.
+slab = np.zeros((3, 40 * 1024), np.uint8)
+dst = slab[::-1, : 32 * 1024]
+src = np.stack(pages)[::-1]
+fused = _native.PageHasher(3)
+for layer in range(8):
+    for half in range(2):
+        a = layer * 4096 + half * 2048
+        fused.copy_update(0, dst[:, a : a + 2048], src[:, a : a + 2048])
+assert np.array_equal(dst, src)
+assert fused.digests() == [xxhash.xxh3_64_intdigest(p) for p in pages[::-1]]
 print(_native.COPY_HASH_ISA)
 """
     env = {**os.environ, "KVSTORE_COPY_HASH_ISA": isa}
@@ -92,6 +104,17 @@ def test_bad_buffers_get_a_clear_error():
         hasher.update([b"ab", b"c"], 1, 1)
     with pytest.raises(ValueError, match="n must be"):
         PageHasher(-1)
+    rows = np.zeros((2, 8), np.uint8)
+    with pytest.raises(ValueError, match="of one byte size"):
+        hasher.copy_update(0, rows, np.zeros((2, 9), np.uint8))
+    with pytest.raises(ValueError, match="each contiguous"):  # rows not contiguous
+        hasher.copy_update(0, rows, np.zeros((2, 16), np.uint8)[:, ::2])
+    with pytest.raises(ValueError, match=r"rows \[1, 1 \+ 2\) of 2 states"):
+        hasher.copy_update(1, rows, np.zeros((2, 8), np.uint8))
+    with pytest.raises(ValueError, match="overlap"):
+        hasher.copy_update(0, rows, rows)
+    with pytest.raises((TypeError, BufferError, ValueError)):  # a read-only destination
+        hasher.copy_update(0, np.frombuffer(bytes(16), np.uint8).reshape(2, 8), rows)
     # Strided views take the copy-then-hash path, with the same result.
     src = np.arange(64, dtype=np.uint8)[::2]
     assert copy_checksum(np.zeros(32, np.uint8), src) == xxhash.xxh3_64_intdigest(src.tobytes())
@@ -131,3 +154,32 @@ def test_layer_checksums_are_the_pages_own_in_order_and_none_out_of_order():
     for layer in (0, 2, 1, 3):
         skipped.layer(layer)
     assert skipped.sums(4, [1, 3], 4) is None
+
+
+@needs_c
+def test_layer_copies_hash_as_they_copy_and_step_aside_when_they_cannot():
+    """``LayerChecksums.copies``: runs of pages filled a layer at a time, K then V, give the
+    pages' own checksums; a layer out of order, rows that are not contiguous, or runs that do
+    not cover every page copy nothing and leave it to ``layer``."""
+    rng = np.random.default_rng(4)
+    n, layers, half = 4, 3, 512
+    slab = np.zeros((n, layers, 2, half), np.uint8)
+    pages = [slab[i].reshape(-1) for i in range(n)]
+    k = rng.integers(0, 256, (layers, n, half), dtype=np.uint8)
+    v = rng.integers(0, 256, (layers, n, half), dtype=np.uint8)
+    sums = LayerChecksums.make(pages, 2 * half)
+    for layer in range(layers):
+        runs = [  # two runs: pages 0-1, then 2-3
+            [(slab[a:b, layer, 0], k[layer, a:b]), (slab[a:b, layer, 1], v[layer, a:b])]
+            for a, b in ((0, 2), (2, 4))
+        ]
+        assert not sums.copies(layer + 1, runs)  # out of order: nothing copied
+        assert not slab[:, layer].any()
+        assert not sums.copies(layer, runs[:1])  # page 2 and 3 not covered
+        assert not sums.copies(layer, [[(d, s[:, ::-1]) for d, s in r] for r in runs])
+        assert not slab[:, layer].any()
+        assert sums.copies(layer, runs)
+        assert np.array_equal(slab[:, layer, 0], k[layer])
+        assert np.array_equal(slab[:, layer, 1], v[layer])
+    want = [xxhash.xxh3_64_intdigest(p) for p in pages]
+    assert list(sums.sums(n, range(n), layers)) == want
