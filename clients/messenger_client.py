@@ -41,12 +41,16 @@ class MessengerClient:
         chain: bool = False,
         urgent: bool = False,
         hold_s: float = 0.0,
+        wait_s: float = 0.0,
     ) -> pb.SubmitTransferReply:
         """``entries``: (key, source messenger gRPC address) pairs; ``chain``: their keys are
         one prefix chain in order (a prompt's blocks), linked as such on the destination;
         ``urgent``: a request waits on them (not queued behind bulk jobs); ``hold_s``: the
         destination node keeps them pinned that long once they are there (at most 60 s), so
-        the reader this batch's end is for finds them though the node evicts meanwhile."""
+        the reader this batch's end is for finds them though the node evicts meanwhile;
+        ``wait_s``: the messenger answers once the batch finished or that long passed, with its
+        status in ``reply.status`` (one round trip for a pull; an older messenger leaves it
+        unset)."""
         reply: pb.SubmitTransferReply = self._call(
             "SubmitTransfer",
             pb.SubmitTransferRequest(
@@ -55,7 +59,9 @@ class MessengerClient:
                 chain=chain,
                 urgent=urgent,
                 hold_s=hold_s,
+                wait_s=wait_s,
             ),
+            timeout_s=wait_s + 10 if wait_s else None,
         )
         return reply
 
@@ -98,8 +104,14 @@ class MessengerClient:
         not finished after ``timeout_s`` is cancelled: ``KVCacheRpcError`` DEADLINE_EXCEEDED.
         Entries that failed (e.g. evicted on the source) are in the reply, not raised.
         ``chain``, ``urgent``: as in ``submit``."""
-        batch = self.submit(namespace, [(k, source) for k in keys], chain, urgent)
-        status = self.status(batch.batch_id, wait=True, timeout_s=timeout_s)
+        start = time.monotonic()
+        batch = self.submit(
+            namespace, [(k, source) for k in keys], chain, urgent, wait_s=min(timeout_s, 600.0)
+        )
+        status = batch.status
+        if not status.finished:  # still running, or a messenger that did not wait
+            left = max(0.001, timeout_s - (time.monotonic() - start))
+            status = self.status(batch.batch_id, wait=True, timeout_s=left)
         if not status.finished:
             self.cancel(batch.batch_id)
             raise KVCacheRpcError(

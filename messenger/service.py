@@ -218,7 +218,8 @@ class MessengerServicer(pbg.MessengerServiceServicer):
         # NOTE: the admin and the service (the conductor's hook) name keys as stored; a tenant
         # names them as it wrote them, and they are scoped to it here, so its pull moves only
         # its own blocks, whatever keys it names.
-        who, _ = self._owner(context)
+        who, owner = self._owner(context)
+        wait = self._timeout(request.wait_s, "wait_s") if request.wait_s else 0.0
         if request.destination_tier not in (cpb.TIER_UNSPECIFIED, cpb.TIER_DRAM):
             raise InvalidArgument(
                 f"destination tier {cpb.Tier.Name(request.destination_tier)} is not supported: "
@@ -241,25 +242,39 @@ class MessengerServicer(pbg.MessengerServiceServicer):
             urgent=request.urgent,
             hold_s=request.hold_s,
         )
-        return pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
+        reply = pb.SubmitTransferReply(batch_id=batch_id, entries=len(entries), deduplicated=joined)
+        if wait:
+            reply.status.CopyFrom(self._status(batch_id, wait, owner, context))
+        return reply
 
     @observed
     def TransferStatus(self, request: pb.TransferStatusRequest, context) -> pb.TransferStatusReply:
         _, owner = self._owner(context)
-        timeout = request.timeout_s or DEFAULT_WAIT_S
-        if not 0 < timeout <= MAX_WAIT_S:
-            raise InvalidArgument(f"timeout_s must be in (0, {MAX_WAIT_S}], got {timeout}")
-        if context.time_remaining() is not None:
-            timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
+        timeout = self._timeout(request.timeout_s or DEFAULT_WAIT_S, "timeout_s")
         if not request.wait:
             return status_reply(self.mover.status(request.batch_id, False, timeout, owner))
+        return self._status(request.batch_id, timeout, owner, context)
+
+    @staticmethod
+    def _timeout(seconds: float, name: str) -> float:
+        if not 0 < seconds <= MAX_WAIT_S:  # NOTE: NaN fails it too
+            raise InvalidArgument(f"{name} must be in (0, {MAX_WAIT_S}], got {seconds}")
+        return seconds
+
+    def _status(
+        self, batch_id: str, timeout: float, owner: str | None, context
+    ) -> pb.TransferStatusReply:
+        """The batch's status once finished or ``timeout`` passed (within the call's own
+        deadline); at once while ``MAX_WAITING`` calls wait already (each holds a worker)."""
+        if context.time_remaining() is not None:
+            timeout = min(timeout, max(0.0, context.time_remaining() - 0.1))
         if not self._waiting.acquire(blocking=False):
-            return status_reply(self.mover.status(request.batch_id, False, timeout, owner))
+            return status_reply(self.mover.status(batch_id, False, timeout, owner))
         waits = self.metrics.status_waits if self.metrics is not None else None
         if waits is not None:
             waits.inc()
         try:
-            return status_reply(self.mover.status(request.batch_id, True, timeout, owner))
+            return status_reply(self.mover.status(batch_id, True, timeout, owner))
         finally:
             if waits is not None:
                 waits.dec()

@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/messenger.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"A\n\rTransferEntry\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0bsource_data\x18\x03 \x01(\t\"\xb1\x01\n\x15SubmitTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.kvcache.v1.TransferEntry\x12*\n\x10\x64\x65stination_tier\x18\x03 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\r\n\x05\x63hain\x18\x04 \x01(\x08\x12\x0e\n\x06urgent\x18\x05 \x01(\x08\x12\x0e\n\x06hold_s\x18\x06 \x01(\x01\"N\n\x13SubmitTransferReply\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\r\"x\n\x0b\x45ntryStatus\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvcache.v1.EntryState\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x17\n\x0f\x61lready_present\x18\x05 \x01(\x08\"J\n\x15TransferStatusRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xba\x01\n\x13TransferStatusReply\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12(\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.EntryStatus\x12\x0f\n\x07pending\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x13\n\x0b\x62ytes_moved\x18\x07 \x01(\x04\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\"!\n\rCancelRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"\x16\n\x14MessengerInfoRequest\"i\n\rMessengerInfo\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\r\n\x05lanes\x18\x04 \x01(\r\x12\x12\n\nnamespaces\x18\x05 \x03(\t\"\x17\n\x15MessengerStatsRequest\"\xe0\x01\n\x0eMessengerStats\x12\x19\n\x11\x62\x61tches_in_flight\x18\x01 \x01(\r\x12\x19\n\x11\x65ntries_in_flight\x18\x02 \x01(\r\x12\x14\n\x0c\x65ntries_done\x18\x03 \x01(\x04\x12\x16\n\x0e\x65ntries_failed\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x12\n\npages_sent\x18\x07 \x01(\x04\x12\x18\n\x10open_connections\x18\x08 \x01(\r\x12\x10\n\x08uptime_s\x18\t \x01(\x01*^\n\nEntryState\x12\x1b\n\x17\x45NTRY_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rENTRY_PENDING\x10\x01\x12\x0e\n\nENTRY_DONE\x10\x02\x12\x10\n\x0c\x45NTRY_FAILED\x10\x03\x32\x94\x03\n\x10MessengerService\x12T\n\x0eSubmitTransfer\x12!.kvcache.v1.SubmitTransferRequest\x1a\x1f.kvcache.v1.SubmitTransferReply\x12T\n\x0eTransferStatus\x12!.kvcache.v1.TransferStatusRequest\x1a\x1f.kvcache.v1.TransferStatusReply\x12\x44\n\x06\x43\x61ncel\x12\x19.kvcache.v1.CancelRequest\x1a\x1f.kvcache.v1.TransferStatusReply\x12\x46\n\x07GetInfo\x12 .kvcache.v1.MessengerInfoRequest\x1a\x19.kvcache.v1.MessengerInfo\x12\x46\n\x05Stats\x12!.kvcache.v1.MessengerStatsRequest\x1a\x1a.kvcache.v1.MessengerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/messenger.proto\x12\nkvcache.v1\x1a\x12proto/common.proto\"A\n\rTransferEntry\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0bsource_data\x18\x03 \x01(\t\"\xc1\x01\n\x15SubmitTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.kvcache.v1.TransferEntry\x12*\n\x10\x64\x65stination_tier\x18\x03 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\r\n\x05\x63hain\x18\x04 \x01(\x08\x12\x0e\n\x06urgent\x18\x05 \x01(\x08\x12\x0e\n\x06hold_s\x18\x06 \x01(\x01\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\"\x7f\n\x13SubmitTransferReply\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\r\x12/\n\x06status\x18\x04 \x01(\x0b\x32\x1f.kvcache.v1.TransferStatusReply\"x\n\x0b\x45ntryStatus\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvcache.v1.EntryState\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x17\n\x0f\x61lready_present\x18\x05 \x01(\x08\"J\n\x15TransferStatusRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xba\x01\n\x13TransferStatusReply\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12(\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.EntryStatus\x12\x0f\n\x07pending\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x13\n\x0b\x62ytes_moved\x18\x07 \x01(\x04\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\"!\n\rCancelRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"\x16\n\x14MessengerInfoRequest\"i\n\rMessengerInfo\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\r\n\x05lanes\x18\x04 \x01(\r\x12\x12\n\nnamespaces\x18\x05 \x03(\t\"\x17\n\x15MessengerStatsRequest\"\xe0\x01\n\x0eMessengerStats\x12\x19\n\x11\x62\x61tches_in_flight\x18\x01 \x01(\r\x12\x19\n\x11\x65ntries_in_flight\x18\x02 \x01(\r\x12\x14\n\x0c\x65ntries_done\x18\x03 \x01(\x04\x12\x16\n\x0e\x65ntries_failed\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x12\n\npages_sent\x18\x07 \x01(\x04\x12\x18\n\x10open_connections\x18\x08 \x01(\r\x12\x10\n\x08uptime_s\x18\t \x01(\x01*^\n\nEntryState\x12\x1b\n\x17\x45NTRY_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rENTRY_PENDING\x10\x01\x12\x0e\n\nENTRY_DONE\x10\x02\x12\x10\n\x0c\x45NTRY_FAILED\x10\x03\x32\x94\x03\n\x10MessengerService\x12T\n\x0eSubmitTransfer\x12!.kvcache.v1.SubmitTransferRequest\x1a\x1f.kvcache.v1.SubmitTransferReply\x12T\n\x0eTransferStatus\x12!.kvcache.v1.TransferStatusRequest\x1a\x1f.kvcache.v1.TransferStatusReply\x12\x44\n\x06\x43\x61ncel\x12\x19.kvcache.v1.CancelRequest\x1a\x1f.kvcache.v1.TransferStatusReply\x12\x46\n\x07GetInfo\x12 .kvcache.v1.MessengerInfoRequest\x1a\x19.kvcache.v1.MessengerInfo\x12\x46\n\x05Stats\x12!.kvcache.v1.MessengerStatsRequest\x1a\x1a.kvcache.v1.MessengerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.messenger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENTRYSTATE']._serialized_start=1189
-  _globals['_ENTRYSTATE']._serialized_end=1283
+  _globals['_ENTRYSTATE']._serialized_start=1254
+  _globals['_ENTRYSTATE']._serialized_end=1348
   _globals['_TRANSFERENTRY']._serialized_start=57
   _globals['_TRANSFERENTRY']._serialized_end=122
   _globals['_SUBMITTRANSFERREQUEST']._serialized_start=125
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=302
-  _globals['_SUBMITTRANSFERREPLY']._serialized_start=304
-  _globals['_SUBMITTRANSFERREPLY']._serialized_end=382
-  _globals['_ENTRYSTATUS']._serialized_start=384
-  _globals['_ENTRYSTATUS']._serialized_end=504
-  _globals['_TRANSFERSTATUSREQUEST']._serialized_start=506
-  _globals['_TRANSFERSTATUSREQUEST']._serialized_end=580
-  _globals['_TRANSFERSTATUSREPLY']._serialized_start=583
-  _globals['_TRANSFERSTATUSREPLY']._serialized_end=769
-  _globals['_CANCELREQUEST']._serialized_start=771
-  _globals['_CANCELREQUEST']._serialized_end=804
-  _globals['_MESSENGERINFOREQUEST']._serialized_start=806
-  _globals['_MESSENGERINFOREQUEST']._serialized_end=828
-  _globals['_MESSENGERINFO']._serialized_start=830
-  _globals['_MESSENGERINFO']._serialized_end=935
-  _globals['_MESSENGERSTATSREQUEST']._serialized_start=937
-  _globals['_MESSENGERSTATSREQUEST']._serialized_end=960
-  _globals['_MESSENGERSTATS']._serialized_start=963
-  _globals['_MESSENGERSTATS']._serialized_end=1187
-  _globals['_MESSENGERSERVICE']._serialized_start=1286
-  _globals['_MESSENGERSERVICE']._serialized_end=1690
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=318
+  _globals['_SUBMITTRANSFERREPLY']._serialized_start=320
+  _globals['_SUBMITTRANSFERREPLY']._serialized_end=447
+  _globals['_ENTRYSTATUS']._serialized_start=449
+  _globals['_ENTRYSTATUS']._serialized_end=569
+  _globals['_TRANSFERSTATUSREQUEST']._serialized_start=571
+  _globals['_TRANSFERSTATUSREQUEST']._serialized_end=645
+  _globals['_TRANSFERSTATUSREPLY']._serialized_start=648
+  _globals['_TRANSFERSTATUSREPLY']._serialized_end=834
+  _globals['_CANCELREQUEST']._serialized_start=836
+  _globals['_CANCELREQUEST']._serialized_end=869
+  _globals['_MESSENGERINFOREQUEST']._serialized_start=871
+  _globals['_MESSENGERINFOREQUEST']._serialized_end=893
+  _globals['_MESSENGERINFO']._serialized_start=895
+  _globals['_MESSENGERINFO']._serialized_end=1000
+  _globals['_MESSENGERSTATSREQUEST']._serialized_start=1002
+  _globals['_MESSENGERSTATSREQUEST']._serialized_end=1025
+  _globals['_MESSENGERSTATS']._serialized_start=1028
+  _globals['_MESSENGERSTATS']._serialized_end=1252
+  _globals['_MESSENGERSERVICE']._serialized_start=1351
+  _globals['_MESSENGERSERVICE']._serialized_end=1755
 # @@protoc_insertion_point(module_scope)

@@ -29,30 +29,34 @@ class TransferEntry(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., source: _Optional[str] = ..., source_data: _Optional[str] = ...) -> None: ...
 
 class SubmitTransferRequest(_message.Message):
-    __slots__ = ("namespace", "entries", "destination_tier", "chain", "urgent", "hold_s")
+    __slots__ = ("namespace", "entries", "destination_tier", "chain", "urgent", "hold_s", "wait_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_TIER_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     URGENT_FIELD_NUMBER: _ClassVar[int]
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     entries: _containers.RepeatedCompositeFieldContainer[TransferEntry]
     destination_tier: _common_pb2.Tier
     chain: bool
     urgent: bool
     hold_s: float
-    def __init__(self, namespace: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TransferEntry, _Mapping]]] = ..., destination_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., chain: bool = ..., urgent: bool = ..., hold_s: _Optional[float] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, namespace: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TransferEntry, _Mapping]]] = ..., destination_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., chain: bool = ..., urgent: bool = ..., hold_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class SubmitTransferReply(_message.Message):
-    __slots__ = ("batch_id", "entries", "deduplicated")
+    __slots__ = ("batch_id", "entries", "deduplicated", "status")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     entries: int
     deduplicated: int
-    def __init__(self, batch_id: _Optional[str] = ..., entries: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
+    status: TransferStatusReply
+    def __init__(self, batch_id: _Optional[str] = ..., entries: _Optional[int] = ..., deduplicated: _Optional[int] = ..., status: _Optional[_Union[TransferStatusReply, _Mapping]] = ...) -> None: ...
 
 class EntryStatus(_message.Message):
     __slots__ = ("key", "state", "code", "reason", "already_present")

@@ -398,8 +398,31 @@ def test_bad_requests_get_clear_status_codes(shared_pair):
     assert c == grpc.StatusCode.NOT_FOUND
     c, d = code(pb.TransferStatusRequest(batch_id="x", timeout_s=-1), "TransferStatus")
     assert c == grpc.StatusCode.INVALID_ARGUMENT
+    for wait in (-1.0, float("nan"), 601.0):  # refused before any transfer starts
+        c, d = code(pb.SubmitTransferRequest(namespace=NS, entries=[entry], wait_s=wait))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and "wait_s must be in (0, 600" in d
     with pytest.raises(KVCacheRpcError):
         MessengerClient(a.address, timeout_s=5).status("missing")
+
+
+def test_a_submit_that_waits_answers_the_finished_batch_in_one_call(shared_pair):
+    """SubmitTransfer(wait_s): the batch's final status in the reply (what a pull a request
+    waits on needs: one round trip, not a submit and a TransferStatus)."""
+    a, b = shared_pair
+    keys = make_keys(3, start=9100)
+    pages = make_pages(3, seed=91)
+    a.client.put(NS, list(pages), keys=keys)
+    missing = make_keys(1, start=9200)
+    reply = b.mclient.submit(NS, [(k, a.address) for k in keys + missing], wait_s=30)
+    status = reply.status
+    assert status.finished and status.batch_id == reply.batch_id
+    assert (status.done, status.failed, status.pending) == (3, 1, 0)
+    assert status.entries[3].state == pb.ENTRY_FAILED and status.entries[3].code == "NOT_FOUND"
+    got = b.client.get(NS, keys=keys)
+    assert all(np.array_equal(g, p) for g, p in zip(got, pages))
+    # Without wait_s the reply carries no status; pull() then asks TransferStatus.
+    assert not b.mclient.submit(NS, [(keys[0], a.address)]).HasField("status")
+    assert b.mclient.pull(NS, keys, a.address).done == 3
 
 
 def test_messenger_without_a_node_exits_with_a_message(tmp_path):
