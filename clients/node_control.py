@@ -35,7 +35,6 @@ from rpc.status import KVCacheRpcError
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 4
-CONNECT_TIMEOUT_S = 2.0
 RETRY_S = 10.0  # after a failed connection, gRPC this long
 
 
@@ -100,17 +99,24 @@ class ControlChannel:
                 return None
             self._opened += 1
         try:
-            return self._connect(min(timeout_s, CONNECT_TIMEOUT_S))
+            return self._connect(timeout_s)
         except (OSError, FrameError, KVCacheRpcError) as e:
             with self._lock:
                 self._opened -= 1
                 self._broken_until = time.monotonic() + RETRY_S
+            if isinstance(e, TimeoutError):  # a hung node: gRPC would wait as long again
+                raise KVCacheRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the node's control socket did not answer within {timeout_s:g} s",
+                    "hello",
+                ) from None
             log.info("no control connection to the node at %s (%s): using gRPC", self.name, e)
             return None
 
     def _connect(self, timeout_s: float) -> socket.socket:
-        """A connection past its hello; a node that does not answer within ``timeout_s`` (the
-        call's deadline: a hung node must not hold the engine longer) marks it broken."""
+        """A connection past its hello. A node that does not answer within ``timeout_s`` (the
+        call's deadline: a hung node must not hold the engine longer) fails the call with
+        DEADLINE_EXCEEDED, as gRPC would, and sends the next ones to gRPC for a while."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout_s)

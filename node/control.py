@@ -7,7 +7,8 @@ is authenticated once, by its hello; a wrong token is refused and the connection
 connection is served by a thread of its own (a client holds one or a few for its life), so
 connections are capped like sessions: at most ``MAX_CONNECTIONS``, ``MAX_PER_UID`` of them for
 one user (the kernel names the peer: SO_PEERCRED); one more is closed at once, and its client
-goes on over gRPC. A hello must arrive within ``HELLO_TIMEOUT_S``.
+goes on over gRPC. A hello (at most ``MAX_HELLO`` bytes) must arrive whole within
+``HELLO_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -39,7 +41,8 @@ from rpc.server import Auth
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 MAX_PER_UID = 64
-HELLO_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 5.0  # the whole hello must arrive by then
+MAX_HELLO = 4096  # bytes: a bearer token
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SERVICE = "/kvcache.v1.NodeService/"
 
@@ -105,9 +108,9 @@ class ControlServer:
             conn.close()
 
     def _hello(self, conn: socket.socket) -> tuple[tuple[str, str], ...] | None:
-        conn.settimeout(HELLO_TIMEOUT_S)
+        # NOTE: small and soon: a stranger's connection holds a thread (and a buffer) until then
         try:
-            method, token = recv_frame(conn)
+            method, token = recv_frame(conn, MAX_HELLO, time.monotonic() + HELLO_TIMEOUT_S)
         except TimeoutError:
             return None
         metadata = (("authorization", "Bearer " + token.decode("utf-8", "replace")),)

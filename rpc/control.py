@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Any
 
 import grpc
@@ -50,11 +51,18 @@ class FrameError(Exception):
     """The peer closed the connection, or sent a frame that cannot be one."""
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """``n`` bytes; ``deadline`` (monotonic): all of them by then (``TimeoutError``), not each
+    read within the socket's timeout (a peer trickling a byte at a time would hold us)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the frame did not arrive in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise FrameError("the connection was closed")
@@ -62,12 +70,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    """(method or status, payload) of the next frame."""
-    length, tag = HEADER.unpack(recv_exact(sock, HEADER.size))
-    if length > MAX_FRAME:
-        raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME})")
-    return tag, bytes(recv_exact(sock, length)) if length else b""
+def recv_frame(
+    sock: socket.socket, max_bytes: int = MAX_FRAME, deadline: float | None = None
+) -> tuple[int, bytes]:
+    """(method or status, payload) of the next frame, of at most ``max_bytes``."""
+    length, tag = HEADER.unpack(recv_exact(sock, HEADER.size, deadline))
+    if length > max_bytes:
+        raise FrameError(f"a frame of {length} bytes (at most {max_bytes})")
+    return tag, bytes(recv_exact(sock, length, deadline)) if length else b""
 
 
 def send_frame(sock: socket.socket, tag: int, payload: bytes) -> None:

@@ -5,6 +5,8 @@ host would."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 
 import grpc
@@ -22,7 +24,7 @@ from rpc.control import HEADER, HELLO, METHOD_IDS, recv_frame, send_frame
 from conftest import TEST_LAYOUT
 from conftest import TEST_NAMESPACE as NS
 from conftest import TEST_PAGE_BYTES as PB
-from helpers import rpc_error
+from helpers import rpc_error, sigstop, wait_until
 
 ADMIN, ALICE, BOB = "admin-token-control", "alice-token-control", "bob-token-control"
 
@@ -113,6 +115,10 @@ def test_strangers_get_clear_refusals_and_the_node_keeps_serving(node):
             assert code == grpc.StatusCode.UNAUTHENTICATED.value[0]
             assert b"bearer token" in message
             assert closed(sock)
+    # A hello larger than a token is not read (a stranger's buffer), the connection closed.
+    with stranger(name) as sock:
+        sock.sendall(HEADER.pack(1 << 20, HELLO))
+        assert closed(sock)
     # A call before the hello is no hello.
     with stranger(name) as sock:
         send_frame(sock, METHOD_IDS["Lookup"], b"")
@@ -178,3 +184,24 @@ def test_a_client_follows_a_restarted_node_to_its_new_control_socket(tmp_path):
             assert c.lookup(NS, keys=keys(2, 20)).hit_blocks == 2
     finally:
         node.stop()
+
+
+def test_a_hung_node_fails_the_call_at_its_deadline_and_the_client_recovers(start_node):
+    node = start_node()
+    with KVStoreClient(node.address, timeout_s=0.5) as c:
+        c.put(NS, pages(1, 6), keys=keys(1))  # over the control socket
+        held = c._control
+        c._control, c._info = None, None
+        held.close()
+        c.namespaces()  # learns the socket again (GetInfo): a new channel, no connection yet
+        fresh = c._control
+        assert fresh is not None and fresh is not held and fresh._opened == 0
+        sigstop(node.pid)
+        try:
+            code, _ = rpc_error(lambda: c.lookup(NS, keys=keys(1)))
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # once, not once more over gRPC
+        assert fresh.broken  # the hello went unanswered: gRPC for a while
+        # Resumed: answered again (over gRPC for a while, then the control socket).
+        wait_until(lambda: c.lookup(NS, keys=keys(1)).hit_blocks == 1, what="answers again")

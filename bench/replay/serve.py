@@ -458,6 +458,9 @@ def run(args: argparse.Namespace) -> int:
                     [
                         *("router", "--listen", "127.0.0.1:0", "--cluster", state_file),
                         *("--mode", mode, "--policy", policy),
+                        # what the cache did (usage's cached tokens, x-kvcache-* headers) is
+                        # the operator's to see, and this bench is the operator
+                        "--debug-headers",
                     ],
                     log_dir=logs,
                 )
@@ -489,6 +492,13 @@ def run(args: argparse.Namespace) -> int:
                             block_tokens,
                             [e["url"] for e in state["engines"]],
                         )
+                        if any(o.status == "ok" for o in outcomes) and not any(
+                            o.mode for o in outcomes
+                        ):
+                            raise RuntimeError(
+                                "the router hid what the cache did (no x-kvcache-* headers, "
+                                "no cached tokens): its hit rates would read 0"
+                            )
                         summary.update(mode=mode, policy=policy, rate=rate, **summary["router"])
                         rows.append(summary)
                         every[f"{mode}/{policy}/{rate:g}"] = outcomes
