@@ -21,13 +21,39 @@ R = TypeVar("R")
 MAX_BATCH = 1024  # the conductor's limit per batch RPC
 
 
-class Coalescer(Generic[I, R]):
+class _Batches:
+    """What both coalescers do with a batch's answer: count it, and hand each call its own
+    result or exception (a future done meanwhile: its caller left, and handles that)."""
+
+    def __init__(self) -> None:
+        self.batches = 0  # batch RPCs made (what the tests and metrics read)
+        self.items = 0
+
+    def _settle(
+        self, futures: Sequence[Future[Any] | asyncio.Future[Any]], results: Sequence[Any]
+    ) -> None:
+        if len(results) != len(futures):  # a send that miscounts fails every call
+            results = [RuntimeError(f"{len(results)} results for {len(futures)} calls")] * len(
+                futures
+            )
+        self.batches += 1
+        self.items += len(futures)
+        for future, result in zip(futures, results):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+class Coalescer(_Batches, Generic[I, R]):
     """``submit(item)`` -> a future of its result. ``send(items)`` makes one batch RPC and
     returns each item's result or exception, in order; an exception it raises fails them all."""
 
     def __init__(
         self,
-        send: Callable[[list[I]], list[R | BaseException]],
+        send: Callable[[list[I]], Sequence[R | BaseException]],
         name: str,
         max_batch: int = MAX_BATCH,
     ) -> None:
@@ -36,8 +62,7 @@ class Coalescer(Generic[I, R]):
         self._cond = threading.Condition()
         self._pending: list[tuple[I, Future[R]]] = []
         self._closed = False
-        self.batches = 0  # batch RPCs made (what the tests and metrics read)
-        self.items = 0
+        super().__init__()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -70,23 +95,19 @@ class Coalescer(Generic[I, R]):
                 continue
             try:
                 results = self._send([item for item, _ in live])
-                if len(results) != len(live):
-                    raise RuntimeError(f"{len(results)} results for {len(live)} calls")
             except BaseException as e:  # noqa: BLE001 - every caller hears of it
                 results = [e] * len(live)
-            self.batches += 1
-            self.items += len(live)
-            _deliver([f for _, f in live], results)
+            self._settle([f for _, f in live], results)
 
 
-class AsyncCoalescer(Generic[I, R]):
+class AsyncCoalescer(_Batches, Generic[I, R]):
     """The same group commit on an event loop: ``submit(item)`` -> an asyncio future of its
     result; ``send(items)`` is awaited, one batch at a time (a task runs while calls wait).
     A future cancelled before its batch goes is left out of it."""
 
     def __init__(
         self,
-        send: Callable[[list[I]], Awaitable[list[R | BaseException]]],
+        send: Callable[[list[I]], Awaitable[Sequence[R | BaseException]]],
         max_batch: int = MAX_BATCH,
     ) -> None:
         self._send = send
@@ -94,8 +115,7 @@ class AsyncCoalescer(Generic[I, R]):
         self._pending: list[tuple[I, asyncio.Future[R]]] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self.batches = 0
-        self.items = 0
+        super().__init__()
 
     def submit(self, item: I) -> asyncio.Future[R]:
         if self._closed:
@@ -121,24 +141,8 @@ class AsyncCoalescer(Generic[I, R]):
                     continue
                 try:
                     results = await self._send([item for item, _ in live])
-                    if len(results) != len(live):
-                        raise RuntimeError(f"{len(results)} results for {len(live)} calls")
                 except Exception as e:  # noqa: BLE001 - every caller hears of it
                     results = [e] * len(live)
-                self.batches += 1
-                self.items += len(live)
-                _deliver([f for _, f in live], results)
+                self._settle([f for _, f in live], results)
         finally:
             self._task = None
-
-
-def _deliver(futures: Sequence[Future[Any] | asyncio.Future[Any]], results: Sequence[Any]) -> None:
-    """Each call's own result or exception (a future cancelled meanwhile: its caller left, and
-    handles that)."""
-    for future, result in zip(futures, results):
-        if future.done():
-            continue
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)

@@ -79,6 +79,16 @@ def outcome_error(code: int, message: str, method: str) -> KVCacheRpcError | Non
     return KVCacheRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, method)
 
 
+def schedule_results(
+    outcomes: Sequence[pb.ScheduleOutcome],
+) -> list[pb.ScheduleReply | KVCacheRpcError]:
+    """A ScheduleBatch's outcomes as each call's reply or error (a coalescer's results)."""
+    return [
+        o.reply if (e := outcome_error(o.code, o.message, "Schedule")) is None else e
+        for o in outcomes
+    ]
+
+
 class ConductorClient:
     def __init__(
         self,
@@ -184,6 +194,13 @@ class ConductorClient:
         return list(
             self._call("CompleteBatch", pb.CompleteBatchRequest(requests=requests)).outcomes
         )
+
+    def complete_results(
+        self, requests: Sequence[pb.CompleteRequest]
+    ) -> list[None | KVCacheRpcError]:
+        """``complete_batch`` as each Complete's error, None where done (a coalescer's
+        results)."""
+        return [outcome_error(o.code, o.message, "Complete") for o in self.complete_batch(requests)]
 
     def list_nodes(self) -> pb.ListNodesReply:
         reply: pb.ListNodesReply = self._call("ListNodes", pb.ListNodesRequest())

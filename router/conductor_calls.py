@@ -14,9 +14,9 @@ import logging
 
 import grpc
 
-from clients.coalesce import MAX_BATCH, AsyncCoalescer, Coalescer
+from clients.coalesce import AsyncCoalescer, Coalescer
 from clients.conductor_aio import AsyncScheduleStream
-from clients.conductor_client import ConductorClient, outcome_error
+from clients.conductor_client import ConductorClient, schedule_results
 from proto import conductor_pb2 as cpb
 from rpc.status import KVCacheRpcError
 
@@ -36,7 +36,7 @@ class ConductorCalls:
             self._schedule_batch
         )
         self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
-            self._complete_batch, "router-complete"
+            self.client.complete_results, "router-complete"
         )
 
     def schedule(self, call: cpb.ScheduleRequest) -> asyncio.Future[cpb.ScheduleReply]:
@@ -95,17 +95,9 @@ class ConductorCalls:
 
     async def _schedule_batch(
         self, calls: list[cpb.ScheduleRequest]
-    ) -> list[cpb.ScheduleReply | BaseException]:
-        out: list[cpb.ScheduleReply | BaseException] = []
-        for i in range(0, len(calls), MAX_BATCH):
-            for o in await self.stream.schedule_batch(calls[i : i + MAX_BATCH]):
-                error = outcome_error(o.code, o.message, "Schedule")
-                out.append(o.reply if error is None else error)
-        return out
-
-    def _complete_batch(self, calls: list[cpb.CompleteRequest]) -> list[None | BaseException]:
-        outcomes = self.client.complete_batch(calls)
-        return [outcome_error(o.code, o.message, "Complete") for o in outcomes]
+    ) -> list[cpb.ScheduleReply | KVCacheRpcError]:
+        # NOTE: the coalescer sends at most MAX_BATCH calls at once, the conductor's limit
+        return schedule_results(await self.stream.schedule_batch(calls))
 
 
 def _log_failed_complete(ledger_id: str, done: concurrent.futures.Future[None]) -> None:

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from clients.coalesce import Coalescer
-from clients.conductor_client import ConductorClient, outcome_error, schedule_request
+from clients.conductor_client import ConductorClient, schedule_request, schedule_results
 from clients.messenger_client import MessengerClient
 from clients.node_client import KVCacheRpcError, KVStoreClient, ReadLease
 from kvstore.layout import KVLayout
@@ -268,7 +268,7 @@ class Engine:
             self._schedule_batch, "live-schedule"
         )
         self._completes: Coalescer[cpb.CompleteRequest, None] = Coalescer(
-            self._complete_batch, "live-complete"
+            self.conductor.complete_results, "live-complete"
         )
         self._nodes: dict[str, KVStoreClient] = {}
         self._messengers: dict[str, MessengerClient] = {}
@@ -319,16 +319,8 @@ class Engine:
 
     def _schedule_batch(
         self, calls: list[cpb.ScheduleRequest]
-    ) -> list[cpb.ScheduleReply | BaseException]:
-        outcomes = self._stream.schedule_batch(calls)
-        return [
-            o.reply if (e := outcome_error(o.code, o.message, "Schedule")) is None else e
-            for o in outcomes
-        ]
-
-    def _complete_batch(self, calls: list[cpb.CompleteRequest]) -> list[None | BaseException]:
-        outcomes = self.conductor.complete_batch(calls)
-        return [outcome_error(o.code, o.message, "Complete") for o in outcomes]
+    ) -> list[cpb.ScheduleReply | KVCacheRpcError]:
+        return schedule_results(self._stream.schedule_batch(calls))
 
     def _complete(self, request_id: str, phase: int) -> None:
         call = cpb.CompleteRequest(request_id=request_id, phase=phase)  # type: ignore[arg-type]
