@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -38,12 +37,13 @@ from rpc.control import (
 from rpc.logs import CURRENT, RequestContext
 from rpc.server import Auth
 
+from .sessions import peer_of
+
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 MAX_PER_UID = 64
 HELLO_TIMEOUT_S = 5.0  # the whole hello must arrive by then
 MAX_HELLO = 4096  # bytes: a bearer token
-_UCRED = struct.Struct("3i")  # pid, uid, gid
 _SERVICE = "/kvcache.v1.NodeService/"
 
 
@@ -71,9 +71,7 @@ class ControlServer:
                 threading.Event().wait(0.1)
                 continue
             try:
-                pid, uid, _ = _UCRED.unpack(
-                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-                )
+                pid, uid = peer_of(conn)
             except OSError:
                 conn.close()
                 continue

@@ -134,9 +134,7 @@ class Sessions:
             return
         sid, pidfd = b"", None
         try:
-            pid, uid, _ = _UCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
+            pid, uid = peer_of(conn)
             with self._lock:
                 full = len(self._live) >= MAX_SESSIONS
                 mine = sum(1 for s in self._live.values() if s.uid == uid)
@@ -229,6 +227,13 @@ class Sessions:
                 os.close(session.pidfd)
         self._sel.close()
         self._server.close()
+
+
+def peer_of(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of a Unix connection's peer, as the kernel names it (SO_PEERCRED; pid 0 for
+    a peer in a PID namespace this process cannot see). Raises OSError."""
+    pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid
 
 
 def _pidfd(pid: int) -> int | None:
