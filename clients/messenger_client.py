@@ -12,6 +12,8 @@ from proto import messenger_pb2_grpc as pbg
 from rpc.channel import check_health, make_channel
 from rpc.status import KVCacheRpcError, call
 
+MAX_WAIT_S = 600.0  # the longest wait a messenger takes in one call (SubmitTransfer.wait_s)
+
 
 class MessengerClient:
     def __init__(
@@ -106,7 +108,7 @@ class MessengerClient:
         ``chain``, ``urgent``: as in ``submit``."""
         start = time.monotonic()
         batch = self.submit(
-            namespace, [(k, source) for k in keys], chain, urgent, wait_s=min(timeout_s, 600.0)
+            namespace, [(k, source) for k in keys], chain, urgent, wait_s=min(timeout_s, MAX_WAIT_S)
         )
         status = batch.status
         if not status.finished:  # still running, or a messenger that did not wait
